@@ -1,4 +1,44 @@
+//! `cargo xtask`: the project's own automation.
+//!
+//! * `cargo xtask test [--gpu]`: system packages, `cargo fmt --check`, clippy, every test.
+//! * `cargo xtask demo [mpi|gloo|multimodule]`: the layout of a realistic configuration.
+//! * `cargo xtask bench layout|mpi|gloo|bridge`: benchmarks.
+//!
+//! The alias lives in `.cargo/config.toml` (`xtask = "run --quiet --package xtask --"`).
+
+mod bench;
+mod demo;
+mod external;
+mod test;
+mod util;
+
+const HELP: &str = "usage: cargo xtask <command> [args]
+
+commands:
+  test [--gpu]                     check system packages, fmt, clippy, run every test
+  demo                             the layout of a realistic configuration (grid command)
+  demo mpi|gloo|multimodule        the backend demos (binaries of the backend crates)
+  bench layout [--quick]           topology benchmarks (library and grid command)
+  bench mpi|gloo|bridge [-- ARGS]  backend benchmarks (binaries of the backend crates)";
+
 fn main() {
-    eprintln!("xtask: not implemented yet");
-    std::process::exit(2);
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let code = match args.first().map(String::as_str) {
+        Some("test") => test::main(&args[1..]),
+        Some("demo") => demo::main(&args[1..]),
+        Some("bench") => bench::main(&args[1..]),
+        Some("-h" | "--help" | "help") => {
+            println!("{HELP}");
+            0
+        }
+        Some(other) => {
+            eprintln!("xtask: unknown command '{other}'\n\n{HELP}");
+            2
+        }
+        None => {
+            eprintln!("{HELP}");
+            2
+        }
+    };
+    std::process::exit(code);
 }

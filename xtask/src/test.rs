@@ -1,0 +1,441 @@
+//! `cargo xtask test`: system packages, formatting, lints, every test.
+
+use crate::util::{self, cargo, color_args, run, run_capture, secs, timed, MPI_ENV};
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
+
+/// The Debian packages the workspace needs to build and test (the MPI, Gloo and bindgen
+/// dependencies of the backend crates, and a Redis server for Gloo's rendezvous store).
+/// This list is the one place they are named; the README points here.
+pub const DEBIAN_PACKAGES: &[&str] = &[
+    "libopenmpi-dev",
+    "openmpi-bin",
+    "libclang-dev",
+    "libgloo-dev",
+    "redis-server",
+];
+
+/// Outcome of one step.
+struct Step {
+    name: &'static str,
+    ok: bool,
+    time: Duration,
+    note: String,
+}
+
+/// Test counts read from the runners' closing lines.
+#[derive(Default)]
+struct Counts {
+    passed: u64,
+    failed: u64,
+    skipped: u64,
+    seen: bool,
+}
+
+pub fn main(args: &[String]) -> i32 {
+    let mut gpu = false;
+    for a in args {
+        match a.as_str() {
+            "--gpu" => gpu = true,
+            "-h" | "--help" => {
+                println!("{}", HELP);
+                return 0;
+            }
+            other => {
+                eprintln!("xtask test: unknown argument '{other}'\n\n{HELP}");
+                return 2;
+            }
+        }
+    }
+
+    // (1) System packages: a failure here stops everything (nothing else can build).
+    let (pk, t) = timed(ensure_packages);
+    if let Err(code) = pk {
+        return code;
+    }
+    let mut steps = vec![Step {
+        name: "system packages",
+        ok: true,
+        time: t,
+        note: DEBIAN_PACKAGES.join(" "),
+    }];
+    let mut counts = Counts::default();
+
+    // (2) Formatting.
+    let (ok, t) = timed(|| run(cargo().args(["fmt", "--all", "--check"])));
+    steps.push(Step {
+        name: "cargo fmt --check",
+        ok,
+        time: t,
+        note: if ok {
+            String::new()
+        } else {
+            "run `cargo fmt --all`".into()
+        },
+    });
+
+    // (3) Lints.
+    let (ok, t) = timed(|| {
+        run(cargo()
+            .args(["clippy", "--workspace", "--all-targets"])
+            .args(color_args())
+            .args(["--", "-D", "warnings"]))
+    });
+    steps.push(Step {
+        name: "cargo clippy -D warnings",
+        ok,
+        time: t,
+        note: String::new(),
+    });
+
+    // (4) Doc tests (nextest does not run them), then the tests, so that the test runner's
+    // summary is the last thing before ours.
+    let (ok, t) = timed(|| {
+        let mut c = cargo();
+        c.args(["test", "--workspace", "--doc"]).args(color_args());
+        with_test_env(&mut c);
+        let (status, lines) = run_capture(&mut c);
+        read_cargo_test_counts(&lines, &mut counts);
+        status.is_some_and(|s| s.success())
+    });
+    steps.push(Step {
+        name: "doc tests",
+        ok,
+        time: t,
+        note: String::new(),
+    });
+
+    let nextest = has_nextest();
+    let (ok, t) = timed(|| {
+        let mut c = cargo();
+        if nextest {
+            c.args(["nextest", "run", "--workspace", "--no-fail-fast"]);
+        } else {
+            c.args(["test", "--workspace", "--no-fail-fast"]);
+        }
+        c.args(color_args());
+        with_test_env(&mut c);
+        let (status, lines) = run_capture(&mut c);
+        if nextest {
+            read_nextest_counts(&lines, &mut counts);
+        } else {
+            read_cargo_test_counts(&lines, &mut counts);
+        }
+        status.is_some_and(|s| s.success())
+    });
+    steps.push(Step {
+        name: if nextest {
+            "tests (cargo nextest)"
+        } else {
+            "tests (cargo test)"
+        },
+        ok,
+        time: t,
+        note: if nextest {
+            String::new()
+        } else {
+            "cargo-nextest not installed; used cargo test".into()
+        },
+    });
+
+    // (5) The GPU suite, when asked for.
+    if gpu {
+        steps.push(gpu_suite(&mut counts));
+    }
+
+    summary(&steps, &counts)
+}
+
+const HELP: &str = "usage: cargo xtask test [--gpu]
+
+Checks the Debian packages (installs them when running as root), then runs
+cargo fmt --check, cargo clippy -D warnings, the doc tests and every test of
+the workspace (cargo nextest when installed, else cargo test).
+  --gpu   also run the NCCL suite (crates/backend-nccl with feature gpu-tests)";
+
+fn with_test_env(c: &mut Command) {
+    for (k, v) in MPI_ENV {
+        c.env(k, v);
+    }
+}
+
+fn has_nextest() -> bool {
+    Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()))
+        .args(["nextest", "--version"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+/// Checks the Debian packages; installs the missing ones as root. `Err(exit code)` stops.
+fn ensure_packages() -> Result<(), i32> {
+    if !util::on_path("dpkg-query") {
+        eprintln!(
+            "xtask: dpkg-query not found (not a Debian system?); cannot check for the packages {}. \
+             Continuing: install their equivalents if the build fails.",
+            DEBIAN_PACKAGES.join(" ")
+        );
+        return Ok(());
+    }
+    let missing = missing_packages();
+    if missing.is_empty() {
+        eprintln!(
+            "xtask: system packages present: {}",
+            DEBIAN_PACKAGES.join(" ")
+        );
+        return Ok(());
+    }
+    let list = missing.join(" ");
+    if !is_root() {
+        eprintln!("xtask: missing Debian packages: {list}");
+        eprintln!("xtask: install them as root, then run `cargo xtask test` again:");
+        eprintln!(
+            "  sudo apt-get update && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends {list}"
+        );
+        return Err(1);
+    }
+    eprintln!("xtask: installing missing Debian packages: {list}");
+    if !run(Command::new("apt-get").arg("update").arg("-qq")) {
+        eprintln!("xtask: apt-get update failed");
+        return Err(1);
+    }
+    let ok = run(Command::new("apt-get")
+        .env("DEBIAN_FRONTEND", "noninteractive")
+        .args(["install", "-y", "-qq", "--no-install-recommends"])
+        .args(&missing));
+    let still = missing_packages();
+    if !ok || !still.is_empty() {
+        eprintln!(
+            "xtask: apt-get install failed; still missing: {}",
+            still.join(" ")
+        );
+        return Err(1);
+    }
+    Ok(())
+}
+
+fn missing_packages() -> Vec<&'static str> {
+    DEBIAN_PACKAGES
+        .iter()
+        .copied()
+        .filter(|p| {
+            let out = Command::new("dpkg-query")
+                .args(["-W", "-f=${Status}", p])
+                .output();
+            match out {
+                Ok(o) => {
+                    !(o.status.success()
+                        && String::from_utf8_lossy(&o.stdout).trim() == "install ok installed")
+                }
+                Err(_) => true,
+            }
+        })
+        .collect()
+}
+
+/// Effective user id 0, read from /proc (no libc), else from `id -u`.
+fn is_root() -> bool {
+    if let Ok(status) = std::fs::read_to_string("/proc/self/status") {
+        if let Some(line) = status.lines().find(|l| l.starts_with("Uid:")) {
+            let mut f = line.split_whitespace().skip(1);
+            let _real = f.next();
+            if let Some(euid) = f.next() {
+                return euid == "0";
+            }
+        }
+    }
+    Command::new("id")
+        .arg("-u")
+        .output()
+        .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
+}
+
+/// `crates/backend-nccl` with a `gpu-tests` feature, if that exists.
+fn gpu_suite(counts: &mut Counts) -> Step {
+    let manifest = util::workspace_root().join("crates/backend-nccl/Cargo.toml");
+    if !has_feature(&manifest, "gpu-tests") {
+        eprintln!(
+            "xtask: --gpu: no GPU suite exists yet (crates/backend-nccl with a `gpu-tests` feature); nothing to run"
+        );
+        return Step {
+            name: "GPU suite",
+            ok: true,
+            time: Duration::ZERO,
+            note: "no GPU suite exists yet".into(),
+        };
+    }
+    let (ok, t) = timed(|| {
+        let mut c = cargo();
+        c.args([
+            "test",
+            "-p",
+            "backend-nccl",
+            "--features",
+            "gpu-tests",
+            "--no-fail-fast",
+        ])
+        .args(color_args());
+        with_test_env(&mut c);
+        let (status, lines) = run_capture(&mut c);
+        read_cargo_test_counts(&lines, counts);
+        status.is_some_and(|s| s.success())
+    });
+    Step {
+        name: "GPU suite (backend-nccl, gpu-tests)",
+        ok,
+        time: t,
+        note: String::new(),
+    }
+}
+
+/// Whether `manifest` declares `feature` in its `[features]` table (a plain text scan; enough
+/// for our own manifests).
+fn has_feature(manifest: &Path, feature: &str) -> bool {
+    let Ok(text) = std::fs::read_to_string(manifest) else {
+        return false;
+    };
+    let mut in_features = false;
+    for line in text.lines() {
+        let l = line.trim();
+        if l.starts_with('[') {
+            in_features = l == "[features]";
+        } else if in_features {
+            let key = l.split('=').next().unwrap_or("").trim().trim_matches('"');
+            if key == feature {
+                return true;
+            }
+        }
+    }
+    false
+}
+
+fn strip_ansi(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    let mut chars = s.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            for d in chars.by_ref() {
+                if d.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// The number before `word` in `text` (`"3 passed"` -> 3).
+fn count_before(text: &str, word: &str) -> Option<u64> {
+    let toks: Vec<&str> = text
+        .split(|c: char| c.is_whitespace() || c == ',' || c == ';' || c == ':')
+        .filter(|t| !t.is_empty())
+        .collect();
+    toks.windows(2)
+        .find(|w| w[1] == word)
+        .and_then(|w| w[0].parse().ok())
+}
+
+/// nextest: `Summary [ 1.2s] 40 tests run: 39 passed, 1 failed, 2 skipped`.
+fn read_nextest_counts(lines: &[String], c: &mut Counts) {
+    for l in lines.iter().map(|l| strip_ansi(l)) {
+        let l = l.trim();
+        if l.starts_with("Summary [") {
+            c.seen = true;
+            c.passed += count_before(l, "passed").unwrap_or(0);
+            c.failed += count_before(l, "failed").unwrap_or(0);
+            c.failed += count_before(l, "timed").unwrap_or(0);
+            c.skipped += count_before(l, "skipped").unwrap_or(0);
+        }
+    }
+}
+
+/// cargo test: `test result: ok. 12 passed; 0 failed; 1 ignored; ...` per binary.
+fn read_cargo_test_counts(lines: &[String], c: &mut Counts) {
+    for l in lines.iter().map(|l| strip_ansi(l)) {
+        if let Some(rest) = l.trim().strip_prefix("test result:") {
+            c.seen = true;
+            c.passed += count_before(rest, "passed").unwrap_or(0);
+            c.failed += count_before(rest, "failed").unwrap_or(0);
+            c.skipped += count_before(rest, "ignored").unwrap_or(0);
+        }
+    }
+}
+
+fn summary(steps: &[Step], counts: &Counts) -> i32 {
+    let failed: Vec<&str> = steps.iter().filter(|s| !s.ok).map(|s| s.name).collect();
+    let width = steps.iter().map(|s| s.name.len()).max().unwrap_or(0);
+    println!();
+    println!("==== cargo xtask test: summary ====");
+    for s in steps {
+        println!(
+            "  {:<6} {:<width$}  {:>8}  {}",
+            if s.ok { "ok" } else { "FAILED" },
+            s.name,
+            secs(s.time),
+            s.note
+        );
+    }
+    if failed.is_empty() {
+        println!("all {} steps succeeded", steps.len());
+    } else {
+        println!("FAILED steps: {}", failed.join(", "));
+    }
+    if counts.seen {
+        println!(
+            "tests: {} passed, {} failed, {} skipped",
+            counts.passed, counts.failed, counts.skipped
+        );
+    }
+    if failed.is_empty() {
+        0
+    } else {
+        1
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_nextest_summary() {
+        let mut c = Counts::default();
+        read_nextest_counts(
+            &["     Summary [   0.5s] 40 tests run: 37 passed, 3 failed, 2 skipped".into()],
+            &mut c,
+        );
+        assert_eq!((c.passed, c.failed, c.skipped, c.seen), (37, 3, 2, true));
+    }
+
+    #[test]
+    fn parses_cargo_test_results() {
+        let mut c = Counts::default();
+        read_cargo_test_counts(
+            &[
+                "test result: ok. 12 passed; 0 failed; 1 ignored; 0 measured; 0 filtered out; finished in 0.01s".into(),
+                "\u{1b}[32mtest result: FAILED. 3 passed; 2 failed; 0 ignored".into(),
+            ],
+            &mut c,
+        );
+        assert_eq!((c.passed, c.failed, c.skipped), (15, 2, 1));
+    }
+
+    #[test]
+    fn feature_scan() {
+        let dir = std::env::temp_dir().join(format!("xtask-feature-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let m = dir.join("Cargo.toml");
+        std::fs::write(
+            &m,
+            "[package]\nname = \"x\"\n[features]\ndefault = []\ngpu-tests = []\n[dependencies]\ngpu = \"1\"\n",
+        )
+        .unwrap();
+        assert!(has_feature(&m, "gpu-tests"));
+        assert!(!has_feature(&m, "gpu"));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
