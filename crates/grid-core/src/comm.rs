@@ -645,7 +645,12 @@ pub trait GroupFactory {
     /// Splits `parent`: ranks passing the same `color` get one new communicator, ordered by
     /// `(key, parent rank)`; a rank passing `None` takes part in the call and gets `None`
     /// (`MPI_Comm_split` with `MPI_UNDEFINED`, `ncclCommSplit` with `NCCL_SPLIT_NOCOLOR`).
-    fn split(&self, parent: &Self::Comm, color: Option<u32>, key: usize) -> Result<Option<Self::Comm>>;
+    fn split(
+        &self,
+        parent: &Self::Comm,
+        color: Option<u32>,
+        key: usize,
+    ) -> Result<Option<Self::Comm>>;
 
     /// The communicator of the group made of `ranks` (parent ranks, any order; the new
     /// communicator orders them ascending). Returns `None` on ranks outside the list.
@@ -661,7 +666,9 @@ pub trait GroupFactory {
             }
         }
         if ranks.is_empty() {
-            return Err(Error::Invalid("create_group: the rank list is empty".into()));
+            return Err(Error::Invalid(
+                "create_group: the rank list is empty".into(),
+            ));
         }
         let me = parent.rank();
         self.split(parent, seen[me].then_some(0), me)
@@ -698,7 +705,12 @@ pub trait CommunicatorExt: Communicator {
         self.all_gather(T::host(send).into(), T::host_mut(recv).into())
     }
     /// Typed reduce-scatter.
-    fn reduce_scatter_into<T: Element>(&self, send: &[T], recv: &mut [T], op: ReduceOp) -> Result<()> {
+    fn reduce_scatter_into<T: Element>(
+        &self,
+        send: &[T],
+        recv: &mut [T],
+        op: ReduceOp,
+    ) -> Result<()> {
         self.reduce_scatter(T::host(send).into(), T::host_mut(recv).into(), op)
     }
     /// Typed all-to-all.
@@ -730,7 +742,10 @@ pub trait CommunicatorExt: Communicator {
     /// Nonblocking all-gather; the result has `size · send.len()` elements.
     fn iall_gather<T: Element>(&self, send: Vec<T>) -> Result<TypedWork<T>> {
         let n = send.len() * self.size();
-        let recv = T::owned(vec![send.first().copied().unwrap_or_else(|| zero_of::<T>()); n]);
+        let recv = T::owned(vec![
+            send.first().copied().unwrap_or_else(|| zero_of::<T>());
+            n
+        ]);
         Ok(TypedWork::new(self.start(Request::AllGather {
             send: send.into(),
             recv: Tensor::Host(recv),
@@ -739,7 +754,10 @@ pub trait CommunicatorExt: Communicator {
     /// Nonblocking reduce-scatter; the result has `send.len() / size` elements.
     fn ireduce_scatter<T: Element>(&self, send: Vec<T>, op: ReduceOp) -> Result<TypedWork<T>> {
         let n = send.len() / self.size().max(1);
-        let recv = T::owned(vec![send.first().copied().unwrap_or_else(|| zero_of::<T>()); n]);
+        let recv = T::owned(vec![
+            send.first().copied().unwrap_or_else(|| zero_of::<T>());
+            n
+        ]);
         Ok(TypedWork::new(self.start(Request::ReduceScatter {
             send: send.into(),
             recv: Tensor::Host(recv),
@@ -765,7 +783,11 @@ pub trait CommunicatorExt: Communicator {
     /// Nonblocking receive of `len` elements.
     fn irecv<T: Element>(&self, len: usize, peer: usize, tag: u32) -> Result<TypedWork<T>> {
         let buf = Tensor::Host(HostBuffer::zeros(T::DTYPE, len));
-        Ok(TypedWork::new(self.start(Request::Recv { buf, peer, tag })?))
+        Ok(TypedWork::new(self.start(Request::Recv {
+            buf,
+            peer,
+            tag,
+        })?))
     }
     /// Nonblocking barrier.
     fn ibarrier(&self) -> Result<Box<dyn Work>> {
@@ -857,7 +879,12 @@ pub mod check {
     }
 
     /// Validates the arguments of a collective against a communicator of `size` ranks.
-    pub fn collective(op: &'static str, size: usize, send: Option<(DType, usize)>, recv: (DType, usize)) -> Result<()> {
+    pub fn collective(
+        op: &'static str,
+        size: usize,
+        send: Option<(DType, usize)>,
+        recv: (DType, usize),
+    ) -> Result<()> {
         if let Some((sd, sl)) = send {
             same_dtype(op, sd, recv.0)?;
             match op {
@@ -897,7 +924,11 @@ mod tests {
         assert!(t.into_vec::<f32>().is_err());
         assert_eq!(HostBuffer::zeros(DType::BF16, 3).len(), 3);
         assert!(check::collective("all_gather", 4, Some((DType::F32, 2)), (DType::F32, 8)).is_ok());
-        assert!(check::collective("all_gather", 4, Some((DType::F32, 2)), (DType::F32, 7)).is_err());
-        assert!(check::collective("all_reduce", 4, Some((DType::F32, 2)), (DType::I32, 2)).is_err());
+        assert!(
+            check::collective("all_gather", 4, Some((DType::F32, 2)), (DType::F32, 7)).is_err()
+        );
+        assert!(
+            check::collective("all_reduce", 4, Some((DType::F32, 2)), (DType::I32, 2)).is_err()
+        );
     }
 }

@@ -13,25 +13,45 @@ pub enum Error {
     // ----- grids -------------------------------------------------------------------------------
     /// `shape` and `dim_names` have different lengths.
     #[error("grid shape {shape:?} has {} entries but dim_names {names:?} has {}: give one name per dimension", shape.len(), names.len())]
-    ShapeNamesMismatch { shape: Vec<usize>, names: Vec<String> },
+    ShapeNamesMismatch {
+        shape: Vec<usize>,
+        names: Vec<String>,
+    },
     /// A grid dimension or parallel size of zero.
     #[error("{what} must be a positive integer, got {value}")]
     NonPositive { what: String, value: i64 },
     /// A dimension name appears twice.
-    #[error("dimension '{name}' appears more than once in {names:?}: dimension names must be unique")]
+    #[error(
+        "dimension '{name}' appears more than once in {names:?}: dimension names must be unique"
+    )]
     DuplicateDim { name: String, names: Vec<String> },
     /// A dimension that the grid or view does not have.
     #[error("'{dim}' is not a dimension of {context} with dim_names {names:?}")]
-    UnknownDim { dim: String, context: String, names: Vec<String> },
+    UnknownDim {
+        dim: String,
+        context: String,
+        names: Vec<String>,
+    },
     /// The grid does not fit the world.
     #[error("grid shape {shape:?} ({size} ranks) is over sized with world size {world_size} and rank offset {rank_offset}: it needs size + offset <= world size")]
-    GridOversized { shape: Vec<usize>, size: usize, world_size: usize, rank_offset: usize },
+    GridOversized {
+        shape: Vec<usize>,
+        size: usize,
+        world_size: usize,
+        rank_offset: usize,
+    },
     /// The rank count overflows the machine word.
     #[error("the product of the sizes {sizes:?} overflows")]
     SizeOverflow { sizes: Vec<usize> },
     /// A rank outside the layout.
-    #[error("rank {rank} is outside the layout, which covers ranks {first}..{end} (end exclusive)")]
-    RankOutOfRange { rank: usize, first: usize, end: usize },
+    #[error(
+        "rank {rank} is outside the layout, which covers ranks {first}..{end} (end exclusive)"
+    )]
+    RankOutOfRange {
+        rank: usize,
+        first: usize,
+        end: usize,
+    },
     /// `create_pg` twice for the same key.
     #[error("process group for {key} has already been created")]
     GroupExists { key: String },
@@ -40,7 +60,10 @@ pub enum Error {
     GroupMissing { key: String },
     /// A view name that is not registered.
     #[error("view '{name}' is not registered; registered views: {registered:?}")]
-    UnknownView { name: String, registered: Vec<String> },
+    UnknownView {
+        name: String,
+        registered: Vec<String>,
+    },
     /// A view that cannot be registered.
     #[error("cannot register view '{name}': {reason}")]
     InvalidView { name: String, reason: String },
@@ -50,11 +73,17 @@ pub enum Error {
     #[error("unknown token '{token}' in order '{order}': valid tokens are tp, cp, ep, dp, pp (and gtp_remat)")]
     UnknownToken { token: String, order: String },
     /// A token repeated in the order string (Megatron silently produces ranks outside the world).
-    #[error("token '{token}' appears more than once in order '{order}': each dimension may appear once")]
+    #[error(
+        "token '{token}' appears more than once in order '{order}': each dimension may appear once"
+    )]
     RepeatedToken { token: String, order: String },
     /// A parallel size > 1 whose token is missing from the order string.
     #[error("the size of {token} is {size}, but the order '{order}' does not name it: add '{token}' to the order")]
-    MissingToken { token: String, size: usize, order: String },
+    MissingToken {
+        token: String,
+        size: usize,
+        order: String,
+    },
     /// A group query naming a token that is not in the order.
     #[error("'{token}' is not in the order {order}")]
     TokenNotInOrder { token: String, order: String },
@@ -62,28 +91,61 @@ pub enum Error {
     #[error("ep ({ep}) and cp ({cp}) are both > 1 in one rank generator: cp belongs to the decoder grid and ep to the expert grid")]
     EpAndCp { ep: usize, cp: usize },
     /// Megatron's masked generator got inconsistent sizes.
-    #[error("world size {world_size} is not the product {product} of the parallel sizes {sizes:?}")]
-    WorldNotProduct { world_size: usize, product: usize, sizes: Vec<usize> },
+    #[error(
+        "world size {world_size} is not the product {product} of the parallel sizes {sizes:?}"
+    )]
+    WorldNotProduct {
+        world_size: usize,
+        product: usize,
+        sizes: Vec<usize>,
+    },
     /// mask and sizes of different length.
     #[error("mask has {mask} entries but there are {sizes} parallel sizes")]
     MaskLength { mask: usize, sizes: usize },
 
     // ----- initialize_model_parallel validation ----------------------------------------------
     /// world % (tp·pp·cp) != 0.
-    #[error("world size {world_size} is not divisible by tp·pp·cp = {tp}·{pp}·{cp} = {model_size}")]
-    WorldNotDivisible { world_size: usize, tp: usize, pp: usize, cp: usize, model_size: usize },
+    #[error(
+        "world size {world_size} is not divisible by tp·pp·cp = {tp}·{pp}·{cp} = {model_size}"
+    )]
+    WorldNotDivisible {
+        world_size: usize,
+        tp: usize,
+        pp: usize,
+        cp: usize,
+        model_size: usize,
+    },
     /// world % (etp·ep·pp) != 0.
-    #[error("world size {world_size} is not divisible by expert tp·ep·pp = {etp}·{ep}·{pp} = {size}")]
-    ExpertWorldNotDivisible { world_size: usize, etp: usize, ep: usize, pp: usize, size: usize },
+    #[error(
+        "world size {world_size} is not divisible by expert tp·ep·pp = {etp}·{ep}·{pp} = {size}"
+    )]
+    ExpertWorldNotDivisible {
+        world_size: usize,
+        etp: usize,
+        ep: usize,
+        pp: usize,
+        size: usize,
+    },
     /// Virtual pipeline without a pipeline.
-    #[error("virtual pipeline size {vpp} needs a pipeline-parallel size greater than 1 (pp is {pp})")]
+    #[error(
+        "virtual pipeline size {vpp} needs a pipeline-parallel size greater than 1 (pp is {pp})"
+    )]
     VppWithoutPp { vpp: usize, pp: usize },
     /// Non-pp-last order whose expert and dense data-parallel sizes differ.
     #[error("order '{order}' does not end in pp and pp = {pp}, so the data-parallel sizes of the dense ({dp}) and expert ({expert_dp}) layers must be equal: make etp·ep equal tp·cp, or put pp last")]
-    DpMismatchNotPpLast { order: String, pp: usize, dp: usize, expert_dp: usize },
+    DpMismatchNotPpLast {
+        order: String,
+        pp: usize,
+        dp: usize,
+        expert_dp: usize,
+    },
     /// The two grids disagree on the pipeline groups.
     #[error("pipeline groups differ between the dense grid (pp stride {dense_stride}) and the expert grid (pp stride {expert_stride}) for order '{order}': the tokens before pp must have the same total size in both grids")]
-    PpGroupsDiffer { order: String, dense_stride: usize, expert_stride: usize },
+    PpGroupsDiffer {
+        order: String,
+        dense_stride: usize,
+        expert_stride: usize,
+    },
     /// dp·cp not divisible by the number of distributed-optimizer instances.
     #[error("data parallel size with cp, dp·cp = {dp_cp}, is not divisible by the number of distributed-optimizer instances {instances}")]
     DistOptDpCp { dp_cp: usize, instances: usize },
@@ -92,10 +154,19 @@ pub enum Error {
     DistOptExpertDp { expert_dp: usize, instances: usize },
     /// Hierarchical sizes that do not multiply to the group size.
     #[error("hierarchical sizes {sizes:?} multiply to {product}, but they must multiply to {expected} ({what})")]
-    HierarchicalProduct { sizes: Vec<usize>, product: usize, expected: usize, what: String },
+    HierarchicalProduct {
+        sizes: Vec<usize>,
+        product: usize,
+        expected: usize,
+        what: String,
+    },
     /// An embedding rule that picks ranks outside the pipeline group.
     #[error("embedding rule for {family} returned {returned:?}, which is not a non-empty subset of the pipeline group {pp_group:?}")]
-    BadEmbeddingRule { family: String, returned: Vec<usize>, pp_group: Vec<usize> },
+    BadEmbeddingRule {
+        family: String,
+        returned: Vec<usize>,
+        pp_group: Vec<usize>,
+    },
     /// An unknown family name.
     #[error("unknown process-group family '{name}': valid names are {valid}")]
     UnknownFamily { name: String, valid: String },
@@ -106,31 +177,66 @@ pub enum Error {
     // ----- communication ----------------------------------------------------------------------
     /// Two buffers whose lengths do not fit the operation.
     #[error("{op}: {what} has {actual} elements, expected {expected}")]
-    LengthMismatch { op: &'static str, what: &'static str, expected: usize, actual: usize },
+    LengthMismatch {
+        op: &'static str,
+        what: &'static str,
+        expected: usize,
+        actual: usize,
+    },
     /// Send and receive buffers of different element types.
     #[error("{op}: element types differ: {expected} and {actual}")]
-    DTypeMismatch { op: &'static str, expected: DType, actual: DType },
+    DTypeMismatch {
+        op: &'static str,
+        expected: DType,
+        actual: DType,
+    },
     /// An element type or reduction the backend cannot do.
     #[error("{op}: the {backend} backend does not support {what}")]
-    Unsupported { op: &'static str, backend: &'static str, what: String },
+    Unsupported {
+        op: &'static str,
+        backend: &'static str,
+        what: String,
+    },
     /// A root or peer that is not a rank of the communicator.
-    #[error("{op}: {what} {rank} is not a rank of this communicator of size {size} (valid: 0..{size})")]
-    PeerOutOfRange { op: &'static str, what: &'static str, rank: usize, size: usize },
+    #[error(
+        "{op}: {what} {rank} is not a rank of this communicator of size {size} (valid: 0..{size})"
+    )]
+    PeerOutOfRange {
+        op: &'static str,
+        what: &'static str,
+        rank: usize,
+        size: usize,
+    },
     /// A call on a communicator that was finalized or aborted.
     #[error("{op}: the communicator was {state}; create a new one")]
-    Finalized { op: &'static str, state: &'static str },
+    Finalized {
+        op: &'static str,
+        state: &'static str,
+    },
     /// Ranks disagree on the plan they build communicators from.
     #[error("ranks hold different layout plans (hash of this rank {mine:#018x}; ranks {mismatched:?} hold another): every rank must build the same plan")]
     PlanMismatch { mine: u64, mismatched: Vec<usize> },
     /// An operation that did not finish in time.
     #[error("{op}: timed out after {millis} ms{}", peer.map(|p| format!(" waiting for rank {p}")).unwrap_or_default())]
-    Timeout { op: &'static str, millis: u64, peer: Option<usize> },
+    Timeout {
+        op: &'static str,
+        millis: u64,
+        peer: Option<usize>,
+    },
     /// A peer rank failed or disappeared.
     #[error("{op}: peer rank {peer} failed: {message}")]
-    PeerFailed { op: &'static str, peer: usize, message: String },
+    PeerFailed {
+        op: &'static str,
+        peer: usize,
+        message: String,
+    },
     /// A failure reported by the backend library, with its message.
     #[error("{backend}: {op} failed: {message}")]
-    Backend { backend: &'static str, op: &'static str, message: String },
+    Backend {
+        backend: &'static str,
+        op: &'static str,
+        message: String,
+    },
 }
 
 impl Error {

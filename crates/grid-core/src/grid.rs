@@ -63,9 +63,12 @@ impl From<HyperGrid> for GridSpec {
 
 /// Product of `sizes`, or an overflow error.
 pub(crate) fn checked_product(sizes: &[usize]) -> Result<usize> {
-    sizes.iter().try_fold(1usize, |acc, &s| acc.checked_mul(s)).ok_or_else(|| Error::SizeOverflow {
-        sizes: sizes.to_vec(),
-    })
+    sizes
+        .iter()
+        .try_fold(1usize, |acc, &s| acc.checked_mul(s))
+        .ok_or_else(|| Error::SizeOverflow {
+            sizes: sizes.to_vec(),
+        })
 }
 
 impl HyperGrid {
@@ -95,9 +98,11 @@ impl HyperGrid {
             }
         }
         let size = checked_product(&shape)?;
-        offset.checked_add(size).ok_or_else(|| Error::SizeOverflow {
-            sizes: shape.clone(),
-        })?;
+        offset
+            .checked_add(size)
+            .ok_or_else(|| Error::SizeOverflow {
+                sizes: shape.clone(),
+            })?;
         let mut strides = Vec::with_capacity(shape.len());
         let mut acc = 1;
         for s in &shape {
@@ -189,7 +194,9 @@ impl HyperGrid {
     /// Coordinates of `rank`, one per dimension.
     pub fn coords(&self, rank: usize) -> Result<Vec<usize>> {
         self.check_rank(rank)?;
-        Ok((0..self.shape.len()).map(|d| self.coord_unchecked(rank, d)).collect())
+        Ok((0..self.shape.len())
+            .map(|d| self.coord_unchecked(rank, d))
+            .collect())
     }
 
     /// Coordinate of `rank` along dimension index `d` (rank must be in the grid).
@@ -489,7 +496,10 @@ mod tests {
         let r = |d: &[&str]| g.raw_groups(d).unwrap().to_vecs();
         assert_eq!(r(&["a", "b"]), vec![vec![0, 2, 1, 3], vec![4, 6, 5, 7]]);
         assert_eq!(r(&["b", "a"]), vec![vec![0, 1, 2, 3], vec![4, 5, 6, 7]]);
-        assert_eq!(r(&["c"]), vec![vec![0, 4], vec![1, 5], vec![2, 6], vec![3, 7]]);
+        assert_eq!(
+            r(&["c"]),
+            vec![vec![0, 4], vec![1, 5], vec![2, 6], vec![3, 7]]
+        );
         assert_eq!(r(&["a", "c"]), vec![vec![0, 4, 1, 5], vec![2, 6, 3, 7]]);
         assert_eq!(r(&["c", "a"]), vec![vec![0, 1, 4, 5], vec![2, 3, 6, 7]]);
     }

@@ -167,6 +167,14 @@ impl Group {
         }
     }
 
+    /// The lattice terms (empty for an explicit list).
+    pub(crate) fn terms(&self) -> &[Term] {
+        match &self.0 {
+            Repr::Lattice(l) => &l.terms,
+            Repr::List(_) => &[],
+        }
+    }
+
     /// Number of members.
     pub fn len(&self) -> usize {
         match &self.0 {
@@ -419,7 +427,10 @@ mod tests {
     #[test]
     fn unsorted_lattice_group_rank() {
         // pp-like term first (stride 4), then a term of stride 2: 0,4,2,6
-        let g = Group::lattice(0, vec![Term { size: 2, stride: 4 }, Term { size: 2, stride: 2 }]);
+        let g = Group::lattice(
+            0,
+            vec![Term { size: 2, stride: 4 }, Term { size: 2, stride: 2 }],
+        );
         assert_eq!(g.to_vec(), vec![0, 4, 2, 6]);
         assert!(!g.is_ascending());
         assert_eq!(g.group_rank(4), Some(2));
@@ -428,7 +439,10 @@ mod tests {
 
     #[test]
     fn slices_and_display() {
-        let g = Group::lattice(0, vec![Term { size: 4, stride: 2 }, Term { size: 3, stride: 8 }]);
+        let g = Group::lattice(
+            0,
+            vec![Term { size: 4, stride: 2 }, Term { size: 3, stride: 8 }],
+        );
         let s = g.slice(6, 6);
         assert_eq!(s.to_vec(), vec![12, 14, 16, 18, 20, 22]);
         assert_eq!(s.position(16), Some(2));

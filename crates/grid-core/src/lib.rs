@@ -19,10 +19,25 @@ mod rankgen;
 
 pub use comm::{
     BufMut, BufRef, Communicator, CommunicatorExt, DType, DeviceBuffer, Element, GroupFactory,
-    HostBuffer, HostSlice, HostSliceMut, Memory, P2pOp, ReduceOp, Request, Tensor, TypedWork,
-    Work,
+    HostBuffer, HostSlice, HostSliceMut, Memory, P2pOp, ReduceOp, Request, Tensor, TypedWork, Work,
 };
 pub use error::{Error, Result};
 pub use grid::{GridSpec, GroupList, HyperGrid};
 pub use group::{Group, GroupIter, GroupSize, Term};
 pub use rankgen::{masked_orthogonal_groups, GeneratorSizes, RankGenerator, TOKENS};
+mod collection;
+mod hierarchical;
+mod plan;
+mod view;
+
+pub use collection::{
+    build_collection, BuiltCollection, FamilyBuildStat, MultiModuleProcessGroupCollection, PgEntry,
+    ProcessGroupCollection,
+};
+pub use hierarchical::{hierarchical_groups, hierarchical_groups_of};
+pub use plan::{
+    EmbeddingRule, Family, FamilyLevel, GroupSignature, LayoutConfig, LayoutPlan, DEFAULT_ORDER,
+};
+pub use view::{Coords, RankView};
+mod hypercomm;
+pub use hypercomm::{CommGrid, CreatedGroup, PgKey};

@@ -161,12 +161,14 @@ impl RankGenerator {
         let names = self.grid.dim_names();
         let mut mask = vec![false; names.len()];
         for piece in token.split('-') {
-            let i = names.iter().position(|n| n == piece).ok_or_else(|| {
-                Error::TokenNotInOrder {
-                    token: piece.to_string(),
-                    order: self.order.clone(),
-                }
-            })?;
+            let i =
+                names
+                    .iter()
+                    .position(|n| n == piece)
+                    .ok_or_else(|| Error::TokenNotInOrder {
+                        token: piece.to_string(),
+                        order: self.order.clone(),
+                    })?;
             mask[i] = true;
         }
         Ok(mask)

@@ -1,0 +1,543 @@
+//! `ProcessGroupCollection` and `MultiModuleProcessGroupCollection` (SEMANTICS.md §4), generic
+//! over the group handle, and [`build_collection`], which fills one with live communicators.
+
+use crate::comm::{Communicator, CommunicatorExt, GroupFactory};
+use crate::error::{Error, Result};
+use crate::group::GroupSize;
+use crate::plan::{Family, FamilyLevel, GroupSignature, LayoutPlan};
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::Arc;
+use std::time::Instant;
+
+/// One entry of a collection: a single group, or the per-level list of `hcp`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum PgEntry<'a, G> {
+    /// A group.
+    Group(&'a G),
+    /// One group per hierarchical level.
+    Levels(&'a [G]),
+}
+
+macro_rules! collection {
+    ($($field:ident),* $(,)?) => {
+        /// This rank's process groups, one field per family (Megatron's `ProcessGroupCollection`).
+        ///
+        /// Generic over the handle: [`crate::Group`] (pure membership, from
+        /// [`crate::RankView::collection`]), or a backend communicator such as
+        /// `Arc<dyn Communicator>` (from [`build_collection`]). Unset fields are `None`.
+        /// Besides `hcp`, the fields `dp_cp_ag` and `expt_dp_ag` exist for parity with Megatron,
+        /// which creates them elsewhere; plans never set them.
+        ///
+        /// ```
+        /// use grid_core::{ProcessGroupCollection, Group};
+        /// let mut c = ProcessGroupCollection::new();
+        /// c.set("tp", Group::strided(0, 2, 1)).unwrap();
+        /// c.hcp = Some(vec![Group::strided(0, 2, 1), Group::strided(0, 4, 2)]);
+        /// assert_eq!(c.to_string(), "ProcessGroupCollection(tp(2), hcp([2, 4]))");
+        /// assert!(c.get("pp").unwrap().is_none());
+        /// assert!(c.get("nope").is_err());
+        /// ```
+        #[derive(Clone, PartialEq)]
+        pub struct ProcessGroupCollection<G> {
+            $( #[doc = concat!("The `", stringify!($field), "` group.")] pub $field: Option<G>, )*
+            /// Hierarchical context-parallel groups, one per level.
+            pub hcp: Option<Vec<G>>,
+        }
+
+        impl<G> ProcessGroupCollection<G> {
+            /// Every field name, in declaration order (`hcp` included).
+            pub const FIELDS: &'static [&'static str] = &[$(stringify!($field)),*, "hcp"];
+
+            /// An empty collection.
+            pub fn new() -> Self {
+                ProcessGroupCollection { $($field: None,)* hcp: None }
+            }
+
+            fn slot(&self, name: &str) -> Option<&Option<G>> {
+                match name { $(stringify!($field) => Some(&self.$field),)* _ => None }
+            }
+            fn slot_mut(&mut self, name: &str) -> Option<&mut Option<G>> {
+                match name { $(stringify!($field) => Some(&mut self.$field),)* _ => None }
+            }
+
+            /// Applies `f` to every group, keeping the field structure.
+            pub fn try_map<H, E>(self, mut f: impl FnMut(&str, G) -> std::result::Result<H, E>) -> std::result::Result<ProcessGroupCollection<H>, E> {
+                Ok(ProcessGroupCollection {
+                    $($field: match self.$field { Some(g) => Some(f(stringify!($field), g)?), None => None },)*
+                    hcp: match self.hcp { Some(v) => Some(v.into_iter().map(|g| f("hcp", g)).collect::<std::result::Result<_, E>>()?), None => None },
+                })
+            }
+
+            /// The set entries in declaration order (`hcp` after `tp_cp`).
+            pub fn iter(&self) -> impl Iterator<Item = (&'static str, PgEntry<'_, G>)> + '_ {
+                let mut v: Vec<(&'static str, PgEntry<'_, G>)> = Vec::new();
+                $( if let Some(g) = &self.$field { v.push((stringify!($field), PgEntry::Group(g))); } )*
+                if let Some(h) = &self.hcp { v.push(("hcp", PgEntry::Levels(h))); }
+                v.sort_by_key(|(n, _)| DISPLAY_ORDER.iter().position(|d| d == n));
+                v.into_iter()
+            }
+        }
+    };
+}
+
+collection!(
+    tp,
+    pp,
+    mp,
+    embd,
+    pos_embd,
+    cp,
+    tp_cp,
+    ep,
+    expt_tp,
+    tp_ep,
+    tp_ep_pp,
+    tp_dp,
+    tp_dp_cp,
+    dp,
+    dp_cp,
+    dp_cp_ag,
+    expt_dp,
+    expt_dp_ag,
+    intra_dp_cp,
+    intra_expt_dp,
+    inter_dist_opt,
+    intra_dist_opt,
+);
+
+/// Megatron's declaration order, with `hcp` after `tp_cp`.
+const DISPLAY_ORDER: [&str; 23] = [
+    "tp",
+    "pp",
+    "mp",
+    "embd",
+    "pos_embd",
+    "cp",
+    "tp_cp",
+    "hcp",
+    "ep",
+    "expt_tp",
+    "tp_ep",
+    "tp_ep_pp",
+    "tp_dp",
+    "tp_dp_cp",
+    "dp",
+    "dp_cp",
+    "dp_cp_ag",
+    "expt_dp",
+    "expt_dp_ag",
+    "intra_dp_cp",
+    "intra_expt_dp",
+    "inter_dist_opt",
+    "intra_dist_opt",
+];
+
+impl<G> Default for ProcessGroupCollection<G> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+fn unknown_field(name: &str) -> Error {
+    Error::UnknownFamily {
+        name: name.to_string(),
+        valid: DISPLAY_ORDER.join(", "),
+    }
+}
+
+impl<G> ProcessGroupCollection<G> {
+    /// The group named `name` (`Ok(None)` when unset); an unknown name is an error. For `hcp`
+    /// use the `hcp` field or [`ProcessGroupCollection::entry`].
+    pub fn get(&self, name: &str) -> Result<Option<&G>> {
+        match self.slot(name) {
+            Some(s) => Ok(s.as_ref()),
+            None if name == "hcp" => Err(Error::Invalid(
+                "'hcp' holds one group per level: read the hcp field or use entry(\"hcp\")".into(),
+            )),
+            None => Err(unknown_field(name)),
+        }
+    }
+
+    /// The entry named `name`, `hcp` included.
+    pub fn entry(&self, name: &str) -> Result<Option<PgEntry<'_, G>>> {
+        if name == "hcp" {
+            return Ok(self.hcp.as_deref().map(PgEntry::Levels));
+        }
+        Ok(self.get(name)?.map(PgEntry::Group))
+    }
+
+    /// Sets the group named `name`; an unknown name is an error (Megatron's `ValueError`).
+    pub fn set(&mut self, name: &str, group: G) -> Result<()> {
+        match self.slot_mut(name) {
+            Some(s) => {
+                *s = Some(group);
+                Ok(())
+            }
+            None => Err(unknown_field(name)),
+        }
+    }
+
+    /// Sets a family's group (for `hcp`, appends a level).
+    pub fn set_family(&mut self, family: Family, group: G) {
+        if family == Family::Hcp {
+            self.hcp.get_or_insert_with(Vec::new).push(group);
+        } else if let Some(s) = self.slot_mut(family.name()) {
+            *s = Some(group);
+        }
+    }
+
+    /// Names of the set entries, in declaration order.
+    pub fn keys(&self) -> Vec<&'static str> {
+        self.iter().map(|(n, _)| n).collect()
+    }
+
+    /// Number of set entries.
+    pub fn len(&self) -> usize {
+        self.iter().count()
+    }
+
+    /// True when nothing is set.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Fills a collection for `rank` from `plan`, calling `factory` once for each group the rank
+    /// belongs to (every family, every hcp level), in Megatron's creation order.
+    pub fn from_plan(
+        plan: &LayoutPlan,
+        rank: usize,
+        mut factory: impl FnMut(FamilyLevel, &crate::Group) -> Result<G>,
+    ) -> Result<Self> {
+        let mut c = ProcessGroupCollection::new();
+        for fl in plan.family_levels() {
+            if let Some(g) = plan.group_of(fl, rank)? {
+                c.set_family(fl.family, factory(fl, &g)?);
+            }
+        }
+        Ok(c)
+    }
+}
+
+impl<G: GroupSize> fmt::Display for ProcessGroupCollection<G> {
+    /// `ProcessGroupCollection(tp(2), pp(4), hcp([2, 4]))`, or `ProcessGroupCollection(empty)`.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let parts: Vec<String> = self
+            .iter()
+            .map(|(n, e)| match e {
+                PgEntry::Group(g) => format!("{n}({})", g.group_size()),
+                PgEntry::Levels(l) => format!(
+                    "{n}([{}])",
+                    l.iter()
+                        .map(|g| g.group_size().to_string())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+            })
+            .collect();
+        if parts.is_empty() {
+            write!(f, "ProcessGroupCollection(empty)")
+        } else {
+            write!(f, "ProcessGroupCollection({})", parts.join(", "))
+        }
+    }
+}
+
+impl<G: GroupSize> fmt::Debug for ProcessGroupCollection<G> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(self, f)
+    }
+}
+
+/// Collections of several modules (encoders, a language model, ...), in insertion order
+/// (Megatron's `MultiModuleProcessGroupCollection`).
+///
+/// ```
+/// use grid_core::{MultiModuleProcessGroupCollection, ProcessGroupCollection, Group};
+/// let mut llm = ProcessGroupCollection::new();
+/// llm.cp = Some(Group::strided(0, 2, 1));
+/// let m = MultiModuleProcessGroupCollection::new(
+///     vec![("vision".into(), ProcessGroupCollection::new()), ("llm".into(), llm)],
+///     Some("llm".into()),
+/// ).unwrap();
+/// assert_eq!(m.language_model_cp_size().unwrap(), 2);
+/// assert_eq!(m.to_string(), "MultiModuleProcessGroupCollection(modules=[vision, llm], language_model_module_name='llm')");
+/// ```
+#[derive(Clone)]
+pub struct MultiModuleProcessGroupCollection<G> {
+    modules: Vec<(String, ProcessGroupCollection<G>)>,
+    language_model: Option<String>,
+}
+
+impl<G> MultiModuleProcessGroupCollection<G> {
+    /// Errors: no module, a repeated module name, or a language-model name that is not a module.
+    pub fn new(
+        modules: Vec<(String, ProcessGroupCollection<G>)>,
+        language_model: Option<String>,
+    ) -> Result<Self> {
+        if modules.is_empty() {
+            return Err(Error::Invalid(
+                "a multi-module collection needs at least one module".into(),
+            ));
+        }
+        for (i, (n, _)) in modules.iter().enumerate() {
+            if modules[..i].iter().any(|(m, _)| m == n) {
+                return Err(Error::Invalid(format!("module '{n}' appears twice")));
+            }
+        }
+        let s = MultiModuleProcessGroupCollection {
+            modules,
+            language_model,
+        };
+        if let Some(lm) = &s.language_model {
+            if s.position(lm).is_none() {
+                return Err(Error::Invalid(format!(
+                    "language model module '{lm}' is not one of the modules {:?}",
+                    s.keys()
+                )));
+            }
+        }
+        Ok(s)
+    }
+
+    fn position(&self, name: &str) -> Option<usize> {
+        self.modules.iter().position(|(n, _)| n == name)
+    }
+
+    /// Module names in insertion order.
+    pub fn keys(&self) -> Vec<&str> {
+        self.modules.iter().map(|(n, _)| n.as_str()).collect()
+    }
+    /// Collections in insertion order.
+    pub fn values(&self) -> impl Iterator<Item = &ProcessGroupCollection<G>> {
+        self.modules.iter().map(|(_, c)| c)
+    }
+    /// (name, collection) pairs in insertion order.
+    pub fn items(&self) -> impl Iterator<Item = (&str, &ProcessGroupCollection<G>)> {
+        self.modules.iter().map(|(n, c)| (n.as_str(), c))
+    }
+    /// Number of modules.
+    pub fn len(&self) -> usize {
+        self.modules.len()
+    }
+    /// Never true (construction requires a module); present for completeness.
+    pub fn is_empty(&self) -> bool {
+        self.modules.is_empty()
+    }
+    /// The module's collection; an unknown name lists the available ones.
+    pub fn module(&self, name: &str) -> Result<&ProcessGroupCollection<G>> {
+        self.position(name)
+            .map(|i| &self.modules[i].1)
+            .ok_or_else(|| {
+                Error::Invalid(format!(
+                    "module '{name}' not found; available modules: {:?}",
+                    self.keys()
+                ))
+            })
+    }
+    /// True when a language-model module is named.
+    pub fn has_language_model(&self) -> bool {
+        self.language_model.is_some()
+    }
+    /// The language-model module's name.
+    pub fn language_model_name(&self) -> Option<&str> {
+        self.language_model.as_deref()
+    }
+    /// The language-model module's collection.
+    pub fn language_model(&self) -> Result<&ProcessGroupCollection<G>> {
+        match &self.language_model {
+            Some(n) => self.module(n),
+            None => Err(Error::Invalid(
+                "no language model module name was given for this collection".into(),
+            )),
+        }
+    }
+}
+
+impl<G: GroupSize> MultiModuleProcessGroupCollection<G> {
+    /// Size of the language model's `cp` group.
+    pub fn language_model_cp_size(&self) -> Result<usize> {
+        let lm = self.language_model()?;
+        lm.cp
+            .as_ref()
+            .map(|g| g.group_size())
+            .ok_or_else(|| Error::Invalid("the language model collection has no cp group".into()))
+    }
+}
+
+impl<G> std::ops::Index<&str> for MultiModuleProcessGroupCollection<G> {
+    type Output = ProcessGroupCollection<G>;
+    /// Panics on an unknown name, like a map; use [`MultiModuleProcessGroupCollection::module`]
+    /// for a `Result`.
+    fn index(&self, name: &str) -> &ProcessGroupCollection<G> {
+        match self.position(name) {
+            Some(i) => &self.modules[i].1,
+            None => panic!("no module named '{name}'"),
+        }
+    }
+}
+
+impl<'a, G> IntoIterator for &'a MultiModuleProcessGroupCollection<G> {
+    type Item = &'a ProcessGroupCollection<G>;
+    type IntoIter = Box<dyn Iterator<Item = &'a ProcessGroupCollection<G>> + 'a>;
+    /// Iterates over the collections (the values), like Megatron's `__iter__`.
+    fn into_iter(self) -> Self::IntoIter {
+        Box::new(self.values())
+    }
+}
+
+impl<G> fmt::Display for MultiModuleProcessGroupCollection<G> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "MultiModuleProcessGroupCollection(modules=[{}]",
+            self.keys().join(", ")
+        )?;
+        if let Some(lm) = &self.language_model {
+            write!(f, ", language_model_module_name='{lm}'")?;
+        }
+        write!(f, ")")
+    }
+}
+
+/// What [`build_collection`] did for one family level.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FamilyBuildStat {
+    /// The family level.
+    pub family: FamilyLevel,
+    /// Size of this rank's group (`None`: the rank is in no group of this family).
+    pub group_size: Option<usize>,
+    /// Communicators this rank created for the family (0 or 1).
+    pub created: usize,
+    /// The earlier family whose communicator was reused (identical groups).
+    pub reused_from: Option<FamilyLevel>,
+    /// Seconds spent (the split, or nothing when reused).
+    pub seconds: f64,
+}
+
+/// A collection of live communicators plus what building it cost.
+pub struct BuiltCollection<C> {
+    /// The communicators, one per family the rank belongs to.
+    pub collection: ProcessGroupCollection<Arc<C>>,
+    /// Per family level, in creation order.
+    pub stats: Vec<FamilyBuildStat>,
+    /// Collective calls made on the parent (the plan check plus one split per distinct family).
+    pub collective_calls: usize,
+}
+
+impl<C> BuiltCollection<C> {
+    /// Communicators created on this rank.
+    pub fn communicators_created(&self) -> usize {
+        self.stats.iter().map(|s| s.created).sum()
+    }
+}
+
+/// Builds this rank's [`ProcessGroupCollection`] of live communicators from `plan`.
+///
+/// 1. Every rank of `parent` all-gathers the plan's [`LayoutPlan::fingerprint`]; if any rank
+///    holds another plan, **every** rank returns [`Error::PlanMismatch`] (nobody hangs in a
+///    split that the others never enter).
+/// 2. For each family level in Megatron's creation order, families whose groups are identical
+///    to an earlier one's (same [`LayoutPlan::group_signature`], e.g. `dp` and `dp_cp` when
+///    cp = 1) reuse its communicator; every other family costs **one** `split` of the parent,
+///    with colour = the index of this rank's group and key = its world rank, so communicator
+///    ranks are sorted positions, as torch defines them. Ranks in no group of a family pass no
+///    colour and get no communicator.
+///
+/// The parent's `global_ranks()` map its ranks to the plan's ranks; ranks of the parent outside
+/// the plan take part in every call and get an empty collection.
+pub fn build_collection<F: GroupFactory>(
+    factory: &F,
+    parent: &F::Comm,
+    plan: &LayoutPlan,
+) -> Result<BuiltCollection<F::Comm>> {
+    let _span = tracing::debug_span!("build_collection", backend = parent.backend()).entered();
+    let fp = plan.fingerprint() as i64;
+    let mut all = vec![0i64; parent.size()];
+    parent.all_gather_into(&[fp], &mut all)?;
+    let mismatched: Vec<usize> = all
+        .iter()
+        .enumerate()
+        .filter(|(_, &f)| f != fp)
+        .map(|(i, _)| parent.global_ranks().get(i).copied().unwrap_or(i))
+        .collect();
+    if !mismatched.is_empty() {
+        // Report from the majority's point of view too: every rank sees some mismatch.
+        return Err(Error::PlanMismatch {
+            mine: fp as u64,
+            mismatched,
+        });
+    }
+    let me = parent
+        .global_ranks()
+        .get(parent.rank())
+        .copied()
+        .unwrap_or(parent.rank());
+    let in_plan = plan.contains(me);
+    let mut collection = ProcessGroupCollection::new();
+    let mut stats = Vec::new();
+    let mut made: HashMap<GroupSignature, (FamilyLevel, Option<Arc<F::Comm>>)> = HashMap::new();
+    let mut calls = 1;
+    for fl in plan.family_levels() {
+        let sig = plan.group_signature(fl)?;
+        let group = if in_plan {
+            plan.group_of(fl, me)?
+        } else {
+            None
+        };
+        let size = group.as_ref().map(|g| g.len());
+        if let Some((from, comm)) = made.get(&sig) {
+            if let Some(c) = comm {
+                collection.set_family(fl.family, c.clone());
+            }
+            stats.push(FamilyBuildStat {
+                family: fl,
+                group_size: size,
+                created: 0,
+                reused_from: Some(*from),
+                seconds: 0.0,
+            });
+            continue;
+        }
+        let color = if in_plan {
+            plan.group_index_of(fl, me)?
+        } else {
+            None
+        };
+        let color = match color {
+            Some(c) => Some(u32::try_from(c).map_err(|_| {
+                Error::Invalid(format!(
+                    "{fl}: group index {c} does not fit a 32-bit colour"
+                ))
+            })?),
+            None => None,
+        };
+        let t = Instant::now();
+        let _s = tracing::trace_span!("split", family = %fl).entered();
+        let comm = factory.split(parent, color, me)?.map(Arc::new);
+        calls += 1;
+        if let (Some(c), Some(g)) = (&comm, &group) {
+            if c.size() != g.len() {
+                return Err(Error::Invalid(format!(
+                    "{fl}: the backend created a communicator of {} ranks for a group of {}",
+                    c.size(),
+                    g.len()
+                )));
+            }
+            collection.set_family(fl.family, c.clone());
+        }
+        stats.push(FamilyBuildStat {
+            family: fl,
+            group_size: size,
+            created: usize::from(comm.is_some()),
+            reused_from: None,
+            seconds: t.elapsed().as_secs_f64(),
+        });
+        made.insert(sig, (fl, comm));
+    }
+    Ok(BuiltCollection {
+        collection,
+        stats,
+        collective_calls: calls,
+    })
+}
