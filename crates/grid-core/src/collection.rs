@@ -476,7 +476,8 @@ pub fn build_collection<F: GroupFactory>(
     let in_plan = plan.contains(me);
     let mut collection = ProcessGroupCollection::new();
     let mut stats = Vec::new();
-    let mut made: HashMap<GroupSignature, (FamilyLevel, Option<Arc<F::Comm>>)> = HashMap::new();
+    type Made<C> = HashMap<GroupSignature, (FamilyLevel, Option<Arc<C>>)>;
+    let mut made: Made<F::Comm> = HashMap::new();
     let mut calls = 1;
     for fl in plan.family_levels() {
         let sig = plan.group_signature(fl)?;

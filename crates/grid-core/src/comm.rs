@@ -914,7 +914,7 @@ mod tests {
 
     #[test]
     fn erased_buffers() {
-        let v = vec![1.0f32, 2.0];
+        let v = [1.0f32, 2.0];
         let r: BufRef = (&v[..]).into();
         assert_eq!(r.dtype(), DType::F32);
         assert_eq!(r.len(), 2);

@@ -272,15 +272,12 @@ impl HyperGrid {
     pub fn group_at_masked(&self, mask: &[bool], mut g: usize) -> Group {
         let mut base = self.offset;
         let mut terms = Vec::new();
-        for d in 0..self.shape.len() {
-            if mask[d] {
-                terms.push(Term {
-                    size: self.shape[d],
-                    stride: self.strides[d],
-                });
+        for ((&size, &stride), &m) in self.shape.iter().zip(&self.strides).zip(mask) {
+            if m {
+                terms.push(Term { size, stride });
             } else {
-                base += (g % self.shape[d]) * self.strides[d];
-                g /= self.shape[d];
+                base += (g % size) * stride;
+                g /= size;
             }
         }
         Group::lattice(base, terms)
@@ -302,14 +299,13 @@ impl HyperGrid {
         self.check_rank(rank)?;
         let mut base = self.offset;
         let mut terms = Vec::new();
-        for d in 0..self.shape.len() {
-            if mask[d] {
-                terms.push(Term {
-                    size: self.shape[d],
-                    stride: self.strides[d],
-                });
+        for (d, ((&size, &stride), &m)) in
+            self.shape.iter().zip(&self.strides).zip(mask).enumerate()
+        {
+            if m {
+                terms.push(Term { size, stride });
             } else {
-                base += self.coord_unchecked(rank, d) * self.strides[d];
+                base += self.coord_unchecked(rank, d) * stride;
             }
         }
         Ok(Group::lattice(base, terms))
@@ -386,9 +382,9 @@ impl GroupList {
         F: Fn(usize) -> Group + Sync,
     {
         let mut ranks = vec![0usize; n * size];
-        if size > 0 {
-            const CHUNK: usize = 1 << 14;
-            let per = (CHUNK / size).max(1);
+        const CHUNK: usize = 1 << 14;
+        if let Some(per) = CHUNK.checked_div(size) {
+            let per = per.max(1);
             ranks
                 .par_chunks_mut(per * size)
                 .enumerate()

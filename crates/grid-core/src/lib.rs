@@ -36,7 +36,8 @@ pub use collection::{
 };
 pub use hierarchical::{hierarchical_groups, hierarchical_groups_of};
 pub use plan::{
-    EmbeddingRule, Family, FamilyLevel, GroupSignature, LayoutConfig, LayoutPlan, DEFAULT_ORDER,
+    EmbeddingFn, EmbeddingRule, Family, FamilyLevel, GroupSignature, LayoutConfig, LayoutPlan,
+    DEFAULT_ORDER,
 };
 pub use view::{Coords, RankView};
 mod hypercomm;

@@ -100,6 +100,9 @@ impl fmt::Display for FamilyLevel {
     }
 }
 
+/// A user rule for embedding groups: pipeline group in, members out.
+pub type EmbeddingFn = Arc<dyn Fn(&[usize]) -> Vec<usize> + Send + Sync>;
+
 /// Which ranks of each pipeline group form the embedding (or position-embedding) group.
 #[derive(Clone, Default)]
 pub enum EmbeddingRule {
@@ -116,7 +119,7 @@ pub enum EmbeddingRule {
         /// Identifies the rule (part of the plan fingerprint).
         name: String,
         /// The rule.
-        rule: Arc<dyn Fn(&[usize]) -> Vec<usize> + Send + Sync>,
+        rule: EmbeddingFn,
     },
 }
 
@@ -289,7 +292,7 @@ impl LayoutPlan {
             .checked_mul(cfg.pp)
             .and_then(|x| x.checked_mul(cfg.cp))
             .unwrap_or(usize::MAX);
-        if w % model != 0 {
+        if !w.is_multiple_of(model) {
             return Err(Error::WorldNotDivisible {
                 world_size: w,
                 tp: cfg.tp,
@@ -321,7 +324,7 @@ impl LayoutPlan {
             .checked_mul(cfg.ep)
             .and_then(|x| x.checked_mul(cfg.pp))
             .unwrap_or(usize::MAX);
-        if w % emodel != 0 {
+        if !w.is_multiple_of(emodel) {
             return Err(Error::ExpertWorldNotDivisible {
                 world_size: w,
                 etp,
@@ -363,7 +366,7 @@ impl LayoutPlan {
             }
         }
         let ndo = cfg.dist_opt_instances;
-        if (dp * cfg.cp) % ndo != 0 {
+        if !(dp * cfg.cp).is_multiple_of(ndo) {
             return Err(Error::DistOptDpCp {
                 dp_cp: dp * cfg.cp,
                 instances: ndo,
@@ -372,7 +375,7 @@ impl LayoutPlan {
         if let Some(h) = &cfg.hcp_sizes {
             check_sizes(h, cfg.cp, "the context-parallel size")?;
         }
-        if edp % ndo != 0 {
+        if !edp.is_multiple_of(ndo) {
             return Err(Error::DistOptExpertDp {
                 expert_dp: edp,
                 instances: ndo,
