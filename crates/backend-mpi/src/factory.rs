@@ -1,0 +1,131 @@
+//! [`MpiFactory`]: creates sub-communicators (`MPI_Comm_split`, `MPI_Comm_create`).
+
+use crate::comm::{backend_err, MpiCommunicator};
+use grid_core::comm::check;
+use grid_core::{Communicator, Error, GroupFactory, Result};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+/// Creates MPI communicators for sub-groups. Stateless apart from counters of the collective
+/// creation calls it made on this rank ([`MpiFactory::calls`]), which benchmarks report.
+///
+/// Both methods are collective over the parent: every rank of the parent calls them in the
+/// same order, members and non-members alike.
+///
+/// ```no_run
+/// use backend_mpi::{MpiFactory, MpiRuntime};
+/// use grid_core::{Communicator, GroupFactory};
+/// let rt = MpiRuntime::init()?;
+/// let f = MpiFactory::new();
+/// let world = rt.world();
+/// // Even and odd world ranks.
+/// let half = f.split(world, Some((world.rank() % 2) as u32), world.rank())?;
+/// // Ranks 0 and 1 only; everyone else gets None.
+/// let pair = f.create_group(world, &[0, 1])?;
+/// # Ok::<(), grid_core::Error>(())
+/// ```
+#[derive(Debug, Default)]
+pub struct MpiFactory {
+    splits: AtomicUsize,
+    creates: AtomicUsize,
+}
+
+/// Counts of communicator-creating collective calls made by one factory on this rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct FactoryCalls {
+    /// `MPI_Comm_split` calls.
+    pub splits: usize,
+    /// `MPI_Comm_create` calls.
+    pub creates: usize,
+}
+
+impl MpiFactory {
+    /// A new factory.
+    ///
+    /// ```
+    /// let f = backend_mpi::MpiFactory::new();
+    /// assert_eq!(f.calls().splits, 0);
+    /// ```
+    pub fn new() -> MpiFactory {
+        MpiFactory::default()
+    }
+
+    /// The creation calls made so far on this rank.
+    ///
+    /// ```
+    /// let f = backend_mpi::MpiFactory::new();
+    /// assert_eq!(f.calls(), backend_mpi::FactoryCalls::default());
+    /// ```
+    pub fn calls(&self) -> FactoryCalls {
+        FactoryCalls {
+            splits: self.splits.load(Ordering::Relaxed),
+            creates: self.creates.load(Ordering::Relaxed),
+        }
+    }
+}
+
+impl GroupFactory for MpiFactory {
+    type Comm = MpiCommunicator;
+
+    /// `MPI_Comm_split(parent, color or MPI_UNDEFINED, key)`.
+    fn split(
+        &self,
+        parent: &MpiCommunicator,
+        color: Option<u32>,
+        key: usize,
+    ) -> Result<Option<MpiCommunicator>> {
+        const OP: &str = "split";
+        parent.live(OP)?;
+        if let Some(c) = color {
+            if c > i32::MAX as u32 {
+                return Err(Error::Invalid(format!("split: colour {c} exceeds the MPI limit {} (colours must be non-negative ints)", i32::MAX)));
+            }
+        }
+        if key > i32::MAX as usize {
+            return Err(Error::Invalid(format!(
+                "split: key {key} exceeds the MPI limit {}",
+                i32::MAX
+            )));
+        }
+        let _s = tracing::debug_span!("mpi.split", ?color, key).entered();
+        self.splits.fetch_add(1, Ordering::Relaxed);
+        let raw = parent
+            .raw()
+            .split(color.map(|c| c as usize), key)
+            .map_err(|e| backend_err(OP, e))?;
+        raw.map(|r| MpiCommunicator::from_raw(r, OP)).transpose()
+    }
+
+    /// `MPI_Comm_create` over `parent` with the group of `ranks` (sorted ascending, so the new
+    /// communicator's ranks follow the parent's order). Collective over the parent.
+    fn create_group(
+        &self,
+        parent: &MpiCommunicator,
+        ranks: &[usize],
+    ) -> Result<Option<MpiCommunicator>> {
+        const OP: &str = "create_group";
+        parent.live(OP)?;
+        let size = parent.size();
+        let mut seen = vec![false; size];
+        for &r in ranks {
+            check::rank(OP, "member", r, size)?;
+            if std::mem::replace(&mut seen[r], true) {
+                return Err(Error::Invalid(format!(
+                    "create_group: rank {r} appears more than once in {ranks:?}"
+                )));
+            }
+        }
+        if ranks.is_empty() {
+            return Err(Error::Invalid(
+                "create_group: the rank list is empty".into(),
+            ));
+        }
+        let sorted: Vec<usize> = (0..size).filter(|&r| seen[r]).collect();
+        let _s = tracing::debug_span!("mpi.create_group", n = sorted.len()).entered();
+        self.creates.fetch_add(1, Ordering::Relaxed);
+        let raw = parent
+            .raw()
+            .create(&sorted)
+            .map_err(|e| backend_err(OP, e))?;
+        raw.map(|r| MpiCommunicator::from_raw(r, OP)).transpose()
+    }
+}

@@ -1,0 +1,890 @@
+//! Every `unsafe` block of the crate lives here: thin, `Result`-returning calls into the MPI C
+//! library (through `mpi::ffi`, rsmpi's raw bindings), and the owned handles that free what they
+//! own.
+//!
+//! Why raw calls instead of rsmpi's safe API: rsmpi discards the return codes of the MPI
+//! functions (it relies on the default `MPI_ERRORS_ARE_FATAL` handler). This crate installs
+//! `MPI_ERRORS_RETURN`, so every return code must be checked, which only the raw calls allow.
+//!
+//! The functions here are *safe* to call: each checks, before its `unsafe` block, every fact the
+//! C call relies on for memory safety (buffer lengths against counts, `int` ranges). The layers
+//! above validate arguments again with [`grid_core::comm::check`] to give users precise errors.
+//!
+//! Thread safety: MPI is initialised with `MPI_THREAD_MULTIPLE` (checked in
+//! [`crate::MpiRuntime::init`]; initialisation fails otherwise), under which every MPI function
+//! may be called from any thread concurrently. That is the invariant behind the `Send`/`Sync`
+//! impls below.
+
+use grid_core::{DType, HostBuffer, HostSlice, HostSliceMut};
+use mpi::ffi;
+use std::os::raw::{c_char, c_int, c_void};
+use std::sync::atomic::{AtomicBool, Ordering};
+
+/// Set just before `MPI_Finalize` runs; afterwards no MPI call may be made (handles are leaked,
+/// operations report `Finalized`).
+pub(crate) static FINALIZED: AtomicBool = AtomicBool::new(false);
+
+/// True once MPI was finalized (by our runtime or by anyone else).
+pub(crate) fn finalized() -> bool {
+    if FINALIZED.load(Ordering::Acquire) {
+        return true;
+    }
+    let mut flag: c_int = 0;
+    // SAFETY: MPI_Finalized may be called at any time, even before MPI_Init and after
+    // MPI_Finalize; `flag` is a valid out pointer.
+    unsafe { ffi::MPI_Finalized(&mut flag) };
+    flag != 0
+}
+
+/// A failure of a raw call: an MPI error code with its message, or an argument that cannot be
+/// passed to MPI at all.
+#[derive(Debug, Clone)]
+pub(crate) struct RawError(pub String);
+
+type R<T> = Result<T, RawError>;
+
+fn error_string(code: c_int) -> String {
+    let mut buf = vec![0 as c_char; 512]; // MPI_MAX_ERROR_STRING is 256 in Open MPI and MPICH
+    let mut len: c_int = 0;
+    // SAFETY: `buf` has 512 bytes, more than MPI_MAX_ERROR_STRING, which bounds what MPI writes;
+    // `len` is a valid out pointer.
+    let rc = unsafe { ffi::MPI_Error_string(code, buf.as_mut_ptr(), &mut len) };
+    if rc != 0 {
+        return format!("MPI error code {code}");
+    }
+    let len = usize::try_from(len).unwrap_or(0).min(buf.len());
+    let bytes: Vec<u8> = buf[..len].iter().map(|&c| c as u8).collect();
+    format!(
+        "{} (MPI error code {code})",
+        String::from_utf8_lossy(&bytes).trim_end_matches('\0')
+    )
+}
+
+fn rc(code: c_int) -> R<()> {
+    if code == ffi::MPI_SUCCESS as c_int {
+        Ok(())
+    } else {
+        Err(RawError(error_string(code)))
+    }
+}
+
+fn count(n: usize) -> R<c_int> {
+    c_int::try_from(n).map_err(|_| {
+        RawError(format!(
+            "{n} elements exceed the MPI count limit of {} (split the buffer)",
+            c_int::MAX
+        ))
+    })
+}
+
+fn int(what: &str, n: usize) -> R<c_int> {
+    c_int::try_from(n).map_err(|_| RawError(format!("{what} {n} does not fit an MPI int")))
+}
+
+/// The MPI datatype that carries `dtype`. Half types travel as 16-bit unsigned integers: MPI has
+/// no half-precision type, and moving bits is exact. Reductions never see them (see
+/// [`Reduce`]).
+fn datatype(dtype: DType) -> ffi::MPI_Datatype {
+    // SAFETY: reading the constant datatype handles exported by rsmpi's C shim; they are
+    // initialised statics of the C library.
+    unsafe {
+        match dtype {
+            DType::F32 => ffi::RSMPI_FLOAT,
+            DType::F64 => ffi::RSMPI_DOUBLE,
+            DType::I32 => ffi::RSMPI_INT32_T,
+            DType::I64 => ffi::RSMPI_INT64_T,
+            DType::U8 => ffi::RSMPI_UINT8_T,
+            DType::F16 | DType::BF16 => ffi::RSMPI_UINT16_T,
+        }
+    }
+}
+
+/// The four MPI reductions this crate uses (average is a sum followed by a division).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Reduce {
+    Sum,
+    Prod,
+    Min,
+    Max,
+}
+
+fn op(reduce: Reduce, dtype: DType) -> R<ffi::MPI_Op> {
+    if matches!(dtype, DType::F16 | DType::BF16) {
+        return Err(RawError(format!(
+            "internal: {dtype} reaches an MPI reduction (halves are reduced through f32)"
+        )));
+    }
+    // SAFETY: reading the constant operation handles exported by rsmpi's C shim.
+    Ok(unsafe {
+        match reduce {
+            Reduce::Sum => ffi::RSMPI_SUM,
+            Reduce::Prod => ffi::RSMPI_PROD,
+            Reduce::Min => ffi::RSMPI_MIN,
+            Reduce::Max => ffi::RSMPI_MAX,
+        }
+    })
+}
+
+fn same(what: &str, a: (DType, usize), b: (DType, usize)) -> R<()> {
+    if a == b {
+        Ok(())
+    } else {
+        Err(RawError(format!(
+            "internal: {what}: {} {} vs {} {}",
+            a.1, a.0, b.1, b.0
+        )))
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+// Communicator handles
+// ------------------------------------------------------------------------------------------
+
+/// An owned MPI communicator handle (never a predefined one), freed on drop.
+#[derive(Debug)]
+pub(crate) struct Comm(ffi::MPI_Comm);
+
+// SAFETY: an `MPI_Comm` is a handle (a pointer to an opaque object under Open MPI, an int under
+// MPICH). With MPI_THREAD_MULTIPLE, which `MpiRuntime::init` requires, MPI functions may be
+// called with the same handle from any thread, concurrently; the handle itself is never
+// mutated after creation except by `Drop`, which has exclusive access.
+unsafe impl Send for Comm {}
+// SAFETY: see `Send`; shared access only passes the handle by value to thread-safe MPI calls.
+unsafe impl Sync for Comm {}
+
+impl Drop for Comm {
+    fn drop(&mut self) {
+        if finalized() {
+            return; // MPI_Finalize released every communicator; no MPI call is allowed now
+        }
+        // SAFETY: `self.0` is a valid communicator created by this module and owned by this
+        // value alone (never a predefined communicator); nothing uses it after drop.
+        // Errors cannot be reported from drop; MPI_ERRORS_RETURN makes them non-fatal.
+        unsafe { ffi::MPI_Comm_free(&mut self.0) };
+    }
+}
+
+impl Comm {
+    /// A duplicate of `MPI_COMM_WORLD` with `MPI_ERRORS_RETURN` installed on both.
+    pub(crate) fn world_dup() -> R<Comm> {
+        // SAFETY: MPI is initialised (the caller is `MpiRuntime::init`); the predefined world
+        // handle and error handler are valid statics.
+        unsafe {
+            rc(ffi::MPI_Comm_set_errhandler(
+                ffi::RSMPI_COMM_WORLD,
+                ffi::RSMPI_ERRORS_RETURN,
+            ))?;
+            rc(ffi::MPI_Comm_set_errhandler(
+                ffi::RSMPI_COMM_SELF,
+                ffi::RSMPI_ERRORS_RETURN,
+            ))?;
+        }
+        let mut out = std::mem::MaybeUninit::<ffi::MPI_Comm>::uninit();
+        // SAFETY: `out` is a valid out pointer; MPI_Comm_dup writes it on success. The
+        // duplicate inherits the error handler of its parent.
+        unsafe {
+            rc(ffi::MPI_Comm_dup(ffi::RSMPI_COMM_WORLD, out.as_mut_ptr()))?;
+            Ok(Comm(out.assume_init()))
+        }
+    }
+
+    fn adopt(raw: ffi::MPI_Comm) -> R<Option<Comm>> {
+        // SAFETY: comparing a handle with the predefined null handle reads a static.
+        if raw == unsafe { ffi::RSMPI_COMM_NULL } {
+            return Ok(None);
+        }
+        let c = Comm(raw);
+        // SAFETY: `c.0` is a valid new communicator; children inherit the error handler, this
+        // sets it explicitly in case an implementation does not.
+        unsafe { rc(ffi::MPI_Comm_set_errhandler(c.0, ffi::RSMPI_ERRORS_RETURN))? };
+        Ok(Some(c))
+    }
+
+    /// `MPI_Comm_split`; `color = None` passes `MPI_UNDEFINED` and gets `None`.
+    pub(crate) fn split(&self, color: Option<usize>, key: usize) -> R<Option<Comm>> {
+        let color = match color {
+            // SAFETY: reading the MPI_UNDEFINED constant.
+            None => unsafe { ffi::RSMPI_UNDEFINED },
+            Some(c) => int("colour", c)?,
+        };
+        let key = int("key", key)?;
+        let mut out = std::mem::MaybeUninit::<ffi::MPI_Comm>::uninit();
+        // SAFETY: `self.0` is a valid communicator, `out` a valid out pointer written by
+        // MPI_Comm_split on success (MPI_COMM_NULL for MPI_UNDEFINED).
+        let raw = unsafe {
+            rc(ffi::MPI_Comm_split(self.0, color, key, out.as_mut_ptr()))?;
+            out.assume_init()
+        };
+        Comm::adopt(raw)
+    }
+
+    /// `MPI_Comm_create` over this communicator for the group of `ranks` (ranks of this
+    /// communicator, in the order they get in the new one). Collective over this communicator.
+    pub(crate) fn create(&self, ranks: &[usize]) -> R<Option<Comm>> {
+        let size = self.size()?;
+        let list = ranks
+            .iter()
+            .map(|&r| {
+                if r < size {
+                    int("rank", r)
+                } else {
+                    Err(RawError(format!("internal: rank {r} outside 0..{size}")))
+                }
+            })
+            .collect::<R<Vec<c_int>>>()?;
+        let n = count(list.len())?;
+        let mut parent = std::mem::MaybeUninit::<ffi::MPI_Group>::uninit();
+        let mut group = std::mem::MaybeUninit::<ffi::MPI_Group>::uninit();
+        let mut out = std::mem::MaybeUninit::<ffi::MPI_Comm>::uninit();
+        // SAFETY: valid communicator; out pointers valid; `list` holds `n` valid ranks of the
+        // parent group (checked above). Both groups are freed before returning.
+        unsafe {
+            rc(ffi::MPI_Comm_group(self.0, parent.as_mut_ptr()))?;
+            let mut parent = parent.assume_init();
+            let r = rc(ffi::MPI_Group_incl(
+                parent,
+                n,
+                list.as_ptr(),
+                group.as_mut_ptr(),
+            ));
+            if let Err(e) = r {
+                ffi::MPI_Group_free(&mut parent);
+                return Err(e);
+            }
+            let mut group = group.assume_init();
+            let r = rc(ffi::MPI_Comm_create(self.0, group, out.as_mut_ptr()));
+            ffi::MPI_Group_free(&mut group);
+            ffi::MPI_Group_free(&mut parent);
+            r?;
+            Comm::adopt(out.assume_init())
+        }
+    }
+
+    pub(crate) fn rank(&self) -> R<usize> {
+        let mut r: c_int = 0;
+        // SAFETY: valid communicator and out pointer.
+        unsafe { rc(ffi::MPI_Comm_rank(self.0, &mut r))? };
+        usize::try_from(r).map_err(|_| RawError(format!("MPI returned rank {r}")))
+    }
+
+    pub(crate) fn size(&self) -> R<usize> {
+        let mut s: c_int = 0;
+        // SAFETY: valid communicator and out pointer.
+        unsafe { rc(ffi::MPI_Comm_size(self.0, &mut s))? };
+        usize::try_from(s).map_err(|_| RawError(format!("MPI returned size {s}")))
+    }
+
+    /// The `MPI_COMM_WORLD` rank of every member, in this communicator's rank order.
+    pub(crate) fn world_ranks(&self) -> R<Vec<usize>> {
+        let n = self.size()?;
+        let ranks: Vec<c_int> = (0..n).map(|r| int("rank", r)).collect::<R<_>>()?;
+        let mut out: Vec<c_int> = vec![0; n];
+        let mut mine = std::mem::MaybeUninit::<ffi::MPI_Group>::uninit();
+        let mut world = std::mem::MaybeUninit::<ffi::MPI_Group>::uninit();
+        // SAFETY: valid communicators and out pointers; `ranks` and `out` both hold `n`
+        // entries, the count passed. Both groups are freed before returning.
+        unsafe {
+            rc(ffi::MPI_Comm_group(self.0, mine.as_mut_ptr()))?;
+            let mut mine = mine.assume_init();
+            let r = rc(ffi::MPI_Comm_group(
+                ffi::RSMPI_COMM_WORLD,
+                world.as_mut_ptr(),
+            ));
+            if let Err(e) = r {
+                ffi::MPI_Group_free(&mut mine);
+                return Err(e);
+            }
+            let mut world = world.assume_init();
+            let r = rc(ffi::MPI_Group_translate_ranks(
+                mine,
+                count(n)?,
+                ranks.as_ptr(),
+                world,
+                out.as_mut_ptr(),
+            ));
+            ffi::MPI_Group_free(&mut world);
+            ffi::MPI_Group_free(&mut mine);
+            r?;
+        }
+        out.into_iter()
+            .map(|r| usize::try_from(r).map_err(|_| RawError(format!("no world rank ({r})"))))
+            .collect()
+    }
+
+    // --------------------------------------------------------------------------------------
+    // Blocking operations on borrowed host memory
+    // --------------------------------------------------------------------------------------
+
+    pub(crate) fn all_reduce(
+        &self,
+        send: HostSlice<'_>,
+        mut recv: HostSliceMut<'_>,
+        r: Reduce,
+    ) -> R<()> {
+        same(
+            "all_reduce",
+            (send.dtype(), send.len()),
+            (recv.dtype(), recv.len()),
+        )?;
+        let (n, dt, op) = (
+            count(send.len())?,
+            datatype(send.dtype()),
+            op(r, send.dtype())?,
+        );
+        // SAFETY: both buffers hold `n` elements of the datatype passed (checked above) and
+        // stay borrowed for the whole blocking call.
+        unsafe {
+            rc(ffi::MPI_Allreduce(
+                send.as_ptr() as *const c_void,
+                recv.as_mut_ptr() as *mut c_void,
+                n,
+                dt,
+                op,
+                self.0,
+            ))
+        }
+    }
+
+    pub(crate) fn broadcast(&self, mut buf: HostSliceMut<'_>, root: usize) -> R<()> {
+        let (n, dt, root) = (count(buf.len())?, datatype(buf.dtype()), int("root", root)?);
+        // SAFETY: `buf` holds `n` elements of `dt` and stays borrowed for the call.
+        unsafe {
+            rc(ffi::MPI_Bcast(
+                buf.as_mut_ptr() as *mut c_void,
+                n,
+                dt,
+                root,
+                self.0,
+            ))
+        }
+    }
+
+    pub(crate) fn all_gather(&self, send: HostSlice<'_>, mut recv: HostSliceMut<'_>) -> R<()> {
+        let size = self.size()?;
+        same(
+            "all_gather",
+            (send.dtype(), send.len() * size),
+            (recv.dtype(), recv.len()),
+        )?;
+        let (n, dt) = (count(send.len())?, datatype(send.dtype()));
+        count(recv.len())?;
+        // SAFETY: `send` holds n elements and `recv` size·n elements of `dt` (checked above),
+        // which is what MPI_Allgather reads and writes; both borrowed for the call.
+        unsafe {
+            rc(ffi::MPI_Allgather(
+                send.as_ptr() as *const c_void,
+                n,
+                dt,
+                recv.as_mut_ptr() as *mut c_void,
+                n,
+                dt,
+                self.0,
+            ))
+        }
+    }
+
+    pub(crate) fn reduce_scatter(
+        &self,
+        send: HostSlice<'_>,
+        mut recv: HostSliceMut<'_>,
+        r: Reduce,
+    ) -> R<()> {
+        let size = self.size()?;
+        same(
+            "reduce_scatter",
+            (send.dtype(), send.len()),
+            (recv.dtype(), recv.len() * size),
+        )?;
+        let (n, dt, op) = (
+            count(recv.len())?,
+            datatype(recv.dtype()),
+            op(r, recv.dtype())?,
+        );
+        count(send.len())?;
+        // SAFETY: `send` holds size·n and `recv` n elements of `dt` (checked above).
+        unsafe {
+            rc(ffi::MPI_Reduce_scatter_block(
+                send.as_ptr() as *const c_void,
+                recv.as_mut_ptr() as *mut c_void,
+                n,
+                dt,
+                op,
+                self.0,
+            ))
+        }
+    }
+
+    pub(crate) fn all_to_all(&self, send: HostSlice<'_>, mut recv: HostSliceMut<'_>) -> R<()> {
+        let size = self.size()?.max(1);
+        same(
+            "all_to_all",
+            (send.dtype(), send.len()),
+            (recv.dtype(), recv.len()),
+        )?;
+        if send.len() % size != 0 {
+            return Err(RawError(format!(
+                "internal: all_to_all of {} elements over {size}",
+                send.len()
+            )));
+        }
+        let (n, dt) = (count(send.len() / size)?, datatype(send.dtype()));
+        count(send.len())?;
+        // SAFETY: both buffers hold size·n elements of `dt` (checked above).
+        unsafe {
+            rc(ffi::MPI_Alltoall(
+                send.as_ptr() as *const c_void,
+                n,
+                dt,
+                recv.as_mut_ptr() as *mut c_void,
+                n,
+                dt,
+                self.0,
+            ))
+        }
+    }
+
+    pub(crate) fn barrier(&self) -> R<()> {
+        // SAFETY: valid communicator.
+        unsafe { rc(ffi::MPI_Barrier(self.0)) }
+    }
+
+    pub(crate) fn send(&self, buf: HostSlice<'_>, peer: usize, tag: u32) -> R<()> {
+        let (n, dt) = (count(buf.len())?, datatype(buf.dtype()));
+        let (peer, tag) = (int("peer", peer)?, int("tag", tag as usize)?);
+        // SAFETY: `buf` holds n elements of `dt`, borrowed for the blocking call.
+        unsafe {
+            rc(ffi::MPI_Send(
+                buf.as_ptr() as *const c_void,
+                n,
+                dt,
+                peer,
+                tag,
+                self.0,
+            ))
+        }
+    }
+
+    /// Receives into `buf`; returns the number of elements that arrived.
+    pub(crate) fn recv(&self, mut buf: HostSliceMut<'_>, peer: usize, tag: u32) -> R<usize> {
+        let (n, dt) = (count(buf.len())?, datatype(buf.dtype()));
+        let (peer, tag) = (int("peer", peer)?, int("tag", tag as usize)?);
+        let mut status = std::mem::MaybeUninit::<ffi::MPI_Status>::uninit();
+        let mut got: c_int = 0;
+        // SAFETY: `buf` holds n elements of `dt` (MPI writes at most n, else MPI_ERR_TRUNCATE);
+        // `status` is written by MPI_Recv on success and only read after that.
+        unsafe {
+            rc(ffi::MPI_Recv(
+                buf.as_mut_ptr() as *mut c_void,
+                n,
+                dt,
+                peer,
+                tag,
+                self.0,
+                status.as_mut_ptr(),
+            ))?;
+            rc(ffi::MPI_Get_count(status.as_ptr(), dt, &mut got))?;
+        }
+        usize::try_from(got).map_err(|_| RawError(format!("MPI_Get_count returned {got}")))
+    }
+
+    /// Posts every send and receive, then waits for all of them. Borrowed buffers are safe
+    /// because this function does not return before every posted request completed.
+    pub(crate) fn batch(&self, ops: &mut [P2p<'_, '_>]) -> R<()> {
+        let mut reqs: Vec<ffi::MPI_Request> = Vec::with_capacity(ops.len());
+        let mut first_err = None;
+        for op in ops.iter_mut() {
+            let mut req = std::mem::MaybeUninit::<ffi::MPI_Request>::uninit();
+            let posted = match op {
+                P2p::Send { buf, peer, tag } => (|| {
+                    let (n, dt) = (count(buf.len())?, datatype(buf.dtype()));
+                    let (p, t) = (int("peer", *peer)?, int("tag", *tag as usize)?);
+                    // SAFETY: `buf` holds n elements of `dt` and is borrowed until this
+                    // function returns, which is after the request completed (waitall below).
+                    unsafe {
+                        rc(ffi::MPI_Isend(
+                            buf.as_ptr() as *const c_void,
+                            n,
+                            dt,
+                            p,
+                            t,
+                            self.0,
+                            req.as_mut_ptr(),
+                        ))
+                    }
+                })(),
+                P2p::Recv { buf, peer, tag } => (|| {
+                    let (n, dt) = (count(buf.len())?, datatype(buf.dtype()));
+                    let (p, t) = (int("peer", *peer)?, int("tag", *tag as usize)?);
+                    // SAFETY: as for sends; the receive buffer is exclusively borrowed.
+                    unsafe {
+                        rc(ffi::MPI_Irecv(
+                            buf.as_mut_ptr() as *mut c_void,
+                            n,
+                            dt,
+                            p,
+                            t,
+                            self.0,
+                            req.as_mut_ptr(),
+                        ))
+                    }
+                })(),
+            };
+            match posted {
+                // SAFETY: MPI_Isend/MPI_Irecv wrote the request on success.
+                Ok(()) => reqs.push(unsafe { req.assume_init() }),
+                Err(e) => {
+                    first_err = Some(e);
+                    break;
+                }
+            }
+        }
+        let n = count(reqs.len())?;
+        // SAFETY: `reqs` holds n requests posted above; statuses are ignored. Waiting on all of
+        // them before returning keeps every borrowed buffer alive while MPI uses it.
+        let waited = unsafe {
+            rc(ffi::MPI_Waitall(
+                n,
+                reqs.as_mut_ptr(),
+                ffi::RSMPI_STATUSES_IGNORE,
+            ))
+        };
+        match first_err {
+            Some(e) => Err(e),
+            None => waited,
+        }
+    }
+
+    /// Terminates every process of the job (`MPI_Abort`); used by the test launcher after a
+    /// rank failed, so that the other ranks do not wait for it forever.
+    pub(crate) fn abort_world(code: i32) {
+        if finalized() {
+            return;
+        }
+        // SAFETY: MPI is initialised and not finalized (checked); aborting is always allowed.
+        unsafe { ffi::MPI_Abort(ffi::RSMPI_COMM_WORLD, code) };
+    }
+}
+
+/// One operation of [`Comm::batch`].
+pub(crate) enum P2p<'s, 'b> {
+    Send {
+        buf: HostSlice<'b>,
+        peer: usize,
+        tag: u32,
+    },
+    Recv {
+        buf: &'s mut HostSliceMut<'b>,
+        peer: usize,
+        tag: u32,
+    },
+}
+
+// ------------------------------------------------------------------------------------------
+// Nonblocking operations on owned host memory
+// ------------------------------------------------------------------------------------------
+
+/// What a nonblocking operation runs.
+pub(crate) enum Immediate {
+    /// `bufs[0]` is the input, `bufs[1]` the result.
+    AllReduce(Reduce),
+    /// `bufs[0]` in place.
+    Broadcast(usize),
+    /// `bufs[0]` input block, `bufs[1]` result.
+    AllGather,
+    /// `bufs[0]` input, `bufs[1]` this rank's block.
+    ReduceScatter(Reduce),
+    /// `bufs[0]` input, `bufs[1]` result.
+    AllToAll,
+    /// No buffers.
+    Barrier,
+    /// `bufs[0]` sent.
+    Send(usize, u32),
+    /// `bufs[0]` received into.
+    Recv(usize, u32),
+}
+
+/// A started nonblocking MPI operation that owns its buffers until it completed.
+///
+/// Invariant: while `req` is active, the heap memory of every buffer in `bufs` is in use by MPI.
+/// The buffers are only reachable through this value; they are neither read, written, moved out
+/// nor freed before the request completed (`wait`, a successful `test`, or `Drop`, which waits).
+/// Moving a `Pending` moves the `Vec` headers, not the heap memory MPI holds pointers into.
+pub(crate) struct Pending {
+    req: ffi::MPI_Request,
+    done: bool,
+    bufs: Vec<HostBuffer>,
+    /// For receives: the element count that arrived.
+    pub(crate) received: Option<usize>,
+    is_recv: bool,
+    dtype: DType,
+}
+
+// SAFETY: the request handle may be tested or waited on from any thread under
+// MPI_THREAD_MULTIPLE; the owned buffers are plain `Vec`s (Send).
+unsafe impl Send for Pending {}
+
+impl Comm {
+    /// Starts `what` on owned buffers. Checks lengths against the communicator size before
+    /// handing pointers to MPI.
+    pub(crate) fn start(&self, what: Immediate, mut bufs: Vec<HostBuffer>) -> R<Pending> {
+        let size = self.size()?.max(1);
+        let need = |k: usize| -> R<()> {
+            if bufs.len() == k {
+                Ok(())
+            } else {
+                Err(RawError(format!(
+                    "internal: {k} buffers expected, got {}",
+                    bufs.len()
+                )))
+            }
+        };
+        let mut req = std::mem::MaybeUninit::<ffi::MPI_Request>::uninit();
+        let dtype = bufs.first().map(|b| b.dtype()).unwrap_or(DType::U8);
+        let dt = datatype(dtype);
+        let is_recv = matches!(what, Immediate::Recv(..));
+        match what {
+            Immediate::AllReduce(r) => {
+                need(2)?;
+                same(
+                    "iall_reduce",
+                    (bufs[0].dtype(), bufs[0].len()),
+                    (bufs[1].dtype(), bufs[1].len()),
+                )?;
+                let (n, op) = (count(bufs[0].len())?, op(r, dtype)?);
+                let (s, d) = two(&mut bufs);
+                // SAFETY: both owned buffers hold n elements of `dt`; they move into the
+                // returned `Pending`, which keeps them untouched until completion.
+                unsafe {
+                    rc(ffi::MPI_Iallreduce(
+                        s,
+                        d,
+                        n,
+                        dt,
+                        op,
+                        self.0,
+                        req.as_mut_ptr(),
+                    ))?
+                };
+            }
+            Immediate::Broadcast(root) => {
+                need(1)?;
+                let (n, root) = (count(bufs[0].len())?, int("root", root)?);
+                let p = bufs[0].as_mut_slice().as_mut_ptr() as *mut c_void;
+                // SAFETY: the owned buffer holds n elements; kept alive by `Pending`.
+                unsafe { rc(ffi::MPI_Ibcast(p, n, dt, root, self.0, req.as_mut_ptr()))? };
+            }
+            Immediate::AllGather => {
+                need(2)?;
+                same(
+                    "iall_gather",
+                    (bufs[0].dtype(), bufs[0].len() * size),
+                    (bufs[1].dtype(), bufs[1].len()),
+                )?;
+                let n = count(bufs[0].len())?;
+                count(bufs[1].len())?;
+                let (s, d) = two(&mut bufs);
+                // SAFETY: send holds n, recv size·n elements of `dt`; kept alive by `Pending`.
+                unsafe {
+                    rc(ffi::MPI_Iallgather(
+                        s,
+                        n,
+                        dt,
+                        d,
+                        n,
+                        dt,
+                        self.0,
+                        req.as_mut_ptr(),
+                    ))?
+                };
+            }
+            Immediate::ReduceScatter(r) => {
+                need(2)?;
+                same(
+                    "ireduce_scatter",
+                    (bufs[0].dtype(), bufs[0].len()),
+                    (bufs[1].dtype(), bufs[1].len() * size),
+                )?;
+                let (n, op) = (count(bufs[1].len())?, op(r, dtype)?);
+                count(bufs[0].len())?;
+                let (s, d) = two(&mut bufs);
+                // SAFETY: send holds size·n, recv n elements; kept alive by `Pending`.
+                unsafe {
+                    rc(ffi::MPI_Ireduce_scatter_block(
+                        s,
+                        d,
+                        n,
+                        dt,
+                        op,
+                        self.0,
+                        req.as_mut_ptr(),
+                    ))?
+                };
+            }
+            Immediate::AllToAll => {
+                need(2)?;
+                same(
+                    "iall_to_all",
+                    (bufs[0].dtype(), bufs[0].len()),
+                    (bufs[1].dtype(), bufs[1].len()),
+                )?;
+                if bufs[0].len() % size != 0 {
+                    return Err(RawError("internal: all_to_all length not divisible".into()));
+                }
+                let n = count(bufs[0].len() / size)?;
+                count(bufs[0].len())?;
+                let (s, d) = two(&mut bufs);
+                // SAFETY: both hold size·n elements; kept alive by `Pending`.
+                unsafe {
+                    rc(ffi::MPI_Ialltoall(
+                        s,
+                        n,
+                        dt,
+                        d,
+                        n,
+                        dt,
+                        self.0,
+                        req.as_mut_ptr(),
+                    ))?
+                };
+            }
+            Immediate::Barrier => {
+                need(0)?;
+                // SAFETY: valid communicator and out pointer.
+                unsafe { rc(ffi::MPI_Ibarrier(self.0, req.as_mut_ptr()))? };
+            }
+            Immediate::Send(peer, tag) => {
+                need(1)?;
+                let (n, p, t) = (
+                    count(bufs[0].len())?,
+                    int("peer", peer)?,
+                    int("tag", tag as usize)?,
+                );
+                let s = bufs[0].as_slice().as_ptr() as *const c_void;
+                // SAFETY: the owned buffer holds n elements; kept alive by `Pending`.
+                unsafe { rc(ffi::MPI_Isend(s, n, dt, p, t, self.0, req.as_mut_ptr()))? };
+            }
+            Immediate::Recv(peer, tag) => {
+                need(1)?;
+                let (n, p, t) = (
+                    count(bufs[0].len())?,
+                    int("peer", peer)?,
+                    int("tag", tag as usize)?,
+                );
+                let d = bufs[0].as_mut_slice().as_mut_ptr() as *mut c_void;
+                // SAFETY: the owned buffer holds n elements; kept alive by `Pending`.
+                unsafe { rc(ffi::MPI_Irecv(d, n, dt, p, t, self.0, req.as_mut_ptr()))? };
+            }
+        }
+        Ok(Pending {
+            // SAFETY: every branch above returned early unless the MPI call succeeded and
+            // wrote the request.
+            req: unsafe { req.assume_init() },
+            done: false,
+            bufs,
+            received: None,
+            is_recv,
+            dtype,
+        })
+    }
+}
+
+/// Pointers of an input and an output buffer (distinct `Vec`s, so no aliasing).
+fn two(bufs: &mut [HostBuffer]) -> (*const c_void, *mut c_void) {
+    let (a, b) = bufs.split_at_mut(1);
+    (
+        a[0].as_slice().as_ptr() as *const c_void,
+        b[0].as_mut_slice().as_mut_ptr() as *mut c_void,
+    )
+}
+
+impl Pending {
+    fn complete(&mut self, status: &ffi::MPI_Status) -> R<()> {
+        self.done = true;
+        if self.is_recv {
+            let mut got: c_int = 0;
+            // SAFETY: `status` was filled by the completed MPI_Wait/MPI_Test.
+            unsafe { rc(ffi::MPI_Get_count(status, datatype(self.dtype), &mut got))? };
+            self.received = usize::try_from(got).ok();
+        }
+        Ok(())
+    }
+
+    /// Non-blocking completion test (`MPI_Test`).
+    pub(crate) fn test(&mut self) -> R<bool> {
+        if self.done {
+            return Ok(true);
+        }
+        if finalized() {
+            return Err(RawError(
+                "MPI was finalized while the operation was pending".into(),
+            ));
+        }
+        let mut flag: c_int = 0;
+        let mut status = std::mem::MaybeUninit::<ffi::MPI_Status>::zeroed();
+        // SAFETY: `req` is an active request owned by this value; out pointers are valid.
+        unsafe { rc(ffi::MPI_Test(&mut self.req, &mut flag, status.as_mut_ptr()))? };
+        if flag != 0 {
+            // SAFETY: zero-initialised and written by MPI_Test on completion.
+            let status = unsafe { status.assume_init() };
+            self.complete(&status)?;
+        }
+        Ok(self.done)
+    }
+
+    /// Blocks until completion (`MPI_Wait`) and hands the buffers back.
+    pub(crate) fn wait(mut self) -> R<(Vec<HostBuffer>, Option<usize>)> {
+        if !self.done {
+            if finalized() {
+                return Err(RawError(
+                    "MPI was finalized while the operation was pending".into(),
+                ));
+            }
+            let mut status = std::mem::MaybeUninit::<ffi::MPI_Status>::zeroed();
+            // SAFETY: `req` is an active request owned by this value.
+            let r = unsafe { rc(ffi::MPI_Wait(&mut self.req, status.as_mut_ptr())) };
+            // An error from MPI_Wait still completes (frees) the request.
+            self.done = true;
+            r?;
+            // SAFETY: zero-initialised and written by MPI_Wait.
+            let status = unsafe { status.assume_init() };
+            self.complete(&status)?;
+        }
+        Ok((std::mem::take(&mut self.bufs), self.received))
+    }
+}
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        if self.done {
+            return;
+        }
+        if finalized() {
+            // MPI may still hold pointers into the buffers and can no longer be asked: leak
+            // them rather than free memory that might be written.
+            std::mem::forget(std::mem::take(&mut self.bufs));
+            return;
+        }
+        // SAFETY: `req` is active and owned; waiting keeps the buffers alive until MPI is done.
+        let r = unsafe { ffi::MPI_Wait(&mut self.req, ffi::RSMPI_STATUS_IGNORE) };
+        if r != 0 {
+            // The request state is unknown: leak the buffers to stay memory safe.
+            std::mem::forget(std::mem::take(&mut self.bufs));
+        }
+    }
+}
+
+/// The job's world size and this process's world rank as the launcher's environment gives
+/// them, without touching MPI.
+pub(crate) fn env_world() -> Option<(usize, usize)> {
+    let get = |k: &str| std::env::var(k).ok().and_then(|v| v.parse::<usize>().ok());
+    let size = get("OMPI_COMM_WORLD_SIZE").or_else(|| get("PMI_SIZE"))?;
+    let rank = get("OMPI_COMM_WORLD_RANK")
+        .or_else(|| get("PMI_RANK"))
+        .unwrap_or(0);
+    Some((size, rank))
+}
+
+/// Marks MPI as finalized from now on (called right before `MPI_Finalize`).
+pub(crate) fn mark_finalized() {
+    FINALIZED.store(true, Ordering::Release);
+}

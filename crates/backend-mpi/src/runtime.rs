@@ -1,0 +1,136 @@
+//! MPI initialisation and the world communicator.
+
+use crate::comm::{backend_err, MpiCommunicator};
+use crate::raw;
+use grid_core::{Error, Result};
+use mpi::Threading;
+
+/// The MPI library of this process: `MPI_Init_thread(MPI_THREAD_MULTIPLE)` when created,
+/// `MPI_Finalize` when dropped, and the world communicator in between.
+///
+/// MPI can be initialised **once per process**: a second [`MpiRuntime::init`] (also after the
+/// first runtime was dropped) returns an error. Keep the runtime alive for as long as MPI is
+/// used, typically in `main`. Communicators that outlive it report
+/// [`Error::Finalized`] and are not freed (MPI_Finalize released them).
+///
+/// ```no_run
+/// use backend_mpi::MpiRuntime;
+/// use grid_core::Communicator;
+/// let rt = MpiRuntime::init()?;
+/// println!("rank {} of {}", rt.world().rank(), rt.world().size());
+/// # Ok::<(), grid_core::Error>(())
+/// ```
+pub struct MpiRuntime {
+    // Field order matters: fields drop in declaration order, so the world communicator is
+    // freed before the finalizer runs MPI_Finalize.
+    world: MpiCommunicator,
+    _finalizer: Finalizer,
+    threading: Threading,
+}
+
+impl std::fmt::Debug for MpiRuntime {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MpiRuntime")
+            .field("world_rank", &grid_core::Communicator::rank(&self.world))
+            .field("world_size", &grid_core::Communicator::size(&self.world))
+            .field("threading", &self.threading)
+            .finish()
+    }
+}
+
+impl MpiRuntime {
+    /// Initialises MPI with `MPI_THREAD_MULTIPLE`, installs `MPI_ERRORS_RETURN` on
+    /// `MPI_COMM_WORLD` and creates the world communicator (a duplicate of `MPI_COMM_WORLD`).
+    ///
+    /// Fails if MPI was already initialised in this process, or if the library cannot provide
+    /// `MPI_THREAD_MULTIPLE` (the communicators are `Send + Sync`, which needs it).
+    ///
+    /// ```no_run
+    /// let rt = backend_mpi::MpiRuntime::init()?;
+    /// # Ok::<(), grid_core::Error>(())
+    /// ```
+    pub fn init() -> Result<MpiRuntime> {
+        let (universe, threading) = mpi::initialize_with_threading(Threading::Multiple)
+            .ok_or_else(|| {
+                Error::Invalid(
+                    "MPI is already initialised in this process (or was finalized): MPI can be \
+                 initialised only once per process; keep one MpiRuntime for the whole program"
+                        .into(),
+                )
+            })?;
+        if threading != Threading::Multiple {
+            drop(universe);
+            raw::mark_finalized();
+            return Err(Error::Backend {
+                backend: "mpi",
+                op: "init",
+                message: format!(
+                    "the MPI library provides thread level {threading:?}, but MPI_THREAD_MULTIPLE is \
+                     required (Open MPI and MPICH from Debian provide it)"
+                ),
+            });
+        }
+        let world = raw::Comm::world_dup().map_err(|e| backend_err("init", e));
+        let world = match world.and_then(|c| MpiCommunicator::from_raw(c, "init")) {
+            Ok(w) => w,
+            Err(e) => {
+                raw::mark_finalized();
+                drop(universe);
+                return Err(e);
+            }
+        };
+        Ok(MpiRuntime {
+            world,
+            _finalizer: Finalizer(Some(universe)),
+            threading,
+        })
+    }
+
+    /// The world communicator (all processes of the job). Its `global_ranks()` are
+    /// `0..size`.
+    ///
+    /// ```no_run
+    /// # let rt = backend_mpi::MpiRuntime::init()?;
+    /// use grid_core::Communicator;
+    /// assert_eq!(rt.world().global_ranks().len(), rt.world().size());
+    /// # Ok::<(), grid_core::Error>(())
+    /// ```
+    pub fn world(&self) -> &MpiCommunicator {
+        &self.world
+    }
+
+    /// The rsmpi world communicator, for calling rsmpi directly (benchmarks, interop). It uses
+    /// `MPI_COMM_WORLD` itself, whose error handler this runtime set to `MPI_ERRORS_RETURN`.
+    ///
+    /// ```no_run
+    /// # let rt = backend_mpi::MpiRuntime::init()?;
+    /// use mpi::traits::Communicator as _;
+    /// let n = rt.rsmpi_world().size();
+    /// # Ok::<(), grid_core::Error>(())
+    /// ```
+    pub fn rsmpi_world(&self) -> mpi::topology::SimpleCommunicator {
+        mpi::topology::SimpleCommunicator::world()
+    }
+
+    /// Terminates every process of the job with `code` (`MPI_Abort`). For a rank that failed
+    /// and must not leave the others waiting forever.
+    ///
+    /// ```no_run
+    /// # let rt = backend_mpi::MpiRuntime::init()?;
+    /// rt.abort(1);
+    /// # Ok::<(), grid_core::Error>(())
+    /// ```
+    pub fn abort(&self, code: i32) {
+        raw::Comm::abort_world(code);
+    }
+}
+
+/// Owns the rsmpi universe; marks MPI finalized right before `MPI_Finalize` runs.
+struct Finalizer(Option<mpi::environment::Universe>);
+
+impl Drop for Finalizer {
+    fn drop(&mut self) {
+        raw::mark_finalized();
+        drop(self.0.take());
+    }
+}
