@@ -1,0 +1,16 @@
+//! # multimodule
+//!
+//! Stage accounting, bridge communicators and the multi-module pipeline communicator for models
+//! built from several modules with different parallel layouts (SEMANTICS.md §5–6).
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
+
+mod error;
+mod ordered;
+mod spec;
+mod stages;
+
+pub use error::{Error, Result};
+pub use ordered::OrderedMap;
+pub use spec::{DimMapping, ModuleSpec, PipelineSpec};
+pub use stages::StageTable;

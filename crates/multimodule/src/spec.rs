@@ -1,0 +1,1050 @@
+//! The pipeline spec: modules (in file order) with their grids, the module topology, per-module
+//! output dimensionality, the language-model module, the dim mapping and the colocation groups.
+//!
+//! # File format (JSON; TOML has the same structure)
+//! ```json
+//! {
+//!   "world_size": 8,
+//!   "modules": {
+//!     "image_encoder": {"grid": {"shape": [1, 1, 1, 1], "dims": ["tp", "cp", "pp", "dp"], "rank_offset": 0}},
+//!     "audio_encoder": {"tp": 1, "offset": 1},
+//!     "llm":           {"tp": 2, "pp": 2, "offset": 2, "output_ndim": 3},
+//!     "generator":     {"tp": 2, "offset": 6}
+//!   },
+//!   "topology": {"image_encoder": ["llm"], "audio_encoder": ["llm"], "llm": ["generator"]},
+//!   "language_model": "llm",
+//!   "dim_mapping": {"s": 1, "b": 0, "h": 2},
+//!   "colocated": []
+//! }
+//! ```
+//! * `modules` is a map (kept in file order) or a list of entries with a `name` field. A module's
+//!   grid is either under `grid` or written inline; either form is the full one
+//!   (`shape`, `dims` (alias `dim_names`), `rank_offset`) or the short one
+//!   (`tp`, `cp`, `pp`, `dp`, `gtp_remat`, `offset`, each defaulting to 1 / 0; dims
+//!   `[tp, cp, pp, dp]`, or `[tp, gtp_remat, cp, pp, dp]` when `gtp_remat` is given).
+//!   `output_ndim` (2 or 3, default 3) may be given per module or in a top-level
+//!   `module_output_ndim` map (Megatron's name).
+//! * `topology` maps a module to its downstream modules. A module without a key is a sink
+//!   (Megatron's constructor raises `KeyError` there). Repeated edges are kept once.
+//! * `language_model` (alias `language_model_module_name`) names one module, optional.
+//! * `colocated` lists groups of modules that are *meant* to share ranks. Any two modules whose
+//!   rank ranges overlap must appear together in one group; otherwise the spec is rejected,
+//!   because overlapping rank ranges are far more often a wrong `rank_offset` than a design.
+//! * `world_size` is optional; when given every grid must fit in it.
+//!
+//! Validation rejects: no module, empty or repeated names, unknown names anywhere, a cycle
+//! **anywhere** in the graph (Megatron only notices cycles upstream of the queried module), no
+//! sink, a grid without `pp`, undeclared overlaps, a bad `output_ndim` or `dim_mapping`.
+
+use crate::error::{Error, Result};
+use crate::ordered::OrderedMap;
+use grid_core::HyperGrid;
+use serde::de::{self, Deserializer, MapAccess, SeqAccess, Visitor};
+use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+use std::fmt;
+use std::path::Path;
+
+/// Where the sequence (`s`), batch (`b`) and hidden (`h`) dimensions sit in a 3-D activation.
+/// Megatron's default is `{s: 1, b: 0, h: 2}`; 2-D activations (`[B·S, H]`) always use dim 0 as
+/// the batch dimension, whatever the mapping says.
+///
+/// ```
+/// use multimodule::DimMapping;
+/// let m = DimMapping::default();
+/// assert_eq!((m.s, m.b, m.h), (1, 0, 2));
+/// assert!(DimMapping::new(0, 0, 2).is_err());
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DimMapping {
+    /// Sequence dimension.
+    pub s: usize,
+    /// Batch dimension.
+    pub b: usize,
+    /// Hidden dimension.
+    pub h: usize,
+}
+
+impl Default for DimMapping {
+    fn default() -> Self {
+        DimMapping { s: 1, b: 0, h: 2 }
+    }
+}
+
+impl DimMapping {
+    /// A mapping; `s`, `b` and `h` must be 0, 1 and 2 in some order.
+    pub fn new(s: usize, b: usize, h: usize) -> Result<DimMapping> {
+        let m = DimMapping { s, b, h };
+        m.validate()?;
+        Ok(m)
+    }
+    /// Checks that the mapping is a permutation of 0, 1, 2.
+    pub fn validate(&self) -> Result<()> {
+        let mut seen = [false; 3];
+        for v in [self.s, self.b, self.h] {
+            if v > 2 || std::mem::replace(&mut seen[v], true) {
+                return Err(Error::BadDimMapping {
+                    s: self.s,
+                    b: self.b,
+                    h: self.h,
+                });
+            }
+        }
+        Ok(())
+    }
+    /// The batch dimension of a tensor with `ndim` dimensions: `b` for 3-D, 0 for 2-D.
+    pub fn batch_dim(&self, ndim: usize) -> usize {
+        if ndim == 3 {
+            self.b
+        } else {
+            0
+        }
+    }
+    /// The sequence dimension of a tensor with `ndim` dimensions (`None` for 2-D, where the
+    /// sequence is folded into dim 0 together with the batch).
+    pub fn seq_dim(&self, ndim: usize) -> Option<usize> {
+        (ndim == 3).then_some(self.s)
+    }
+}
+
+// ----- raw (file) form ---------------------------------------------------------------------------
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawGrid {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    shape: Option<Vec<usize>>,
+    #[serde(default, alias = "dim_names", skip_serializing_if = "Option::is_none")]
+    dims: Option<Vec<String>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    rank_offset: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    tp: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    cp: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pp: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    dp: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    gtp_remat: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    offset: Option<usize>,
+}
+
+impl RawGrid {
+    fn is_empty(&self) -> bool {
+        self.shape.is_none()
+            && self.dims.is_none()
+            && self.rank_offset.is_none()
+            && self.tp.is_none()
+            && self.cp.is_none()
+            && self.pp.is_none()
+            && self.dp.is_none()
+            && self.gtp_remat.is_none()
+            && self.offset.is_none()
+    }
+
+    fn build(self, module: &str) -> Result<HyperGrid> {
+        let short = [
+            self.tp,
+            self.cp,
+            self.pp,
+            self.dp,
+            self.gtp_remat,
+            self.offset,
+        ];
+        let has_short = short.iter().any(Option::is_some);
+        let has_full = self.shape.is_some() || self.dims.is_some() || self.rank_offset.is_some();
+        let form = |message: &str| Error::GridForm {
+            module: module.to_string(),
+            message: message.to_string(),
+        };
+        let grid = if has_full {
+            if has_short {
+                return Err(form("give either the full form (shape, dims, rank_offset) or the short form (tp, cp, pp, dp, gtp_remat, offset), not both"));
+            }
+            let shape = self.shape.ok_or_else(|| {
+                form("the full form needs \"shape\" (sizes, fastest dimension first)")
+            })?;
+            let dims = self.dims.ok_or_else(|| {
+                form("the full form needs \"dims\" (one name per entry of shape)")
+            })?;
+            HyperGrid::new(shape, &dims, self.rank_offset.unwrap_or(0))
+        } else {
+            let tp = self.tp.unwrap_or(1);
+            let cp = self.cp.unwrap_or(1);
+            let pp = self.pp.unwrap_or(1);
+            let dp = self.dp.unwrap_or(1);
+            let off = self.offset.unwrap_or(0);
+            match self.gtp_remat {
+                Some(g) => HyperGrid::new(
+                    vec![tp, g, cp, pp, dp],
+                    &["tp", "gtp_remat", "cp", "pp", "dp"],
+                    off,
+                ),
+                None => HyperGrid::new(vec![tp, cp, pp, dp], &["tp", "cp", "pp", "dp"], off),
+            }
+        };
+        grid.map_err(|source| Error::Grid {
+            module: module.to_string(),
+            source,
+        })
+    }
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawModule {
+    #[serde(default)]
+    name: Option<String>,
+    #[serde(default)]
+    grid: Option<RawGrid>,
+    #[serde(default)]
+    output_ndim: Option<usize>,
+    #[serde(default)]
+    shape: Option<Vec<usize>>,
+    #[serde(default, alias = "dim_names")]
+    dims: Option<Vec<String>>,
+    #[serde(default)]
+    rank_offset: Option<usize>,
+    #[serde(default)]
+    tp: Option<usize>,
+    #[serde(default)]
+    cp: Option<usize>,
+    #[serde(default)]
+    pp: Option<usize>,
+    #[serde(default)]
+    dp: Option<usize>,
+    #[serde(default)]
+    gtp_remat: Option<usize>,
+    #[serde(default)]
+    offset: Option<usize>,
+}
+
+impl RawModule {
+    fn split(self) -> (Option<RawGrid>, RawGrid, Option<usize>) {
+        let inline = RawGrid {
+            shape: self.shape,
+            dims: self.dims,
+            rank_offset: self.rank_offset,
+            tp: self.tp,
+            cp: self.cp,
+            pp: self.pp,
+            dp: self.dp,
+            gtp_remat: self.gtp_remat,
+            offset: self.offset,
+        };
+        (self.grid, inline, self.output_ndim)
+    }
+}
+
+/// Modules as a map (file order) or as a list of entries with `name`.
+#[derive(Debug, Clone, Default)]
+struct RawModules(Vec<(String, RawModule)>);
+
+impl<'de> Deserialize<'de> for RawModules {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        struct Vis;
+        impl<'de> Visitor<'de> for Vis {
+            type Value = RawModules;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(
+                    "a map from module names to modules, or a list of modules with a \"name\"",
+                )
+            }
+            fn visit_map<A: MapAccess<'de>>(
+                self,
+                mut a: A,
+            ) -> std::result::Result<RawModules, A::Error> {
+                let mut out = Vec::new();
+                while let Some((k, v)) = a.next_entry::<String, RawModule>()? {
+                    if let Some(n) = &v.name {
+                        if *n != k {
+                            return Err(de::Error::custom(format!(
+                                "module '{k}' has a different \"name\" field '{n}'"
+                            )));
+                        }
+                    }
+                    out.push((k, v));
+                }
+                Ok(RawModules(out))
+            }
+            fn visit_seq<A: SeqAccess<'de>>(
+                self,
+                mut a: A,
+            ) -> std::result::Result<RawModules, A::Error> {
+                let mut out = Vec::new();
+                while let Some(v) = a.next_element::<RawModule>()? {
+                    let name = v.name.clone().ok_or_else(|| {
+                        de::Error::custom(format!(
+                            "module number {} of the list has no \"name\"",
+                            out.len()
+                        ))
+                    })?;
+                    out.push((name, v));
+                }
+                Ok(RawModules(out))
+            }
+        }
+        d.deserialize_any(Vis)
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawSpec {
+    #[serde(default)]
+    world_size: Option<usize>,
+    modules: RawModules,
+    #[serde(default)]
+    topology: OrderedMap<Vec<String>>,
+    #[serde(default, alias = "language_model_module_name")]
+    language_model: Option<String>,
+    #[serde(default)]
+    dim_mapping: Option<DimMapping>,
+    #[serde(default)]
+    module_output_ndim: OrderedMap<usize>,
+    #[serde(default)]
+    colocated: Vec<Vec<String>>,
+}
+
+// ----- validated form ----------------------------------------------------------------------------
+
+/// One module of a pipeline: its name, grid and output dimensionality.
+///
+/// ```
+/// use grid_core::HyperGrid;
+/// use multimodule::ModuleSpec;
+/// let g = HyperGrid::new(vec![2, 1, 2, 1], &["tp", "cp", "pp", "dp"], 4).unwrap();
+/// let m = ModuleSpec::new("llm", g);
+/// assert_eq!(m.pp_size(), 2);
+/// assert_eq!(m.output_ndim, 3);
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ModuleSpec {
+    /// Module name.
+    pub name: String,
+    /// The module's grid (it must have a `pp` dimension).
+    pub grid: HyperGrid,
+    /// Dimensionality of the module's output activations (2 or 3).
+    pub output_ndim: usize,
+}
+
+impl ModuleSpec {
+    /// A module with 3-D outputs.
+    pub fn new(name: impl Into<String>, grid: HyperGrid) -> ModuleSpec {
+        ModuleSpec {
+            name: name.into(),
+            grid,
+            output_ndim: 3,
+        }
+    }
+    /// The same module with another output dimensionality.
+    pub fn with_output_ndim(mut self, ndim: usize) -> ModuleSpec {
+        self.output_ndim = ndim;
+        self
+    }
+    /// The size of the `pp` dimension (1 if the grid has none; validated specs always have one).
+    pub fn pp_size(&self) -> usize {
+        self.grid.dim_size("pp").unwrap_or(1)
+    }
+    /// The pipeline coordinate of `rank` in this module, if the rank is in the grid.
+    pub fn pp_rank(&self, rank: usize) -> Option<usize> {
+        if !self.grid.contains(rank) {
+            return None;
+        }
+        match self.grid.dim_index("pp") {
+            Ok(d) => self.grid.coords(rank).ok().map(|c| c[d]),
+            Err(_) => Some(0),
+        }
+    }
+    /// First rank and end (exclusive) of the module's rank range.
+    pub fn rank_range(&self) -> (usize, usize) {
+        (self.grid.offset(), self.grid.offset() + self.grid.size())
+    }
+}
+
+/// A validated pipeline spec. Build one from a file ([`PipelineSpec::from_file`]), from text
+/// ([`PipelineSpec::from_json_str`], [`PipelineSpec::from_toml_str`]) or in code
+/// ([`PipelineSpec::new`]). It serializes back to the canonical JSON form (full grids, every
+/// module in the topology).
+///
+/// ```
+/// use multimodule::PipelineSpec;
+/// let spec = PipelineSpec::from_json_str(r#"{
+///   "modules": {"enc": {"dp": 2}, "llm": {"tp": 2, "pp": 2, "offset": 2}},
+///   "topology": {"enc": ["llm"]}
+/// }"#).unwrap();
+/// assert_eq!(spec.module_names(), vec!["enc", "llm"]);
+/// assert_eq!(spec.downstream("enc"), vec!["llm"]);
+/// assert!(PipelineSpec::from_json_str(r#"{"modules": {"a": {}}, "topology": {"a": ["a"]}}"#).is_err());
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PipelineSpec {
+    world_size: Option<usize>,
+    modules: Vec<ModuleSpec>,
+    /// Downstream module indices of each module, deduplicated, in file order.
+    succ: Vec<Vec<usize>>,
+    /// Upstream module indices of each module, in (source index, edge) order.
+    pred: Vec<Vec<usize>>,
+    /// A topological order of module indices.
+    topo: Vec<usize>,
+    language_model: Option<String>,
+    dim_mapping: DimMapping,
+    colocated: Vec<Vec<String>>,
+}
+
+impl PipelineSpec {
+    /// Builds and validates a spec from modules (in order) and edges `(upstream, downstream)`.
+    ///
+    /// ```
+    /// use grid_core::HyperGrid;
+    /// use multimodule::{ModuleSpec, PipelineSpec, DimMapping};
+    /// let g = |off| HyperGrid::new(vec![1, 1, 1, 1], &["tp", "cp", "pp", "dp"], off).unwrap();
+    /// let spec = PipelineSpec::new(
+    ///     vec![ModuleSpec::new("a", g(0)), ModuleSpec::new("b", g(1))],
+    ///     &[("a", "b")], None, DimMapping::default(), vec![], Some(2),
+    /// ).unwrap();
+    /// assert_eq!(spec.sinks(), vec!["b"]);
+    /// ```
+    pub fn new(
+        modules: Vec<ModuleSpec>,
+        edges: &[(&str, &str)],
+        language_model: Option<String>,
+        dim_mapping: DimMapping,
+        colocated: Vec<Vec<String>>,
+        world_size: Option<usize>,
+    ) -> Result<PipelineSpec> {
+        let mut topology: OrderedMap<Vec<String>> = OrderedMap::new();
+        for (a, b) in edges {
+            match topology.0.iter_mut().find(|(k, _)| k == a) {
+                Some((_, v)) => v.push(b.to_string()),
+                None => topology.push(*a, vec![b.to_string()]),
+            }
+        }
+        Self::validate(
+            modules,
+            topology,
+            language_model,
+            dim_mapping,
+            colocated,
+            world_size,
+        )
+    }
+
+    /// Reads a spec file: TOML if the name ends in `.toml`, JSON otherwise.
+    pub fn from_file(path: impl AsRef<Path>) -> Result<PipelineSpec> {
+        let path = path.as_ref();
+        let text = std::fs::read_to_string(path).map_err(|e| Error::Io {
+            path: path.display().to_string(),
+            message: e.to_string(),
+        })?;
+        if path
+            .extension()
+            .is_some_and(|e| e.eq_ignore_ascii_case("toml"))
+        {
+            Self::from_toml_str(&text)
+        } else {
+            Self::from_json_str(&text)
+        }
+    }
+
+    /// Parses and validates JSON text.
+    pub fn from_json_str(text: &str) -> Result<PipelineSpec> {
+        let raw: RawSpec = serde_json::from_str(text).map_err(|e| Error::Parse {
+            format: "JSON",
+            message: e.to_string(),
+        })?;
+        Self::from_raw(raw)
+    }
+
+    /// Parses and validates TOML text (same structure as the JSON form).
+    ///
+    /// ```
+    /// use multimodule::PipelineSpec;
+    /// let spec = PipelineSpec::from_toml_str(r#"
+    /// [modules.enc]
+    /// dp = 2
+    /// [modules.llm]
+    /// tp = 2
+    /// offset = 2
+    /// [topology]
+    /// enc = ["llm"]
+    /// "#).unwrap();
+    /// assert_eq!(spec.module_names(), vec!["enc", "llm"]);
+    /// ```
+    pub fn from_toml_str(text: &str) -> Result<PipelineSpec> {
+        let raw: RawSpec = toml::from_str(text).map_err(|e| Error::Parse {
+            format: "TOML",
+            message: e.to_string().trim().replace('\n', " "),
+        })?;
+        Self::from_raw(raw)
+    }
+
+    /// Validates a spec given as a `serde_json::Value` (as found inside other documents).
+    pub fn from_json_value(value: serde_json::Value) -> Result<PipelineSpec> {
+        let raw: RawSpec = serde_json::from_value(value).map_err(|e| Error::Parse {
+            format: "JSON",
+            message: e.to_string(),
+        })?;
+        Self::from_raw(raw)
+    }
+
+    fn from_raw(raw: RawSpec) -> Result<PipelineSpec> {
+        if raw.modules.0.is_empty() {
+            return Err(Error::EmptySpec);
+        }
+        let mut modules = Vec::with_capacity(raw.modules.0.len());
+        for (name, m) in raw.modules.0 {
+            let (grid, inline, ndim) = m.split();
+            let grid = match grid {
+                Some(g) => {
+                    if !inline.is_empty() {
+                        return Err(Error::GridForm {
+                            module: name,
+                            message:
+                                "the grid is given both under \"grid\" and inline: give it once"
+                                    .into(),
+                        });
+                    }
+                    g
+                }
+                None => inline,
+            };
+            let grid = grid.build(&name)?;
+            modules.push(ModuleSpec {
+                name,
+                grid,
+                output_ndim: ndim.unwrap_or(0),
+            });
+        }
+        // Megatron's top-level module_output_ndim map.
+        for (k, v) in raw.module_output_ndim.iter() {
+            let known: Vec<String> = modules.iter().map(|m| m.name.clone()).collect();
+            let m =
+                modules
+                    .iter_mut()
+                    .find(|m| m.name == k)
+                    .ok_or_else(|| Error::UnknownModule {
+                        name: k.to_string(),
+                        context: "module_output_ndim".into(),
+                        known,
+                    })?;
+            if m.output_ndim != 0 && m.output_ndim != *v {
+                return Err(Error::GridForm {
+                    module: k.to_string(),
+                    message: format!(
+                        "output_ndim is {} in the module but {} in module_output_ndim",
+                        m.output_ndim, v
+                    ),
+                });
+            }
+            m.output_ndim = *v;
+        }
+        for m in &mut modules {
+            if m.output_ndim == 0 {
+                m.output_ndim = 3;
+            }
+        }
+        Self::validate(
+            modules,
+            raw.topology,
+            raw.language_model,
+            raw.dim_mapping.unwrap_or_default(),
+            raw.colocated,
+            raw.world_size,
+        )
+    }
+
+    fn validate(
+        modules: Vec<ModuleSpec>,
+        topology: OrderedMap<Vec<String>>,
+        language_model: Option<String>,
+        dim_mapping: DimMapping,
+        colocated: Vec<Vec<String>>,
+        world_size: Option<usize>,
+    ) -> Result<PipelineSpec> {
+        if modules.is_empty() {
+            return Err(Error::EmptySpec);
+        }
+        let mut index: HashMap<&str, usize> = HashMap::with_capacity(modules.len());
+        for (i, m) in modules.iter().enumerate() {
+            if m.name.is_empty() {
+                return Err(Error::EmptyModuleName);
+            }
+            if index.insert(m.name.as_str(), i).is_some() {
+                return Err(Error::DuplicateModule {
+                    name: m.name.clone(),
+                });
+            }
+        }
+        let known = || modules.iter().map(|m| m.name.clone()).collect::<Vec<_>>();
+        let lookup = |name: &str, context: &str| -> Result<usize> {
+            index
+                .get(name)
+                .copied()
+                .ok_or_else(|| Error::UnknownModule {
+                    name: name.to_string(),
+                    context: context.to_string(),
+                    known: known(),
+                })
+        };
+        for m in &modules {
+            if m.grid.dim_index("pp").is_err() {
+                return Err(Error::MissingPp {
+                    module: m.name.clone(),
+                    dims: m.grid.dim_names().to_vec(),
+                });
+            }
+            if m.output_ndim != 2 && m.output_ndim != 3 {
+                return Err(Error::BadOutputNdim {
+                    module: m.name.clone(),
+                    value: m.output_ndim,
+                });
+            }
+            if let Some(w) = world_size {
+                let (first, end) = m.rank_range();
+                if end > w {
+                    return Err(Error::GridOutsideWorld {
+                        module: m.name.clone(),
+                        first,
+                        end,
+                        world_size: w,
+                    });
+                }
+            }
+        }
+        // Topology.
+        let n = modules.len();
+        let mut succ: Vec<Vec<usize>> = vec![Vec::new(); n];
+        let mut seen_key = vec![false; n];
+        for (k, targets) in topology.iter() {
+            let a = lookup(k, "topology key")?;
+            if std::mem::replace(&mut seen_key[a], true) {
+                return Err(Error::DuplicateTopologyKey {
+                    name: k.to_string(),
+                });
+            }
+            for t in targets {
+                let b = lookup(t, &format!("topology entry of '{k}'"))?;
+                if !succ[a].contains(&b) {
+                    succ[a].push(b);
+                }
+            }
+        }
+        let mut pred: Vec<Vec<usize>> = vec![Vec::new(); n];
+        for (a, s) in succ.iter().enumerate() {
+            for &b in s {
+                pred[b].push(a);
+            }
+        }
+        let topo = topological_order(&succ, &pred).map_err(|cycle| Error::Cycle {
+            cycle: cycle.iter().map(|&i| modules[i].name.clone()).collect(),
+        })?;
+        if succ.iter().all(|s| !s.is_empty()) {
+            return Err(Error::NoSink);
+        }
+        if let Some(lm) = &language_model {
+            lookup(lm, "language_model")?;
+        }
+        dim_mapping.validate()?;
+        // Colocation.
+        let mut group_of: Vec<Vec<usize>> = vec![Vec::new(); n];
+        for (gi, group) in colocated.iter().enumerate() {
+            if group.len() < 2 {
+                return Err(Error::BadColocated {
+                    group: group.clone(),
+                    message: "a colocation group needs at least two modules".into(),
+                });
+            }
+            let mut members = Vec::new();
+            for name in group {
+                let i = lookup(name, "colocated")?;
+                if members.contains(&i) {
+                    return Err(Error::BadColocated {
+                        group: group.clone(),
+                        message: format!("module '{name}' appears twice"),
+                    });
+                }
+                members.push(i);
+                group_of[i].push(gi);
+            }
+        }
+        // Overlaps: sort by first rank and sweep, so disjoint layouts cost O(n log n).
+        let mut by_start: Vec<usize> = (0..n).collect();
+        by_start.sort_by_key(|&i| modules[i].rank_range());
+        let mut active: Vec<usize> = Vec::new();
+        for &i in &by_start {
+            let (first, end) = modules[i].rank_range();
+            active.retain(|&j| modules[j].rank_range().1 > first);
+            for &j in &active {
+                if !group_of[i].iter().any(|g| group_of[j].contains(g)) {
+                    let (a, b) = if j < i { (j, i) } else { (i, j) };
+                    let (a_first, a_end) = modules[a].rank_range();
+                    let (b_first, b_end) = modules[b].rank_range();
+                    return Err(Error::UndeclaredOverlap {
+                        a: modules[a].name.clone(),
+                        b: modules[b].name.clone(),
+                        a_first,
+                        a_end,
+                        b_first,
+                        b_end,
+                    });
+                }
+            }
+            let _ = end;
+            active.push(i);
+        }
+        Ok(PipelineSpec {
+            world_size,
+            modules,
+            succ,
+            pred,
+            topo,
+            language_model,
+            dim_mapping,
+            colocated,
+        })
+    }
+
+    /// The declared world size, if any.
+    pub fn world_size(&self) -> Option<usize> {
+        self.world_size
+    }
+    /// Number of ranks the modules need: the end of the highest rank range (or the declared
+    /// world size, if larger).
+    pub fn ranks_needed(&self) -> usize {
+        let end = self
+            .modules
+            .iter()
+            .map(|m| m.rank_range().1)
+            .max()
+            .unwrap_or(0);
+        end.max(self.world_size.unwrap_or(0))
+    }
+    /// The modules in file order.
+    pub fn modules(&self) -> &[ModuleSpec] {
+        &self.modules
+    }
+    /// Module names in file order.
+    pub fn module_names(&self) -> Vec<&str> {
+        self.modules.iter().map(|m| m.name.as_str()).collect()
+    }
+    /// Index of a module by name.
+    pub fn module_index(&self, name: &str) -> Result<usize> {
+        self.modules
+            .iter()
+            .position(|m| m.name == name)
+            .ok_or_else(|| Error::UnknownModule {
+                name: name.to_string(),
+                context: "the query".into(),
+                known: self.modules.iter().map(|m| m.name.clone()).collect(),
+            })
+    }
+    /// A module by name.
+    pub fn module(&self, name: &str) -> Result<&ModuleSpec> {
+        Ok(&self.modules[self.module_index(name)?])
+    }
+    /// Downstream module names of `name` (empty for a sink or an unknown name).
+    pub fn downstream(&self, name: &str) -> Vec<&str> {
+        match self.module_index(name) {
+            Ok(i) => self.succ[i]
+                .iter()
+                .map(|&j| self.modules[j].name.as_str())
+                .collect(),
+            Err(_) => Vec::new(),
+        }
+    }
+    /// Upstream module names of `name`.
+    pub fn upstream(&self, name: &str) -> Vec<&str> {
+        match self.module_index(name) {
+            Ok(i) => self.pred[i]
+                .iter()
+                .map(|&j| self.modules[j].name.as_str())
+                .collect(),
+            Err(_) => Vec::new(),
+        }
+    }
+    /// Downstream module indices by module index.
+    pub fn successors(&self) -> &[Vec<usize>] {
+        &self.succ
+    }
+    /// Upstream module indices by module index.
+    pub fn predecessors(&self) -> &[Vec<usize>] {
+        &self.pred
+    }
+    /// Module indices in a topological order.
+    pub fn topological_order(&self) -> &[usize] {
+        &self.topo
+    }
+    /// The edges `(upstream, downstream)` in bridge-creation order: modules in file order,
+    /// then each module's downstream list in file order (Megatron's order).
+    pub fn edges(&self) -> Vec<(usize, usize)> {
+        self.succ
+            .iter()
+            .enumerate()
+            .flat_map(|(a, s)| s.iter().map(move |&b| (a, b)))
+            .collect()
+    }
+    /// Modules with no downstream module.
+    pub fn sinks(&self) -> Vec<&str> {
+        (0..self.modules.len())
+            .filter(|&i| self.succ[i].is_empty())
+            .map(|i| self.modules[i].name.as_str())
+            .collect()
+    }
+    /// The language-model module, if named.
+    pub fn language_model(&self) -> Option<&str> {
+        self.language_model.as_deref()
+    }
+    /// The activation dim mapping.
+    pub fn dim_mapping(&self) -> DimMapping {
+        self.dim_mapping
+    }
+    /// The declared colocation groups.
+    pub fn colocated(&self) -> &[Vec<String>] {
+        &self.colocated
+    }
+    /// Indices of the modules whose grid contains `rank`, in file order.
+    pub fn modules_of_rank(&self, rank: usize) -> Vec<usize> {
+        (0..self.modules.len())
+            .filter(|&i| self.modules[i].grid.contains(rank))
+            .collect()
+    }
+
+    /// The canonical JSON form (full grids, every module in the topology).
+    pub fn to_json(&self) -> String {
+        serde_json::to_string_pretty(self).unwrap_or_else(|e| format!("{{\"error\": \"{e}\"}}"))
+    }
+}
+
+#[derive(Serialize)]
+struct CanonGrid<'a> {
+    shape: &'a [usize],
+    dims: &'a [String],
+    rank_offset: usize,
+}
+
+#[derive(Serialize)]
+struct CanonModule<'a> {
+    grid: CanonGrid<'a>,
+    output_ndim: usize,
+}
+
+#[derive(Serialize)]
+struct CanonSpec<'a> {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    world_size: Option<usize>,
+    modules: OrderedMap<CanonModule<'a>>,
+    topology: OrderedMap<Vec<&'a str>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    language_model: Option<&'a str>,
+    dim_mapping: DimMapping,
+    colocated: &'a [Vec<String>],
+}
+
+impl Serialize for PipelineSpec {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        let modules = OrderedMap(
+            self.modules
+                .iter()
+                .map(|m| {
+                    (
+                        m.name.clone(),
+                        CanonModule {
+                            grid: CanonGrid {
+                                shape: m.grid.shape(),
+                                dims: m.grid.dim_names(),
+                                rank_offset: m.grid.offset(),
+                            },
+                            output_ndim: m.output_ndim,
+                        },
+                    )
+                })
+                .collect(),
+        );
+        let topology = OrderedMap(
+            self.modules
+                .iter()
+                .enumerate()
+                .map(|(i, m)| {
+                    (
+                        m.name.clone(),
+                        self.succ[i]
+                            .iter()
+                            .map(|&j| self.modules[j].name.as_str())
+                            .collect(),
+                    )
+                })
+                .collect(),
+        );
+        CanonSpec {
+            world_size: self.world_size,
+            modules,
+            topology,
+            language_model: self.language_model.as_deref(),
+            dim_mapping: self.dim_mapping,
+            colocated: &self.colocated,
+        }
+        .serialize(s)
+    }
+}
+
+impl<'de> Deserialize<'de> for PipelineSpec {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        let raw = RawSpec::deserialize(d)?;
+        PipelineSpec::from_raw(raw).map_err(de::Error::custom)
+    }
+}
+
+/// Kahn's algorithm in O(V + E). On a cycle, returns one cycle (module indices, the first
+/// repeated at the end).
+fn topological_order(
+    succ: &[Vec<usize>],
+    pred: &[Vec<usize>],
+) -> std::result::Result<Vec<usize>, Vec<usize>> {
+    let n = succ.len();
+    let mut indeg: Vec<usize> = pred.iter().map(Vec::len).collect();
+    let mut queue: std::collections::VecDeque<usize> = (0..n).filter(|&i| indeg[i] == 0).collect();
+    let mut order = Vec::with_capacity(n);
+    while let Some(a) = queue.pop_front() {
+        order.push(a);
+        for &b in &succ[a] {
+            indeg[b] -= 1;
+            if indeg[b] == 0 {
+                queue.push_back(b);
+            }
+        }
+    }
+    if order.len() == n {
+        return Ok(order);
+    }
+    // Every node left has a predecessor that is also left: walk predecessors until a repeat.
+    let left: Vec<bool> = indeg.iter().map(|&d| d > 0).collect();
+    let start = (0..n).find(|&i| left[i]).unwrap_or(0);
+    let mut pos = vec![usize::MAX; n];
+    let mut walk = Vec::new();
+    let mut x = start;
+    while pos[x] == usize::MAX {
+        pos[x] = walk.len();
+        walk.push(x);
+        match pred[x].iter().copied().find(|&p| left[p]) {
+            Some(p) => x = p,
+            None => break,
+        }
+    }
+    let mut cycle: Vec<usize> = walk[pos[x].min(walk.len())..].to_vec();
+    cycle.reverse();
+    if let Some(&f) = cycle.first() {
+        cycle.push(f);
+    }
+    Err(cycle)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn short_and_full_forms() {
+        let s = PipelineSpec::from_json_str(
+            r#"{"modules": [{"name": "a", "grid": {"shape": [2, 1], "dims": ["tp", "pp"]}},
+                            {"name": "b", "tp": 2, "gtp_remat": 2, "offset": 2}],
+                "topology": {"a": ["b", "b"]}}"#,
+        )
+        .unwrap();
+        assert_eq!(s.modules()[0].grid.dim_names(), &["tp", "pp"]);
+        assert_eq!(
+            s.modules()[1].grid.dim_names(),
+            &["tp", "gtp_remat", "cp", "pp", "dp"]
+        );
+        assert_eq!(s.modules()[1].grid.offset(), 2);
+        assert_eq!(s.downstream("a"), vec!["b"]);
+    }
+
+    #[test]
+    fn errors() {
+        let e = |t: &str| PipelineSpec::from_json_str(t).unwrap_err();
+        assert!(matches!(e(r#"{"modules": {}}"#), Error::EmptySpec));
+        assert!(matches!(
+            e(r#"{"modules": {"a": {}, "b": {"offset": 1}}, "topology": {"a": ["z"]}}"#),
+            Error::UnknownModule { .. }
+        ));
+        // A cycle that is not upstream of the sink is still a cycle.
+        match e(
+            r#"{"modules": {"a": {}, "b": {"offset": 1}, "c": {"offset": 2}},
+                    "topology": {"a": ["b"], "b": ["a"], "c": []}}"#,
+        ) {
+            Error::Cycle { cycle } => assert_eq!(cycle.len(), 3),
+            other => panic!("{other}"),
+        }
+        assert!(matches!(
+            e(r#"{"modules": {"a": {"shape": [2], "dims": ["tp"]}}}"#),
+            Error::MissingPp { .. }
+        ));
+        assert!(matches!(
+            e(r#"{"modules": {"a": {"dp": 2}, "b": {"offset": 1}}, "topology": {"a": ["b"]}}"#),
+            Error::UndeclaredOverlap { .. }
+        ));
+        assert!(PipelineSpec::from_json_str(
+            r#"{"modules": {"a": {"dp": 2}, "b": {"offset": 1}}, "topology": {"a": ["b"]},
+                "colocated": [["a", "b"]]}"#
+        )
+        .is_ok());
+        assert!(matches!(
+            e(r#"{"modules": {"a": {"tp": 2, "shape": [2], "dims": ["pp"]}}}"#),
+            Error::GridForm { .. }
+        ));
+        assert!(matches!(
+            e(r#"{"modules": {"a": {"output_ndim": 4}}}"#),
+            Error::BadOutputNdim { .. }
+        ));
+        assert!(matches!(
+            e(r#"{"modules": {"a": {}}, "dim_mapping": {"s": 1, "b": 1, "h": 2}}"#),
+            Error::BadDimMapping { .. }
+        ));
+        assert!(matches!(
+            e(r#"{"modules": {"a": {}}, "world_size": 0}"#),
+            Error::GridOutsideWorld { .. }
+        ));
+        assert!(matches!(
+            e(r#"{"modules": {"a": {"bogus": 1}}}"#),
+            Error::Parse { .. }
+        ));
+    }
+
+    #[test]
+    fn toml_keeps_file_order() {
+        let s = PipelineSpec::from_toml_str(
+            "colocated = []\n[modules.zeta]\npp = 2\n[modules.alpha]\noffset = 2\n\
+             [[modules_unused]]\n",
+        );
+        assert!(matches!(s, Err(Error::Parse { .. })));
+        let s = PipelineSpec::from_toml_str(
+            "[modules.zeta]\npp = 2\n[modules.alpha]\noffset = 2\n[modules.mid]\noffset = 3\n\
+             [topology]\nzeta = [\"mid\", \"alpha\"]\n",
+        )
+        .unwrap();
+        assert_eq!(s.module_names(), vec!["zeta", "alpha", "mid"]);
+        assert_eq!(s.downstream("zeta"), vec!["mid", "alpha"]);
+        let s = PipelineSpec::from_toml_str(
+            "[[modules]]\nname = \"b\"\n[[modules]]\nname = \"a\"\noffset = 1\n",
+        )
+        .unwrap();
+        assert_eq!(s.module_names(), vec!["b", "a"]);
+    }
+
+    #[test]
+    fn round_trip() {
+        let s = PipelineSpec::from_json_str(
+            r#"{"modules": {"z": {"pp": 2}, "a": {"offset": 2, "output_ndim": 2}},
+                "topology": {"z": ["a"]}, "language_model": "z"}"#,
+        )
+        .unwrap();
+        let back = PipelineSpec::from_json_str(&s.to_json()).unwrap();
+        assert_eq!(s, back);
+        assert_eq!(back.module_names(), vec!["z", "a"]);
+    }
+}
