@@ -8,6 +8,43 @@
 //! No I/O, no `unsafe`, no backend dependency. Groups are arithmetic ([`Group`]): the group of
 //! one rank in a million-rank world is computed in time proportional to the number of grid
 //! dimensions, never by enumerating the world.
+//!
+//! ```
+//! use grid_core::{Family, LayoutConfig, LayoutPlan};
+//! // 16 GPUs, tp 2, pp 4: Megatron's docstring example.
+//! let plan = LayoutPlan::new(LayoutConfig { tp: 2, pp: 4, ..LayoutConfig::new(16) })?;
+//! assert_eq!(plan.groups(Family::Dp.into())?.get(1), &[1, 3]);
+//! assert_eq!(plan.groups(Family::Embd.into())?.get(0), &[0, 12]);
+//! let view = plan.rank_view(9)?;
+//! assert_eq!(view.group(Family::Pp).unwrap().to_vec(), vec![1, 5, 9, 13]);
+//! assert_eq!(view.group_rank(Family::Pp), Some(2));
+//! # Ok::<(), grid_core::Error>(())
+//! ```
+//!
+//! ## Where this crate deliberately differs from Megatron-Core
+//! Megatron-Core `d98e8a64` is matched group for group and member for member on every
+//! reference vector in scope. Where Megatron fails by accident or silently produces garbage,
+//! this crate chooses:
+//! * **Order strings are parsed as tokens.** Megatron tests `name in order` as a *substring*;
+//!   since its 2026 GTP change `"tp"` is always "found" inside the injected `gtp_remat` token,
+//!   so an order without `tp` fails even with tp = 1. Here a missing size-1 token is appended
+//!   (the pre-2026 behaviour), and a missing token of size > 1 is [`Error::MissingToken`].
+//! * **A repeated order token is rejected** ([`Error::RepeatedToken`]); Megatron returns
+//!   groups with ranks outside the world.
+//! * **Everything is validated before any group exists.** Megatron checks the hierarchical cp
+//!   sizes and the pipeline backend inside its creation loops, after creating some groups.
+//!   The checks and their order are otherwise Megatron's, and each error maps to Megatron's
+//!   exception class ([`Error::megatron_category`]).
+//! * **The pp-last test uses the last token**, case-insensitively (Megatron tests the raw string
+//!   with `endswith("pp")`, so `"TP-PP"` fails it).
+//! * **Repeated dimension names are rejected in a base [`HyperGrid`]** (Megatron checks them
+//!   only for views).
+//! * **No `gtp_remat` injection** in [`LayoutPlan`]: that feature is out of scope, and with
+//!   size 1 it changes no group. [`RankGenerator`] still accepts the `gtp_remat` token.
+//! * `world_size` in [`LayoutConfig`] is the number of ranks the layout covers (Megatron's
+//!   `local_world_size`); with `rank_offset` O it covers ranks O..O+world_size.
+//! * The removed `pipeline_model_parallel_split_rank` and Megatron's embedding-rank callables
+//!   are both expressed by [`EmbeddingRule`].
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 

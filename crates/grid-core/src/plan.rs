@@ -830,7 +830,16 @@ impl LayoutPlan {
                 let g = self.instance_group(0, *instances);
                 Some(g.terms().to_vec())
             }
-            Def::Embedding { .. } | Def::Slices { .. } => None,
+            // With one stage and the default rule every rank is its own embedding group.
+            Def::Embedding { position } => {
+                let rule = if *position {
+                    &self.cfg.position_embedding
+                } else {
+                    &self.cfg.embedding
+                };
+                (self.cfg.pp == 1 && *rule == EmbeddingRule::Default).then(Vec::new)
+            }
+            Def::Slices { .. } => None,
         };
         Ok(match terms {
             Some(t) => GroupSignature::Lattice(normalize_terms(t)),
