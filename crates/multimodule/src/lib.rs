@@ -7,10 +7,14 @@
 
 mod error;
 mod ordered;
+mod plan;
+mod routing;
 mod spec;
 mod stages;
 
 pub use error::{Error, Result};
 pub use ordered::OrderedMap;
+pub use plan::{bridge_plans, BridgeSummary, ModuleStage, PipelinePlan, RankPlan, Role, Route};
+pub use routing::{BridgeEnd, BridgePlan, PartRoute, Side};
 pub use spec::{DimMapping, ModuleSpec, PipelineSpec};
 pub use stages::StageTable;
