@@ -125,6 +125,28 @@ fn op(reduce: Reduce, dtype: DType) -> R<ffi::MPI_Op> {
     })
 }
 
+/// Scratch memory handed to MPI instead of the pointer of an empty slice: an empty `Vec<u8>`
+/// points at address 1, which Open MPI reads as `MPI_IN_PLACE`.
+static EMPTY: [u64; 1] = [0];
+
+fn cptr(s: &HostSlice<'_>) -> *const c_void {
+    if s.is_empty() {
+        EMPTY.as_ptr() as *const c_void
+    } else {
+        s.as_ptr() as *const c_void
+    }
+}
+
+/// The mutable counterpart of [`cptr`]. MPI writes nothing through the scratch pointer: it is
+/// only used with a count of zero.
+fn mptr(s: &mut HostSliceMut<'_>) -> *mut c_void {
+    if s.is_empty() {
+        EMPTY.as_ptr() as *mut c_void
+    } else {
+        s.as_mut_ptr() as *mut c_void
+    }
+}
+
 fn same(what: &str, a: (DType, usize), b: (DType, usize)) -> R<()> {
     if a == b {
         Ok(())
@@ -335,8 +357,8 @@ impl Comm {
         // stay borrowed for the whole blocking call.
         unsafe {
             rc(ffi::MPI_Allreduce(
-                send.as_ptr() as *const c_void,
-                recv.as_mut_ptr() as *mut c_void,
+                cptr(&send),
+                mptr(&mut recv),
                 n,
                 dt,
                 op,
@@ -348,15 +370,7 @@ impl Comm {
     pub(crate) fn broadcast(&self, mut buf: HostSliceMut<'_>, root: usize) -> R<()> {
         let (n, dt, root) = (count(buf.len())?, datatype(buf.dtype()), int("root", root)?);
         // SAFETY: `buf` holds `n` elements of `dt` and stays borrowed for the call.
-        unsafe {
-            rc(ffi::MPI_Bcast(
-                buf.as_mut_ptr() as *mut c_void,
-                n,
-                dt,
-                root,
-                self.0,
-            ))
-        }
+        unsafe { rc(ffi::MPI_Bcast(mptr(&mut buf), n, dt, root, self.0)) }
     }
 
     pub(crate) fn all_gather(&self, send: HostSlice<'_>, mut recv: HostSliceMut<'_>) -> R<()> {
@@ -372,10 +386,10 @@ impl Comm {
         // which is what MPI_Allgather reads and writes; both borrowed for the call.
         unsafe {
             rc(ffi::MPI_Allgather(
-                send.as_ptr() as *const c_void,
+                cptr(&send),
                 n,
                 dt,
-                recv.as_mut_ptr() as *mut c_void,
+                mptr(&mut recv),
                 n,
                 dt,
                 self.0,
@@ -404,8 +418,8 @@ impl Comm {
         // SAFETY: `send` holds size·n and `recv` n elements of `dt` (checked above).
         unsafe {
             rc(ffi::MPI_Reduce_scatter_block(
-                send.as_ptr() as *const c_void,
-                recv.as_mut_ptr() as *mut c_void,
+                cptr(&send),
+                mptr(&mut recv),
                 n,
                 dt,
                 op,
@@ -432,10 +446,10 @@ impl Comm {
         // SAFETY: both buffers hold size·n elements of `dt` (checked above).
         unsafe {
             rc(ffi::MPI_Alltoall(
-                send.as_ptr() as *const c_void,
+                cptr(&send),
                 n,
                 dt,
-                recv.as_mut_ptr() as *mut c_void,
+                mptr(&mut recv),
                 n,
                 dt,
                 self.0,
@@ -452,16 +466,7 @@ impl Comm {
         let (n, dt) = (count(buf.len())?, datatype(buf.dtype()));
         let (peer, tag) = (int("peer", peer)?, int("tag", tag as usize)?);
         // SAFETY: `buf` holds n elements of `dt`, borrowed for the blocking call.
-        unsafe {
-            rc(ffi::MPI_Send(
-                buf.as_ptr() as *const c_void,
-                n,
-                dt,
-                peer,
-                tag,
-                self.0,
-            ))
-        }
+        unsafe { rc(ffi::MPI_Send(cptr(&buf), n, dt, peer, tag, self.0)) }
     }
 
     /// Receives into `buf`; returns the number of elements that arrived.
@@ -474,7 +479,7 @@ impl Comm {
         // `status` is written by MPI_Recv on success and only read after that.
         unsafe {
             rc(ffi::MPI_Recv(
-                buf.as_mut_ptr() as *mut c_void,
+                mptr(&mut buf),
                 n,
                 dt,
                 peer,
@@ -502,7 +507,7 @@ impl Comm {
                     // function returns, which is after the request completed (waitall below).
                     unsafe {
                         rc(ffi::MPI_Isend(
-                            buf.as_ptr() as *const c_void,
+                            cptr(buf),
                             n,
                             dt,
                             p,
@@ -518,7 +523,7 @@ impl Comm {
                     // SAFETY: as for sends; the receive buffer is exclusively borrowed.
                     unsafe {
                         rc(ffi::MPI_Irecv(
-                            buf.as_mut_ptr() as *mut c_void,
+                            mptr(buf),
                             n,
                             dt,
                             p,
@@ -669,7 +674,7 @@ impl Comm {
             Immediate::Broadcast(root) => {
                 need(1)?;
                 let (n, root) = (count(bufs[0].len())?, int("root", root)?);
-                let p = bufs[0].as_mut_slice().as_mut_ptr() as *mut c_void;
+                let p = mptr(&mut bufs[0].as_mut_slice());
                 // SAFETY: the owned buffer holds n elements; kept alive by `Pending`.
                 unsafe { rc(ffi::MPI_Ibcast(p, n, dt, root, self.0, req.as_mut_ptr()))? };
             }
@@ -759,7 +764,7 @@ impl Comm {
                     int("peer", peer)?,
                     int("tag", tag as usize)?,
                 );
-                let s = bufs[0].as_slice().as_ptr() as *const c_void;
+                let s = cptr(&bufs[0].as_slice());
                 // SAFETY: the owned buffer holds n elements; kept alive by `Pending`.
                 unsafe { rc(ffi::MPI_Isend(s, n, dt, p, t, self.0, req.as_mut_ptr()))? };
             }
@@ -770,7 +775,7 @@ impl Comm {
                     int("peer", peer)?,
                     int("tag", tag as usize)?,
                 );
-                let d = bufs[0].as_mut_slice().as_mut_ptr() as *mut c_void;
+                let d = mptr(&mut bufs[0].as_mut_slice());
                 // SAFETY: the owned buffer holds n elements; kept alive by `Pending`.
                 unsafe { rc(ffi::MPI_Irecv(d, n, dt, p, t, self.0, req.as_mut_ptr()))? };
             }
@@ -791,10 +796,7 @@ impl Comm {
 /// Pointers of an input and an output buffer (distinct `Vec`s, so no aliasing).
 fn two(bufs: &mut [HostBuffer]) -> (*const c_void, *mut c_void) {
     let (a, b) = bufs.split_at_mut(1);
-    (
-        a[0].as_slice().as_ptr() as *const c_void,
-        b[0].as_mut_slice().as_mut_ptr() as *mut c_void,
-    )
+    (cptr(&a[0].as_slice()), mptr(&mut b[0].as_mut_slice()))
 }
 
 impl Pending {
