@@ -11,10 +11,14 @@ mod plan;
 mod routing;
 mod spec;
 mod stages;
+mod tensor;
 
 pub use error::{Error, Result};
 pub use ordered::OrderedMap;
-pub use plan::{bridge_plans, BridgeSummary, ModuleStage, PipelinePlan, RankPlan, Role, Route};
+pub use plan::{
+    bridge_plans, BridgeSummary, ModuleStage, PipelinePlan, RankModuleInfo, RankPlan, Role, Route,
+};
 pub use routing::{BridgeEnd, BridgePlan, PartRoute, Side};
 pub use spec::{DimMapping, ModuleSpec, PipelineSpec};
 pub use stages::StageTable;
+pub use tensor::{batch_split_sizes, split_at_batch_dim, tensor_split_sizes, Activation};

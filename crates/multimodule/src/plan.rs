@@ -235,7 +235,12 @@ impl PipelinePlan {
             let mods: Vec<String> = p
                 .modules
                 .iter()
-                .map(|(n, m)| format!("{n} pp {}/{} through {}", m.pp_rank, m.pp_size, m.stages_through))
+                .map(|(n, m)| {
+                    format!(
+                        "{n} pp {}/{} through {}",
+                        m.pp_rank, m.pp_size, m.stages_through
+                    )
+                })
                 .collect();
             let _ = writeln!(
                 s,
@@ -264,6 +269,72 @@ impl PipelinePlan {
             );
         }
         s
+    }
+}
+
+/// What one rank does in one module: Megatron's `RankModuleInfo`, plus the stage count.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct RankModuleInfo {
+    /// Module name.
+    pub name: String,
+    /// Module index in the spec.
+    pub index: usize,
+    /// The rank's pipeline coordinate in the module.
+    pub pp_rank: usize,
+    /// The module's pipeline size.
+    pub pp_size: usize,
+    /// Stages up to and including this rank's stage of the module.
+    pub stages_through: usize,
+    /// Edges (indices into [`PipelineSpec::edges`]) leaving the module, if the rank is at the
+    /// module's last stage.
+    pub bridges_as_src: Vec<usize>,
+    /// Edges entering the module, if the rank is at the module's first stage.
+    pub bridges_as_dest: Vec<usize>,
+}
+
+impl RankModuleInfo {
+    /// Every module `rank` belongs to, in spec order.
+    ///
+    /// ```
+    /// use multimodule::{PipelineSpec, RankModuleInfo, StageTable};
+    /// let spec = PipelineSpec::from_json_str(r#"{"modules": {"a": {"pp": 2}, "b": {"offset": 2}},
+    ///                                          "topology": {"a": ["b"]}}"#).unwrap();
+    /// let st = StageTable::new(&spec);
+    /// let info = RankModuleInfo::for_rank(&spec, &st, 1);
+    /// assert_eq!((info[0].pp_rank, info[0].bridges_as_src.clone()), (1, vec![0]));
+    /// assert!(RankModuleInfo::for_rank(&spec, &st, 0)[0].bridges_as_src.is_empty());
+    /// ```
+    pub fn for_rank(spec: &PipelineSpec, st: &StageTable, rank: usize) -> Vec<RankModuleInfo> {
+        let edges = spec.edges();
+        spec.modules_of_rank(rank)
+            .into_iter()
+            .map(|i| {
+                let m = &spec.modules()[i];
+                let pp_rank = m.pp_rank(rank).unwrap_or(0);
+                let pp_size = m.pp_size();
+                let pick = |want: bool, f: &dyn Fn(&(usize, usize)) -> bool| -> Vec<usize> {
+                    if want {
+                        edges
+                            .iter()
+                            .enumerate()
+                            .filter(|(_, e)| f(e))
+                            .map(|(k, _)| k)
+                            .collect()
+                    } else {
+                        Vec::new()
+                    }
+                };
+                RankModuleInfo {
+                    name: m.name.clone(),
+                    index: i,
+                    pp_rank,
+                    pp_size,
+                    stages_through: st.stages_before(i) + pp_rank + 1,
+                    bridges_as_src: pick(pp_rank + 1 == pp_size, &|e| e.0 == i),
+                    bridges_as_dest: pick(pp_rank == 0, &|e| e.1 == i),
+                }
+            })
+            .collect()
     }
 }
 

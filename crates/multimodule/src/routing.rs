@@ -59,7 +59,10 @@ impl BridgeEnd {
     /// The end of a bridge on `grid`.
     pub fn new(side: Side, grid: HyperGrid) -> BridgeEnd {
         let names = grid.dim_names().to_vec();
-        let inner_mask: Vec<bool> = names.iter().map(|n| n != "dp" && n != "gtp_remat").collect();
+        let inner_mask: Vec<bool> = names
+            .iter()
+            .map(|n| n != "dp" && n != "gtp_remat")
+            .collect();
         let tpcp_mask: Vec<bool> = names.iter().map(|n| n == "tp" || n == "cp").collect();
         let pp_dim = grid.dim_index("pp").ok();
         let cp_dim = grid.dim_index("cp").ok();
@@ -155,7 +158,8 @@ impl BridgeEnd {
     }
     /// The leader of `rank`'s lane.
     pub fn leader_of(&self, rank: usize) -> Option<usize> {
-        self.lane_of(rank).and_then(|l| self.leaders.get(l).copied())
+        self.lane_of(rank)
+            .and_then(|l| self.leaders.get(l).copied())
     }
     /// The broadcast group of `rank` (only at the boundary stage).
     pub fn broadcast_group_of(&self, rank: usize) -> Option<Vec<usize>> {
@@ -372,7 +376,8 @@ impl BridgePlan {
 
     /// Every rank of either grid, ascending.
     pub fn ranks(&self) -> Vec<usize> {
-        let mut v: Vec<usize> = (self.src.grid.offset()..self.src.grid.offset() + self.src.grid.size())
+        let mut v: Vec<usize> = (self.src.grid.offset()
+            ..self.src.grid.offset() + self.src.grid.size())
             .chain(self.dst.grid.offset()..self.dst.grid.offset() + self.dst.grid.size())
             .collect();
         v.sort_unstable();
@@ -382,8 +387,14 @@ impl BridgePlan {
 
     /// True if the two grids share ranks (colocated modules).
     pub fn overlapping(&self) -> bool {
-        let (a0, a1) = (self.src.grid.offset(), self.src.grid.offset() + self.src.grid.size());
-        let (b0, b1) = (self.dst.grid.offset(), self.dst.grid.offset() + self.dst.grid.size());
+        let (a0, a1) = (
+            self.src.grid.offset(),
+            self.src.grid.offset() + self.src.grid.size(),
+        );
+        let (b0, b1) = (
+            self.dst.grid.offset(),
+            self.dst.grid.offset() + self.dst.grid.size(),
+        );
         a0 < b1 && b0 < a1
     }
 
@@ -431,14 +442,28 @@ mod tests {
             (1, 2, 4, vec![1, 3, 5, 7], vec![0, 2, 4, 6]),
             (2, 4, 1, vec![7], vec![0]),
         ] {
-            assert_eq!(BridgeEnd::new(Side::Src, g(tp, 1, pp, dp, 0)).leaders(), &s[..]);
-            assert_eq!(BridgeEnd::new(Side::Dst, g(tp, 1, pp, dp, 0)).leaders(), &d[..]);
+            assert_eq!(
+                BridgeEnd::new(Side::Src, g(tp, 1, pp, dp, 0)).leaders(),
+                &s[..]
+            );
+            assert_eq!(
+                BridgeEnd::new(Side::Dst, g(tp, 1, pp, dp, 0)).leaders(),
+                &d[..]
+            );
         }
     }
 
     #[test]
     fn lcm_routing() {
-        let p = BridgePlan::new("a", g(1, 1, 1, 3, 0), "b", g(1, 1, 1, 2, 3), 3, DimMapping::default()).unwrap();
+        let p = BridgePlan::new(
+            "a",
+            g(1, 1, 1, 3, 0),
+            "b",
+            g(1, 1, 1, 2, 3),
+            3,
+            DimMapping::default(),
+        )
+        .unwrap();
         assert_eq!(p.parts(), 6);
         assert_eq!(p.send_peers(0), vec![3]);
         assert_eq!(p.send_peers(1), vec![3, 4]);
