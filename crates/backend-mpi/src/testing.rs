@@ -106,6 +106,22 @@ pub fn launch(
     program: &str,
     args: &[&str],
 ) -> Result<LaunchOutput, String> {
+    launch_with_env(np, timeout_secs, program, args, &[])
+}
+
+/// [`launch`] with extra environment variables for the ranks.
+///
+/// ```no_run
+/// let out = backend_mpi::testing::launch_with_env(2, 30, "/usr/bin/env", &[], &[("X", "1")]).unwrap();
+/// assert!(out.output.contains("X=1"));
+/// ```
+pub fn launch_with_env(
+    np: usize,
+    timeout_secs: u64,
+    program: &str,
+    args: &[&str],
+    env: &[(&str, &str)],
+) -> Result<LaunchOutput, String> {
     let _guard = LAUNCH.lock().unwrap_or_else(|p| p.into_inner());
     let argv = mpirun_command(np, timeout_secs, program, args);
     let mut cmd = Command::new(&argv[0]);
@@ -117,6 +133,9 @@ pub fn launch(
         if std::env::var_os(k).is_none() {
             cmd.env(k, v);
         }
+    }
+    for (k, v) in env {
+        cmd.env(k, v);
     }
     let start = Instant::now();
     let mut child = cmd.spawn().map_err(|e| {

@@ -1,5 +1,8 @@
-use backend_mpi::{mpi_test, MpiFactory};
-use grid_core::{Communicator, CommunicatorExt, GroupFactory, ReduceOp};
+//! Small end-to-end checks of the launcher and the backend, beyond the conformance suite.
+
+use backend_mpi::testing::{launch_with_env, under_launcher};
+use backend_mpi::{mpi_test, MpiFactory, MpiRuntime};
+use grid_core::{Communicator, CommunicatorExt, Error, GroupFactory, ReduceOp};
 
 mpi_test!(mpi_smoke_np2, np = 2, timeout = 60, |rt| {
     let w = rt.world();
@@ -14,19 +17,107 @@ mpi_test!(mpi_smoke_np2, np = 2, timeout = 60, |rt| {
     if g.is_some() != (w.rank() == 1) {
         return Err("membership".into());
     }
-    let work = w
-        .iall_reduce(vec![1.5f32, 2.0], ReduceOp::Avg)
-        .map_err(|e| e.to_string())?;
-    let v = work.wait().map_err(|e| e.to_string())?;
-    if v != vec![1.5f32, 2.0] {
-        return Err(format!("{v:?}"));
+    if f.calls().creates != 1 {
+        return Err(format!("calls {:?}", f.calls()));
+    }
+    // A second initialisation is refused with a clear error.
+    match MpiRuntime::init() {
+        Err(Error::Invalid(m)) if m.contains("only once") => {}
+        other => return Err(format!("second init: {other:?}")),
+    }
+    // A receive that gets fewer elements than its buffer holds is an error, not silent.
+    if w.rank() == 0 {
+        w.send_to(&[1i32, 2][..], 1, 5).map_err(|e| e.to_string())?;
+    } else {
+        let mut buf = [0i32; 3];
+        match w.recv_from(&mut buf[..], 0, 5) {
+            Err(Error::LengthMismatch {
+                expected: 3,
+                actual: 2,
+                ..
+            }) => {}
+            other => return Err(format!("short receive: {other:?}")),
+        }
     }
     Ok(())
 });
 
-mpi_test!(mpi_smoke_fails_np2, np = 2, timeout = 60, |rt| {
-    if std::env::var("SMOKE_FAIL").is_ok() && rt.world().rank() == 1 {
+// Bodies that fail or hang on purpose, only when the launcher tests below ask for it.
+mpi_test!(mpi_helper_fails_np2, np = 2, timeout = 60, |rt| {
+    if std::env::var("BACKEND_MPI_SELFTEST").as_deref() == Ok("fail") && rt.world().rank() == 1 {
         return Err("deliberate failure on rank 1".into());
     }
     rt.world().barrier().map_err(|e| e.to_string())
 });
+
+mpi_test!(mpi_helper_hangs_np2, np = 2, timeout = 60, |rt| {
+    let w = rt.world();
+    if std::env::var("BACKEND_MPI_SELFTEST").as_deref() == Ok("hang") && w.rank() == 0 {
+        let mut never = [0u8];
+        w.recv_from(&mut never[..], 1, 99)
+            .map_err(|e| e.to_string())?;
+    }
+    w.barrier().map_err(|e| e.to_string())
+});
+
+fn self_exe() -> String {
+    std::env::current_exe()
+        .map(|p| p.to_string_lossy().into_owned())
+        .unwrap_or_default()
+}
+
+#[test]
+fn mpi_launcher_reports_the_failing_rank() {
+    if under_launcher() {
+        return;
+    }
+    let args = [
+        "--exact",
+        "mpi_helper_fails_np2",
+        "--nocapture",
+        "--test-threads=1",
+    ];
+    let out = launch_with_env(
+        2,
+        60,
+        &self_exe(),
+        &args,
+        &[("BACKEND_MPI_SELFTEST", "fail")],
+    )
+    .unwrap();
+    assert_ne!(out.code, Some(0), "{}", out.output);
+    assert!(
+        out.output
+            .contains("[rank 1/2] FAILED: deliberate failure on rank 1"),
+        "{}",
+        out.output
+    );
+}
+
+#[test]
+fn mpi_launcher_kills_a_deadlock() {
+    if under_launcher() {
+        return;
+    }
+    let args = [
+        "--exact",
+        "mpi_helper_hangs_np2",
+        "--nocapture",
+        "--test-threads=1",
+    ];
+    let out = launch_with_env(
+        2,
+        3,
+        &self_exe(),
+        &args,
+        &[("BACKEND_MPI_SELFTEST", "hang")],
+    )
+    .unwrap();
+    assert_eq!(
+        out.code,
+        Some(110),
+        "mpirun --timeout exits with 110: {}",
+        out.output
+    );
+    assert!(out.elapsed.as_secs() < 30, "{:?}", out.elapsed);
+}
