@@ -1,0 +1,125 @@
+//! The first NCCL unique id travels over a *bootstrap* communicator from another backend (MPI,
+//! Gloo, or [`crate::inproc`] for one process with one thread per GPU). Only that first id is
+//! exchanged: every sub-group afterwards comes from `ncclCommSplit` of the world communicator.
+//!
+//! The exchange never leaves a rank waiting for a rank that already gave up: every rank first
+//! all-gathers a one-byte "ready" flag (library found, device usable, and on rank 0 the id
+//! created), and only if all are ready does rank 0 broadcast the 128 id bytes.
+
+use grid_core::{BufMut, BufRef, Communicator, Error, Result};
+
+/// Size of an `ncclUniqueId`.
+pub const ID_BYTES: usize = 128;
+
+/// Exchanges the unique id over `bootstrap` (collective over it).
+///
+/// `local` is this rank's readiness (`Err` if it cannot take part, with the reason), `make_id`
+/// creates the id and is called on rank 0 only, and only if rank 0 is ready. Returns the same
+/// 128 bytes on every rank, or an error on every rank if any rank was not ready: the rank's own
+/// reason where it failed, [`Error::PeerFailed`] naming the failed ranks elsewhere.
+///
+/// ```
+/// use backend_nccl::{bootstrap::exchange_unique_id, inproc::InProcess};
+/// let comms = InProcess::world(2);
+/// let ids: Vec<_> = std::thread::scope(|s| {
+///     let hs: Vec<_> = comms.iter().map(|c| s.spawn(move || {
+///         exchange_unique_id(c, Ok(()), &mut || Ok([7u8; 128])).unwrap()
+///     })).collect();
+///     hs.into_iter().map(|h| h.join().unwrap()).collect()
+/// });
+/// assert_eq!(ids, vec![[7u8; 128]; 2]);
+/// ```
+pub fn exchange_unique_id(
+    bootstrap: &dyn Communicator,
+    local: Result<()>,
+    make_id: &mut dyn FnMut() -> Result<[u8; ID_BYTES]>,
+) -> Result<[u8; ID_BYTES]> {
+    let me = bootstrap.rank();
+    let n = bootstrap.size();
+    let mut my_err = local.err();
+    let mut id = [0u8; ID_BYTES];
+    if me == 0 && my_err.is_none() {
+        match make_id() {
+            Ok(b) => id = b,
+            Err(e) => my_err = Some(e),
+        }
+    }
+    let ready = [u8::from(my_err.is_none())];
+    let mut flags = vec![0u8; n];
+    bootstrap.all_gather(BufRef::from(&ready[..]), BufMut::from(&mut flags[..]))?;
+    let failed: Vec<usize> = flags
+        .iter()
+        .enumerate()
+        .filter(|(_, f)| **f == 0)
+        .map(|(i, _)| i)
+        .collect();
+    if let Some(e) = my_err {
+        return Err(e);
+    }
+    if let Some(&first) = failed.first() {
+        return Err(Error::PeerFailed {
+            op: "nccl init",
+            peer: first,
+            message: format!(
+                "bootstrap ranks {failed:?} could not set up NCCL (each reports its reason); no NCCL communicator was created"
+            ),
+        });
+    }
+    bootstrap.broadcast(BufMut::from(&mut id[..]), 0)?;
+    Ok(id)
+}
+
+/// The environment variables read for the node-local rank, in order: torchrun, Open MPI,
+/// MPICH/Intel MPI, MVAPICH, Slurm.
+pub const LOCAL_RANK_VARS: [&str; 5] = [
+    "LOCAL_RANK",
+    "OMPI_COMM_WORLD_LOCAL_RANK",
+    "MPI_LOCALRANKID",
+    "MV2_COMM_WORLD_LOCAL_RANK",
+    "SLURM_LOCALID",
+];
+
+/// The node-local rank from the first of [`LOCAL_RANK_VARS`] that is set to a number.
+///
+/// ```
+/// let env = |k: &str| (k == "OMPI_COMM_WORLD_LOCAL_RANK").then(|| "3".to_string());
+/// assert_eq!(backend_nccl::bootstrap::local_rank_from(&env), Some(3));
+/// ```
+pub fn local_rank_from(get: &dyn Fn(&str) -> Option<String>) -> Option<usize> {
+    LOCAL_RANK_VARS
+        .iter()
+        .find_map(|k| get(k).and_then(|v| v.trim().parse().ok()))
+}
+
+/// The GPU a rank uses: `explicit` if given (must be visible), else the node-local rank modulo
+/// the number of visible GPUs, else the bootstrap rank modulo that number (right when ranks are
+/// placed on nodes in blocks of `count`).
+///
+/// ```
+/// use backend_nccl::bootstrap::choose_device;
+/// assert_eq!(choose_device(None, Some(5), 13, 4).unwrap(), 1);
+/// assert_eq!(choose_device(None, None, 6, 4).unwrap(), 2);
+/// assert!(choose_device(Some(4), None, 0, 4).is_err());
+/// ```
+pub fn choose_device(
+    explicit: Option<usize>,
+    local_rank: Option<usize>,
+    rank: usize,
+    count: usize,
+) -> Result<usize> {
+    if count == 0 {
+        return Err(Error::Backend {
+            backend: crate::error::BACKEND,
+            op: "choose device",
+            message: "no GPU is visible".into(),
+        });
+    }
+    match explicit {
+        Some(d) if d < count => Ok(d),
+        Some(d) => Err(Error::Invalid(format!(
+            "device {d} was requested but only {count} GPU(s) are visible (valid: 0..{count}; CUDA_VISIBLE_DEVICES={:?})",
+            std::env::var("CUDA_VISIBLE_DEVICES").unwrap_or_default()
+        ))),
+        None => Ok(local_rank.unwrap_or(rank) % count),
+    }
+}

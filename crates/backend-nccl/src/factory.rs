@@ -1,0 +1,244 @@
+//! [`NcclFactory`]: creates the world communicator over a bootstrap communicator, and every
+//! sub-group with `ncclCommSplit` of a parent (no new unique-id exchange per group).
+
+use crate::bootstrap::{choose_device, exchange_unique_id, local_rank_from};
+use crate::comm::NcclCommunicator;
+use crate::error::{cuda, BACKEND};
+use crate::ffi::{self, RawComm};
+use crate::job::Job;
+use crate::plan::{nccl_color, nccl_key, split_members, SplitEntry};
+use crate::probe;
+use cudarc::driver::CudaContext;
+use grid_core::{BufMut, BufRef, Communicator, Error, GroupFactory, Result};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Options of an NCCL job.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NcclOptions {
+    /// GPU ordinal; `None` picks the node-local rank (from `LOCAL_RANK`,
+    /// `OMPI_COMM_WORLD_LOCAL_RANK`, ...) modulo the number of visible GPUs.
+    pub device: Option<usize>,
+    /// Longest wait for an operation (a stream-ordered wait, `synchronize`, a host-staged
+    /// call, `Work::wait`) before it fails with [`Error::Timeout`]. Default 10 minutes (PyTorch's
+    /// default for NCCL).
+    pub timeout: Duration,
+    /// Abort every communicator of the job when one reports an error or times out (default
+    /// true), so that no rank stays blocked in another group waiting for a failed peer.
+    pub abort_on_failure: bool,
+}
+
+impl Default for NcclOptions {
+    fn default() -> Self {
+        NcclOptions {
+            device: None,
+            timeout: Duration::from_secs(600),
+            abort_on_failure: true,
+        }
+    }
+}
+
+/// The oldest NCCL with `ncclCommSplit`.
+pub const MIN_SPLIT_VERSION: (u32, u32, u32) = (2, 18, 0);
+
+/// Creates NCCL communicators: [`NcclFactory::init`] for the world, then
+/// [`GroupFactory::split`] / [`GroupFactory::create_group`] for sub-groups, so that
+/// `grid_core::build_collection` builds a whole process-group collection with one split per
+/// family.
+///
+/// ```no_run
+/// use backend_nccl::{inproc::InProcess, NcclFactory, NcclOptions};
+/// use grid_core::{Communicator, GroupFactory};
+/// // One process, one thread per GPU, bootstrapped in memory (an MPI or Gloo communicator
+/// // works the same way).
+/// let boots = InProcess::world(2);
+/// std::thread::scope(|s| {
+///     for b in &boots {
+///         s.spawn(move || -> grid_core::Result<()> {
+///             let (factory, world) = NcclFactory::init(b, NcclOptions::default())?;
+///             let me = world.rank();
+///             let _pair = factory.split(&world, Some((me / 2) as u32), me)?;
+///             Ok(())
+///         });
+///     }
+/// });
+/// ```
+pub struct NcclFactory {
+    job: Arc<Job>,
+    opts: NcclOptions,
+    ctx: Arc<CudaContext>,
+    version: (u32, u32, u32),
+}
+
+impl std::fmt::Debug for NcclFactory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NcclFactory")
+            .field("device", &self.ctx.ordinal())
+            .field("nccl", &self.version)
+            .field("opts", &self.opts)
+            .finish()
+    }
+}
+
+fn local_setup(rank: usize, opts: &NcclOptions) -> Result<(Arc<CudaContext>, (u32, u32, u32))> {
+    let count = probe::gpu_count()?;
+    let env = |k: &str| std::env::var(k).ok();
+    let device = choose_device(opts.device, local_rank_from(&env), rank, count)?;
+    let ctx = cuda("cuDevicePrimaryCtxRetain", || CudaContext::new(device))?;
+    let version = probe::nccl_version()?;
+    Ok((ctx, version))
+}
+
+impl NcclFactory {
+    /// Creates the world communicator: every rank of `bootstrap` calls this (collective over
+    /// `bootstrap`). Checks the CUDA driver, libnccl and the GPU first (a clear error, never a
+    /// panic, when any is missing), exchanges the unique id over `bootstrap` (a broadcast of 128
+    /// bytes from rank 0), then `ncclCommInitRank`. NCCL rank `i` is bootstrap rank `i`.
+    ///
+    /// When one rank cannot set up NCCL, every rank returns an error (that rank its reason, the
+    /// others [`Error::PeerFailed`]) and no rank blocks.
+    pub fn init(
+        bootstrap: &dyn Communicator,
+        opts: NcclOptions,
+    ) -> Result<(NcclFactory, NcclCommunicator)> {
+        let rank = bootstrap.rank();
+        let size = bootstrap.size();
+        let local = local_setup(rank, &opts);
+        let ready = local.as_ref().map(|_| ()).map_err(Clone::clone);
+        let id = exchange_unique_id(bootstrap, ready, &mut ffi::unique_id)?;
+        let (ctx, version) = local?;
+        cuda("bind context", || ctx.bind_to_thread())?;
+        let stream = cuda("cuStreamCreate", || ctx.new_stream())?;
+        let raw = RawComm::init_rank(size, &id, rank)?;
+        let job = Job::new();
+        let world = NcclCommunicator::new(
+            raw,
+            ctx.clone(),
+            stream,
+            bootstrap.global_ranks().to_vec(),
+            opts.timeout,
+            opts.abort_on_failure,
+            job.clone(),
+        );
+        tracing::debug!(
+            rank,
+            size,
+            device = ctx.ordinal(),
+            "nccl: world communicator created"
+        );
+        Ok((
+            NcclFactory {
+                job,
+                opts,
+                ctx,
+                version,
+            },
+            world,
+        ))
+    }
+
+    /// The registry of every communicator this factory created.
+    pub fn job(&self) -> &Arc<Job> {
+        &self.job
+    }
+
+    /// Aborts every live communicator this factory created (world and splits); returns how
+    /// many. Use it when one operation failed and the others must not keep waiting.
+    pub fn abort_all(&self) -> usize {
+        self.job.abort_all()
+    }
+
+    /// The GPU of this rank.
+    pub fn device(&self) -> usize {
+        self.ctx.ordinal()
+    }
+
+    /// The loaded NCCL version.
+    pub fn nccl_version(&self) -> (u32, u32, u32) {
+        self.version
+    }
+
+    /// The options this factory was created with.
+    pub fn options(&self) -> &NcclOptions {
+        &self.opts
+    }
+}
+
+impl GroupFactory for NcclFactory {
+    type Comm = NcclCommunicator;
+
+    /// `ncclCommSplit` of `parent` (collective over it; non-members pass
+    /// `NCCL_SPLIT_NOCOLOR`). The member list is learnt first with one small all-gather of
+    /// `(colour, key, world rank)` over the parent. Needs NCCL >= 2.18.
+    fn split(
+        &self,
+        parent: &NcclCommunicator,
+        color: Option<u32>,
+        key: usize,
+    ) -> Result<Option<NcclCommunicator>> {
+        const OP: &str = "split";
+        let c = nccl_color(color)?;
+        let k = nccl_key(key)?;
+        if self.version < MIN_SPLIT_VERSION {
+            let (a, b, p) = self.version;
+            return Err(Error::Unsupported {
+                op: OP,
+                backend: BACKEND,
+                what: format!("ncclCommSplit with NCCL {a}.{b}.{p} (it needs NCCL >= 2.18.0)"),
+            });
+        }
+        let world_rank = parent
+            .global_ranks()
+            .get(parent.rank())
+            .copied()
+            .unwrap_or(parent.rank());
+        let mine = SplitEntry {
+            color,
+            key,
+            world_rank,
+        }
+        .encode();
+        let mut all = vec![0i64; 3 * parent.size()];
+        parent.all_gather(BufRef::from(&mine[..]), BufMut::from(&mut all[..]))?;
+        let plan = split_members(&SplitEntry::decode_all(&all)?, parent.rank());
+
+        let shared = parent.shared();
+        cuda("bind context", || shared.ctx.bind_to_thread())?;
+        let raw = shared.raw.split(c, k)?;
+        match (raw, plan) {
+            (None, None) => Ok(None),
+            (Some(raw), Some(p)) if raw.rank() == p.rank && raw.size() == p.members.len() => {
+                let stream = match cuda("cuStreamCreate", || shared.ctx.new_stream()) {
+                    Ok(s) => s,
+                    Err(e) => {
+                        raw.abort();
+                        return Err(e);
+                    }
+                };
+                Ok(Some(NcclCommunicator::new(
+                    raw,
+                    shared.ctx.clone(),
+                    stream,
+                    p.members,
+                    self.opts.timeout,
+                    self.opts.abort_on_failure,
+                    self.job.clone(),
+                )))
+            }
+            (raw, plan) => {
+                let got = raw.as_ref().map(|r| (r.rank(), r.size()));
+                if let Some(r) = raw {
+                    r.abort();
+                }
+                Err(Error::Backend {
+                    backend: BACKEND,
+                    op: OP,
+                    message: format!(
+                        "ncclCommSplit gave (rank, size) {got:?} but the all-gathered colours and keys predict {:?}: the ranks called split with inconsistent arguments",
+                        plan.map(|p| (p.rank, p.members.len()))
+                    ),
+                })
+            }
+        }
+    }
+}

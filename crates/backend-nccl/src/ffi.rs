@@ -1,0 +1,762 @@
+//! The crate's only `unsafe` code: a thin owned wrapper over `cudarc::nccl::sys` (the raw NCCL
+//! bindings), used where cudarc's safe `Comm` lacks what this backend needs (split, abort,
+//! finalize-then-destroy, use from several threads, asynchronous-error polling).
+//!
+//! Every `unsafe` block states the invariant it relies on. Three rules hold for the whole module:
+//! * **Library presence.** No function here may be reached before [`crate::probe`] confirmed that
+//!   the CUDA driver library and libnccl load (cudarc panics on a missing library or symbol). As a
+//!   last line of defence every call into cudarc runs under [`crate::error::guard`], which turns a
+//!   panic into an [`Error`].
+//! * **Device pointers come from cudarc slices.** Collectives take [`DevIn`] / [`DevOut`]
+//!   tokens, which can only be built from a `cudarc` slice or view; the pointer, the element
+//!   count and the NCCL data type in a token therefore describe live device memory of that many
+//!   elements of that type, and the token's borrow keeps the slice alive (and its stream-ordered
+//!   free after the operation) for as long as the token exists.
+//! * **One thread at a time per communicator.** NCCL forbids concurrent calls on one
+//!   communicator; [`RawComm`] keeps the handle behind a mutex, and a handle that was destroyed
+//!   or aborted is never passed to NCCL again.
+
+#![allow(unsafe_code)]
+
+use crate::error::{guard, nccl_err};
+use cudarc::driver::{CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, SyncOnDrop};
+use cudarc::nccl::sys;
+use grid_core::{DType, Element, Error, Result};
+use std::ffi::{c_int, c_void, CStr};
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::{Mutex, MutexGuard};
+
+/// `NCCL_SPLIT_NOCOLOR` from `nccl.h` (a `#define`, so not in the generated bindings).
+pub(crate) const NCCL_SPLIT_NOCOLOR: c_int = -1;
+
+// ------------------------------------------------------------------------------------------------
+// Library probes
+// ------------------------------------------------------------------------------------------------
+
+/// Whether the dynamic loader opens the CUDA driver library under one of cudarc's names.
+pub(crate) fn driver_library_loadable() -> bool {
+    // SAFETY: `is_culib_present` dlopens each candidate name (running the library's
+    // initialisers, which the CUDA driver library supports: every CUDA program does this) and
+    // closes it again. It touches no other state.
+    guard("probe the CUDA driver library", || {
+        Ok(unsafe { cudarc::driver::sys::is_culib_present() })
+    })
+    .unwrap_or(false)
+}
+
+/// Whether the dynamic loader opens libnccl under one of cudarc's names.
+pub(crate) fn nccl_library_loadable() -> bool {
+    // SAFETY: as above; libnccl's initialisers only set up its own state.
+    guard("probe libnccl", || {
+        Ok(unsafe { cudarc::nccl::sys::is_culib_present() })
+    })
+    .unwrap_or(false)
+}
+
+/// Tries to dlopen one library file and closes it again; `Err` carries the loader's message
+/// (for example a missing dependency). Used only for diagnostics on files found on disk.
+pub(crate) fn try_dlopen(path: &std::path::Path) -> std::result::Result<(), String> {
+    // SAFETY: loading runs the library's initialisers. This is only called on files named like
+    // the CUDA driver library or libnccl, whose initialisers are safe to run (they are loaded the
+    // same way by cudarc); the handle is dropped (dlclose) immediately.
+    match unsafe { libloading::Library::new(path) } {
+        Ok(lib) => {
+            drop(lib);
+            Ok(())
+        }
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// The NCCL version as `major * 10000 + minor * 100 + patch` (NCCL >= 2.9 encoding).
+pub(crate) fn nccl_version() -> Result<i32> {
+    guard("ncclGetVersion", || {
+        let mut v: c_int = 0;
+        // SAFETY: `v` is a valid, writable `int`; libnccl is loaded (module rule 1).
+        check(
+            "ncclGetVersion",
+            unsafe { sys::ncclGetVersion(&mut v) },
+            None,
+        )?;
+        Ok(v)
+    })
+}
+
+/// A fresh `ncclUniqueId` as its 128 raw bytes.
+pub(crate) fn unique_id() -> Result<[u8; 128]> {
+    guard("ncclGetUniqueId", || {
+        let mut id = sys::ncclUniqueId { internal: [0; 128] };
+        // SAFETY: `id` is a valid, writable `ncclUniqueId`; libnccl is loaded (module rule 1).
+        check(
+            "ncclGetUniqueId",
+            unsafe { sys::ncclGetUniqueId(&mut id) },
+            None,
+        )?;
+        Ok(id.internal.map(|c| c as u8))
+    })
+}
+
+// ------------------------------------------------------------------------------------------------
+// Results and error strings
+// ------------------------------------------------------------------------------------------------
+
+/// Turns an `ncclResult_t` into `Ok` or an [`Error::Backend`] with NCCL's own text.
+fn check(op: &'static str, r: sys::ncclResult_t, comm: Option<sys::ncclComm_t>) -> Result<()> {
+    match r {
+        sys::ncclResult_t::ncclSuccess => Ok(()),
+        other => {
+            // SAFETY: `ncclGetErrorString` accepts any result code and returns a pointer to a
+            // static NUL-terminated string (or NULL, handled by `cstr`).
+            let text = cstr(unsafe { sys::ncclGetErrorString(other) });
+            // SAFETY: `ncclGetLastError` accepts a live communicator or NULL and returns a
+            // pointer to a NUL-terminated string owned by NCCL, valid until the next NCCL call on
+            // this thread; it is copied out at once.
+            let last = cstr(unsafe { sys::ncclGetLastError(comm.unwrap_or(std::ptr::null_mut())) });
+            Err(nccl_err(op, other, &text, &last))
+        }
+    }
+}
+
+fn cstr(p: *const std::ffi::c_char) -> String {
+    if p.is_null() {
+        return String::new();
+    }
+    // SAFETY: NCCL returns NUL-terminated strings from its error functions (see `check`); `p`
+    // is non-null and the bytes are copied before any other NCCL call.
+    unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
+}
+
+// ------------------------------------------------------------------------------------------------
+// Data types
+// ------------------------------------------------------------------------------------------------
+
+/// The NCCL data type of a grid-core dtype.
+pub(crate) fn nccl_dtype(d: DType) -> sys::ncclDataType_t {
+    use sys::ncclDataType_t as N;
+    match d {
+        DType::F32 => N::ncclFloat32,
+        DType::F64 => N::ncclFloat64,
+        DType::I32 => N::ncclInt32,
+        DType::I64 => N::ncclInt64,
+        DType::U8 => N::ncclUint8,
+        DType::F16 => N::ncclFloat16,
+        DType::BF16 => N::ncclBfloat16,
+    }
+}
+
+/// Bytes per element of an NCCL data type (as `nccl.h` defines them).
+pub(crate) fn nccl_dtype_size(d: sys::ncclDataType_t) -> usize {
+    use sys::ncclDataType_t as N;
+    match d {
+        N::ncclInt8 | N::ncclUint8 | N::ncclFloat8e4m3 | N::ncclFloat8e5m2 => 1,
+        N::ncclFloat16 | N::ncclBfloat16 => 2,
+        N::ncclInt32 | N::ncclUint32 | N::ncclFloat32 => 4,
+        N::ncclInt64 | N::ncclUint64 | N::ncclFloat64 => 8,
+        N::ncclNumTypes => 0,
+    }
+}
+
+/// The NCCL reduction of a grid-core reduction.
+pub(crate) fn nccl_op(op: grid_core::ReduceOp) -> sys::ncclRedOp_t {
+    use grid_core::ReduceOp as R;
+    use sys::ncclRedOp_t as N;
+    match op {
+        R::Sum => N::ncclSum,
+        R::Prod => N::ncclProd,
+        R::Min => N::ncclMin,
+        R::Max => N::ncclMax,
+        R::Avg => N::ncclAvg,
+    }
+}
+
+/// The NCCL data type of `T`, after checking that the element sizes agree (the pointer
+/// arithmetic NCCL does is `count * size(dtype)` bytes, so a mismatch would be out of bounds).
+fn typed<T: Element>(op: &'static str) -> Result<sys::ncclDataType_t> {
+    let dt = nccl_dtype(T::DTYPE);
+    if nccl_dtype_size(dt) != std::mem::size_of::<T>() {
+        return Err(Error::Backend {
+            backend: "nccl",
+            op,
+            message: format!(
+                "internal: element type {} is {} bytes but NCCL type {dt:?} is {} bytes",
+                T::DTYPE,
+                std::mem::size_of::<T>(),
+                nccl_dtype_size(dt)
+            ),
+        });
+    }
+    Ok(dt)
+}
+
+// ------------------------------------------------------------------------------------------------
+// Device-memory tokens
+// ------------------------------------------------------------------------------------------------
+
+/// Read access to device memory for one NCCL call. Only constructible from a cudarc slice or
+/// view, so `ptr` / `count` / `dtype` always describe live device memory (module rule 2).
+pub(crate) struct DevIn<'a> {
+    ptr: u64,
+    count: usize,
+    dtype: sys::ncclDataType_t,
+    _sync: SyncOnDrop<'a>,
+}
+
+/// Write access to device memory for one NCCL call (see [`DevIn`]).
+pub(crate) struct DevOut<'a> {
+    ptr: u64,
+    count: usize,
+    dtype: sys::ncclDataType_t,
+    _sync: SyncOnDrop<'a>,
+}
+
+impl<'a> DevIn<'a> {
+    /// Borrows `src` for reading on `stream`: `stream` first waits for earlier writes to `src`
+    /// (cudarc's event tracking), and dropping the token records the read on `stream`.
+    pub(crate) fn new<T: Element, S: DevicePtr<T>>(
+        src: &'a S,
+        stream: &'a CudaStream,
+    ) -> Result<Self> {
+        let dtype = typed::<T>("device buffer")?;
+        let count = src.len();
+        let (ptr, sync) = guard("device_ptr", || Ok(src.device_ptr(stream)))?;
+        Ok(DevIn {
+            ptr,
+            count,
+            dtype,
+            _sync: sync,
+        })
+    }
+    /// Takes a sub-view for reading (see [`DevIn::new`]).
+    pub(crate) fn from_view<T: Element>(
+        v: CudaView<'a, T>,
+        stream: &'a CudaStream,
+    ) -> Result<Self> {
+        let dtype = typed::<T>("device buffer")?;
+        let count = v.len();
+        let (ptr, sync) = guard("view_ptr", || Ok(v.view_ptr(stream)))?;
+        Ok(DevIn {
+            ptr,
+            count,
+            dtype,
+            _sync: sync,
+        })
+    }
+}
+
+impl<'a> DevOut<'a> {
+    /// Takes a mutable sub-view for writing (see [`DevIn::new`]).
+    pub(crate) fn from_view<T: Element>(
+        v: CudaViewMut<'a, T>,
+        stream: &'a CudaStream,
+    ) -> Result<Self> {
+        let dtype = typed::<T>("device buffer")?;
+        let count = v.len();
+        let (ptr, sync) = guard("view_ptr_mut", || Ok(v.view_ptr_mut(stream)))?;
+        Ok(DevOut {
+            ptr,
+            count,
+            dtype,
+            _sync: sync,
+        })
+    }
+    /// Borrows `dst` for writing on `stream` (see [`DevIn::new`]).
+    pub(crate) fn new<T: Element, D: DevicePtrMut<T>>(
+        dst: &'a mut D,
+        stream: &'a CudaStream,
+    ) -> Result<Self> {
+        let dtype = typed::<T>("device buffer")?;
+        let count = dst.len();
+        let (ptr, sync) = guard("device_ptr_mut", || Ok(dst.device_ptr_mut(stream)))?;
+        Ok(DevOut {
+            ptr,
+            count,
+            dtype,
+            _sync: sync,
+        })
+    }
+}
+
+/// One operation of a grouped point-to-point batch.
+pub(crate) enum P2p<'a> {
+    /// `ncclSend` of the whole token.
+    Send(DevIn<'a>, usize),
+    /// `ncclRecv` into the whole token.
+    Recv(DevOut<'a>, usize),
+}
+
+/// A collective and its buffers. Buffer sizes are checked against the communicator size in
+/// [`RawComm::collective`] before NCCL sees the pointers.
+pub(crate) enum Coll<'a> {
+    /// `ncclAllReduce`; `send: None` means in place (`recv` is also the input).
+    AllReduce {
+        send: Option<DevIn<'a>>,
+        recv: DevOut<'a>,
+        op: sys::ncclRedOp_t,
+    },
+    /// `ncclBroadcast` in place.
+    Broadcast { buf: DevOut<'a>, root: usize },
+    /// `ncclAllGather`: `recv` holds `size · send` elements.
+    AllGather { send: DevIn<'a>, recv: DevOut<'a> },
+    /// `ncclReduceScatter`: `send` holds `size · recv` elements.
+    ReduceScatter {
+        send: DevIn<'a>,
+        recv: DevOut<'a>,
+        op: sys::ncclRedOp_t,
+    },
+}
+
+// ------------------------------------------------------------------------------------------------
+// The owned communicator handle
+// ------------------------------------------------------------------------------------------------
+
+const LIVE: u8 = 0;
+const FINALIZED: u8 = 1;
+const ABORTED: u8 = 2;
+
+struct Handle(sys::ncclComm_t);
+
+// SAFETY: an `ncclComm_t` is an opaque handle that NCCL lets any host thread use, one thread at
+// a time; `RawComm` only touches it with its mutex held (module rule 3).
+unsafe impl Send for Handle {}
+
+/// An owned `ncclComm_t`: destroyed (finalize, then destroy) or aborted exactly once.
+pub(crate) struct RawComm {
+    handle: Mutex<Handle>,
+    state: AtomicU8,
+    rank: usize,
+    size: usize,
+}
+
+impl std::fmt::Debug for RawComm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RawComm")
+            .field("rank", &self.rank)
+            .field("size", &self.size)
+            .field("state", &self.state_name())
+            .finish()
+    }
+}
+
+fn to_int(op: &'static str, what: &'static str, v: usize) -> Result<c_int> {
+    c_int::try_from(v).map_err(|_| {
+        Error::Invalid(format!(
+            "{op}: {what} {v} does not fit NCCL's int (max {})",
+            c_int::MAX
+        ))
+    })
+}
+
+impl RawComm {
+    /// `ncclCommInitRank`: joins the communicator of `nranks` ranks named by `id` as `rank`.
+    /// Blocks until every rank joined. The CUDA context of the device must be current.
+    pub(crate) fn init_rank(nranks: usize, id: &[u8; 128], rank: usize) -> Result<RawComm> {
+        let n = to_int("ncclCommInitRank", "size", nranks)?;
+        let r = to_int("ncclCommInitRank", "rank", rank)?;
+        let uid = sys::ncclUniqueId {
+            internal: id.map(|b| b as std::ffi::c_char),
+        };
+        let comm = guard("ncclCommInitRank", || {
+            let mut comm: sys::ncclComm_t = std::ptr::null_mut();
+            // SAFETY: `comm` is a valid out-pointer; `uid` is passed by value; libnccl is loaded.
+            check(
+                "ncclCommInitRank",
+                unsafe { sys::ncclCommInitRank(&mut comm, n, uid, r) },
+                None,
+            )?;
+            Ok(comm)
+        })?;
+        Ok(RawComm::wrap(comm, rank, nranks))
+    }
+
+    fn wrap(comm: sys::ncclComm_t, rank: usize, size: usize) -> RawComm {
+        RawComm {
+            handle: Mutex::new(Handle(comm)),
+            state: AtomicU8::new(LIVE),
+            rank,
+            size,
+        }
+    }
+
+    /// Rank in this communicator.
+    pub(crate) fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Number of ranks.
+    pub(crate) fn size(&self) -> usize {
+        self.size
+    }
+
+    /// `"live"`, `"destroyed"` or `"aborted"`.
+    pub(crate) fn state_name(&self) -> &'static str {
+        match self.state.load(Ordering::Acquire) {
+            LIVE => "live",
+            FINALIZED => "destroyed",
+            _ => "aborted",
+        }
+    }
+
+    /// True until destroyed or aborted.
+    pub(crate) fn is_live(&self) -> bool {
+        self.state.load(Ordering::Acquire) == LIVE
+    }
+
+    /// Locks the handle of a live communicator.
+    fn live(&self, op: &'static str) -> Result<MutexGuard<'_, Handle>> {
+        let g = self.handle.lock().unwrap_or_else(|p| p.into_inner());
+        match self.state.load(Ordering::Acquire) {
+            LIVE => Ok(g),
+            FINALIZED => Err(Error::Finalized {
+                op,
+                state: "destroyed",
+            }),
+            _ => Err(Error::Finalized {
+                op,
+                state: "aborted",
+            }),
+        }
+    }
+
+    /// `ncclCommSplit`: collective over this communicator. `color = None` passes
+    /// `NCCL_SPLIT_NOCOLOR` and returns `None`. Needs NCCL >= 2.18 (checked by the caller).
+    pub(crate) fn split(&self, color: Option<c_int>, key: c_int) -> Result<Option<RawComm>> {
+        let h = self.live("split")?;
+        let c = color.unwrap_or(NCCL_SPLIT_NOCOLOR);
+        let new = guard("ncclCommSplit", || {
+            let mut new: sys::ncclComm_t = std::ptr::null_mut();
+            // SAFETY: `h.0` is a live communicator (state checked under the lock); `new` is a
+            // valid out-pointer; a NULL config selects the parent's configuration (documented).
+            check(
+                "ncclCommSplit",
+                unsafe { sys::ncclCommSplit(h.0, c, key, &mut new, std::ptr::null_mut()) },
+                Some(h.0),
+            )?;
+            Ok(new)
+        })?;
+        drop(h);
+        if new.is_null() {
+            return Ok(None);
+        }
+        let info = guard("ncclCommCount", || {
+            let (mut rank, mut count): (c_int, c_int) = (0, 0);
+            // SAFETY: `new` is the non-null communicator just created; the out-pointers are valid.
+            check(
+                "ncclCommUserRank",
+                unsafe { sys::ncclCommUserRank(new, &mut rank) },
+                Some(new),
+            )?;
+            // SAFETY: as above.
+            check(
+                "ncclCommCount",
+                unsafe { sys::ncclCommCount(new, &mut count) },
+                Some(new),
+            )?;
+            Ok((rank, count))
+        });
+        let (rank, count) = match info {
+            Ok(v) => v,
+            Err(e) => {
+                // SAFETY: `new` is live and owned by nobody else yet; abort frees it.
+                let _ = guard("ncclCommAbort", || Ok(unsafe { sys::ncclCommAbort(new) }));
+                return Err(e);
+            }
+        };
+        Ok(Some(RawComm::wrap(
+            new,
+            rank.max(0) as usize,
+            count.max(0) as usize,
+        )))
+    }
+
+    /// `ncclCommGetAsyncError`: `Ok(())` while no asynchronous error was reported.
+    pub(crate) fn async_error(&self, op: &'static str) -> Result<()> {
+        let h = self.live(op)?;
+        guard("ncclCommGetAsyncError", || {
+            let mut e = sys::ncclResult_t::ncclSuccess;
+            // SAFETY: live handle under the lock; `e` is a valid out-pointer.
+            check(
+                "ncclCommGetAsyncError",
+                unsafe { sys::ncclCommGetAsyncError(h.0, &mut e) },
+                Some(h.0),
+            )?;
+            check(op, e, Some(h.0))
+        })
+    }
+
+    /// Enqueues a collective on `stream`. Buffer sizes are checked here, next to the call.
+    pub(crate) fn collective(&self, c: Coll<'_>, stream: &CudaStream) -> Result<()> {
+        let n = self.size;
+        let s = stream.cu_stream() as sys::cudaStream_t;
+        match c {
+            Coll::AllReduce { send, recv, op } => {
+                let count = recv.count;
+                let (sp, sdt) = match &send {
+                    Some(x) => {
+                        same(x.dtype, recv.dtype, x.count, count, "all_reduce")?;
+                        (x.ptr, x.dtype)
+                    }
+                    None => (recv.ptr, recv.dtype),
+                };
+                let h = self.live("all_reduce")?;
+                guard("ncclAllReduce", || {
+                    // SAFETY: `sp` and `recv.ptr` address `count` elements of `sdt` (tokens,
+                    // rule 2; lengths equal as checked above); live handle under the lock.
+                    let r = unsafe {
+                        sys::ncclAllReduce(
+                            sp as *const c_void,
+                            recv.ptr as *mut c_void,
+                            count,
+                            sdt,
+                            op,
+                            h.0,
+                            s,
+                        )
+                    };
+                    check("ncclAllReduce", r, Some(h.0))
+                })
+            }
+            Coll::Broadcast { buf, root } => {
+                let root = to_int("broadcast", "root", root)?;
+                if root as usize >= n {
+                    return Err(Error::PeerOutOfRange {
+                        op: "broadcast",
+                        what: "root",
+                        rank: root as usize,
+                        size: n,
+                    });
+                }
+                let h = self.live("broadcast")?;
+                guard("ncclBroadcast", || {
+                    // SAFETY: in place: send and receive are the same `buf.count` elements of
+                    // `buf.dtype` (token, rule 2); root < size checked; live handle under lock.
+                    let r = unsafe {
+                        sys::ncclBroadcast(
+                            buf.ptr as *const c_void,
+                            buf.ptr as *mut c_void,
+                            buf.count,
+                            buf.dtype,
+                            root,
+                            h.0,
+                            s,
+                        )
+                    };
+                    check("ncclBroadcast", r, Some(h.0))
+                })
+            }
+            Coll::AllGather { send, recv } => {
+                same(
+                    send.dtype,
+                    recv.dtype,
+                    send.count.saturating_mul(n),
+                    recv.count,
+                    "all_gather",
+                )?;
+                let h = self.live("all_gather")?;
+                guard("ncclAllGather", || {
+                    // SAFETY: `send` has `send.count` elements and `recv` exactly `n · send.count`
+                    // (checked above), as ncclAllGather reads and writes; live handle.
+                    let r = unsafe {
+                        sys::ncclAllGather(
+                            send.ptr as *const c_void,
+                            recv.ptr as *mut c_void,
+                            send.count,
+                            send.dtype,
+                            h.0,
+                            s,
+                        )
+                    };
+                    check("ncclAllGather", r, Some(h.0))
+                })
+            }
+            Coll::ReduceScatter { send, recv, op } => {
+                same(
+                    send.dtype,
+                    recv.dtype,
+                    send.count,
+                    recv.count.saturating_mul(n),
+                    "reduce_scatter",
+                )?;
+                let h = self.live("reduce_scatter")?;
+                guard("ncclReduceScatter", || {
+                    // SAFETY: `recv` has `recv.count` elements and `send` exactly
+                    // `n · recv.count` (checked above); live handle under the lock.
+                    let r = unsafe {
+                        sys::ncclReduceScatter(
+                            send.ptr as *const c_void,
+                            recv.ptr as *mut c_void,
+                            recv.count,
+                            send.dtype,
+                            op,
+                            h.0,
+                            s,
+                        )
+                    };
+                    check("ncclReduceScatter", r, Some(h.0))
+                })
+            }
+        }
+    }
+
+    /// Enqueues point-to-point operations between `ncclGroupStart` and `ncclGroupEnd` (always
+    /// closed, also on error). Peers are checked against the size here.
+    pub(crate) fn p2p_group(
+        &self,
+        op: &'static str,
+        ops: Vec<P2p<'_>>,
+        stream: &CudaStream,
+    ) -> Result<()> {
+        for o in &ops {
+            let peer = match o {
+                P2p::Send(_, p) | P2p::Recv(_, p) => *p,
+            };
+            if peer >= self.size {
+                return Err(Error::PeerOutOfRange {
+                    op,
+                    what: "peer",
+                    rank: peer,
+                    size: self.size,
+                });
+            }
+        }
+        let s = stream.cu_stream() as sys::cudaStream_t;
+        let h = self.live(op)?;
+        guard("ncclGroupStart", || {
+            // SAFETY: no arguments; group state is per thread and closed below on every path.
+            check("ncclGroupStart", unsafe { sys::ncclGroupStart() }, None)
+        })?;
+        let mut result = Ok(());
+        for o in &ops {
+            let r = match o {
+                P2p::Send(b, peer) => guard("ncclSend", || {
+                    // SAFETY: `b` addresses `b.count` elements of `b.dtype` (token, rule 2) and
+                    // stays borrowed until after ncclGroupEnd (the tokens live in `ops`);
+                    // peer < size checked above; live handle under the lock.
+                    let r = unsafe {
+                        sys::ncclSend(
+                            b.ptr as *const c_void,
+                            b.count,
+                            b.dtype,
+                            *peer as c_int,
+                            h.0,
+                            s,
+                        )
+                    };
+                    check("ncclSend", r, Some(h.0))
+                }),
+                P2p::Recv(b, peer) => guard("ncclRecv", || {
+                    // SAFETY: as for the send, with write access through the `DevOut` token.
+                    let r = unsafe {
+                        sys::ncclRecv(
+                            b.ptr as *mut c_void,
+                            b.count,
+                            b.dtype,
+                            *peer as c_int,
+                            h.0,
+                            s,
+                        )
+                    };
+                    check("ncclRecv", r, Some(h.0))
+                }),
+            };
+            if let Err(e) = r {
+                result = Err(e);
+                break;
+            }
+        }
+        let end = guard("ncclGroupEnd", || {
+            // SAFETY: closes the group opened above on this thread.
+            check("ncclGroupEnd", unsafe { sys::ncclGroupEnd() }, Some(h.0))
+        });
+        drop(h);
+        // The tokens (and their event records) drop here, after the operations were enqueued.
+        drop(ops);
+        result.and(end)
+    }
+
+    /// `ncclCommAbort`: frees the communicator at once, interrupting its pending operations.
+    /// Returns false when it was already destroyed or aborted.
+    pub(crate) fn abort(&self) -> bool {
+        let h = self.handle.lock().unwrap_or_else(|p| p.into_inner());
+        if self.state.load(Ordering::Acquire) != LIVE {
+            return false;
+        }
+        self.state.store(ABORTED, Ordering::Release);
+        // SAFETY: the handle is live (state checked under the lock) and is never used again:
+        // the state is no longer LIVE, which every other entry point checks under this lock.
+        let _ = guard("ncclCommAbort", || Ok(unsafe { sys::ncclCommAbort(h.0) }));
+        true
+    }
+
+    /// `ncclCommFinalize` then `ncclCommDestroy` (the orderly shutdown). If finalizing fails the
+    /// communicator is aborted instead. No-op when already destroyed or aborted.
+    pub(crate) fn finalize_and_destroy(&self) -> Result<()> {
+        let h = self.handle.lock().unwrap_or_else(|p| p.into_inner());
+        if self.state.load(Ordering::Acquire) != LIVE {
+            return Ok(());
+        }
+        // SAFETY: live handle under the lock; finalize flushes its pending operations.
+        let fin = guard("ncclCommFinalize", || {
+            check(
+                "ncclCommFinalize",
+                unsafe { sys::ncclCommFinalize(h.0) },
+                Some(h.0),
+            )
+        });
+        match fin {
+            Ok(()) => {
+                self.state.store(FINALIZED, Ordering::Release);
+                // SAFETY: finalized handle, destroyed exactly once (state is no longer LIVE).
+                guard("ncclCommDestroy", || {
+                    check(
+                        "ncclCommDestroy",
+                        unsafe { sys::ncclCommDestroy(h.0) },
+                        None,
+                    )
+                })
+            }
+            Err(e) => {
+                self.state.store(ABORTED, Ordering::Release);
+                // SAFETY: live handle whose finalize failed; aborted exactly once.
+                let _ = guard("ncclCommAbort", || Ok(unsafe { sys::ncclCommAbort(h.0) }));
+                Err(e)
+            }
+        }
+    }
+}
+
+fn same(
+    a: sys::ncclDataType_t,
+    b: sys::ncclDataType_t,
+    expected: usize,
+    actual: usize,
+    op: &'static str,
+) -> Result<()> {
+    if a != b {
+        return Err(Error::Invalid(format!(
+            "{op}: NCCL data types differ ({a:?} and {b:?})"
+        )));
+    }
+    if expected != actual {
+        return Err(Error::LengthMismatch {
+            op,
+            what: "device buffer",
+            expected,
+            actual,
+        });
+    }
+    Ok(())
+}
+
+impl Drop for RawComm {
+    fn drop(&mut self) {
+        // Orderly shutdown; a communicator with a pending asynchronous error is aborted instead.
+        // The owner (`comm::Shared`) has already waited for the stream or aborted on failure.
+        if self.is_live() {
+            if self.async_error("drop").is_err() {
+                self.abort();
+            } else if let Err(e) = self.finalize_and_destroy() {
+                tracing::warn!("nccl: destroying a communicator failed, aborted it instead: {e}");
+            }
+        }
+    }
+}
