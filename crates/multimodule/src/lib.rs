@@ -5,6 +5,7 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+mod bridge;
 mod error;
 mod ordered;
 mod plan;
@@ -12,7 +13,9 @@ mod routing;
 mod spec;
 mod stages;
 mod tensor;
+mod wire;
 
+pub use bridge::{BridgeCommunicator, GroupCache, TAGS_PER_BRIDGE};
 pub use error::{Error, Result};
 pub use ordered::OrderedMap;
 pub use plan::{

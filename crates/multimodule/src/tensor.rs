@@ -466,22 +466,6 @@ fn T_slice<T: Element>(v: &[T], r: Range<usize>) -> HostSlice<'_> {
     T::host(&v[r])
 }
 
-/// Cuts an erased mutable slice into consecutive pieces of `lens` elements (which must not
-/// exceed its length).
-pub(crate) fn split_mut<'a>(s: HostSliceMut<'a>, lens: &[usize]) -> Vec<HostSliceMut<'a>> {
-    fn go<'a, T: Element>(mut v: &'a mut [T], lens: &[usize]) -> Vec<HostSliceMut<'a>> {
-        let mut out = Vec::with_capacity(lens.len());
-        for &l in lens {
-            let l = l.min(v.len());
-            let (a, b) = std::mem::take(&mut v).split_at_mut(l);
-            out.push(T::host_mut(a));
-            v = b;
-        }
-        out
-    }
-    dispatch!(HostSliceMut, s, v => go(v, lens))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
