@@ -13,6 +13,12 @@
 //! * **Nonblocking** [`Communicator::start`] enqueues and records a CUDA event; the [`Work`]
 //!   completes when the event has fired. `wait` hands back device tensors as they are (their
 //!   stream is made to wait for the event) and host tensors after copying the result back.
+//! * **Nonblocking sends and receives are deferred** and enqueued together as one
+//!   `ncclGroupStart/End` group when one of their works is polled or waited on, or before the
+//!   communicator's next other operation. Separately enqueued NCCL sends and receives run in
+//!   stream order, so `irecv(left); isend(right); wait` would deadlock in a ring; grouped they
+//!   cannot. (A receive whose matching send is only issued *after* waiting on it, on the same
+//!   communicator, still deadlocks: NCCL executes one communicator's operations in order.)
 //!
 //! # Failure handling
 //! Every wait polls the event, NCCL's asynchronous error (`ncclCommGetAsyncError`) and the
@@ -47,9 +53,102 @@ pub(crate) struct Shared {
     pub(crate) abort_on_failure: bool,
     pub(crate) job: Arc<Job>,
     scratch: Mutex<Option<CudaSlice<f32>>>,
+    /// Nonblocking sends and receives not yet handed to NCCL (see [`Shared::flush`]).
+    pending: Mutex<Vec<Pending>>,
+}
+
+/// A nonblocking send or receive waiting to be enqueued.
+struct Pending {
+    send: bool,
+    peer: usize,
+    slot: Arc<Mutex<Slot>>,
+}
+
+/// The buffer of a nonblocking point-to-point operation, shared by the queue and its work.
+enum Slot {
+    Waiting(Box<dyn DeviceBuffer>),
+    Enqueued(Box<dyn DeviceBuffer>, Arc<CudaEvent>),
+    Failed(Error),
+    Taken,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn din<'a>(op: &'static str, d: &'a dyn DeviceBuffer, stream: &'a CudaStream) -> Result<DevIn<'a>> {
+    with_dtype!(d.dtype(), T => DevIn::new::<T, _>(&downcast::<T>(op, d)?.slice, stream))
+}
+
+fn dout<'a>(
+    op: &'static str,
+    d: &'a mut dyn DeviceBuffer,
+    stream: &'a CudaStream,
+) -> Result<DevOut<'a>> {
+    with_dtype!(d.dtype(), T => DevOut::new::<T, _>(&mut downcast_mut::<T>(op, d)?.slice, stream))
 }
 
 impl Shared {
+    /// Enqueues the pending nonblocking sends and receives as **one** NCCL group, so that
+    /// `irecv` + `isend` patterns (rings, pipeline exchanges) cannot deadlock on the stream.
+    /// Called before any other operation of the communicator and when a pending work is
+    /// waited on or polled; the queue lock is held throughout, so flushes are serialised.
+    fn flush(&self, op: &'static str) -> Result<()> {
+        let mut queue = lock(&self.pending);
+        if queue.is_empty() {
+            return Ok(());
+        }
+        let items = std::mem::take(&mut *queue);
+        self.bind(op)?;
+        let mut guards: Vec<_> = items.iter().map(|p| lock(&p.slot)).collect();
+        let enqueued = {
+            let mut tokens = Vec::with_capacity(items.len());
+            let mut err = None;
+            for (p, g) in items.iter().zip(guards.iter_mut()) {
+                if let Slot::Waiting(b) = &mut **g {
+                    let t = if p.send {
+                        din(op, &**b, &self.stream).map(|t| P2p::Send(t, p.peer))
+                    } else {
+                        dout(op, &mut **b, &self.stream).map(|t| P2p::Recv(t, p.peer))
+                    };
+                    match t {
+                        Ok(t) => tokens.push(t),
+                        Err(e) => {
+                            err = Some(e);
+                            break;
+                        }
+                    }
+                }
+            }
+            match err {
+                Some(e) => Err(e),
+                None => self.raw.p2p_group(op, tokens, &self.stream),
+            }
+        };
+        let event =
+            enqueued.and_then(|_| cuda(op, || self.stream.record_event(None)).map(Arc::new));
+        for g in guards.iter_mut() {
+            let prev = std::mem::replace(&mut **g, Slot::Taken);
+            **g = match (prev, &event) {
+                (Slot::Waiting(b), Ok(ev)) => Slot::Enqueued(b, ev.clone()),
+                (Slot::Waiting(_), Err(e)) => Slot::Failed(e.clone()),
+                (other, _) => other,
+            };
+        }
+        event.map(|_| ()).map_err(|e| self.failed(e))
+    }
+
+    /// Queues a nonblocking send or receive; returns its slot.
+    fn defer(&self, send: bool, peer: usize, buf: Box<dyn DeviceBuffer>) -> Arc<Mutex<Slot>> {
+        let slot = Arc::new(Mutex::new(Slot::Waiting(buf)));
+        lock(&self.pending).push(Pending {
+            send,
+            peer,
+            slot: slot.clone(),
+        });
+        slot
+    }
+
     fn bind(&self, op: &'static str) -> Result<()> {
         cuda(op, || self.ctx.bind_to_thread())
     }
@@ -140,10 +239,13 @@ impl Drop for Shared {
         // Orderly destruction needs an idle stream; if the stream does not drain (a peer died,
         // an error is pending) the communicator is aborted instead of hanging in finalize.
         if self.raw.is_live() {
-            let idle = self.bind("drop").and_then(|_| {
-                let ev = cuda("drop", || self.stream.record_event(None))?;
-                self.poll_event("drop", &ev, self.timeout)
-            });
+            let idle = self
+                .flush("drop")
+                .and_then(|_| self.bind("drop"))
+                .and_then(|_| {
+                    let ev = cuda("drop", || self.stream.record_event(None))?;
+                    self.poll_event("drop", &ev, self.timeout)
+                });
             if !matches!(idle, Ok(true)) {
                 self.raw.abort();
             }
@@ -204,6 +306,7 @@ impl NcclCommunicator {
             abort_on_failure,
             job: job.clone(),
             scratch: Mutex::new(None),
+            pending: Mutex::new(Vec::new()),
         });
         job.register(&shared);
         crate::job::process().register(&shared);
@@ -278,6 +381,7 @@ impl NcclCommunicator {
     /// Copies a device buffer back to the host, after everything queued on this communicator's
     /// stream (waits with the communicator's timeout and failure checks).
     pub fn to_host<T: NcclElement>(&self, buf: &NcclDeviceBuffer<T>) -> Result<Vec<T>> {
+        self.begin("to_host")?;
         self.shared.bind("to_host")?;
         self.wait_for("to_host", buf)?;
         self.shared.sync("to_host")?;
@@ -292,6 +396,13 @@ impl NcclCommunicator {
         } else {
             Err(self.shared.state_error(op))
         }
+    }
+
+    /// Start of every operation except nonblocking send/recv: live, and pending
+    /// point-to-point operations enqueued first (they were started first).
+    fn begin(&self, op: &'static str) -> Result<()> {
+        self.live(op)?;
+        self.shared.flush(op)
     }
 
     fn shape(&self) -> Shape {
@@ -331,12 +442,12 @@ impl NcclCommunicator {
 
     fn din<'a>(&'a self, op: &'static str, d: &'a dyn DeviceBuffer) -> Result<DevIn<'a>> {
         self.same_device(op, d)?;
-        with_dtype!(d.dtype(), T => DevIn::new::<T, _>(&downcast::<T>(op, d)?.slice, &self.shared.stream))
+        din(op, d, &self.shared.stream)
     }
 
     fn dout<'a>(&'a self, op: &'static str, d: &'a mut dyn DeviceBuffer) -> Result<DevOut<'a>> {
         self.same_device(op, &*d)?;
-        with_dtype!(d.dtype(), T => DevOut::new::<T, _>(&mut downcast_mut::<T>(op, d)?.slice, &self.shared.stream))
+        dout(op, d, &self.shared.stream)
     }
 
     fn stage_in(&self, op: &'static str, h: HostSlice<'_>) -> Result<Box<dyn DeviceBuffer>> {
@@ -466,7 +577,7 @@ impl NcclCommunicator {
     /// output waits and copies back.
     fn blocking(&self, kind: Kind, send: Option<BufRef<'_>>, recv: BufMut<'_>) -> Result<()> {
         let op = kind.name();
-        self.live(op)?;
+        self.begin(op)?;
         if recv.is_empty() {
             return Ok(());
         }
@@ -511,7 +622,7 @@ impl NcclCommunicator {
             Send(BufRef<'a>, Option<Box<dyn DeviceBuffer>>, usize),
             Recv(BufMut<'a>, Option<Box<dyn DeviceBuffer>>, usize),
         }
-        self.live(op)?;
+        self.begin(op)?;
         let mut slots = Vec::with_capacity(ops.len());
         for o in ops {
             match o {
@@ -646,16 +757,21 @@ enum Output {
     Device(Box<dyn DeviceBuffer>),
     /// A staged result: copied to the host on completion.
     Staged(Box<dyn DeviceBuffer>),
+    /// The buffer of a deferred send or receive (copied to the host if `staged`).
+    Slot { staged: bool },
     /// Ready now (sent host buffer, empty buffers, barrier).
     Ready(Tensor),
 }
 
 /// A started operation: completes when the CUDA event recorded after it has fired.
+/// Nonblocking sends and receives are enqueued (as one group with the other pending ones) when
+/// their work is first polled or waited on, or when the communicator runs any other operation.
 pub struct NcclWork {
     shared: Arc<Shared>,
     comm_stream: Arc<CudaStream>,
     op: &'static str,
-    event: CudaEvent,
+    event: Option<Arc<CudaEvent>>,
+    slot: Option<Arc<Mutex<Slot>>>,
     started: Instant,
     output: Option<Output>,
     /// Buffers NCCL still reads (staged inputs, device inputs) until the event fires.
@@ -669,26 +785,59 @@ impl std::fmt::Debug for NcclWork {
 }
 
 impl NcclWork {
-    fn finish(mut self) -> Result<Tensor> {
+    /// The completion event, enqueueing a deferred send/receive first.
+    fn event(&mut self) -> Result<Arc<CudaEvent>> {
+        if let Some(ev) = &self.event {
+            return Ok(ev.clone());
+        }
+        let Some(slot) = self.slot.clone() else {
+            return Err(internal(self.op, "work without event"));
+        };
+        self.shared.flush(self.op)?;
+        let ev = match &*lock(&slot) {
+            Slot::Enqueued(_, ev) => ev.clone(),
+            Slot::Failed(e) => return Err(e.clone()),
+            Slot::Waiting(_) | Slot::Taken => {
+                return Err(internal(self.op, "deferred operation not enqueued"))
+            }
+        };
+        self.event = Some(ev.clone());
+        Ok(ev)
+    }
+
+    fn finish(mut self, event: &CudaEvent) -> Result<Tensor> {
         let out = self.output.take();
-        match out {
-            Some(Output::Ready(t)) => Ok(t),
-            Some(Output::Device(d)) => {
-                let s = with_dtype!(d.dtype(), T => downcast::<T>(self.op, &*d)?.slice.stream().clone());
-                if *s != *self.comm_stream {
-                    cuda(self.op, || s.wait(&self.event))?;
+        let (d, staged) = match out {
+            Some(Output::Ready(t)) => return Ok(t),
+            Some(Output::Device(d)) => (d, false),
+            Some(Output::Staged(d)) => (d, true),
+            Some(Output::Slot { staged }) => {
+                let Some(slot) = self.slot.take() else {
+                    return Err(internal(self.op, "slot"));
+                };
+                let prev = std::mem::replace(&mut *lock(&slot), Slot::Taken);
+                match prev {
+                    Slot::Enqueued(d, _) => (d, staged),
+                    Slot::Failed(e) => return Err(e),
+                    _ => return Err(internal(self.op, "slot state")),
                 }
-                Ok(Tensor::Device(d))
             }
-            Some(Output::Staged(d)) => {
-                self.shared.bind(self.op)?;
-                let h = with_dtype!(d.dtype(), T => {
-                    let b = downcast::<T>(self.op, &*d)?;
-                    owned::<T>(cuda(self.op, || self.comm_stream.clone_dtoh(&b.slice))?)
-                });
-                Ok(Tensor::Host(h))
+            None => return Err(internal(self.op, "work finished twice")),
+        };
+        if staged {
+            self.shared.bind(self.op)?;
+            let h = with_dtype!(d.dtype(), T => {
+                let b = downcast::<T>(self.op, &*d)?;
+                owned::<T>(cuda(self.op, || self.comm_stream.clone_dtoh(&b.slice))?)
+            });
+            Ok(Tensor::Host(h))
+        } else {
+            let s =
+                with_dtype!(d.dtype(), T => downcast::<T>(self.op, &*d)?.slice.stream().clone());
+            if *s != *self.comm_stream {
+                cuda(self.op, || s.wait(event))?;
             }
-            None => Err(internal(self.op, "work finished twice")),
+            Ok(Tensor::Device(d))
         }
     }
 }
@@ -698,28 +847,33 @@ impl Work for NcclWork {
         if !self.shared.raw.is_live() {
             return true;
         }
-        !matches!(cuda(self.op, || self.event.try_is_complete()), Ok(false))
+        match self.event() {
+            Ok(ev) => !matches!(cuda(self.op, || ev.try_is_complete()), Ok(false)),
+            Err(_) => true,
+        }
     }
 
-    fn wait(self: Box<Self>) -> Result<Tensor> {
+    fn wait(mut self: Box<Self>) -> Result<Tensor> {
         self.shared.bind(self.op)?;
-        self.shared.wait_event(self.op, &self.event)?;
-        self.finish()
+        let ev = self.event()?;
+        self.shared.wait_event(self.op, &ev)?;
+        self.finish(&ev)
     }
 
     fn wait_timeout(
-        self: Box<Self>,
+        mut self: Box<Self>,
         timeout: Duration,
     ) -> std::result::Result<Result<Tensor>, Box<dyn Work>> {
         if let Err(e) = self.shared.bind(self.op) {
             return Ok(Err(e));
         }
+        let ev = match self.event() {
+            Ok(ev) => ev,
+            Err(e) => return Ok(Err(e)),
+        };
         let remaining = self.shared.timeout.saturating_sub(self.started.elapsed());
-        match self
-            .shared
-            .poll_event(self.op, &self.event, timeout.min(remaining))
-        {
-            Ok(true) => Ok(self.finish()),
+        match self.shared.poll_event(self.op, &ev, timeout.min(remaining)) {
+            Ok(true) => Ok(self.finish(&ev)),
             Ok(false) if timeout < remaining => Err(self),
             Ok(false) => {
                 let millis = self.shared.timeout.as_millis() as u64;
@@ -805,7 +959,7 @@ impl Communicator for NcclCommunicator {
 
     fn barrier(&self) -> Result<()> {
         const OP: &str = "barrier";
-        self.live(OP)?;
+        self.begin(OP)?;
         self.shared.bind(OP)?;
         self.barrier_enqueue(OP)?;
         self.shared.sync(OP)
@@ -827,10 +981,18 @@ impl Communicator for NcclCommunicator {
 
     fn start(&self, request: Request) -> Result<Box<dyn Work>> {
         let op = request.name();
-        self.live(op)?;
+        let p2p = matches!(request, Request::Send { .. } | Request::Recv { .. });
+        if p2p {
+            // Deferred: enqueued together with the other pending sends and receives (see
+            // `Shared::flush`), not flushed here.
+            self.live(op)?;
+        } else {
+            self.begin(op)?;
+        }
         self.shape().request(&request)?;
         self.shared.bind(op)?;
         let mut keep: Vec<Box<dyn DeviceBuffer>> = Vec::new();
+        let mut slot = None;
         let output = match request {
             Request::AllReduce { buf, op: r } => {
                 self.start_in_place(op, Kind::AllReduce(r), buf, false)?
@@ -851,43 +1013,33 @@ impl Communicator for NcclCommunicator {
                 self.barrier_enqueue(op)?;
                 Output::Ready(Tensor::Host(HostBuffer::zeros(DType::U8, 0)))
             }
-            Request::Send { buf, peer, tag } => {
+            Request::Send { buf, peer, .. } => {
                 let (dev, host) = self.operand(op, buf, true)?;
-                if let Some(d) = &dev {
-                    self.p2p(
-                        op,
-                        vec![P2pOp::Send {
-                            buf: BufRef::Device(&**d),
-                            peer,
-                            tag,
-                        }],
-                    )?;
-                }
                 match (dev, host) {
-                    (Some(d), None) => Output::Device(d),
-                    (dev, Some(h)) => {
-                        keep.extend(dev);
-                        Output::Ready(Tensor::Host(h))
+                    (Some(d), host) => {
+                        if host.is_none() {
+                            self.wait_for(op, &*d)?;
+                        }
+                        slot = Some(self.shared.defer(true, peer, d));
+                        match host {
+                            Some(h) => Output::Ready(Tensor::Host(h)),
+                            None => Output::Slot { staged: false },
+                        }
                     }
+                    (None, Some(h)) => Output::Ready(Tensor::Host(h)),
                     (None, None) => return Err(internal(op, "send operand")),
                 }
             }
-            Request::Recv { buf, peer, tag } => {
+            Request::Recv { buf, peer, .. } => {
                 let (dev, host) = self.operand(op, buf, false)?;
                 match (dev, host) {
-                    (Some(mut d), host) => {
-                        self.p2p(
-                            op,
-                            vec![P2pOp::Recv {
-                                buf: BufMut::Device(&mut *d),
-                                peer,
-                                tag,
-                            }],
-                        )?;
-                        if host.is_some() {
-                            Output::Staged(d)
-                        } else {
-                            Output::Device(d)
+                    (Some(d), host) => {
+                        if host.is_none() {
+                            self.wait_for(op, &*d)?;
+                        }
+                        slot = Some(self.shared.defer(false, peer, d));
+                        Output::Slot {
+                            staged: host.is_some(),
                         }
                     }
                     (None, Some(h)) => Output::Ready(Tensor::Host(h)),
@@ -895,12 +1047,18 @@ impl Communicator for NcclCommunicator {
                 }
             }
         };
-        let event = cuda(op, || self.shared.stream.record_event(None))?;
+        let event = match slot {
+            Some(_) => None,
+            None => Some(Arc::new(cuda(op, || {
+                self.shared.stream.record_event(None)
+            })?)),
+        };
         Ok(Box::new(NcclWork {
             shared: self.shared.clone(),
             comm_stream: self.shared.stream.clone(),
             op,
             event,
+            slot,
             started: Instant::now(),
             output: Some(output),
             _keep: keep,
@@ -908,7 +1066,7 @@ impl Communicator for NcclCommunicator {
     }
 
     fn synchronize(&self) -> Result<()> {
-        self.live("synchronize")?;
+        self.begin("synchronize")?;
         self.shared.sync("synchronize")
     }
 }
