@@ -1,0 +1,858 @@
+// gloo_shim.cc: the C interface of gloo_shim.h over libgloo (Debian libgloo-dev, GLOO_VERSION 0.5).
+//
+// Every extern "C" function catches every exception (`guarded`), so no C++ exception crosses the
+// boundary into Rust. Failures become a status code plus Gloo's own message.
+
+#define HIREDIS_NESTED_INCLUDE 1
+
+#include "gloo_shim.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <exception>
+#include <limits>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include <gloo/allgather.h>
+#include <gloo/allreduce.h>
+#include <gloo/alltoall.h>
+#include <gloo/barrier.h>
+#include <gloo/broadcast.h>
+#include <gloo/common/error.h>
+#include <gloo/common/logging.h>
+#include <gloo/reduce_scatter.h>
+#include <gloo/rendezvous/context.h>
+#include <gloo/rendezvous/file_store.h>
+#include <gloo/rendezvous/hash_store.h>
+#include <gloo/rendezvous/prefix_store.h>
+#include <gloo/rendezvous/redis_store.h>
+#include <gloo/transport/tcp/device.h>
+#include <gloo/transport/unbound_buffer.h>
+#include <gloo/types.h>
+
+namespace {
+
+using Millis = std::chrono::milliseconds;
+
+// Slot prefix of user point-to-point messages. Gloo's collectives use prefixes 0x01..0x08
+// (gloo/types.h) and the legacy algorithms small slot numbers (prefix 0), so user tags never
+// collide with a collective.
+constexpr uint8_t kP2pSlotPrefix = 0x7A;
+
+// Message Gloo gives every other pair of a context after an application-side timeout
+// (tcp/unbound_buffer.cc): it names no failed peer.
+constexpr const char* kSecondaryFailure = "Application timeout caused pair closure";
+
+void set_message(gloo_shim_status* st, const std::string& msg) {
+  size_t n = std::min(msg.size(), static_cast<size_t>(GLOO_SHIM_MESSAGE_LEN - 1));
+  std::memcpy(st->message, msg.data(), n);
+  st->message[n] = '\0';
+}
+
+int32_t ok(gloo_shim_status* st) {
+  st->code = GLOO_SHIM_OK;
+  st->peer = -1;
+  st->message[0] = '\0';
+  return GLOO_SHIM_OK;
+}
+
+int32_t fail(gloo_shim_status* st, int32_t code, const std::string& msg) {
+  st->code = code;
+  st->peer = -1;
+  set_message(st, msg);
+  return code;
+}
+
+bool contains(const std::string& s, const char* needle) {
+  return s.find(needle) != std::string::npos;
+}
+
+int32_t classify(const std::string& msg, int32_t fallback) {
+  if (contains(msg, "already set") || contains(msg, "File already exists")) {
+    return GLOO_SHIM_KEY_EXISTS;
+  }
+  if (contains(msg, "Timed out waiting") || contains(msg, "Wait timeout") ||
+      contains(msg, "Connect timeout") || contains(msg, "Read timeout") ||
+      contains(msg, "Write timeout")) {
+    return GLOO_SHIM_TIMEOUT;
+  }
+  return fallback;
+}
+
+}  // namespace
+
+struct gloo_shim_store {
+  std::shared_ptr<gloo::rendezvous::Store> store;
+};
+
+struct gloo_shim_device {
+  std::shared_ptr<gloo::transport::Device> device;
+};
+
+struct gloo_shim_context {
+  std::shared_ptr<gloo::rendezvous::Context> ctx;
+  // Serialises the legacy (pair-bound) algorithms, which take slots from the context's
+  // non-atomic slot counter (gloo::Context::nextSlot).
+  std::mutex legacy;
+};
+
+struct gloo_shim_pending {
+  std::shared_ptr<gloo::rendezvous::Context> ctx;
+  std::unique_ptr<gloo::transport::UnboundBuffer> buf;
+  bool is_recv;
+};
+
+namespace {
+
+// Slot prefix of the zero-byte probes sent by probe_peers (never received by anyone).
+constexpr uint8_t kProbeSlotPrefix = 0x7B;
+
+// Fills st->peer with the first peer whose connection failed on its own (not as a consequence
+// of a local timeout) and appends every broken connection to the message.
+//
+// A TCP pair that failed keeps its exception and rethrows it from every later operation
+// (tcp::Pair::send calls throwIfException under the pair lock), so posting a zero-byte send to
+// each peer reveals which connections are broken, with the message of their first failure,
+// using only Gloo's public interface. On a healthy connection the probe posts a harmless
+// notification on a slot nobody receives on; the buffer is destroyed (the send cancelled) at
+// once. The communicator is unusable after a failure anyway.
+void probe_peers(gloo::Context* ctx, gloo_shim_status* st) {
+  if (ctx == nullptr) {
+    return;
+  }
+  std::string all;
+  int32_t first = -1;
+  for (int i = 0; i < ctx->size; i++) {
+    if (i == ctx->rank) {
+      continue;
+    }
+    std::string msg;
+    try {
+      auto buf = ctx->createUnboundBuffer(nullptr, 0);
+      buf->send(i, gloo::Slot::build(kProbeSlotPrefix, 0), 0, 0);
+      continue;  // healthy
+    } catch (const std::exception& e) {
+      msg = e.what();
+    } catch (...) {
+      continue;
+    }
+    if (contains(msg, kSecondaryFailure)) {
+      continue;
+    }
+    if (first < 0) {
+      first = i;
+    }
+    all += (all.empty() ? "" : "; ") + std::string("rank ") + std::to_string(i) + ": " + msg;
+  }
+  if (first >= 0) {
+    st->peer = first;
+    std::string msg = st->message;
+    msg += " [broken connections: " + all + "]";
+    set_message(st, msg);
+  }
+}
+
+// Runs f, turning every exception into a status. On a communication failure the pairs of ctx
+// are probed for the failed peer.
+template <typename F>
+int32_t guarded(gloo::Context* ctx, gloo_shim_status* st, F&& f) {
+  ok(st);
+  int32_t code = GLOO_SHIM_OK;
+  try {
+    f();
+    return GLOO_SHIM_OK;
+  } catch (const gloo::IoException& e) {
+    code = fail(st, classify(e.what(), GLOO_SHIM_IO), e.what());
+  } catch (const gloo::EnforceNotMet& e) {
+    code = fail(st, classify(e.what(), GLOO_SHIM_ENFORCE), e.what());
+  } catch (const gloo::Exception& e) {
+    code = fail(st, classify(e.what(), GLOO_SHIM_OTHER), e.what());
+  } catch (const std::exception& e) {
+    code = fail(st, classify(e.what(), GLOO_SHIM_OTHER), e.what());
+  } catch (...) {
+    code = fail(st, GLOO_SHIM_OTHER, "unknown C++ exception");
+  }
+  if (code == GLOO_SHIM_IO || code == GLOO_SHIM_TIMEOUT) {
+    try {
+      probe_peers(ctx, st);
+    } catch (...) {
+    }
+  }
+  return code;
+}
+
+Millis to_millis(int64_t ms) {
+  return Millis(ms > 0 ? ms : 1);
+}
+
+// A store view whose every wait (including the implicit wait of get) is bounded by one
+// timeout. Gloo's rendezvous calls Store::get without a timeout (30 s by default); this makes
+// the configured timeout apply to the whole rendezvous.
+class BoundedStore : public gloo::rendezvous::Store {
+ public:
+  BoundedStore(std::shared_ptr<gloo::rendezvous::Store> base, Millis timeout)
+      : base_(std::move(base)), timeout_(timeout) {}
+
+  void set(const std::string& key, const std::vector<char>& data) override {
+    base_->set(key, data);
+  }
+
+  std::vector<char> get(const std::string& key) override {
+    base_->wait({key}, timeout_);
+    return base_->get(key);
+  }
+
+  void wait(const std::vector<std::string>& keys) override {
+    base_->wait(keys, timeout_);
+  }
+
+  void wait(const std::vector<std::string>& keys, const Millis& timeout) override {
+    Millis t = (timeout == gloo::kNoTimeout) ? timeout_ : std::min(timeout, timeout_);
+    base_->wait(keys, t);
+  }
+
+ private:
+  std::shared_ptr<gloo::rendezvous::Store> base_;
+  Millis timeout_;
+};
+
+// ---- element types and reductions --------------------------------------------------------------
+
+struct f16_t {
+  uint16_t x;
+};
+struct bf16_t {
+  uint16_t x;
+};
+
+float half_to_float(uint16_t h) {
+  uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+  uint32_t exp = (h >> 10) & 0x1f;
+  uint32_t man = h & 0x3ff;
+  uint32_t bits;
+  if (exp == 0) {
+    if (man == 0) {
+      bits = sign;
+    } else {
+      // Subnormal: normalise.
+      int e = -1;
+      do {
+        e++;
+        man <<= 1;
+      } while ((man & 0x400) == 0);
+      bits = sign | static_cast<uint32_t>(127 - 15 - e) << 23 | (man & 0x3ff) << 13;
+    }
+  } else if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else {
+    bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+uint16_t float_to_half(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  uint32_t sign = (x >> 16) & 0x8000;
+  uint32_t absx = x & 0x7fffffff;
+  if (absx >= 0x7f800000u) {
+    // Inf or NaN (keep NaN quiet and non-zero).
+    return static_cast<uint16_t>(sign | 0x7c00 | (absx > 0x7f800000u ? 0x200 : 0));
+  }
+  if (absx >= 0x477ff000u) {
+    // Rounds to a value >= 65520: overflow to infinity.
+    return static_cast<uint16_t>(sign | 0x7c00);
+  }
+  if (absx < 0x38800000u) {
+    // Result is subnormal (or zero): scale so that the integer part is the half mantissa.
+    float a;
+    std::memcpy(&a, &absx, 4);
+    float scaled = a * 16777216.0f;  // 2^24: one half-subnormal ulp = 2^-24
+    float r = std::nearbyint(scaled);  // round half to even (default rounding mode)
+    return static_cast<uint16_t>(sign | static_cast<uint32_t>(r));
+  }
+  // Normal: round the 23-bit mantissa to 10 bits, half to even.
+  uint32_t exp = ((absx >> 23) - 127 + 15);
+  uint32_t man = absx & 0x7fffff;
+  uint32_t half = (exp << 10) | (man >> 13);
+  uint32_t rest = man & 0x1fff;
+  if (rest > 0x1000 || (rest == 0x1000 && (half & 1))) {
+    half += 1;  // may carry into the exponent, which is the right result
+  }
+  return static_cast<uint16_t>(sign | half);
+}
+
+float bf16_to_float(uint16_t b) {
+  uint32_t bits = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+uint16_t float_to_bf16(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  if ((x & 0x7fffffff) > 0x7f800000u) {
+    return static_cast<uint16_t>((x >> 16) | 0x40);  // quiet NaN
+  }
+  uint32_t lsb = (x >> 16) & 1;
+  x += 0x7fff + lsb;
+  return static_cast<uint16_t>(x >> 16);
+}
+
+// Per-type arithmetic with defined behaviour: integers wrap (two's complement), floats follow
+// IEEE; min and max propagate NaN.
+template <typename T>
+struct Arith;
+
+template <typename T, typename U>
+struct IntArith {
+  static T add(T a, T b) {
+    return static_cast<T>(static_cast<U>(a) + static_cast<U>(b));
+  }
+  static T mul(T a, T b) {
+    return static_cast<T>(static_cast<U>(a) * static_cast<U>(b));
+  }
+  static T min(T a, T b) {
+    return b < a ? b : a;
+  }
+  static T max(T a, T b) {
+    return a < b ? b : a;
+  }
+};
+template <>
+struct Arith<int32_t> : IntArith<int32_t, uint32_t> {};
+template <>
+struct Arith<int64_t> : IntArith<int64_t, uint64_t> {};
+template <>
+struct Arith<uint8_t> : IntArith<uint8_t, uint32_t> {};
+
+template <typename T>
+struct FloatArith {
+  static T add(T a, T b) {
+    return a + b;
+  }
+  static T mul(T a, T b) {
+    return a * b;
+  }
+  static T min(T a, T b) {
+    if (a != a) return a;
+    if (b != b) return b;
+    return b < a ? b : a;
+  }
+  static T max(T a, T b) {
+    if (a != a) return a;
+    if (b != b) return b;
+    return a < b ? b : a;
+  }
+};
+template <>
+struct Arith<float> : FloatArith<float> {};
+template <>
+struct Arith<double> : FloatArith<double> {};
+
+template <typename T, float (*ToF)(uint16_t), uint16_t (*FromF)(float)>
+struct HalfArith {
+  static T make(uint16_t x) {
+    T t;
+    t.x = x;
+    return t;
+  }
+  static T add(T a, T b) {
+    return make(FromF(ToF(a.x) + ToF(b.x)));
+  }
+  static T mul(T a, T b) {
+    return make(FromF(ToF(a.x) * ToF(b.x)));
+  }
+  static T min(T a, T b) {
+    float fa = ToF(a.x), fb = ToF(b.x);
+    if (fa != fa) return a;
+    if (fb != fb) return b;
+    return fb < fa ? b : a;
+  }
+  static T max(T a, T b) {
+    float fa = ToF(a.x), fb = ToF(b.x);
+    if (fa != fa) return a;
+    if (fb != fb) return b;
+    return fa < fb ? b : a;
+  }
+};
+template <>
+struct Arith<f16_t> : HalfArith<f16_t, half_to_float, float_to_half> {};
+template <>
+struct Arith<bf16_t> : HalfArith<bf16_t, bf16_to_float, float_to_bf16> {};
+
+template <typename T, int Op>
+T apply(T a, T b) {
+  switch (Op) {
+    case GLOO_SHIM_SUM:
+      return Arith<T>::add(a, b);
+    case GLOO_SHIM_PROD:
+      return Arith<T>::mul(a, b);
+    case GLOO_SHIM_MIN:
+      return Arith<T>::min(a, b);
+    default:
+      return Arith<T>::max(a, b);
+  }
+}
+
+// The gloo::AllreduceOptions::Func form: c = a op b (c may equal a).
+template <typename T, int Op>
+void reduce_void(void* c_, const void* a_, const void* b_, size_t n) {
+  T* c = static_cast<T*>(c_);
+  const T* a = static_cast<const T*>(a_);
+  const T* b = static_cast<const T*>(b_);
+  for (size_t i = 0; i < n; i++) {
+    c[i] = apply<T, Op>(a[i], b[i]);
+  }
+}
+
+// The gloo::ReductionFunction<T>::Function form: x = x op y.
+template <typename T, int Op>
+void reduce_inplace(T* x, const T* y, size_t n) {
+  for (size_t i = 0; i < n; i++) {
+    x[i] = apply<T, Op>(x[i], y[i]);
+  }
+}
+
+template <typename T>
+gloo::AllreduceOptions::Func allreduce_func(int32_t op) {
+  switch (op) {
+    case GLOO_SHIM_SUM:
+      return &reduce_void<T, GLOO_SHIM_SUM>;
+    case GLOO_SHIM_PROD:
+      return &reduce_void<T, GLOO_SHIM_PROD>;
+    case GLOO_SHIM_MIN:
+      return &reduce_void<T, GLOO_SHIM_MIN>;
+    default:
+      return &reduce_void<T, GLOO_SHIM_MAX>;
+  }
+}
+
+template <typename T>
+const gloo::ReductionFunction<T>* reduction_function(int32_t op) {
+  static const gloo::ReductionFunction<T> sum(gloo::SUM, &reduce_inplace<T, GLOO_SHIM_SUM>);
+  static const gloo::ReductionFunction<T> prod(
+      gloo::PRODUCT, &reduce_inplace<T, GLOO_SHIM_PROD>);
+  static const gloo::ReductionFunction<T> min(gloo::MIN, &reduce_inplace<T, GLOO_SHIM_MIN>);
+  static const gloo::ReductionFunction<T> max(gloo::MAX, &reduce_inplace<T, GLOO_SHIM_MAX>);
+  switch (op) {
+    case GLOO_SHIM_SUM:
+      return &sum;
+    case GLOO_SHIM_PROD:
+      return &prod;
+    case GLOO_SHIM_MIN:
+      return &min;
+    default:
+      return &max;
+  }
+}
+
+bool valid_dtype(int32_t d) {
+  return d >= GLOO_SHIM_F32 && d <= GLOO_SHIM_BF16;
+}
+bool valid_op(int32_t op) {
+  return op >= GLOO_SHIM_SUM && op <= GLOO_SHIM_MAX;
+}
+
+// Calls f.template operator()<T>() with T the C++ type of dtype.
+template <typename F>
+void with_dtype(int32_t dtype, F&& f) {
+  switch (dtype) {
+    case GLOO_SHIM_F32:
+      f(float{});
+      break;
+    case GLOO_SHIM_F64:
+      f(double{});
+      break;
+    case GLOO_SHIM_I32:
+      f(int32_t{});
+      break;
+    case GLOO_SHIM_I64:
+      f(int64_t{});
+      break;
+    case GLOO_SHIM_U8:
+      f(uint8_t{});
+      break;
+    case GLOO_SHIM_F16:
+      f(f16_t{});
+      break;
+    case GLOO_SHIM_BF16:
+      f(bf16_t{});
+      break;
+    default:
+      throw std::invalid_argument("unknown dtype " + std::to_string(dtype));
+  }
+}
+
+template <typename T>
+void run_allreduce(
+    const std::shared_ptr<gloo::Context>& ctx, const void* send, void* recv, size_t count,
+    int32_t op, int32_t algorithm, uint32_t tag, Millis timeout) {
+  gloo::AllreduceOptions opts(ctx);
+  if (send != recv) {
+    // Without an input Gloo reduces the output buffer in place.
+    opts.setInput(const_cast<T*>(static_cast<const T*>(send)), count);
+  }
+  opts.setOutput(static_cast<T*>(recv), count);
+  opts.setReduceFunction(allreduce_func<T>(op));
+  opts.setAlgorithm(
+      algorithm == GLOO_SHIM_ALLREDUCE_BCUBE ? gloo::AllreduceOptions::Algorithm::BCUBE
+                                             : gloo::AllreduceOptions::Algorithm::RING);
+  opts.setTag(tag);
+  opts.setTimeout(timeout);
+  gloo::allreduce(opts);
+}
+
+template <typename T>
+void run_reduce_scatter_hd(
+    gloo_shim_context* c, const void* send, void* recv, size_t recv_count, int32_t op) {
+  const size_t size = static_cast<size_t>(c->ctx->size);
+  const size_t total = recv_count * size;
+  // The algorithm reduces in place over one buffer of `total` elements and leaves this rank's
+  // block at the START of that buffer (not at rank * recv_count).
+  std::vector<T> scratch(static_cast<const T*>(send), static_cast<const T*>(send) + total);
+  std::vector<T*> ptrs{scratch.data()};
+  std::vector<int> counts(size, static_cast<int>(recv_count));
+  std::lock_guard<std::mutex> guard(c->legacy);
+  {
+    gloo::ReduceScatterHalvingDoubling<T> algo(
+        c->ctx, ptrs, static_cast<int>(total), counts, reduction_function<T>(op));
+    algo.run();
+  }
+  std::memcpy(recv, scratch.data(), recv_count * sizeof(T));
+}
+
+template <typename T>
+void run_reduce_scatter_ar(
+    gloo_shim_context* c, const void* send, void* recv, size_t recv_count, int32_t op,
+    uint32_t tag, Millis timeout) {
+  const size_t size = static_cast<size_t>(c->ctx->size);
+  std::vector<T> scratch(recv_count * size);
+  run_allreduce<T>(
+      c->ctx, send, scratch.data(), recv_count * size, op, GLOO_SHIM_ALLREDUCE_RING, tag,
+      timeout);
+  std::memcpy(
+      recv, scratch.data() + static_cast<size_t>(c->ctx->rank) * recv_count,
+      recv_count * sizeof(T));
+}
+
+uint64_t p2p_slot(uint32_t tag) {
+  return gloo::Slot::build(kP2pSlotPrefix, tag);
+}
+
+void check_peer(const gloo::Context& ctx, int32_t peer) {
+  if (peer < 0 || peer >= ctx.size || peer == ctx.rank) {
+    throw std::invalid_argument(
+        "peer " + std::to_string(peer) + " is not another rank of this context (rank " +
+        std::to_string(ctx.rank) + " of " + std::to_string(ctx.size) + ")");
+  }
+}
+
+std::unique_ptr<gloo::transport::UnboundBuffer> post(
+    gloo::Context& ctx, const gloo_shim_p2p_op& op) {
+  check_peer(ctx, op.peer);
+  void* ptr = op.bytes == 0 ? nullptr : op.ptr;
+  auto buf = ctx.createUnboundBuffer(ptr, op.bytes);
+  if (op.is_recv) {
+    buf->recv(op.peer, p2p_slot(op.tag), 0, op.bytes);
+  } else {
+    buf->send(op.peer, p2p_slot(op.tag), 0, op.bytes);
+  }
+  return buf;
+}
+
+void wait_one(gloo::transport::UnboundBuffer& buf, bool is_recv, Millis timeout) {
+  if (is_recv) {
+    buf.waitRecv(timeout);
+  } else {
+    buf.waitSend(timeout);
+  }
+}
+
+Millis remaining(std::chrono::steady_clock::time_point deadline) {
+  auto left = std::chrono::duration_cast<Millis>(deadline - std::chrono::steady_clock::now());
+  return left.count() > 0 ? left : Millis(1);
+}
+
+}  // namespace
+
+extern "C" {
+
+// ---- stores ------------------------------------------------------------------------------------
+
+int32_t gloo_shim_store_hash_new(gloo_shim_store** out, gloo_shim_status* st) {
+  *out = nullptr;
+  return guarded(nullptr, st, [&] {
+    *out = new gloo_shim_store{std::make_shared<gloo::rendezvous::HashStore>()};
+  });
+}
+
+int32_t gloo_shim_store_file_new(const char* path, gloo_shim_store** out, gloo_shim_status* st) {
+  *out = nullptr;
+  return guarded(nullptr, st, [&] {
+    *out = new gloo_shim_store{std::make_shared<gloo::rendezvous::FileStore>(path)};
+  });
+}
+
+int32_t gloo_shim_store_redis_new(
+    const char* host, int32_t port, gloo_shim_store** out, gloo_shim_status* st) {
+  *out = nullptr;
+  return guarded(nullptr, st, [&] {
+    *out = new gloo_shim_store{std::make_shared<gloo::rendezvous::RedisStore>(host, port)};
+  });
+}
+
+gloo_shim_store* gloo_shim_store_clone(const gloo_shim_store* store) {
+  try {
+    return new gloo_shim_store{store->store};
+  } catch (...) {
+    return nullptr;
+  }
+}
+
+void gloo_shim_store_free(gloo_shim_store* store) {
+  try {
+    delete store;
+  } catch (...) {
+  }
+}
+
+int32_t gloo_shim_store_set(
+    gloo_shim_store* store, const char* prefix, const char* key, const void* data, size_t len,
+    gloo_shim_status* st) {
+  return guarded(nullptr, st, [&] {
+    gloo::rendezvous::PrefixStore prefixed(prefix, *store->store);
+    const char* p = static_cast<const char*>(data);
+    prefixed.set(key, std::vector<char>(p, p + len));
+  });
+}
+
+int32_t gloo_shim_store_get(
+    gloo_shim_store* store, const char* prefix, const char* key, int64_t timeout_ms, void* buf,
+    size_t cap, size_t* len, gloo_shim_status* st) {
+  *len = 0;
+  int32_t rc = guarded(nullptr, st, [&] {
+    BoundedStore bounded(store->store, to_millis(timeout_ms));
+    gloo::rendezvous::PrefixStore prefixed(prefix, bounded);
+    auto value = prefixed.get(key);
+    *len = value.size();
+    if (value.size() <= cap) {
+      if (!value.empty()) {
+        std::memcpy(buf, value.data(), value.size());
+      }
+    }
+  });
+  if (rc == GLOO_SHIM_OK && *len > cap) {
+    return fail(st, GLOO_SHIM_TOO_SMALL, "value larger than the buffer");
+  }
+  return rc;
+}
+
+// ---- devices and contexts ------------------------------------------------------------------------
+
+int32_t gloo_shim_device_tcp_new(
+    const char* hostname, gloo_shim_device** out, gloo_shim_status* st) {
+  *out = nullptr;
+  return guarded(nullptr, st, [&] {
+    gloo::transport::tcp::attr attr;
+    attr.hostname = hostname;
+    *out = new gloo_shim_device{gloo::transport::tcp::CreateDevice(attr)};
+  });
+}
+
+void gloo_shim_device_free(gloo_shim_device* device) {
+  try {
+    delete device;
+  } catch (...) {
+  }
+}
+
+int32_t gloo_shim_context_connect(
+    gloo_shim_store* store, const char* prefix, gloo_shim_device* device, int32_t rank,
+    int32_t size, int64_t timeout_ms, gloo_shim_context** out, gloo_shim_status* st) {
+  *out = nullptr;
+  return guarded(nullptr, st, [&] {
+    if (size < 1 || rank < 0 || rank >= size) {
+      throw std::invalid_argument(
+          "rank " + std::to_string(rank) + " of size " + std::to_string(size) +
+          ": need 0 <= rank < size");
+    }
+    Millis timeout = to_millis(timeout_ms);
+    BoundedStore bounded(store->store, timeout);
+    gloo::rendezvous::PrefixStore prefixed(prefix, bounded);
+    auto ctx = std::make_shared<gloo::rendezvous::Context>(rank, size);
+    ctx->setTimeout(timeout);
+    ctx->connectFullMesh(prefixed, device->device);
+    *out = new gloo_shim_context{std::move(ctx), {}};
+  });
+}
+
+void gloo_shim_context_free(gloo_shim_context* ctx) {
+  try {
+    delete ctx;
+  } catch (...) {
+  }
+}
+
+int32_t gloo_shim_context_rank(const gloo_shim_context* ctx) {
+  return ctx->ctx->rank;
+}
+
+int32_t gloo_shim_context_size(const gloo_shim_context* ctx) {
+  return ctx->ctx->size;
+}
+
+// ---- collectives -----------------------------------------------------------------------------------
+
+int32_t gloo_shim_allreduce(
+    gloo_shim_context* c, const void* send, void* recv, size_t count, int32_t dtype, int32_t op,
+    int32_t algorithm, uint32_t tag, int64_t timeout_ms, gloo_shim_status* st) {
+  return guarded(c->ctx.get(), st, [&] {
+    if (!valid_dtype(dtype) || !valid_op(op)) {
+      throw std::invalid_argument("unknown dtype or reduction");
+    }
+    if (count == 0) {
+      return;
+    }
+    with_dtype(dtype, [&](auto t) {
+      using T = decltype(t);
+      run_allreduce<T>(c->ctx, send, recv, count, op, algorithm, tag, to_millis(timeout_ms));
+    });
+  });
+}
+
+int32_t gloo_shim_broadcast(
+    gloo_shim_context* c, void* buf, size_t bytes, int32_t root, uint32_t tag,
+    int64_t timeout_ms, gloo_shim_status* st) {
+  return guarded(c->ctx.get(), st, [&] {
+    if (bytes == 0) {
+      return;
+    }
+    gloo::BroadcastOptions opts(c->ctx);
+    opts.setOutput(static_cast<uint8_t*>(buf), bytes);
+    opts.setRoot(root);
+    opts.setTag(tag);
+    opts.setTimeout(to_millis(timeout_ms));
+    gloo::broadcast(opts);
+  });
+}
+
+int32_t gloo_shim_allgather(
+    gloo_shim_context* c, const void* send, void* recv, size_t bytes, uint32_t tag,
+    int64_t timeout_ms, gloo_shim_status* st) {
+  return guarded(c->ctx.get(), st, [&] {
+    if (bytes == 0) {
+      return;
+    }
+    gloo::AllgatherOptions opts(c->ctx);
+    opts.setInput(const_cast<uint8_t*>(static_cast<const uint8_t*>(send)), bytes);
+    opts.setOutput(static_cast<uint8_t*>(recv), bytes * static_cast<size_t>(c->ctx->size));
+    opts.setTag(tag);
+    opts.setTimeout(to_millis(timeout_ms));
+    gloo::allgather(opts);
+  });
+}
+
+int32_t gloo_shim_reduce_scatter(
+    gloo_shim_context* c, const void* send, void* recv, size_t recv_count, int32_t dtype,
+    int32_t op, int32_t algorithm, uint32_t tag, int64_t timeout_ms, gloo_shim_status* st) {
+  return guarded(c->ctx.get(), st, [&] {
+    if (!valid_dtype(dtype) || !valid_op(op)) {
+      throw std::invalid_argument("unknown dtype or reduction");
+    }
+    if (recv_count == 0) {
+      return;
+    }
+    with_dtype(dtype, [&](auto t) {
+      using T = decltype(t);
+      const size_t total_bytes = recv_count * static_cast<size_t>(c->ctx->size) * sizeof(T);
+      // The legacy algorithm counts elements and bytes in `int`.
+      bool fits = total_bytes <= static_cast<size_t>(std::numeric_limits<int>::max());
+      if (algorithm == GLOO_SHIM_RS_HALVING_DOUBLING && fits) {
+        run_reduce_scatter_hd<T>(c, send, recv, recv_count, op);
+      } else {
+        run_reduce_scatter_ar<T>(c, send, recv, recv_count, op, tag, to_millis(timeout_ms));
+      }
+    });
+  });
+}
+
+int32_t gloo_shim_alltoall(
+    gloo_shim_context* c, const void* send, void* recv, size_t bytes, uint32_t tag,
+    int64_t timeout_ms, gloo_shim_status* st) {
+  return guarded(c->ctx.get(), st, [&] {
+    if (bytes == 0) {
+      return;
+    }
+    gloo::AlltoallOptions opts(c->ctx);
+    opts.setInput(const_cast<uint8_t*>(static_cast<const uint8_t*>(send)), bytes);
+    opts.setOutput(static_cast<uint8_t*>(recv), bytes);
+    opts.setTag(tag);
+    opts.setTimeout(to_millis(timeout_ms));
+    gloo::alltoall(opts);
+  });
+}
+
+int32_t gloo_shim_barrier(
+    gloo_shim_context* c, uint32_t tag, int64_t timeout_ms, gloo_shim_status* st) {
+  return guarded(c->ctx.get(), st, [&] {
+    gloo::BarrierOptions opts(c->ctx);
+    opts.setTag(tag);
+    opts.setTimeout(to_millis(timeout_ms));
+    gloo::barrier(opts);
+  });
+}
+
+// ---- point to point --------------------------------------------------------------------------------
+
+int32_t gloo_shim_p2p(
+    gloo_shim_context* c, gloo_shim_p2p_op* ops, size_t n, int64_t timeout_ms,
+    gloo_shim_status* st) {
+  return guarded(c->ctx.get(), st, [&] {
+    auto deadline = std::chrono::steady_clock::now() + to_millis(timeout_ms);
+    // Destroying an unbound buffer cancels its pending operation and waits until the transport
+    // no longer touches its memory, so unwinding out of this block leaves no access behind.
+    std::vector<std::unique_ptr<gloo::transport::UnboundBuffer>> bufs;
+    bufs.reserve(n);
+    for (size_t i = 0; i < n; i++) {
+      bufs.push_back(post(*c->ctx, ops[i]));
+    }
+    for (size_t i = 0; i < n; i++) {
+      wait_one(*bufs[i], ops[i].is_recv != 0, remaining(deadline));
+    }
+  });
+}
+
+int32_t gloo_shim_post(
+    gloo_shim_context* c, const gloo_shim_p2p_op* op, gloo_shim_pending** out,
+    gloo_shim_status* st) {
+  *out = nullptr;
+  return guarded(c->ctx.get(), st, [&] {
+    auto buf = post(*c->ctx, *op);
+    *out = new gloo_shim_pending{c->ctx, std::move(buf), op->is_recv != 0};
+  });
+}
+
+int32_t gloo_shim_pending_wait(
+    gloo_shim_pending* pending, int64_t timeout_ms, gloo_shim_status* st) {
+  return guarded(pending->ctx.get(), st, [&] {
+    wait_one(*pending->buf, pending->is_recv, to_millis(timeout_ms));
+  });
+}
+
+void gloo_shim_pending_free(gloo_shim_pending* pending) {
+  try {
+    delete pending;
+  } catch (...) {
+  }
+}
+
+}  // extern "C"

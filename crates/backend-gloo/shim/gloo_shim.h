@@ -1,0 +1,183 @@
+/*
+ * gloo_shim.h: a plain C interface over the parts of Gloo (libgloo 0.5) that backend-gloo uses.
+ *
+ * Rules of the interface:
+ *  - No C++ exception ever leaves a gloo_shim_* function: every function that can fail returns
+ *    a status code (GLOO_SHIM_OK = 0) and fills the caller's gloo_shim_status with Gloo's
+ *    message (and, for communication failures, the rank of the failed peer when known).
+ *  - Objects are opaque handles created by *_new / *_connect and released by *_free.
+ *  - Buffers are (pointer, byte or element count) pairs owned by the caller, which keeps them
+ *    alive and unaliased for the duration of the call (all calls here are blocking).
+ */
+#ifndef GLOO_SHIM_H
+#define GLOO_SHIM_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Status codes. */
+enum {
+  GLOO_SHIM_OK = 0,
+  /* A timeout (store wait, connect, send/recv wait). */
+  GLOO_SHIM_TIMEOUT = 1,
+  /* An I/O failure (a peer closed the connection, reset, ...). */
+  GLOO_SHIM_IO = 2,
+  /* A Gloo precondition (GLOO_ENFORCE) failed. */
+  GLOO_SHIM_ENFORCE = 3,
+  /* An invalid argument caught by the shim itself. */
+  GLOO_SHIM_INVALID = 4,
+  /* Any other C++ exception. */
+  GLOO_SHIM_OTHER = 5,
+  /* A rendezvous key that must be new already exists in the store (a reused job id). */
+  GLOO_SHIM_KEY_EXISTS = 6,
+  /* The caller's output buffer is too small (the needed size is reported). */
+  GLOO_SHIM_TOO_SMALL = 7
+};
+
+/* Element types (same order as grid_core::DType). */
+enum {
+  GLOO_SHIM_F32 = 0,
+  GLOO_SHIM_F64 = 1,
+  GLOO_SHIM_I32 = 2,
+  GLOO_SHIM_I64 = 3,
+  GLOO_SHIM_U8 = 4,
+  GLOO_SHIM_F16 = 5,
+  GLOO_SHIM_BF16 = 6
+};
+
+/* Reductions. */
+enum {
+  GLOO_SHIM_SUM = 0,
+  GLOO_SHIM_PROD = 1,
+  GLOO_SHIM_MIN = 2,
+  GLOO_SHIM_MAX = 3
+};
+
+/* Allreduce algorithms (gloo::AllreduceOptions::Algorithm). */
+enum {
+  GLOO_SHIM_ALLREDUCE_RING = 1,
+  GLOO_SHIM_ALLREDUCE_BCUBE = 2
+};
+
+/* Reduce-scatter algorithms. */
+enum {
+  /* gloo::ReduceScatterHalvingDoubling<T> (the legacy algorithm; pair-bound buffers). */
+  GLOO_SHIM_RS_HALVING_DOUBLING = 1,
+  /* gloo::allreduce (ring) on a scratch copy, then a copy of this rank's block. */
+  GLOO_SHIM_RS_ALLREDUCE = 2
+};
+
+#define GLOO_SHIM_MESSAGE_LEN 2048
+
+typedef struct gloo_shim_status {
+  int32_t code;
+  /* Rank (in the context) of the peer whose connection failed, or -1. */
+  int32_t peer;
+  /* NUL-terminated message (truncated to fit). */
+  char message[GLOO_SHIM_MESSAGE_LEN];
+} gloo_shim_status;
+
+typedef struct gloo_shim_store gloo_shim_store;
+typedef struct gloo_shim_device gloo_shim_device;
+typedef struct gloo_shim_context gloo_shim_context;
+typedef struct gloo_shim_pending gloo_shim_pending;
+
+/* One point-to-point operation of a batch (gloo_shim_p2p). */
+typedef struct gloo_shim_p2p_op {
+  /* 0 = send, 1 = recv. */
+  int32_t is_recv;
+  int32_t peer;
+  uint32_t tag;
+  void* ptr;
+  size_t bytes;
+} gloo_shim_p2p_op;
+
+/* ---- stores ---------------------------------------------------------------------------------- */
+
+/* An in-memory store (gloo::rendezvous::HashStore), thread safe: share it between the ranks of
+ * one process with gloo_shim_store_clone. */
+int32_t gloo_shim_store_hash_new(gloo_shim_store** out, gloo_shim_status* st);
+/* A store in a directory (gloo::rendezvous::FileStore); the directory must exist. */
+int32_t gloo_shim_store_file_new(const char* path, gloo_shim_store** out, gloo_shim_status* st);
+/* A Redis store (gloo::rendezvous::RedisStore); connects at once (2 s connect timeout). */
+int32_t gloo_shim_store_redis_new(
+    const char* host, int32_t port, gloo_shim_store** out, gloo_shim_status* st);
+/* A second handle to the same store. */
+gloo_shim_store* gloo_shim_store_clone(const gloo_shim_store* store);
+void gloo_shim_store_free(gloo_shim_store* store);
+/* Sets prefix/key (fails with GLOO_SHIM_KEY_EXISTS if the key exists). */
+int32_t gloo_shim_store_set(
+    gloo_shim_store* store, const char* prefix, const char* key, const void* data, size_t len,
+    gloo_shim_status* st);
+/* Waits up to timeout_ms for prefix/key and copies its value into buf (capacity cap); *len
+ * receives the value's length. GLOO_SHIM_TOO_SMALL when cap < *len (nothing copied). */
+int32_t gloo_shim_store_get(
+    gloo_shim_store* store, const char* prefix, const char* key, int64_t timeout_ms, void* buf,
+    size_t cap, size_t* len, gloo_shim_status* st);
+
+/* ---- devices and contexts ------------------------------------------------------------------- */
+
+/* A TCP device bound to hostname (an address of this host, e.g. "127.0.0.1"). */
+int32_t gloo_shim_device_tcp_new(
+    const char* hostname, gloo_shim_device** out, gloo_shim_status* st);
+void gloo_shim_device_free(gloo_shim_device* device);
+
+/* Rendezvous of `size` ranks under the store key prefix `prefix` (full mesh of TCP pairs).
+ * Every store wait, the connection and, later, every operation on the context use timeout_ms. */
+int32_t gloo_shim_context_connect(
+    gloo_shim_store* store, const char* prefix, gloo_shim_device* device, int32_t rank,
+    int32_t size, int64_t timeout_ms, gloo_shim_context** out, gloo_shim_status* st);
+void gloo_shim_context_free(gloo_shim_context* ctx);
+int32_t gloo_shim_context_rank(const gloo_shim_context* ctx);
+int32_t gloo_shim_context_size(const gloo_shim_context* ctx);
+
+/* ---- collectives (blocking; count = elements, bytes = bytes) --------------------------------- */
+
+/* recv[i] = op over ranks of send[i]; send and recv have count elements of dtype. */
+int32_t gloo_shim_allreduce(
+    gloo_shim_context* ctx, const void* send, void* recv, size_t count, int32_t dtype,
+    int32_t op, int32_t algorithm, uint32_t tag, int64_t timeout_ms, gloo_shim_status* st);
+/* buf (bytes) of rank root to every rank, in place. */
+int32_t gloo_shim_broadcast(
+    gloo_shim_context* ctx, void* buf, size_t bytes, int32_t root, uint32_t tag,
+    int64_t timeout_ms, gloo_shim_status* st);
+/* recv (size * bytes) = concatenation of every rank's send (bytes). */
+int32_t gloo_shim_allgather(
+    gloo_shim_context* ctx, const void* send, void* recv, size_t bytes, uint32_t tag,
+    int64_t timeout_ms, gloo_shim_status* st);
+/* recv (recv_count elements) = block `rank` of op over ranks of send (size * recv_count). */
+int32_t gloo_shim_reduce_scatter(
+    gloo_shim_context* ctx, const void* send, void* recv, size_t recv_count, int32_t dtype,
+    int32_t op, int32_t algorithm, uint32_t tag, int64_t timeout_ms, gloo_shim_status* st);
+/* Block j of send (bytes / size) to rank j; block i of recv from rank i. */
+int32_t gloo_shim_alltoall(
+    gloo_shim_context* ctx, const void* send, void* recv, size_t bytes, uint32_t tag,
+    int64_t timeout_ms, gloo_shim_status* st);
+int32_t gloo_shim_barrier(
+    gloo_shim_context* ctx, uint32_t tag, int64_t timeout_ms, gloo_shim_status* st);
+
+/* ---- point to point --------------------------------------------------------------------------- */
+
+/* Posts every operation of ops (in order), then waits for all of them. On failure the remaining
+ * operations are cancelled before returning: no buffer is touched after the call returns. */
+int32_t gloo_shim_p2p(
+    gloo_shim_context* ctx, gloo_shim_p2p_op* ops, size_t n, int64_t timeout_ms,
+    gloo_shim_status* st);
+/* Posts one operation and returns a handle to wait on; the memory must stay valid until the
+ * handle is freed (gloo_shim_pending_free cancels the operation if it is still pending). */
+int32_t gloo_shim_post(
+    gloo_shim_context* ctx, const gloo_shim_p2p_op* op, gloo_shim_pending** out,
+    gloo_shim_status* st);
+int32_t gloo_shim_pending_wait(
+    gloo_shim_pending* pending, int64_t timeout_ms, gloo_shim_status* st);
+void gloo_shim_pending_free(gloo_shim_pending* pending);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* GLOO_SHIM_H */

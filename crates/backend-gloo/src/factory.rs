@@ -1,0 +1,638 @@
+//! Rendezvous stores, configuration, [`GlooFactory`] (world and sub-group creation) and
+//! launchers (ranks as threads of this process, or one rank per process from the environment).
+
+use crate::comm::GlooCommunicator;
+use crate::exec::panic_message;
+use crate::ffi::{
+    AllreduceAlgorithm, RawContext, RawDevice, RawStore, ReduceScatterAlgorithm, ShimCode,
+    ShimError,
+};
+use grid_core::{Communicator, CommunicatorExt, Error, GroupFactory, Result};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+const BACKEND: &str = "gloo";
+
+/// Where the ranks of a job meet to exchange their addresses.
+///
+/// * [`Rendezvous::in_process`]: an in-memory store shared by ranks that are threads of one
+///   process (the embedded default: no launcher, no server, no files).
+/// * [`Rendezvous::File`]: a directory on a file system every rank sees (a local temporary
+///   directory, or a shared file system across hosts); created if missing.
+/// * [`Rendezvous::Redis`]: a Redis server (Gloo's own `RedisStore`).
+///
+/// Keys are namespaced by the job id ([`GlooConfig::job_id`]), so jobs with different ids never
+/// see each other's keys, and a job id that was already used in a store fails at once with
+/// [`Error::Invalid`] instead of mixing with the old job.
+///
+/// ```
+/// use backend_gloo::Rendezvous;
+/// let r = Rendezvous::parse("redis://127.0.0.1:6379").unwrap();
+/// assert!(matches!(r, Rendezvous::Redis { port: 6379, .. }));
+/// let f = Rendezvous::parse("file:///tmp/job").unwrap();
+/// assert!(matches!(f, Rendezvous::File(p) if p.as_os_str() == "/tmp/job"));
+/// assert!(Rendezvous::parse("tcp://x").is_err());
+/// ```
+#[derive(Clone)]
+pub enum Rendezvous {
+    /// An in-memory store shared by the threads of this process.
+    InProcess(InProcessStore),
+    /// A store in a directory.
+    File(PathBuf),
+    /// A Redis server.
+    Redis {
+        /// Host name or address.
+        host: String,
+        /// Port.
+        port: u16,
+    },
+}
+
+impl std::fmt::Debug for Rendezvous {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Rendezvous::InProcess(_) => write!(f, "InProcess"),
+            Rendezvous::File(p) => write!(f, "File({})", p.display()),
+            Rendezvous::Redis { host, port } => write!(f, "Redis({host}:{port})"),
+        }
+    }
+}
+
+/// An in-memory rendezvous store (Gloo's `HashStore`) shared by the ranks that are threads of
+/// this process. Cloning shares the store.
+///
+/// ```
+/// let store = backend_gloo::InProcessStore::new().unwrap();
+/// let same = store.clone();
+/// # drop((store, same));
+/// ```
+#[derive(Clone)]
+pub struct InProcessStore(Arc<Mutex<RawStore>>);
+
+impl InProcessStore {
+    /// A new, empty store.
+    pub fn new() -> Result<InProcessStore> {
+        RawStore::hash()
+            .map(|s| InProcessStore(Arc::new(Mutex::new(s))))
+            .map_err(|e| store_error("in-process", e))
+    }
+
+    fn handle(&self) -> Result<RawStore> {
+        self.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .try_clone()
+            .ok_or_else(|| Error::Backend {
+                backend: BACKEND,
+                op: "rendezvous",
+                message: "cannot share the in-process store".into(),
+            })
+    }
+}
+
+impl Rendezvous {
+    /// A fresh in-process store.
+    ///
+    /// ```
+    /// let r = backend_gloo::Rendezvous::in_process().unwrap();
+    /// # drop(r);
+    /// ```
+    pub fn in_process() -> Result<Rendezvous> {
+        InProcessStore::new().map(Rendezvous::InProcess)
+    }
+
+    /// Parses `file:<dir>` / `file://<dir>` / a plain absolute path, or `redis://host:port`.
+    /// (An in-process store cannot be named: it exists only inside one process.)
+    ///
+    /// ```
+    /// let r = backend_gloo::Rendezvous::parse("/tmp/some-dir").unwrap();
+    /// assert!(matches!(r, backend_gloo::Rendezvous::File(_)));
+    /// ```
+    pub fn parse(s: &str) -> Result<Rendezvous> {
+        let bad = || {
+            Error::Invalid(format!(
+                "rendezvous location {s:?} is not understood: use file:<directory>, a directory path, or redis://<host>:<port>"
+            ))
+        };
+        if let Some(rest) = s.strip_prefix("redis://") {
+            let rest = rest.trim_end_matches('/');
+            let (host, port) = rest.rsplit_once(':').ok_or_else(bad)?;
+            let port: u16 = port.parse().map_err(|_| bad())?;
+            if host.is_empty() {
+                return Err(bad());
+            }
+            return Ok(Rendezvous::Redis {
+                host: host.to_string(),
+                port,
+            });
+        }
+        let path = s
+            .strip_prefix("file://")
+            .or_else(|| s.strip_prefix("file:"))
+            .unwrap_or(s);
+        if path.is_empty() || s.contains("://") && !s.starts_with("file://") {
+            return Err(bad());
+        }
+        Ok(Rendezvous::File(PathBuf::from(path)))
+    }
+
+    fn open(&self) -> Result<RawStore> {
+        match self {
+            Rendezvous::InProcess(s) => s.handle(),
+            Rendezvous::File(dir) => {
+                std::fs::create_dir_all(dir).map_err(|e| {
+                    Error::Invalid(format!(
+                        "rendezvous directory {} cannot be created: {e}",
+                        dir.display()
+                    ))
+                })?;
+                let p = dir.to_str().ok_or_else(|| {
+                    Error::Invalid(format!(
+                        "rendezvous directory {} is not valid UTF-8",
+                        dir.display()
+                    ))
+                })?;
+                RawStore::file(p).map_err(|e| store_error("file", e))
+            }
+            Rendezvous::Redis { host, port } => {
+                RawStore::redis(host, *port).map_err(|e| store_error("redis", e))
+            }
+        }
+    }
+}
+
+fn store_error(kind: &str, e: ShimError) -> Error {
+    Error::Backend {
+        backend: BACKEND,
+        op: "rendezvous",
+        message: format!("cannot open the {kind} store: {}", e.message),
+    }
+}
+
+/// Settings of a Gloo job, the same on every rank.
+///
+/// ```
+/// use backend_gloo::{GlooConfig, ReduceScatterAlgorithm};
+/// use std::time::Duration;
+/// let cfg = GlooConfig::new("train-42")
+///     .with_timeout(Duration::from_secs(10))
+///     .with_reduce_scatter(ReduceScatterAlgorithm::Allreduce);
+/// assert_eq!(cfg.job_id, "train-42");
+/// assert_eq!(cfg.hostname, "127.0.0.1");
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GlooConfig {
+    /// Namespace of every store key of this job: unique per run (letters, digits, `.`, `_`, `-`).
+    pub job_id: String,
+    /// Bound of every operation, of every store wait and of the connection of each
+    /// communicator (Gloo's default is 30 s). Gloo's file and Redis stores poll in whole
+    /// seconds, so a rendezvous through them may take up to one second longer to time out.
+    pub timeout: Duration,
+    /// Address of this host the TCP device listens on (default `127.0.0.1`: single host).
+    pub hostname: String,
+    /// Algorithm of `all_reduce`.
+    pub allreduce: AllreduceAlgorithm,
+    /// Algorithm of `reduce_scatter`.
+    pub reduce_scatter: ReduceScatterAlgorithm,
+}
+
+impl GlooConfig {
+    /// Defaults: 30 s timeout, `127.0.0.1`, ring all-reduce, halving-doubling reduce-scatter.
+    ///
+    /// ```
+    /// let cfg = backend_gloo::GlooConfig::new("job");
+    /// assert_eq!(cfg.timeout.as_secs(), 30);
+    /// ```
+    pub fn new(job_id: impl Into<String>) -> GlooConfig {
+        GlooConfig {
+            job_id: job_id.into(),
+            timeout: Duration::from_secs(30),
+            hostname: "127.0.0.1".into(),
+            allreduce: AllreduceAlgorithm::Ring,
+            reduce_scatter: ReduceScatterAlgorithm::HalvingDoubling,
+        }
+    }
+
+    /// Sets the timeout.
+    ///
+    /// ```
+    /// let cfg = backend_gloo::GlooConfig::new("j").with_timeout(std::time::Duration::from_millis(500));
+    /// assert_eq!(cfg.timeout.as_millis(), 500);
+    /// ```
+    pub fn with_timeout(mut self, timeout: Duration) -> GlooConfig {
+        self.timeout = timeout;
+        self
+    }
+
+    /// Sets the listening address.
+    ///
+    /// ```
+    /// let cfg = backend_gloo::GlooConfig::new("j").with_hostname("10.0.0.7");
+    /// assert_eq!(cfg.hostname, "10.0.0.7");
+    /// ```
+    pub fn with_hostname(mut self, hostname: impl Into<String>) -> GlooConfig {
+        self.hostname = hostname.into();
+        self
+    }
+
+    /// Sets the all-reduce algorithm.
+    ///
+    /// ```
+    /// use backend_gloo::{AllreduceAlgorithm, GlooConfig};
+    /// let cfg = GlooConfig::new("j").with_allreduce(AllreduceAlgorithm::Bcube);
+    /// assert_eq!(cfg.allreduce, AllreduceAlgorithm::Bcube);
+    /// ```
+    pub fn with_allreduce(mut self, a: AllreduceAlgorithm) -> GlooConfig {
+        self.allreduce = a;
+        self
+    }
+
+    /// Sets the reduce-scatter algorithm.
+    ///
+    /// ```
+    /// use backend_gloo::{GlooConfig, ReduceScatterAlgorithm};
+    /// let cfg = GlooConfig::new("j").with_reduce_scatter(ReduceScatterAlgorithm::Allreduce);
+    /// assert_eq!(cfg.reduce_scatter, ReduceScatterAlgorithm::Allreduce);
+    /// ```
+    pub fn with_reduce_scatter(mut self, a: ReduceScatterAlgorithm) -> GlooConfig {
+        self.reduce_scatter = a;
+        self
+    }
+
+    fn validate(&self) -> Result<()> {
+        let ok = !self.job_id.is_empty()
+            && self.job_id.len() <= 128
+            && self
+                .job_id
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'));
+        if !ok {
+            return Err(Error::Invalid(format!(
+                "job id {:?} is not valid: use 1 to 128 letters, digits, '.', '_' or '-'",
+                self.job_id
+            )));
+        }
+        if self.timeout.is_zero() {
+            return Err(Error::Invalid("the Gloo timeout must be positive".into()));
+        }
+        Ok(())
+    }
+}
+
+/// Creates Gloo communicators for one rank: the world ([`GlooFactory::world`]) and sub-groups
+/// ([`GroupFactory::split`], [`GroupFactory::create_group`], and so
+/// `grid_core::build_collection`).
+///
+/// A split all-gathers the colours over the parent, then each colour group does its own
+/// rendezvous (a new Gloo context with a full mesh of connections) under the store prefix
+/// `grid-gloo/<job>/<parent name>/s<n>/c<colour>`, as PyTorch does for `new_group`: only the
+/// members take part, and `n` counts the splits of that parent, so successive groups never
+/// share keys.
+///
+/// ```
+/// use backend_gloo::{run_ranks, GlooConfig};
+/// use grid_core::{Communicator, CommunicatorExt, GroupFactory, ReduceOp};
+///
+/// let out = run_ranks(4, &GlooConfig::new("doc-split"), |factory, world| {
+///     // Even and odd world ranks.
+///     let half = factory.split(&world, Some((world.rank() % 2) as u32), world.rank())?.unwrap();
+///     let mut sum = [0u8];
+///     half.all_reduce_into(&[world.rank() as u8], &mut sum, ReduceOp::Sum)?;
+///     Ok((half.global_ranks().to_vec(), sum[0]))
+/// })
+/// .unwrap();
+/// assert_eq!(out[1].as_ref().unwrap(), &(vec![1, 3], 4));
+/// ```
+pub struct GlooFactory {
+    store: Mutex<RawStore>,
+    device: RawDevice,
+    config: GlooConfig,
+    worlds: AtomicU64,
+}
+
+impl std::fmt::Debug for GlooFactory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GlooFactory")
+            .field("config", &self.config)
+            .finish()
+    }
+}
+
+impl GlooFactory {
+    /// Opens the store (connects to Redis) and creates this rank's TCP device.
+    ///
+    /// ```
+    /// use backend_gloo::{GlooConfig, GlooFactory, Rendezvous};
+    /// let f = GlooFactory::new(&Rendezvous::in_process().unwrap(), GlooConfig::new("doc-new")).unwrap();
+    /// let world = f.world(0, 1).unwrap();
+    /// # drop(world);
+    /// ```
+    pub fn new(rendezvous: &Rendezvous, config: GlooConfig) -> Result<GlooFactory> {
+        config.validate()?;
+        let store = rendezvous.open()?;
+        let device = RawDevice::tcp(&config.hostname).map_err(|e| Error::Backend {
+            backend: BACKEND,
+            op: "device",
+            message: format!(
+                "cannot create a TCP device on {}: {}",
+                config.hostname, e.message
+            ),
+        })?;
+        Ok(GlooFactory {
+            store: Mutex::new(store),
+            device,
+            config,
+            worlds: AtomicU64::new(0),
+        })
+    }
+
+    /// The job's settings.
+    ///
+    /// ```
+    /// # use backend_gloo::{GlooConfig, GlooFactory, Rendezvous};
+    /// let f = GlooFactory::new(&Rendezvous::in_process().unwrap(), GlooConfig::new("doc-cfg")).unwrap();
+    /// assert_eq!(f.config().job_id, "doc-cfg");
+    /// ```
+    pub fn config(&self) -> &GlooConfig {
+        &self.config
+    }
+
+    /// The world communicator: rendezvous of `size` ranks, this one being `rank`. Every rank of
+    /// the job calls it (the k-th call on each rank meets the k-th call on the others).
+    ///
+    /// ```
+    /// # use backend_gloo::{GlooConfig, GlooFactory, Rendezvous};
+    /// # use grid_core::Communicator;
+    /// let f = GlooFactory::new(&Rendezvous::in_process().unwrap(), GlooConfig::new("doc-world")).unwrap();
+    /// let w = f.world(0, 1).unwrap();
+    /// assert_eq!((w.rank(), w.size(), w.global_ranks()), (0, 1, &[0usize][..]));
+    /// assert!(f.world(1, 1).is_err());
+    /// ```
+    pub fn world(&self, rank: usize, size: usize) -> Result<GlooCommunicator> {
+        if size == 0 || rank >= size {
+            return Err(Error::RankOutOfRange {
+                rank,
+                first: 0,
+                end: size,
+            });
+        }
+        let name = format!("w{}", self.worlds.fetch_add(1, Ordering::Relaxed));
+        self.connect(&name, rank, (0..size).collect())
+    }
+
+    fn prefix(&self, name: &str) -> String {
+        format!("grid-gloo/{}/{}", self.config.job_id, name)
+    }
+
+    /// Rendezvous of a communicator `name` whose members are `global_ranks` (this rank at
+    /// position `rank`).
+    fn connect(
+        &self,
+        name: &str,
+        rank: usize,
+        global_ranks: Vec<usize>,
+    ) -> Result<GlooCommunicator> {
+        let size = global_ranks.len();
+        let prefix = self.prefix(name);
+        let t = std::time::Instant::now();
+        let ctx = {
+            let mut store = self.store.lock().unwrap_or_else(|e| e.into_inner());
+            RawContext::connect(
+                &mut store,
+                &prefix,
+                &self.device,
+                rank,
+                size,
+                self.config.timeout,
+            )
+        }
+        .map_err(|e| self.rendezvous_error(name, rank, size, e))?;
+        tracing::debug!(
+            communicator = name,
+            rank,
+            size,
+            seconds = t.elapsed().as_secs_f64(),
+            "gloo rendezvous"
+        );
+        Ok(GlooCommunicator::new(
+            ctx,
+            global_ranks,
+            name.to_string(),
+            self.config.timeout,
+            self.config.allreduce,
+            self.config.reduce_scatter,
+        ))
+    }
+
+    fn rendezvous_error(&self, name: &str, rank: usize, size: usize, e: ShimError) -> Error {
+        let job = &self.config.job_id;
+        match e.code {
+            ShimCode::KeyExists => Error::Invalid(format!(
+                "rendezvous of communicator '{name}' (rank {rank} of {size}) found keys of an earlier run of job '{job}' in the store: \
+                 job ids must be unique per run; use a new job id or an empty store ({})",
+                e.message
+            )),
+            ShimCode::Timeout => Error::Timeout {
+                op: "rendezvous",
+                millis: u64::try_from(self.config.timeout.as_millis()).unwrap_or(u64::MAX),
+                peer: None,
+            },
+            ShimCode::Invalid => Error::Invalid(format!("rendezvous of '{name}': {}", e.message)),
+            _ => Error::Backend {
+                backend: BACKEND,
+                op: "rendezvous",
+                message: format!(
+                    "communicator '{name}' of job '{job}' (rank {rank} of {size}): {}",
+                    e.message
+                ),
+            },
+        }
+    }
+}
+
+impl GroupFactory for GlooFactory {
+    type Comm = GlooCommunicator;
+
+    fn split(
+        &self,
+        parent: &GlooCommunicator,
+        color: Option<u32>,
+        key: usize,
+    ) -> Result<Option<GlooCommunicator>> {
+        let seq = parent.next_split();
+        let size = parent.size();
+        // Colour (-1: none) and key of every parent rank.
+        let mine = [
+            color.map_or(-1, i64::from),
+            i64::try_from(key).unwrap_or(i64::MAX),
+        ];
+        let mut all = vec![0i64; 2 * size];
+        parent.all_gather_into(&mine[..], &mut all)?;
+        let Some(color) = color else {
+            return Ok(None);
+        };
+        let mut members: Vec<(i64, usize)> = (0..size)
+            .filter(|&p| all[2 * p] == i64::from(color))
+            .map(|p| (all[2 * p + 1], p))
+            .collect();
+        members.sort_unstable();
+        let me = parent.rank();
+        let rank = members
+            .iter()
+            .position(|&(_, p)| p == me)
+            .ok_or_else(|| Error::Backend {
+                backend: BACKEND,
+                op: "split",
+                message: "this rank is missing from its own colour group".into(),
+            })?;
+        let global: Vec<usize> = members
+            .iter()
+            .map(|&(_, p)| parent.global_ranks().get(p).copied().unwrap_or(p))
+            .collect();
+        let name = format!("{}/s{seq}/c{color}", parent.name());
+        self.connect(&name, rank, global).map(Some)
+    }
+}
+
+/// Runs `world_size` ranks as threads of this process, meeting through a fresh in-process store,
+/// and returns each rank's result in rank order (a rank that panicked yields
+/// [`Error::Invalid`] with the panic message).
+///
+/// `f` receives the rank's factory and its world communicator.
+///
+/// ```
+/// use backend_gloo::{run_ranks, GlooConfig};
+/// use grid_core::{Communicator, CommunicatorExt};
+///
+/// let gathered = run_ranks(3, &GlooConfig::new("doc-run"), |_f, world| {
+///     let mut all = vec![0i32; 3];
+///     world.all_gather_into(&[10 * world.rank() as i32], &mut all)?;
+///     Ok(all)
+/// })
+/// .unwrap();
+/// assert_eq!(gathered[2].as_ref().unwrap(), &vec![0, 10, 20]);
+/// ```
+pub fn run_ranks<R, F>(world_size: usize, config: &GlooConfig, f: F) -> Result<Vec<Result<R>>>
+where
+    R: Send,
+    F: Fn(&GlooFactory, GlooCommunicator) -> Result<R> + Sync,
+{
+    run_ranks_with(&Rendezvous::in_process()?, world_size, config, f)
+}
+
+/// [`run_ranks`] with a given rendezvous (for example a file store shared with other processes).
+///
+/// ```
+/// use backend_gloo::{run_ranks_with, GlooConfig, Rendezvous};
+/// use grid_core::Communicator;
+/// let r = Rendezvous::in_process().unwrap();
+/// let sizes = run_ranks_with(&r, 2, &GlooConfig::new("doc-with"), |_f, w| Ok(w.size())).unwrap();
+/// assert_eq!(sizes.len(), 2);
+/// ```
+pub fn run_ranks_with<R, F>(
+    rendezvous: &Rendezvous,
+    world_size: usize,
+    config: &GlooConfig,
+    f: F,
+) -> Result<Vec<Result<R>>>
+where
+    R: Send,
+    F: Fn(&GlooFactory, GlooCommunicator) -> Result<R> + Sync,
+{
+    if world_size == 0 {
+        return Err(Error::NonPositive {
+            what: "world size".into(),
+            value: 0,
+        });
+    }
+    config.validate()?;
+    let f = &f;
+    let results = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..world_size)
+            .map(|rank| {
+                std::thread::Builder::new()
+                    .name(format!("gloo-rank-{rank}"))
+                    .spawn_scoped(s, move || -> Result<R> {
+                        let factory = GlooFactory::new(rendezvous, config.clone())?;
+                        let world = factory.world(rank, world_size)?;
+                        f(&factory, world)
+                    })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .enumerate()
+            .map(|(rank, h)| match h {
+                Ok(h) => h.join().unwrap_or_else(|p| {
+                    Err(Error::Invalid(format!(
+                        "rank {rank} panicked: {}",
+                        panic_message(&*p)
+                    )))
+                }),
+                Err(e) => Err(Error::Backend {
+                    backend: BACKEND,
+                    op: "run_ranks",
+                    message: format!("cannot start the thread of rank {rank}: {e}"),
+                }),
+            })
+            .collect()
+    });
+    Ok(results)
+}
+
+/// Environment variables read by [`init_from_env`].
+pub mod env {
+    /// This process's rank (torchrun's name).
+    pub const RANK: &str = "RANK";
+    /// Number of ranks (torchrun's name).
+    pub const WORLD_SIZE: &str = "WORLD_SIZE";
+    /// Rendezvous location: `file:<dir>`, a directory, or `redis://host:port`.
+    pub const STORE: &str = "GRID_GLOO_STORE";
+    /// Job id (unique per run).
+    pub const JOB_ID: &str = "GRID_GLOO_JOB_ID";
+    /// Timeout in milliseconds (optional).
+    pub const TIMEOUT_MS: &str = "GRID_GLOO_TIMEOUT_MS";
+    /// Listening address (optional, default 127.0.0.1).
+    pub const HOSTNAME: &str = "GRID_GLOO_HOSTNAME";
+}
+
+fn env_var(name: &str) -> Result<String> {
+    std::env::var(name)
+        .map_err(|_| Error::Invalid(format!("environment variable {name} is not set")))
+}
+
+fn env_usize(name: &str) -> Result<usize> {
+    let v = env_var(name)?;
+    v.trim().parse().map_err(|_| {
+        Error::Invalid(format!(
+            "environment variable {name}={v:?} is not a non-negative integer"
+        ))
+    })
+}
+
+/// One rank per process: reads [`env::RANK`], [`env::WORLD_SIZE`], [`env::STORE`],
+/// [`env::JOB_ID`] (and optionally [`env::TIMEOUT_MS`], [`env::HOSTNAME`]) and returns the
+/// factory and the world communicator.
+///
+/// ```no_run
+/// // RANK=0 WORLD_SIZE=2 GRID_GLOO_STORE=file:/tmp/rdv GRID_GLOO_JOB_ID=run-1 ./program
+/// let (factory, world) = backend_gloo::init_from_env().unwrap();
+/// # drop((factory, world));
+/// ```
+pub fn init_from_env() -> Result<(GlooFactory, GlooCommunicator)> {
+    let rank = env_usize(env::RANK)?;
+    let size = env_usize(env::WORLD_SIZE)?;
+    let store = Rendezvous::parse(&env_var(env::STORE)?)?;
+    let mut config = GlooConfig::new(env_var(env::JOB_ID)?);
+    if std::env::var_os(env::TIMEOUT_MS).is_some() {
+        config.timeout = Duration::from_millis(env_usize(env::TIMEOUT_MS)? as u64);
+    }
+    if let Ok(h) = std::env::var(env::HOSTNAME) {
+        config.hostname = h;
+    }
+    let factory = GlooFactory::new(&store, config)?;
+    let world = factory.world(rank, size)?;
+    Ok((factory, world))
+}

@@ -1,0 +1,48 @@
+//! # backend-gloo
+//!
+//! The `grid-core` communicator traits over [Gloo](https://github.com/facebookincubator/gloo),
+//! the CPU collective library PyTorch ships, through a small C++ shim over the system
+//! `libgloo` (Debian `libgloo-dev`) whose Rust declarations `bindgen` generates at build time.
+//!
+//! * [`GlooCommunicator`] implements [`grid_core::Communicator`]: all-reduce (Gloo's ring or
+//!   BCube), broadcast, all-gather, reduce-scatter (Gloo's `ReduceScatterHalvingDoubling`),
+//!   all-to-all, barrier, tagged send/recv and batches of them, and nonblocking forms on a
+//!   per-communicator worker thread that keeps call order. All seven dtypes, host memory.
+//! * [`GlooFactory`] implements [`grid_core::GroupFactory`]: a split all-gathers colours over
+//!   the parent, then each colour group meets under its own store prefix (only members take
+//!   part), exactly like PyTorch's `new_group` on Gloo.
+//! * Rendezvous ([`Rendezvous`]): in-process (ranks as threads, no launcher), a directory, or
+//!   Redis; every key lives under the job id, so runs never mix.
+//! * Every operation is bounded by [`GlooConfig::timeout`]; a lost peer turns into
+//!   [`grid_core::Error::PeerFailed`] naming the peer.
+//!
+//! ```
+//! use backend_gloo::{run_ranks, GlooConfig};
+//! use grid_core::{Communicator, CommunicatorExt, ReduceOp};
+//!
+//! // Four ranks as threads of this process.
+//! let results = run_ranks(4, &GlooConfig::new("doc-lib"), |_factory, world| {
+//!     let mut sum = [0.0f32; 3];
+//!     world.all_reduce_into(&[world.rank() as f32; 3], &mut sum, ReduceOp::Sum)?;
+//!     Ok(sum)
+//! })
+//! .unwrap();
+//! for r in results {
+//!     assert_eq!(r.unwrap(), [6.0; 3]);
+//! }
+//! ```
+#![warn(missing_docs)]
+
+mod comm;
+mod exec;
+mod factory;
+mod ffi;
+
+pub use comm::GlooCommunicator;
+pub use factory::{
+    env, init_from_env, run_ranks, run_ranks_with, GlooConfig, GlooFactory, InProcessStore,
+    Rendezvous,
+};
+pub use ffi::{
+    AllreduceAlgorithm, RawContext, RawOp, RawP2p, ReduceScatterAlgorithm, ShimCode, ShimError,
+};
