@@ -8,6 +8,7 @@
 mod bridge;
 mod error;
 mod ordered;
+mod pipeline;
 mod plan;
 mod routing;
 mod spec;
@@ -18,6 +19,7 @@ mod wire;
 pub use bridge::{BridgeCommunicator, GroupCache, TAGS_PER_BRIDGE};
 pub use error::{Error, Result};
 pub use ordered::OrderedMap;
+pub use pipeline::{ModuleInputs, MultiModulePipelineCommunicator};
 pub use plan::{
     bridge_plans, BridgeSummary, ModuleStage, PipelinePlan, RankModuleInfo, RankPlan, Role, Route,
 };
