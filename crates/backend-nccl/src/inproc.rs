@@ -28,6 +28,8 @@ struct State {
     round: u64,
     arrived: usize,
     slots: Vec<Option<HostBuffer>>,
+    /// Ranks that gave up on the current round (so they are not blamed by the others).
+    withdrawn: Vec<usize>,
     published: Arc<Vec<HostBuffer>>,
     mail: HashMap<(usize, usize, u32), VecDeque<HostBuffer>>,
 }
@@ -227,6 +229,7 @@ impl InProcessComm {
         let mut st = self.hub.lock();
         let round = st.round;
         st.slots[self.rank] = Some(mine);
+        st.withdrawn.retain(|&r| r != self.rank);
         st.arrived += 1;
         if st.arrived == self.size {
             let all: Vec<HostBuffer> = st
@@ -235,6 +238,7 @@ impl InProcessComm {
                 .map(|s| s.take().unwrap_or_else(|| HostBuffer::zeros(DType::U8, 0)))
                 .collect();
             st.published = Arc::new(all);
+            st.withdrawn.clear();
             st.arrived = 0;
             st.round += 1;
             self.hub.cv.notify_all();
@@ -246,12 +250,11 @@ impl InProcessComm {
             if now >= deadline {
                 st.slots[self.rank] = None;
                 st.arrived -= 1;
-                let missing = st
-                    .slots
-                    .iter()
-                    .enumerate()
-                    .find(|(r, s)| *r != self.rank && s.is_none())
-                    .map(|(r, _)| r);
+                st.withdrawn.push(self.rank);
+                let never = |r: &usize| *r != self.rank && !st.withdrawn.contains(r);
+                let missing = (0..self.size)
+                    .filter(never)
+                    .find(|&r| st.slots[r].is_none());
                 return Err(Error::Timeout {
                     op,
                     millis: self.timeout.as_millis() as u64,

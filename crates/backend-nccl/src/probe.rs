@@ -57,7 +57,7 @@ impl Library {
             what: "CUDA driver",
             stem: "libcuda.so",
             soname: "libcuda.so.1",
-            candidates: cudarc::get_lib_name_candidates("cuda"),
+            candidates: dedup(cudarc::get_lib_name_candidates("cuda")),
             install_hint:
                 "install the NVIDIA driver (it provides libcuda.so.1; inside a container \
                            run with the NVIDIA container toolkit, e.g. `docker run --gpus all`)",
@@ -76,11 +76,21 @@ impl Library {
             what: "NCCL",
             stem: "libnccl.so",
             soname: "libnccl.so.2",
-            candidates: cudarc::get_lib_name_candidates("nccl"),
+            candidates: dedup(cudarc::get_lib_name_candidates("nccl")),
             install_hint: "install NCCL >= 2.18 (NVIDIA's `libnccl2` + `libnccl-dev` packages, or \
                            `pip install nvidia-nccl-cu12`) and put its lib directory on LD_LIBRARY_PATH",
         }
     }
+}
+
+fn dedup(v: Vec<String>) -> Vec<String> {
+    let mut out: Vec<String> = Vec::with_capacity(v.len());
+    for s in v {
+        if !out.contains(&s) {
+            out.push(s);
+        }
+    }
+    out
 }
 
 /// Where a directory in the search list comes from.
