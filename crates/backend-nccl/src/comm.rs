@@ -556,7 +556,7 @@ impl NcclCommunicator {
             let s = downcast::<T>(op, send)?;
             let r = downcast_mut::<T>(op, recv)?;
             let len = s.slice.len();
-            if n == 0 || len % n != 0 || r.slice.len() != len || len == 0 {
+            if n == 0 || !len.is_multiple_of(n) || r.slice.len() != len || len == 0 {
                 return Err(internal(op, "all_to_all block sizes"));
             }
             let b = len / n;
@@ -719,12 +719,7 @@ impl NcclCommunicator {
     /// Turns an owned tensor into device memory: device tensors as they are, host tensors
     /// staged (uploaded when `upload`, else zero-filled). Returns the device operand and, for
     /// host tensors, the original host buffer.
-    fn operand(
-        &self,
-        op: &'static str,
-        t: Tensor,
-        upload: bool,
-    ) -> Result<(Option<Box<dyn DeviceBuffer>>, Option<HostBuffer>)> {
+    fn operand(&self, op: &'static str, t: Tensor, upload: bool) -> Result<Operand> {
         match t {
             Tensor::Device(d) => {
                 self.same_device(op, &*d)?;
@@ -742,6 +737,9 @@ impl NcclCommunicator {
         }
     }
 }
+
+/// A tensor as device memory plus, for host tensors, the original host buffer.
+type Operand = (Option<Box<dyn DeviceBuffer>>, Option<HostBuffer>);
 
 fn internal(op: &'static str, what: &str) -> Error {
     Error::Backend {

@@ -35,6 +35,7 @@
 #![warn(missing_docs)]
 #![deny(unsafe_code)]
 
+pub mod bench;
 pub mod bootstrap;
 mod buffer;
 mod checks;

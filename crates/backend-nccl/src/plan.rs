@@ -40,7 +40,7 @@ impl SplitEntry {
     /// assert_eq!(SplitEntry::decode_all(&flat).unwrap(), vec![e, n]);
     /// ```
     pub fn decode_all(flat: &[i64]) -> Result<Vec<SplitEntry>> {
-        if flat.len() % 3 != 0 {
+        if !flat.len().is_multiple_of(3) {
             return Err(Error::Invalid(format!(
                 "split: {} integers do not form (color, key, rank) triples",
                 flat.len()

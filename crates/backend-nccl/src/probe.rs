@@ -300,7 +300,7 @@ pub fn find_files(lib: &Library, search: &SearchPath) -> Vec<Found> {
         for n in names {
             let path = dir.join(&n);
             if seen.insert(path.clone()) {
-                let cudarc_name = lib.candidates.iter().any(|c| *c == n);
+                let cudarc_name = lib.candidates.contains(&n);
                 out.push(Found {
                     path,
                     origin: *origin,
