@@ -60,6 +60,7 @@ fn error_string(code: c_int) -> String {
     )
 }
 
+#[inline]
 fn rc(code: c_int) -> R<()> {
     if code == ffi::MPI_SUCCESS as c_int {
         Ok(())
@@ -68,6 +69,7 @@ fn rc(code: c_int) -> R<()> {
     }
 }
 
+#[inline]
 fn count(n: usize) -> R<c_int> {
     c_int::try_from(n).map_err(|_| {
         RawError(format!(
@@ -77,6 +79,7 @@ fn count(n: usize) -> R<c_int> {
     })
 }
 
+#[inline]
 fn int(what: &str, n: usize) -> R<c_int> {
     c_int::try_from(n).map_err(|_| RawError(format!("{what} {n} does not fit an MPI int")))
 }
@@ -84,6 +87,7 @@ fn int(what: &str, n: usize) -> R<c_int> {
 /// The MPI datatype that carries `dtype`. Half types travel as 16-bit unsigned integers: MPI has
 /// no half-precision type, and moving bits is exact. Reductions never see them (see
 /// [`Reduce`]).
+#[inline]
 fn datatype(dtype: DType) -> ffi::MPI_Datatype {
     // SAFETY: reading the constant datatype handles exported by rsmpi's C shim; they are
     // initialised statics of the C library.
@@ -108,6 +112,7 @@ pub(crate) enum Reduce {
     Max,
 }
 
+#[inline]
 fn op(reduce: Reduce, dtype: DType) -> R<ffi::MPI_Op> {
     if matches!(dtype, DType::F16 | DType::BF16) {
         return Err(RawError(format!(
@@ -129,6 +134,7 @@ fn op(reduce: Reduce, dtype: DType) -> R<ffi::MPI_Op> {
 /// points at address 1, which Open MPI reads as `MPI_IN_PLACE`.
 static EMPTY: [u64; 1] = [0];
 
+#[inline]
 fn cptr(s: &HostSlice<'_>) -> *const c_void {
     if s.is_empty() {
         EMPTY.as_ptr() as *const c_void
@@ -139,6 +145,7 @@ fn cptr(s: &HostSlice<'_>) -> *const c_void {
 
 /// The mutable counterpart of [`cptr`]. MPI writes nothing through the scratch pointer: it is
 /// only used with a count of zero.
+#[inline]
 fn mptr(s: &mut HostSliceMut<'_>) -> *mut c_void {
     if s.is_empty() {
         EMPTY.as_ptr() as *mut c_void
@@ -147,6 +154,7 @@ fn mptr(s: &mut HostSliceMut<'_>) -> *mut c_void {
     }
 }
 
+#[inline]
 fn same(what: &str, a: (DType, usize), b: (DType, usize)) -> R<()> {
     if a == b {
         Ok(())
@@ -164,7 +172,11 @@ fn same(what: &str, a: (DType, usize), b: (DType, usize)) -> R<()> {
 
 /// An owned MPI communicator handle (never a predefined one), freed on drop.
 #[derive(Debug)]
-pub(crate) struct Comm(ffi::MPI_Comm);
+pub(crate) struct Comm {
+    raw: ffi::MPI_Comm,
+    /// `MPI_Comm_size`, cached: it never changes and is needed for every length check.
+    size: usize,
+}
 
 // SAFETY: an `MPI_Comm` is a handle (a pointer to an opaque object under Open MPI, an int under
 // MPICH). With MPI_THREAD_MULTIPLE, which `MpiRuntime::init` requires, MPI functions may be
@@ -179,10 +191,10 @@ impl Drop for Comm {
         if finalized() {
             return; // MPI_Finalize released every communicator; no MPI call is allowed now
         }
-        // SAFETY: `self.0` is a valid communicator created by this module and owned by this
+        // SAFETY: `self.raw` is a valid communicator created by this module and owned by this
         // value alone (never a predefined communicator); nothing uses it after drop.
         // Errors cannot be reported from drop; MPI_ERRORS_RETURN makes them non-fatal.
-        unsafe { ffi::MPI_Comm_free(&mut self.0) };
+        unsafe { ffi::MPI_Comm_free(&mut self.raw) };
     }
 }
 
@@ -206,7 +218,7 @@ impl Comm {
         // duplicate inherits the error handler of its parent.
         unsafe {
             rc(ffi::MPI_Comm_dup(ffi::RSMPI_COMM_WORLD, out.as_mut_ptr()))?;
-            Ok(Comm(out.assume_init()))
+            Comm::owned(out.assume_init())
         }
     }
 
@@ -215,10 +227,15 @@ impl Comm {
         if raw == unsafe { ffi::RSMPI_COMM_NULL } {
             return Ok(None);
         }
-        let c = Comm(raw);
-        // SAFETY: `c.0` is a valid new communicator; children inherit the error handler, this
+        let c = Comm::owned(raw)?;
+        // SAFETY: `c.raw` is a valid new communicator; children inherit the error handler, this
         // sets it explicitly in case an implementation does not.
-        unsafe { rc(ffi::MPI_Comm_set_errhandler(c.0, ffi::RSMPI_ERRORS_RETURN))? };
+        unsafe {
+            rc(ffi::MPI_Comm_set_errhandler(
+                c.raw,
+                ffi::RSMPI_ERRORS_RETURN,
+            ))?
+        };
         Ok(Some(c))
     }
 
@@ -231,10 +248,10 @@ impl Comm {
         };
         let key = int("key", key)?;
         let mut out = std::mem::MaybeUninit::<ffi::MPI_Comm>::uninit();
-        // SAFETY: `self.0` is a valid communicator, `out` a valid out pointer written by
+        // SAFETY: `self.raw` is a valid communicator, `out` a valid out pointer written by
         // MPI_Comm_split on success (MPI_COMM_NULL for MPI_UNDEFINED).
         let raw = unsafe {
-            rc(ffi::MPI_Comm_split(self.0, color, key, out.as_mut_ptr()))?;
+            rc(ffi::MPI_Comm_split(self.raw, color, key, out.as_mut_ptr()))?;
             out.assume_init()
         };
         Comm::adopt(raw)
@@ -261,7 +278,7 @@ impl Comm {
         // SAFETY: valid communicator; out pointers valid; `list` holds `n` valid ranks of the
         // parent group (checked above). Both groups are freed before returning.
         unsafe {
-            rc(ffi::MPI_Comm_group(self.0, parent.as_mut_ptr()))?;
+            rc(ffi::MPI_Comm_group(self.raw, parent.as_mut_ptr()))?;
             let mut parent = parent.assume_init();
             let r = rc(ffi::MPI_Group_incl(
                 parent,
@@ -274,7 +291,7 @@ impl Comm {
                 return Err(e);
             }
             let mut group = group.assume_init();
-            let r = rc(ffi::MPI_Comm_create(self.0, group, out.as_mut_ptr()));
+            let r = rc(ffi::MPI_Comm_create(self.raw, group, out.as_mut_ptr()));
             ffi::MPI_Group_free(&mut group);
             ffi::MPI_Group_free(&mut parent);
             r?;
@@ -285,15 +302,24 @@ impl Comm {
     pub(crate) fn rank(&self) -> R<usize> {
         let mut r: c_int = 0;
         // SAFETY: valid communicator and out pointer.
-        unsafe { rc(ffi::MPI_Comm_rank(self.0, &mut r))? };
+        unsafe { rc(ffi::MPI_Comm_rank(self.raw, &mut r))? };
         usize::try_from(r).map_err(|_| RawError(format!("MPI returned rank {r}")))
     }
 
-    pub(crate) fn size(&self) -> R<usize> {
+    /// Takes ownership of a valid, non-null communicator handle (freed on drop).
+    fn owned(raw: ffi::MPI_Comm) -> R<Comm> {
+        let mut c = Comm { raw, size: 0 };
         let mut s: c_int = 0;
-        // SAFETY: valid communicator and out pointer.
-        unsafe { rc(ffi::MPI_Comm_size(self.0, &mut s))? };
-        usize::try_from(s).map_err(|_| RawError(format!("MPI returned size {s}")))
+        // SAFETY: `raw` is a valid communicator (the caller created it); `s` a valid out pointer.
+        // If this fails, `c` is dropped and frees the handle.
+        unsafe { rc(ffi::MPI_Comm_size(c.raw, &mut s))? };
+        c.size = usize::try_from(s).map_err(|_| RawError(format!("MPI returned size {s}")))?;
+        Ok(c)
+    }
+
+    #[inline]
+    pub(crate) fn size(&self) -> R<usize> {
+        Ok(self.size)
     }
 
     /// The `MPI_COMM_WORLD` rank of every member, in this communicator's rank order.
@@ -306,7 +332,7 @@ impl Comm {
         // SAFETY: valid communicators and out pointers; `ranks` and `out` both hold `n`
         // entries, the count passed. Both groups are freed before returning.
         unsafe {
-            rc(ffi::MPI_Comm_group(self.0, mine.as_mut_ptr()))?;
+            rc(ffi::MPI_Comm_group(self.raw, mine.as_mut_ptr()))?;
             let mut mine = mine.assume_init();
             let r = rc(ffi::MPI_Comm_group(
                 ffi::RSMPI_COMM_WORLD,
@@ -337,6 +363,7 @@ impl Comm {
     // Blocking operations on borrowed host memory
     // --------------------------------------------------------------------------------------
 
+    #[inline]
     pub(crate) fn all_reduce(
         &self,
         send: HostSlice<'_>,
@@ -362,17 +389,19 @@ impl Comm {
                 n,
                 dt,
                 op,
-                self.0,
+                self.raw,
             ))
         }
     }
 
+    #[inline]
     pub(crate) fn broadcast(&self, mut buf: HostSliceMut<'_>, root: usize) -> R<()> {
         let (n, dt, root) = (count(buf.len())?, datatype(buf.dtype()), int("root", root)?);
         // SAFETY: `buf` holds `n` elements of `dt` and stays borrowed for the call.
-        unsafe { rc(ffi::MPI_Bcast(mptr(&mut buf), n, dt, root, self.0)) }
+        unsafe { rc(ffi::MPI_Bcast(mptr(&mut buf), n, dt, root, self.raw)) }
     }
 
+    #[inline]
     pub(crate) fn all_gather(&self, send: HostSlice<'_>, mut recv: HostSliceMut<'_>) -> R<()> {
         let size = self.size()?;
         same(
@@ -392,11 +421,12 @@ impl Comm {
                 mptr(&mut recv),
                 n,
                 dt,
-                self.0,
+                self.raw,
             ))
         }
     }
 
+    #[inline]
     pub(crate) fn reduce_scatter(
         &self,
         send: HostSlice<'_>,
@@ -423,11 +453,12 @@ impl Comm {
                 n,
                 dt,
                 op,
-                self.0,
+                self.raw,
             ))
         }
     }
 
+    #[inline]
     pub(crate) fn all_to_all(&self, send: HostSlice<'_>, mut recv: HostSliceMut<'_>) -> R<()> {
         let size = self.size()?.max(1);
         same(
@@ -435,7 +466,7 @@ impl Comm {
             (send.dtype(), send.len()),
             (recv.dtype(), recv.len()),
         )?;
-        if send.len() % size != 0 {
+        if !send.len().is_multiple_of(size) {
             return Err(RawError(format!(
                 "internal: all_to_all of {} elements over {size}",
                 send.len()
@@ -452,24 +483,27 @@ impl Comm {
                 mptr(&mut recv),
                 n,
                 dt,
-                self.0,
+                self.raw,
             ))
         }
     }
 
+    #[inline]
     pub(crate) fn barrier(&self) -> R<()> {
         // SAFETY: valid communicator.
-        unsafe { rc(ffi::MPI_Barrier(self.0)) }
+        unsafe { rc(ffi::MPI_Barrier(self.raw)) }
     }
 
+    #[inline]
     pub(crate) fn send(&self, buf: HostSlice<'_>, peer: usize, tag: u32) -> R<()> {
         let (n, dt) = (count(buf.len())?, datatype(buf.dtype()));
         let (peer, tag) = (int("peer", peer)?, int("tag", tag as usize)?);
         // SAFETY: `buf` holds n elements of `dt`, borrowed for the blocking call.
-        unsafe { rc(ffi::MPI_Send(cptr(&buf), n, dt, peer, tag, self.0)) }
+        unsafe { rc(ffi::MPI_Send(cptr(&buf), n, dt, peer, tag, self.raw)) }
     }
 
     /// Receives into `buf`; returns the number of elements that arrived.
+    #[inline]
     pub(crate) fn recv(&self, mut buf: HostSliceMut<'_>, peer: usize, tag: u32) -> R<usize> {
         let (n, dt) = (count(buf.len())?, datatype(buf.dtype()));
         let (peer, tag) = (int("peer", peer)?, int("tag", tag as usize)?);
@@ -484,7 +518,7 @@ impl Comm {
                 dt,
                 peer,
                 tag,
-                self.0,
+                self.raw,
                 status.as_mut_ptr(),
             ))?;
             rc(ffi::MPI_Get_count(status.as_ptr(), dt, &mut got))?;
@@ -512,7 +546,7 @@ impl Comm {
                             dt,
                             p,
                             t,
-                            self.0,
+                            self.raw,
                             req.as_mut_ptr(),
                         ))
                     }
@@ -528,7 +562,7 @@ impl Comm {
                             dt,
                             p,
                             t,
-                            self.0,
+                            self.raw,
                             req.as_mut_ptr(),
                         ))
                     }
@@ -666,7 +700,7 @@ impl Comm {
                         n,
                         dt,
                         op,
-                        self.0,
+                        self.raw,
                         req.as_mut_ptr(),
                     ))?
                 };
@@ -676,7 +710,7 @@ impl Comm {
                 let (n, root) = (count(bufs[0].len())?, int("root", root)?);
                 let p = mptr(&mut bufs[0].as_mut_slice());
                 // SAFETY: the owned buffer holds n elements; kept alive by `Pending`.
-                unsafe { rc(ffi::MPI_Ibcast(p, n, dt, root, self.0, req.as_mut_ptr()))? };
+                unsafe { rc(ffi::MPI_Ibcast(p, n, dt, root, self.raw, req.as_mut_ptr()))? };
             }
             Immediate::AllGather => {
                 need(2)?;
@@ -697,7 +731,7 @@ impl Comm {
                         d,
                         n,
                         dt,
-                        self.0,
+                        self.raw,
                         req.as_mut_ptr(),
                     ))?
                 };
@@ -720,7 +754,7 @@ impl Comm {
                         n,
                         dt,
                         op,
-                        self.0,
+                        self.raw,
                         req.as_mut_ptr(),
                     ))?
                 };
@@ -732,7 +766,7 @@ impl Comm {
                     (bufs[0].dtype(), bufs[0].len()),
                     (bufs[1].dtype(), bufs[1].len()),
                 )?;
-                if bufs[0].len() % size != 0 {
+                if !bufs[0].len().is_multiple_of(size) {
                     return Err(RawError("internal: all_to_all length not divisible".into()));
                 }
                 let n = count(bufs[0].len() / size)?;
@@ -747,7 +781,7 @@ impl Comm {
                         d,
                         n,
                         dt,
-                        self.0,
+                        self.raw,
                         req.as_mut_ptr(),
                     ))?
                 };
@@ -755,7 +789,7 @@ impl Comm {
             Immediate::Barrier => {
                 need(0)?;
                 // SAFETY: valid communicator and out pointer.
-                unsafe { rc(ffi::MPI_Ibarrier(self.0, req.as_mut_ptr()))? };
+                unsafe { rc(ffi::MPI_Ibarrier(self.raw, req.as_mut_ptr()))? };
             }
             Immediate::Send(peer, tag) => {
                 need(1)?;
@@ -766,7 +800,7 @@ impl Comm {
                 );
                 let s = cptr(&bufs[0].as_slice());
                 // SAFETY: the owned buffer holds n elements; kept alive by `Pending`.
-                unsafe { rc(ffi::MPI_Isend(s, n, dt, p, t, self.0, req.as_mut_ptr()))? };
+                unsafe { rc(ffi::MPI_Isend(s, n, dt, p, t, self.raw, req.as_mut_ptr()))? };
             }
             Immediate::Recv(peer, tag) => {
                 need(1)?;
@@ -777,7 +811,7 @@ impl Comm {
                 );
                 let d = mptr(&mut bufs[0].as_mut_slice());
                 // SAFETY: the owned buffer holds n elements; kept alive by `Pending`.
-                unsafe { rc(ffi::MPI_Irecv(d, n, dt, p, t, self.0, req.as_mut_ptr()))? };
+                unsafe { rc(ffi::MPI_Irecv(d, n, dt, p, t, self.raw, req.as_mut_ptr()))? };
             }
         }
         Ok(Pending {

@@ -176,11 +176,14 @@ impl fmt::Display for Failure {
 
 impl std::error::Error for Failure {}
 
+/// A backend's local finish/abort operation on one communicator.
+pub type FinishFn<C> = Box<dyn Fn(&C)>;
+
 /// Options of [`run_with`].
 pub struct Options<C> {
     /// Marks a communicator finished/aborted (local). When given, the suite finishes a fresh
     /// sub-communicator and expects [`Error::Finalized`] from later calls.
-    pub finish: Option<Box<dyn Fn(&C)>>,
+    pub finish: Option<FinishFn<C>>,
     /// Layouts for the collection section; `None` picks [`default_layouts`] for the world size.
     pub layouts: Option<Vec<LayoutConfig>>,
     /// Skip the whole per-dtype sweep on sub-groups (only the parent gets it), to save time.
@@ -1613,7 +1616,7 @@ fn plan_mismatch<F: GroupFactory>(ctx: &mut Ctx, factory: &F, world: &F::Comm) {
     // Rank 0 holds tp = 2 (or a different order), everyone else the default.
     let mut cfg = LayoutConfig::new(n);
     if parent.rank() == 0 {
-        if n % 2 == 0 {
+        if n.is_multiple_of(2) {
             cfg.tp = 2;
         } else {
             cfg.order = "tp-cp-ep-pp-dp".into();

@@ -1,1 +1,365 @@
-fn main() {}
+//! `mpi-bench`: collectives through this crate against the same calls made directly through
+//! rsmpi in the same run, and building the demo layout's communicators with `build_collection`
+//! against the naive approach (every rank creating every group of the world).
+//!
+//! Modes (under mpirun):
+//! * `mpi-bench collectives`: all_reduce, all_gather, reduce_scatter, broadcast of f32 from 8 B
+//!   to 64 MiB (powers of 4, plus 64 MiB). Time = median over iterations of the slowest rank's
+//!   time (each iteration starts after a barrier); ours and rsmpi alternate iteration by
+//!   iteration. algbw = bytes / time; busbw = algbw · factor with the nccl-tests factors
+//!   (all_reduce 2(n-1)/n, all_gather and reduce_scatter (n-1)/n, broadcast 1). Bytes follow
+//!   nccl-tests: the whole buffer for all_reduce and broadcast, the gathered (receive) buffer for
+//!   all_gather, the send buffer for reduce_scatter.
+//! * `mpi-bench collection`: on 8 ranks, the demo layout (tp2 pp2 cp2, ep4 etp1).
+//!
+//! Without a launcher, `mpi-bench` runs itself: `collectives` at 2 and 4 ranks and
+//! `collection` at 8 ranks, and prints one markdown report. `--quick` uses fewer iterations.
+
+use backend_mpi::{testing, MpiFactory, MpiRuntime};
+use grid_core::{
+    build_collection, Communicator, CommunicatorExt, GroupFactory, LayoutConfig, LayoutPlan,
+    ReduceOp,
+};
+use mpi::collective::{CommunicatorCollectives, Root, SystemOperation};
+use mpi::topology::Communicator as _;
+use std::process::ExitCode;
+use std::time::Instant;
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let quick = args.iter().any(|a| a == "--quick");
+    let r = if testing::under_launcher() {
+        match args
+            .iter()
+            .find(|a| !a.starts_with("--"))
+            .map(String::as_str)
+        {
+            Some("collectives") | None => collectives(quick),
+            Some("collection") => collection(quick),
+            Some(other) => Err(format!(
+                "unknown mode '{other}': use collectives or collection"
+            )),
+        }
+    } else {
+        driver(quick)
+    };
+    match r {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("mpi-bench: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn driver(quick: bool) -> Result<(), String> {
+    let exe = std::env::current_exe()
+        .map_err(|e| e.to_string())?
+        .to_string_lossy()
+        .into_owned();
+    let q = if quick { vec!["--quick"] } else { vec![] };
+    println!("# MPI benchmark (backend-mpi vs rsmpi called directly)\n");
+    println!(
+        "Open MPI via rsmpi 0.8, {} cores, env: {}\n",
+        std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(0),
+        testing::launch_env()
+            .iter()
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect::<Vec<_>>()
+            .join(" ")
+    );
+    for (np, mode) in [(2, "collectives"), (4, "collectives"), (8, "collection")] {
+        let mut a = vec![mode];
+        a.extend(q.iter().copied());
+        let out = testing::launch(np, 1200, &exe, &a)?;
+        let text = out.output.replace("\n--- stderr ---\n", "");
+        print!("{text}");
+        if out.code != Some(0) {
+            return Err(format!(
+                "{mode} at {np} ranks: mpirun exited with {:?}",
+                out.code
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    if v.is_empty() {
+        0.0
+    } else {
+        v[v.len() / 2]
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Op {
+    AllReduce,
+    AllGather,
+    ReduceScatter,
+    Broadcast,
+}
+
+impl Op {
+    fn name(self) -> &'static str {
+        match self {
+            Op::AllReduce => "all_reduce",
+            Op::AllGather => "all_gather",
+            Op::ReduceScatter => "reduce_scatter",
+            Op::Broadcast => "broadcast",
+        }
+    }
+    fn busbw_factor(self, n: usize) -> f64 {
+        let n = n as f64;
+        match self {
+            Op::AllReduce => 2.0 * (n - 1.0) / n,
+            Op::AllGather | Op::ReduceScatter => (n - 1.0) / n,
+            Op::Broadcast => 1.0,
+        }
+    }
+}
+
+fn collectives(quick: bool) -> Result<(), String> {
+    let rt = MpiRuntime::init().map_err(|e| e.to_string())?;
+    let ours = rt.world();
+    // A duplicate of the world, like the communicator `ours` wraps, so both sides run on the
+    // same kind of communicator.
+    let direct = rt.rsmpi_world().duplicate();
+    let e = |e: grid_core::Error| e.to_string();
+    let (me, n) = (ours.rank(), ours.size());
+    let mut sizes: Vec<usize> = (0..12).map(|k| 8usize << (2 * k)).collect(); // 8 B .. 32 MiB
+    sizes.push(64 << 20);
+    if me == 0 {
+        println!("## Collectives, {n} ranks (f32, sum)\n");
+        println!("Time: median over samples of the slowest rank (µs per call; up to 64 KiB a sample is the mean of 50 back-to-back calls, up to 1 MiB of 5). Overhead = ours / rsmpi - 1.\n");
+        println!("| op | bytes | samples | ours µs | rsmpi µs | overhead | ours algbw GB/s | ours busbw GB/s | rsmpi busbw GB/s |");
+        println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|");
+    }
+    let mut worst: f64 = f64::MIN;
+    for op in [
+        Op::AllReduce,
+        Op::AllGather,
+        Op::ReduceScatter,
+        Op::Broadcast,
+    ] {
+        for &bytes in &sizes {
+            // Element counts: per-rank block for all_gather and reduce_scatter.
+            let elems = (bytes / 4).max(1);
+            let block = match op {
+                Op::AllGather | Op::ReduceScatter => (elems / n).max(1),
+                _ => elems,
+            };
+            let (send_len, recv_len) = match op {
+                Op::AllReduce => (elems, elems),
+                Op::AllGather => (block, block * n),
+                Op::ReduceScatter => (block * n, block),
+                Op::Broadcast => (elems, elems),
+            };
+            let actual_bytes = match op {
+                Op::AllGather => recv_len * 4,
+                _ => send_len * 4,
+            };
+            // Small messages: each sample times `inner` back-to-back calls (the clock costs
+            // about as much as an 8-byte operation), so the sample is the mean per call.
+            let (warm, iters, inner) = match bytes {
+                b if b <= 64 << 10 => (5, if quick { 15 } else { 60 }, 50),
+                b if b <= 1 << 20 => (3, if quick { 10 } else { 40 }, 5),
+                b if b <= 8 << 20 => (2, if quick { 6 } else { 20 }, 1),
+                _ => (2, if quick { 4 } else { 15 }, 1),
+            };
+            let send: Vec<f32> = (0..send_len).map(|i| (i % 7) as f32).collect();
+            let mut recv = vec![0f32; recv_len];
+            let mut t_ours = Vec::with_capacity(iters);
+            let mut t_direct = Vec::with_capacity(iters);
+            let run_ours = |recv: &mut [f32]| -> Result<f64, String> {
+                ours.barrier().map_err(e)?;
+                let t = Instant::now();
+                for _ in 0..inner {
+                    match op {
+                        Op::AllReduce => ours.all_reduce_into(&send[..], recv, ReduceOp::Sum),
+                        Op::AllGather => ours.all_gather_into(&send[..], recv),
+                        Op::ReduceScatter => {
+                            ours.reduce_scatter_into(&send[..], recv, ReduceOp::Sum)
+                        }
+                        Op::Broadcast => ours.broadcast_into(recv, 0),
+                    }
+                    .map_err(e)?;
+                }
+                Ok(t.elapsed().as_secs_f64() / inner as f64)
+            };
+            let run_direct = |recv: &mut [f32]| -> Result<f64, String> {
+                ours.barrier().map_err(e)?;
+                let t = Instant::now();
+                for _ in 0..inner {
+                    match op {
+                        Op::AllReduce => {
+                            direct.all_reduce_into(&send[..], recv, SystemOperation::sum())
+                        }
+                        Op::AllGather => direct.all_gather_into(&send[..], recv),
+                        Op::ReduceScatter => direct.reduce_scatter_block_into(
+                            &send[..],
+                            recv,
+                            SystemOperation::sum(),
+                        ),
+                        Op::Broadcast => direct.process_at_rank(0).broadcast_into(recv),
+                    }
+                }
+                Ok(t.elapsed().as_secs_f64() / inner as f64)
+            };
+            for it in 0..warm + iters {
+                // Alternate which goes first, so drift and cache effects hit both equally.
+                let (a, b) = if it % 2 == 0 {
+                    let a = run_ours(&mut recv[..])?;
+                    (a, run_direct(&mut recv[..])?)
+                } else {
+                    let b = run_direct(&mut recv[..])?;
+                    (run_ours(&mut recv[..])?, b)
+                };
+                if it >= warm {
+                    t_ours.push(a);
+                    t_direct.push(b);
+                }
+            }
+            // Slowest rank per iteration.
+            let mut m_ours = vec![0f64; iters];
+            let mut m_direct = vec![0f64; iters];
+            ours.all_reduce_into(&t_ours[..], &mut m_ours[..], ReduceOp::Max)
+                .map_err(e)?;
+            ours.all_reduce_into(&t_direct[..], &mut m_direct[..], ReduceOp::Max)
+                .map_err(e)?;
+            let (a, b) = (median(&mut m_ours), median(&mut m_direct));
+            let over = (a / b - 1.0) * 100.0;
+            worst = worst.max(over);
+            if me == 0 {
+                let algbw = actual_bytes as f64 / a / 1e9;
+                let f = op.busbw_factor(n);
+                println!(
+                    "| {} | {} | {iters} | {:.3} | {:.3} | {:+.1}% | {:.3} | {:.3} | {:.3} |",
+                    op.name(),
+                    human(actual_bytes),
+                    a * 1e6,
+                    b * 1e6,
+                    over,
+                    algbw,
+                    algbw * f,
+                    actual_bytes as f64 / b / 1e9 * f
+                );
+            }
+        }
+    }
+    if me == 0 {
+        println!("\nLargest overhead at {n} ranks: {worst:+.1}%\n");
+    }
+    Ok(())
+}
+
+fn human(b: usize) -> String {
+    if b >= 1 << 20 {
+        format!("{} MiB", b >> 20)
+    } else if b >= 1 << 10 {
+        format!("{} KiB", b >> 10)
+    } else {
+        format!("{b} B")
+    }
+}
+
+fn demo_plan(world: usize) -> Result<LayoutPlan, String> {
+    let mut c = LayoutConfig::new(world);
+    c.tp = 2;
+    c.pp = 2;
+    c.cp = 2;
+    c.ep = 4;
+    c.etp = Some(1);
+    LayoutPlan::new(c).map_err(|e| e.to_string())
+}
+
+fn collection(quick: bool) -> Result<(), String> {
+    let rt = MpiRuntime::init().map_err(|e| e.to_string())?;
+    let world = rt.world();
+    let e = |e: grid_core::Error| e.to_string();
+    let (me, n) = (world.rank(), world.size());
+    let plan = demo_plan(n)?;
+    let reps = if quick { 3 } else { 7 };
+    let mut t_built = Vec::new();
+    let mut t_naive = Vec::new();
+    let (mut built_comms, mut built_calls, mut naive_comms, mut naive_calls) =
+        (0usize, 0usize, 0usize, 0usize);
+    for _ in 0..reps {
+        // build_collection: one plan check plus one split per distinct family.
+        world.barrier().map_err(e)?;
+        let t = Instant::now();
+        let built = build_collection(&MpiFactory::new(), world, &plan).map_err(e)?;
+        t_built.push(t.elapsed().as_secs_f64());
+        built_comms = built.communicators_created();
+        built_calls = built.collective_calls;
+        drop(built);
+        // Naive: every rank takes part in MPI_Comm_create for every group of every family.
+        world.barrier().map_err(e)?;
+        let f = MpiFactory::new();
+        let t = Instant::now();
+        let mut comms = Vec::new();
+        for fl in plan.family_levels() {
+            let groups = plan.groups(fl).map_err(e)?;
+            for g in groups.iter() {
+                if let Some(c) = f.create_group(world, g).map_err(e)? {
+                    comms.push(c);
+                }
+            }
+        }
+        t_naive.push(t.elapsed().as_secs_f64());
+        naive_comms = comms.len();
+        naive_calls = f.calls().creates;
+    }
+    let mut mb = vec![0f64; reps];
+    let mut mn = vec![0f64; reps];
+    world
+        .all_reduce_into(&t_built[..], &mut mb[..], ReduceOp::Max)
+        .map_err(e)?;
+    world
+        .all_reduce_into(&t_naive[..], &mut mn[..], ReduceOp::Max)
+        .map_err(e)?;
+    let mut counts = [0i64; 4];
+    let mine = [
+        built_comms as i64,
+        built_calls as i64,
+        naive_comms as i64,
+        naive_calls as i64,
+    ];
+    world
+        .all_reduce_into(&mine[..], &mut counts[..], ReduceOp::Max)
+        .map_err(e)?;
+    if me == 0 {
+        let c = plan.config();
+        println!(
+            "## Building the demo layout's communicators, {n} ranks (tp {} pp {} cp {}, ep {} etp {}, {} families)\n",
+            c.tp,
+            c.pp,
+            c.cp,
+            c.ep,
+            plan.expert_tp(),
+            plan.family_levels().len()
+        );
+        println!("Median of {reps} repetitions of the slowest rank.\n");
+        println!(
+            "| approach | time ms | communicators per rank (max) | collective calls per rank |"
+        );
+        println!("|---|---:|---:|---:|");
+        println!(
+            "| build_collection (split per distinct family) | {:.2} | {} | {} |",
+            median(&mut mb) * 1e3,
+            counts[0],
+            counts[1]
+        );
+        println!(
+            "| naive (MPI_Comm_create over the world for every group of every family) | {:.2} | {} | {} |",
+            median(&mut mn) * 1e3,
+            counts[2],
+            counts[3]
+        );
+        println!();
+    }
+    Ok(())
+}
