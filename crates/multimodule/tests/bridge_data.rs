@@ -290,15 +290,14 @@ fn gradient_shape_mismatch_is_an_error_not_a_hang() {
             bridge.send_backward(&Activation::zeros(grid_core::DType::F32, vec![3, 3, 4]).unwrap())
         }
     });
-    for r in 0..2 {
+    for (r, x) in res.iter().enumerate().take(2) {
         assert!(
-            matches!(res[r], Err(Error::PeerError { peer: 2, .. })),
-            "rank {r}: {:?}",
-            res[r]
+            matches!(x, Err(Error::PeerError { peer: 2, .. })),
+            "rank {r}: {x:?}"
         );
     }
-    for r in 2..4 {
-        match &res[r] {
+    for (r, x) in res.iter().enumerate().skip(2) {
+        match x {
             Err(Error::GradientMismatch {
                 expected, actual, ..
             }) => {

@@ -128,8 +128,8 @@ fn bridge_sim_vectors() {
                 // the source leader (rank 3) reports the mismatch and its tp peers learn that it
                 // failed. The forward data is Megatron's.
                 "bridgesim_2d_fan_out" => {
-                    for r in 0..3 {
-                        let e = ours[r]["src_returned"]["error"].as_str().unwrap();
+                    for (r, o) in ours.iter().enumerate().take(3) {
+                        let e = o["src_returned"]["error"].as_str().unwrap();
                         assert!(e.contains("rank 3 failed"), "{name} rank {r}: {e}");
                     }
                     let e = ours[3]["src_returned"]["error"].as_str().unwrap();

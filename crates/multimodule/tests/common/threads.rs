@@ -14,13 +14,15 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 type Key = (u64, usize, usize, u32);
+/// Each parent rank's (colour, key) for one split.
+type Board = Vec<Option<(Option<u32>, usize)>>;
 
 #[derive(Default)]
 struct HubState {
     mail: HashMap<Key, VecDeque<(u64, HostBuffer)>>,
     consumed: HashSet<u64>,
     next_msg: u64,
-    boards: HashMap<(u64, u64), Vec<Option<(Option<u32>, usize)>>>,
+    boards: HashMap<(u64, u64), Board>,
     ids: HashMap<(u64, u64, u32), u64>,
     next_id: u64,
     /// (world src, world dst, elements) of every payload-sized message, for inspection.
