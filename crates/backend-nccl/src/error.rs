@@ -8,11 +8,8 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 pub(crate) const BACKEND: &str = "nccl";
 
 /// Runs `f`, turning a panic (cudarc panics on a missing library or symbol) into
-/// [`Error::Backend`]. The last line of defence: [`crate::probe`] checks first.
-///
-/// ```ignore
-/// let n = guard("cuDeviceGetCount", || CudaContext::device_count().map_err(|e| driver("device_count", e)))?;
-/// ```
+/// [`Error::Backend`]. The last line of defence: [`crate::probe`] checks first. Every call into
+/// cudarc in this crate goes through it (directly or through [`cuda`]).
 pub(crate) fn guard<T>(
     op: &'static str,
     f: impl FnOnce() -> grid_core::Result<T>,
