@@ -186,9 +186,11 @@ fn store_error(kind: &str, e: ShimError) -> Error {
 pub struct GlooConfig {
     /// Namespace of every store key of this job: unique per run (letters, digits, `.`, `_`, `-`).
     pub job_id: String,
-    /// Bound of every operation, of every store wait and of the connection of each
-    /// communicator (Gloo's default is 30 s). Gloo's file and Redis stores poll in whole
-    /// seconds, so a rendezvous through them may take up to one second longer to time out.
+    /// Bound of every operation and of every store wait of a rendezvous (Gloo's default is
+    /// 30 s). Two Gloo rules stretch it during a rendezvous: its file and Redis stores poll in
+    /// whole seconds (up to one second more), and it waits up to 5 × this timeout for a TCP
+    /// connection that a peer announced in the store but never opened (a peer that died in the
+    /// middle of the rendezvous, or stale keys of a reused job id).
     pub timeout: Duration,
     /// Address of this host the TCP device listens on (default `127.0.0.1`: single host).
     pub hostname: String,

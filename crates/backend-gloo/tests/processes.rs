@@ -1,0 +1,437 @@
+//! Ranks as separate processes: this test binary starts itself N times with RANK, WORLD_SIZE
+//! and the store location in the environment (the torchrun way), through a file store and
+//! through a real `redis-server` started on a free loopback port. Also: a rank killed with
+//! SIGKILL makes the others fail in time, naming it.
+//!
+//! Every child and server is killed when its deadline passes, so a hang fails the test instead
+//! of blocking it.
+
+mod common;
+
+use backend_gloo::{env, init_from_env, run_ranks_with, GlooConfig, Rendezvous};
+use grid_core::{Communicator, CommunicatorExt, Error, ReduceOp};
+use std::io::{BufRead, BufReader};
+use std::net::{TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+/// Set in the environment of the child processes.
+const CHILD: &str = "GRID_GLOO_TEST_CHILD";
+/// Set to 1 to skip the Redis tests on a machine without `redis-server`.
+const SKIP_REDIS: &str = "GRID_GLOO_SKIP_REDIS";
+
+fn in_child() -> bool {
+    std::env::var_os(CHILD).is_some()
+}
+
+fn unique(tag: &str) -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
+    format!("{tag}-{}-{nanos}", std::process::id())
+}
+
+struct Ranks {
+    children: Vec<Child>,
+    lines: mpsc::Receiver<(usize, String)>,
+    /// Lines of each rank with the time they arrived.
+    output: Vec<Vec<(String, Instant)>>,
+}
+
+/// Starts `n` processes of this test binary running test `test` as ranks.
+fn spawn(test: &str, n: usize, store: &str, job: &str, timeout_ms: u64) -> Ranks {
+    let exe = std::env::current_exe().expect("test binary path");
+    let (tx, rx) = mpsc::channel();
+    let mut children = Vec::new();
+    for rank in 0..n {
+        let mut child = Command::new(&exe)
+            .args(["--exact", test, "--nocapture", "--test-threads=1"])
+            .env(CHILD, "1")
+            .env(env::RANK, rank.to_string())
+            .env(env::WORLD_SIZE, n.to_string())
+            .env(env::STORE, store)
+            .env(env::JOB_ID, job)
+            .env(env::TIMEOUT_MS, timeout_ms.to_string())
+            .env("RUST_BACKTRACE", "0")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start a rank process");
+        for pipe in [
+            child
+                .stdout
+                .take()
+                .map(|p| Box::new(p) as Box<dyn std::io::Read + Send>),
+            child
+                .stderr
+                .take()
+                .map(|p| Box::new(p) as Box<dyn std::io::Read + Send>),
+        ]
+        .into_iter()
+        .flatten()
+        {
+            let tx = tx.clone();
+            std::thread::spawn(move || {
+                for line in BufReader::new(pipe).lines().map_while(|l| l.ok()) {
+                    if tx.send((rank, line)).is_err() {
+                        break;
+                    }
+                }
+            });
+        }
+        children.push(child);
+    }
+    Ranks {
+        children,
+        lines: rx,
+        output: vec![Vec::new(); n],
+    }
+}
+
+impl Ranks {
+    /// Waits for a line containing `prefix` from `rank`, until `deadline`.
+    fn wait_line(
+        &mut self,
+        rank: usize,
+        prefix: &str,
+        deadline: Instant,
+    ) -> Option<(String, Instant)> {
+        if let Some((l, t)) = self.output[rank].iter().find(|(l, _)| l.contains(prefix)) {
+            return Some((l.clone(), *t));
+        }
+        loop {
+            let left = deadline.checked_duration_since(Instant::now())?;
+            match self.lines.recv_timeout(left) {
+                Ok((r, line)) => {
+                    let now = Instant::now();
+                    let hit = r == rank && line.contains(prefix);
+                    self.output[r].push((line.clone(), now));
+                    if hit {
+                        return Some((line, now));
+                    }
+                }
+                Err(_) => return None,
+            }
+        }
+    }
+
+    /// Waits for every process until `deadline` (killing the rest then) and returns the exit
+    /// status of each (`None`: killed at the deadline).
+    fn finish(&mut self, deadline: Instant) -> Vec<Option<std::process::ExitStatus>> {
+        let mut status = vec![None; self.children.len()];
+        loop {
+            for (i, c) in self.children.iter_mut().enumerate() {
+                if status[i].is_none() {
+                    if let Ok(Some(s)) = c.try_wait() {
+                        status[i] = Some(s);
+                    }
+                }
+            }
+            while let Ok((r, line)) = self.lines.try_recv() {
+                self.output[r].push((line, Instant::now()));
+            }
+            if status.iter().all(|s| s.is_some()) || Instant::now() >= deadline {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        for (i, c) in self.children.iter_mut().enumerate() {
+            if status[i].is_none() {
+                let _ = c.kill();
+                let _ = c.wait();
+            }
+        }
+        // Collect what the readers still have.
+        std::thread::sleep(Duration::from_millis(50));
+        while let Ok((r, line)) = self.lines.try_recv() {
+            self.output[r].push((line, Instant::now()));
+        }
+        status
+    }
+
+    fn report(&self) -> String {
+        self.output
+            .iter()
+            .enumerate()
+            .map(|(r, lines)| {
+                let text: Vec<&str> = lines.iter().map(|(l, _)| l.as_str()).collect();
+                format!("--- rank {r}\n{}", text.join("\n"))
+            })
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+}
+
+impl Drop for Ranks {
+    fn drop(&mut self) {
+        for c in &mut self.children {
+            if let Ok(None) = c.try_wait() {
+                let _ = c.kill();
+                let _ = c.wait();
+            }
+        }
+    }
+}
+
+/// Runs `test` as `n` rank processes and requires every one to pass.
+fn run_processes(test: &str, n: usize, store: &str, job: &str, limit: Duration) {
+    let mut ranks = spawn(test, n, store, job, 60_000);
+    let status = ranks.finish(Instant::now() + limit);
+    let ok = status.iter().all(|s| s.is_some_and(|s| s.success()));
+    assert!(
+        ok,
+        "{n} ranks through {store}: exit statuses {status:?}\n{}",
+        ranks.report()
+    );
+    for (r, lines) in ranks.output.iter().enumerate() {
+        assert!(
+            lines
+                .iter()
+                .any(|(l, _)| l.contains("test result: ok. 1 passed")),
+            "rank {r} did not run the test:\n{}",
+            ranks.report()
+        );
+    }
+}
+
+/// The body of one rank process: the whole suite on the world and on a split of it.
+fn child_suite() {
+    let (factory, world) = init_from_env().unwrap_or_else(|e| panic!("init: {e}"));
+    common::suite(&world);
+    use grid_core::GroupFactory;
+    let half = factory
+        .split(&world, Some((world.rank() % 2) as u32), world.rank())
+        .unwrap()
+        .expect("member");
+    common::suite(&half);
+    world.barrier().unwrap();
+}
+
+fn file_store_dir(job: &str) -> PathBuf {
+    std::env::temp_dir().join(format!("gloo-proc-{job}"))
+}
+
+#[test]
+fn file_store_processes() {
+    if in_child() {
+        return child_suite();
+    }
+    for n in [1, 2, 4, 8] {
+        let job = unique(&format!("file{n}"));
+        let dir = file_store_dir(&job);
+        run_processes(
+            "file_store_processes",
+            n,
+            &format!("file:{}", dir.display()),
+            &job,
+            Duration::from_secs(300),
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
+
+/// A `redis-server` on a free loopback port, without persistence; killed on drop.
+struct Redis {
+    child: Child,
+    port: u16,
+}
+
+impl Redis {
+    fn start() -> Option<Redis> {
+        if std::env::var(SKIP_REDIS).as_deref() == Ok("1") {
+            eprintln!("skipping: {SKIP_REDIS}=1");
+            return None;
+        }
+        let port = TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map(|a| a.port())
+            .expect("a free port");
+        let child = Command::new("redis-server")
+            .args([
+                "--port",
+                &port.to_string(),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--protected-mode",
+                "yes",
+            ])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| {
+                panic!("cannot start redis-server ({e}): install it (Debian: apt-get install redis-server) or set {SKIP_REDIS}=1")
+            });
+        let mut redis = Redis { child, port };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while TcpStream::connect(("127.0.0.1", port)).is_err() {
+            if let Ok(Some(s)) = redis.child.try_wait() {
+                panic!("redis-server exited at once: {s}");
+            }
+            assert!(
+                Instant::now() < deadline,
+                "redis-server did not listen on port {port}"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Some(redis)
+    }
+
+    fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+}
+
+impl Drop for Redis {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[test]
+fn redis_processes() {
+    if in_child() {
+        return child_suite();
+    }
+    let Some(redis) = Redis::start() else { return };
+    for n in [1, 2, 4, 8] {
+        run_processes(
+            "redis_processes",
+            n,
+            &redis.url(),
+            &unique(&format!("redis{n}")),
+            Duration::from_secs(300),
+        );
+    }
+}
+
+#[test]
+fn redis_threads_and_reused_job() {
+    if in_child() {
+        return;
+    }
+    let Some(redis) = Redis::start() else { return };
+    let store = Rendezvous::parse(&redis.url()).unwrap();
+    let cfg = GlooConfig::new("redis-threads").with_timeout(Duration::from_secs(5));
+    let out = run_ranks_with(&store, 4, &cfg, |_f, w| {
+        common::suite(&w);
+        Ok(())
+    })
+    .unwrap();
+    for (r, res) in out.into_iter().enumerate() {
+        res.unwrap_or_else(|e| panic!("rank {r}: {e}"));
+    }
+    // The same job id again: Redis refuses to overwrite the keys (SETNX), every rank fails fast.
+    let t = Instant::now();
+    let again = run_ranks_with(&store, 4, &cfg, |_f, w| Ok(w.size())).unwrap();
+    assert!(
+        t.elapsed() <= Duration::from_secs(27),
+        "took {:?}",
+        t.elapsed()
+    );
+    assert!(again.iter().all(|r| r.is_err()), "{again:?}");
+    assert!(
+        again
+            .iter()
+            .any(|r| matches!(r, Err(Error::Invalid(m)) if m.contains("job 'redis-threads'"))),
+        "{again:?}"
+    );
+}
+
+/// Child body of the kill test: loop over all-reduces until one fails, report, linger.
+fn child_until_failure() {
+    let (_factory, world) = init_from_env().unwrap_or_else(|e| panic!("init: {e}"));
+    world.barrier().unwrap();
+    println!("READY {}", world.rank());
+    let start = Instant::now();
+    let err = loop {
+        let mut x = [0i64; 64];
+        if let Err(e) = world.all_reduce_into(&[1i64; 64], &mut x, ReduceOp::Sum) {
+            break e;
+        }
+        assert_eq!(x, [world.size() as i64; 64]);
+        assert!(
+            start.elapsed() < Duration::from_secs(120),
+            "no failure within 120 s"
+        );
+    };
+    println!("FAILED {err}");
+    // Keep the connections of this rank open while the other survivors fail, so each of them
+    // names the killed rank rather than a survivor that already gave up.
+    std::thread::sleep(world.timeout() + Duration::from_secs(2));
+    assert!(matches!(err, Error::PeerFailed { peer: 2, .. }), "{err}");
+    assert!(err.to_string().contains("world rank 2"), "{err}");
+}
+
+#[test]
+fn killed_rank_fails_the_others_in_time() {
+    if in_child() {
+        return child_until_failure();
+    }
+    let job = unique("kill");
+    let dir = file_store_dir(&job);
+    let timeout = Duration::from_secs(3);
+    let mut ranks = spawn(
+        "killed_rank_fails_the_others_in_time",
+        4,
+        &format!("file:{}", dir.display()),
+        &job,
+        timeout.as_millis() as u64,
+    );
+    let deadline = Instant::now() + Duration::from_secs(120);
+    for r in 0..4 {
+        assert!(
+            ranks.wait_line(r, "READY", deadline).is_some(),
+            "rank {r} not ready\n{}",
+            ranks.report()
+        );
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    ranks.children[2].kill().expect("kill rank 2");
+    let killed = Instant::now();
+    for r in [0, 1, 3] {
+        let got = ranks.wait_line(r, "FAILED", killed + timeout + Duration::from_secs(5));
+        let (line, at) =
+            got.unwrap_or_else(|| panic!("rank {r} did not fail in time\n{}", ranks.report()));
+        let took = at - killed;
+        eprintln!("rank {r} failed {took:?} after the kill: {line}");
+        assert!(
+            took <= timeout + Duration::from_secs(2),
+            "rank {r} failed after {took:?}: {line}"
+        );
+    }
+    let status = ranks.finish(Instant::now() + timeout + Duration::from_secs(20));
+    for r in [0, 1, 3] {
+        assert!(
+            status[r].is_some_and(|s| s.success()),
+            "rank {r}: {:?}\n{}",
+            status[r],
+            ranks.report()
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn env_errors() {
+    if in_child() {
+        return;
+    }
+    // Not under a launcher: init_from_env names the missing variable.
+    if std::env::var_os(env::RANK).is_none() {
+        let e = init_from_env().map(|_| ()).unwrap_err();
+        assert!(e.to_string().contains("RANK"), "{e}");
+    }
+    assert!(Rendezvous::parse("redis://:1").is_err());
+    assert!(Rendezvous::parse("redis://h:notaport").is_err());
+    assert!(Rendezvous::parse("http://x").is_err());
+}
