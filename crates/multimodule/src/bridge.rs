@@ -114,8 +114,25 @@ struct Received {
     rows: Vec<(usize, usize)>,
 }
 
+const MAX_CROSSINGS: usize = 1024;
+
+/// One message this rank exchanged with a bridge peer (see
+/// [`BridgeCommunicator::take_crossings`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Crossing {
+    /// `true` for an activation (forward), `false` for a gradient.
+    pub forward: bool,
+    /// `true` if this rank sent it, `false` if it received it.
+    pub sent: bool,
+    /// The peer's world rank.
+    pub peer: usize,
+    /// Shape of the part.
+    pub shape: Vec<usize>,
+}
+
 #[derive(Debug, Default)]
 struct State {
+    last: Vec<Crossing>,
     fwd_stash: Option<Activation>,
     bwd_stash: Option<Activation>,
     sent: VecDeque<Sent>,
@@ -218,6 +235,15 @@ impl<C: Communicator> BridgeCommunicator<C> {
     pub fn holds_both_ends(&self) -> bool {
         self.plan.src().at_boundary(self.me) && self.plan.dst().at_boundary(self.me)
     }
+    /// Takes the log of bridge messages (leader to leader) this rank sent and received since the
+    /// last call (at most the latest 1024), for logging and demos. Empty on non-leaders.
+    pub fn take_crossings(&self) -> Vec<Crossing> {
+        self.state
+            .lock()
+            .map(|mut s| std::mem::take(&mut s.last))
+            .unwrap_or_default()
+    }
+
     /// Number of forward transfers whose gradient has not come back yet (source side).
     pub fn in_flight(&self) -> usize {
         self.state.lock().map(|s| s.sent.len()).unwrap_or(0)
@@ -624,11 +650,40 @@ impl<C: Communicator> BridgeCommunicator<C> {
             peer: r.peer,
             tag: self.tag + BWD,
         }));
+        let mut crossings: Vec<Crossing> = outs
+            .iter()
+            .filter_map(|o| {
+                let shape = match &o.data {
+                    OutData::Slice { shape, .. } => shape.clone(),
+                    OutData::Owned(t) => t.shape().to_vec(),
+                    OutData::Failed => return None,
+                };
+                Some(Crossing {
+                    forward: (o.tag - self.tag) == FWD,
+                    sent: true,
+                    peer: o.peer,
+                    shape,
+                })
+            })
+            .collect();
         let got = if outs.is_empty() && ins.is_empty() {
             Vec::new()
         } else {
             wire.exchange(outs, &ins)?
         };
+        for (i, r) in ins.iter().zip(&got) {
+            if let Ok(t) = r {
+                crossings.push(Crossing {
+                    forward: (i.tag - self.tag) == FWD,
+                    sent: false,
+                    peer: i.peer,
+                    shape: t.shape().to_vec(),
+                });
+            }
+        }
+        st.last.extend(crossings);
+        let excess = st.last.len().saturating_sub(MAX_CROSSINGS);
+        st.last.drain(..excess);
         let mut got = got.into_iter();
         let got_fwd: Vec<Result<Activation>> = got.by_ref().take(fwd_routes.len()).collect();
         let got_bwd: Vec<Result<Activation>> = got.collect();

@@ -16,7 +16,7 @@ mod stages;
 mod tensor;
 mod wire;
 
-pub use bridge::{BridgeCommunicator, GroupCache, TAGS_PER_BRIDGE};
+pub use bridge::{BridgeCommunicator, Crossing, GroupCache, TAGS_PER_BRIDGE};
 pub use error::{Error, Result};
 pub use ordered::OrderedMap;
 pub use pipeline::{ModuleInputs, MultiModulePipelineCommunicator};

@@ -6,6 +6,28 @@
 use super::threads::{run_world, ThreadComm, ThreadFactory};
 use grid_core::HyperGrid;
 use multimodule::{tensor_split_sizes, Activation, BridgeCommunicator, BridgePlan, DimMapping};
+
+/// The plan of a case.
+pub fn plan_of(case: &Case) -> BridgePlan {
+    BridgePlan::new(
+        "src",
+        case.src.clone(),
+        "dst",
+        case.dst.clone(),
+        case.layout.ndim,
+        case.layout.dm,
+    )
+    .unwrap()
+}
+
+/// World size of a case.
+pub fn world_of(case: &Case) -> usize {
+    [&case.src, &case.dst]
+        .iter()
+        .map(|g| g.offset() + g.size())
+        .max()
+        .unwrap()
+}
 use std::sync::Arc;
 
 pub fn grid(tp: usize, cp: usize, pp: usize, dp: usize, off: usize) -> HyperGrid {
@@ -154,7 +176,12 @@ pub fn run_case(case: &Case) -> usize {
     res.into_iter().sum()
 }
 
-fn run_rank(case: &Case, bridge: &BridgeCommunicator<ThreadComm>, rank: usize) -> usize {
+/// One rank's side of `case` over any backend; returns the number of elements checked.
+pub fn run_rank<C: grid_core::Communicator>(
+    case: &Case,
+    bridge: &BridgeCommunicator<C>,
+    rank: usize,
+) -> usize {
     let p = bridge.plan();
     let lay = case.layout;
     let seq = lay.seq_len();

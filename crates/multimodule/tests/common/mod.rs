@@ -1,3 +1,4 @@
 pub mod check;
+pub mod scenarios;
 pub mod threads;
 pub mod vectors;
