@@ -1,0 +1,833 @@
+//! The `grid` command's behaviour: exact text and JSON output, the exit status and one-line
+//! message of invalid input, and the consistency of per-rank views with full enumerations.
+
+use serde_json::{json, Value};
+use std::process::Command;
+
+fn run(args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_grid"))
+        .args(args)
+        .output()
+        .expect("the grid binary runs");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// In-process (fast) run of a command that must succeed with JSON output.
+fn json(args: &[&str]) -> Value {
+    let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
+    let mut out = Vec::new();
+    match grid_cli::run(&args, &mut out) {
+        Ok(()) => serde_json::from_slice(&out).expect("valid JSON"),
+        Err(e) => panic!("grid {}: {e:?}", args.join(" ")),
+    }
+}
+
+const LAYOUT_TEXT: &str = r#"Layout of 8 ranks (0..=7), order tp-cp-ep-dp-pp (fastest first)
+  dense grid:  tp 2 × cp 1 × dp 2 × pp 2
+  expert grid: expert tp 2 × ep 1 × expert dp 2 × pp 2
+  dp 2, expert tp 2, expert dp 2, 1 distributed-optimizer instance
+
+family          groups  size  first groups (Megatron's order)
+tp                   4     2  [0, 1] [2, 3] [4, 5] [6, 7]
+pp                   4     2  [0, 4] [1, 5] [2, 6] [3, 7]
+mp                   2     4  [0, 1, 4, 5] [2, 3, 6, 7]
+embd                 4     2  [0, 4] [1, 5] [2, 6] [3, 7]
+pos_embd             4     1  [0] [1] [2] [3]
+cp                   8     1  [0] [1] [2] [3] [4] [5] [6] [7]
+tp_cp                4     2  [0, 1] [2, 3] [4, 5] [6, 7]
+ep                   8     1  [0] [1] [2] [3] [4] [5] [6] [7]
+expt_tp              4     2  [0, 1] [2, 3] [4, 5] [6, 7]
+tp_ep                4     2  [0, 1] [2, 3] [4, 5] [6, 7]
+tp_ep_pp             2     4  [0, 1, 4, 5] [2, 3, 6, 7]
+tp_dp                2     4  [0, 1, 2, 3] [4, 5, 6, 7]
+tp_dp_cp             2     4  [0, 1, 2, 3] [4, 5, 6, 7]
+dp                   4     2  [0, 2] [1, 3] [4, 6] [5, 7]
+dp_cp                4     2  [0, 2] [1, 3] [4, 6] [5, 7]
+expt_dp              4     2  [0, 2] [1, 3] [4, 6] [5, 7]
+intra_dp_cp          4     2  [0, 2] [1, 3] [4, 6] [5, 7]
+intra_expt_dp        4     2  [0, 2] [1, 3] [4, 6] [5, 7]
+inter_dist_opt       -     -  (none: one distributed-optimizer instance)
+intra_dist_opt       1     8  [0, 1, 4, 5, 2, 3, 6, 7]
+"#;
+
+const RANK_TEXT: &str = r#"Rank 5 of a layout of 8 ranks (0..=7), order tp-cp-ep-dp-pp
+  dense coordinates:  tp 1, cp 0, dp 0, pp 1
+  expert coordinates: expert tp 1, ep 0, expert dp 0, pp 1
+  pipeline: stage 1 of 2 (last stage); next rank 1, previous rank 1 (wrapping around)
+  embedding group: member; position-embedding group: not a member
+
+family          size  rank in group  group (Megatron's order)
+tp                 2              1  [4, 5]
+pp                 2              1  [1, 5]
+mp                 4              3  [0, 1, 4, 5]
+embd               2              1  [1, 5]
+pos_embd           -              -  (not a member of any group)
+cp                 1              0  [5]
+tp_cp              2              1  [4, 5]
+ep                 1              0  [5]
+expt_tp            2              1  [4, 5]
+tp_ep              2              1  [4, 5]
+tp_ep_pp           4              3  [0, 1, 4, 5]
+tp_dp              4              1  [4, 5, 6, 7]
+tp_dp_cp           4              1  [4, 5, 6, 7]
+dp                 2              0  [5, 7]
+dp_cp              2              0  [5, 7]
+expt_dp            2              0  [5, 7]
+intra_dp_cp        2              0  [5, 7]
+intra_expt_dp      2              0  [5, 7]
+inter_dist_opt     -              -  (none: one distributed-optimizer instance)
+intra_dist_opt     8              5  [0, 1, 4, 5, 2, 3, 6, 7]
+"#;
+
+#[test]
+fn layout_text_is_a_readable_table() {
+    let (code, out, err) = run(&["layout", "--world-size", "8", "--tp", "2", "--pp", "2"]);
+    assert_eq!((code, err.as_str()), (0, ""));
+    assert_eq!(out, LAYOUT_TEXT);
+}
+
+#[test]
+fn rank_view_text() {
+    let (code, out, err) = run(&[
+        "layout",
+        "--world-size",
+        "8",
+        "--tp",
+        "2",
+        "--pp",
+        "2",
+        "--rank",
+        "5",
+    ]);
+    assert_eq!((code, err.as_str()), (0, ""));
+    assert_eq!(out, RANK_TEXT);
+}
+
+#[test]
+fn rank_view_json_exact() {
+    let v = json(&[
+        "layout",
+        "--world-size",
+        "8",
+        "--tp",
+        "2",
+        "--pp",
+        "2",
+        "--rank",
+        "5",
+        "--format",
+        "json",
+    ]);
+    assert_eq!(
+        v,
+        json!({
+            "world_size": 8, "dp": 2, "expert_tp": 2, "expert_dp": 2, "rank": 5,
+            "coords": {"tp": 1, "cp": 0, "dp": 0, "pp": 1, "ep": 0, "expt_tp": 1, "expt_dp": 0},
+            "groups": {
+                "tp": [4, 5], "pp": [1, 5], "mp": [0, 1, 4, 5], "embd": [1, 5], "pos_embd": null,
+                "cp": [5], "tp_cp": [4, 5], "hcp": null, "ep": [5], "expt_tp": [4, 5],
+                "tp_ep": [4, 5], "tp_ep_pp": [0, 1, 4, 5], "tp_dp": [4, 5, 6, 7],
+                "tp_dp_cp": [4, 5, 6, 7], "dp": [5, 7], "dp_cp": [5, 7], "expt_dp": [5, 7],
+                "intra_dp_cp": [5, 7], "intra_expt_dp": [5, 7], "inter_dist_opt": null,
+                "intra_dist_opt": [0, 1, 4, 5, 2, 3, 6, 7]
+            },
+            "pp_next": 1, "pp_prev": 1, "is_first_stage": false, "is_last_stage": true
+        })
+    );
+    // Key order is part of the contract's readability: the families in collection order.
+    let (_, raw, _) = run(&[
+        "layout",
+        "--world-size",
+        "8",
+        "--rank",
+        "0",
+        "--format",
+        "json",
+    ]);
+    let keys: Vec<&str> = [
+        "\"world_size\"",
+        "\"dp\"",
+        "\"expert_tp\"",
+        "\"expert_dp\"",
+        "\"rank\"",
+        "\"coords\"",
+        "\"groups\"",
+        "\"pp_next\"",
+        "\"pp_prev\"",
+        "\"is_first_stage\"",
+        "\"is_last_stage\"",
+    ]
+    .to_vec();
+    let pos: Vec<usize> = keys
+        .iter()
+        .map(|k| raw.find(k).expect("key present"))
+        .collect();
+    assert!(
+        pos.windows(2).all(|w| w[0] < w[1]),
+        "keys out of order: {raw}"
+    );
+}
+
+#[test]
+fn full_layout_json_shape() {
+    let v = json(&[
+        "layout",
+        "--world-size",
+        "16",
+        "--tp",
+        "2",
+        "--dist-opt-instances",
+        "2",
+        "--format",
+        "json",
+    ]);
+    assert_eq!(
+        (
+            v["dp"].clone(),
+            v["expert_tp"].clone(),
+            v["expert_dp"].clone()
+        ),
+        (json!(8), json!(2), json!(8))
+    );
+    let f = &v["families"];
+    assert!(f.get("hcp").is_none(), "hcp only with --hcp");
+    assert_eq!(
+        f["intra_dp_cp"],
+        json!([[0, 2, 4, 6], [8, 10, 12, 14], [1, 3, 5, 7], [9, 11, 13, 15]])
+    );
+    assert_eq!(
+        f["intra_dist_opt"],
+        json!([[0, 1, 2, 3, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15]])
+    );
+    // One instance: intra_dp_cp is dp_cp, intra_expt_dp is expt_dp, inter_dist_opt is null.
+    let v = json(&[
+        "layout",
+        "--world-size",
+        "16",
+        "--tp",
+        "2",
+        "--pp",
+        "4",
+        "--format",
+        "json",
+    ]);
+    let f = &v["families"];
+    assert_eq!(f["intra_dp_cp"], f["dp_cp"]);
+    assert_eq!(f["intra_expt_dp"], f["expt_dp"]);
+    assert_eq!(f["inter_dist_opt"], Value::Null);
+    assert_eq!(
+        f["intra_dist_opt"],
+        json!([[0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15]])
+    );
+    assert_eq!(f["embd"], json!([[0, 12], [1, 13], [2, 14], [3, 15]]));
+    // Hierarchical cp: a list of levels.
+    let v = json(&[
+        "layout",
+        "--world-size",
+        "32",
+        "--cp",
+        "8",
+        "--pp",
+        "2",
+        "--hcp",
+        "2,4",
+        "--format",
+        "json",
+    ]);
+    let hcp = v["families"]["hcp"].as_array().expect("hcp levels");
+    assert_eq!(hcp.len(), 2);
+    assert_eq!(hcp[0][0], json!([0, 1]));
+    assert_eq!(hcp[1][0], json!([0, 2, 4, 6]));
+    assert_eq!(hcp[1][2], json!([8, 10, 12, 14]));
+}
+
+/// Every rank's view equals its group in the full enumeration, for every family.
+#[test]
+fn per_rank_views_match_full_enumeration() {
+    let configs: &[&[&str]] = &[
+        &[
+            "--world-size",
+            "64",
+            "--tp",
+            "2",
+            "--pp",
+            "2",
+            "--cp",
+            "2",
+            "--ep",
+            "4",
+            "--etp",
+            "1",
+            "--dist-opt-instances",
+            "2",
+        ],
+        &[
+            "--world-size",
+            "32",
+            "--cp",
+            "8",
+            "--pp",
+            "2",
+            "--hcp",
+            "2,4",
+            "--rank-offset",
+            "5",
+        ],
+        &[
+            "--world-size",
+            "16",
+            "--tp",
+            "2",
+            "--pp",
+            "2",
+            "--cp",
+            "2",
+            "--ep",
+            "4",
+            "--etp",
+            "1",
+            "--order",
+            "tp-cp-ep-pp-dp",
+        ],
+    ];
+    for cfg in configs {
+        let mut full_args = vec!["layout"];
+        full_args.extend_from_slice(cfg);
+        full_args.extend(["--format", "json"]);
+        let full = json(&full_args);
+        let world = full["world_size"].as_u64().expect("world") as usize;
+        let offset = cfg
+            .iter()
+            .position(|a| *a == "--rank-offset")
+            .map_or(0, |i| cfg[i + 1].parse().expect("offset"));
+        for rank in offset..offset + world {
+            let r = rank.to_string();
+            let mut args = full_args.clone();
+            args.extend(["--rank", &r]);
+            let v = json(&args);
+            for (name, g) in v["groups"].as_object().expect("groups") {
+                let fam = &full["families"][name];
+                match (name.as_str(), g) {
+                    (_, Value::Null) => {
+                        if !["pos_embd", "embd", "inter_dist_opt", "hcp"].contains(&name.as_str()) {
+                            panic!("{cfg:?} rank {rank}: no {name} group");
+                        }
+                        if let Some(all) = fam.as_array() {
+                            assert!(
+                                !all.iter()
+                                    .any(|x| x.as_array().expect("group").contains(&json!(rank))),
+                                "{name}: rank {rank} is in a group"
+                            );
+                        }
+                    }
+                    ("hcp", Value::Array(levels)) => {
+                        for (l, g) in levels.iter().enumerate() {
+                            assert!(
+                                fam[l].as_array().expect("level").contains(g),
+                                "hcp level {l} of rank {rank}"
+                            );
+                        }
+                    }
+                    (_, g) => {
+                        assert!(
+                            g.as_array().expect("list").contains(&json!(rank)),
+                            "{cfg:?} rank {rank} not in its {name} group {g}"
+                        );
+                        assert!(
+                            fam.as_array().expect("family").contains(g),
+                            "{cfg:?} rank {rank}: {name} group {g} not in the enumeration"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn enum_json_and_text() {
+    let v = json(&[
+        "enum",
+        "--shape",
+        "2,3,4,5",
+        "--dims",
+        "tp,cp,pp,dp",
+        "--rank-offset",
+        "7",
+        "--group",
+        "dp,tp",
+        "--rank",
+        "33",
+        "--format",
+        "json",
+    ]);
+    assert_eq!(v["key"], "dp-tp");
+    assert_eq!(
+        v["groups"][0],
+        json!([7, 8, 31, 32, 55, 56, 79, 80, 103, 104])
+    );
+    assert_eq!(v["groups"].as_array().map(Vec::len), Some(12));
+    assert_eq!(
+        v["my_group"],
+        json!([9, 10, 33, 34, 57, 58, 81, 82, 105, 106])
+    );
+    let v = json(&[
+        "enum", "--shape", "2,2,2", "--dims", "a,b,c", "--group", "a,c", "--raw", "--format",
+        "json",
+    ]);
+    assert_eq!(
+        v,
+        json!({"key": "c-a", "groups": [[0, 4, 1, 5], [2, 6, 3, 7]]})
+    );
+    let (code, out, _) = run(&[
+        "enum", "--shape", "2,2,2", "--dims", "a,b,c", "--group", "a,b",
+    ]);
+    assert_eq!(code, 0);
+    assert_eq!(
+        out,
+        "Grid a 2 × b 2 × c 2 (first varies fastest), ranks 0..=7\nKey b-a: 2 groups of 4 ranks (each ascending, sorted by first member)\n  [0, 1, 2, 3]\n  [4, 5, 6, 7]\n"
+    );
+}
+
+#[test]
+fn hierarchical_and_rank_generator() {
+    let v = json(&[
+        "hierarchical",
+        "--ranks",
+        "0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15",
+        "--sizes",
+        "2,2,4",
+        "--rank",
+        "5",
+        "--format",
+        "json",
+    ]);
+    assert_eq!(v["rank_groups"], json!([[4, 5], [5, 7], [1, 5, 9, 13]]));
+    assert_eq!(
+        v["levels"][2],
+        json!([[0, 4, 8, 12], [1, 5, 9, 13], [2, 6, 10, 14], [3, 7, 11, 15]])
+    );
+    let v = json(&[
+        "rank-generator",
+        "--order",
+        "TP-PP-DP",
+        "--tp",
+        "2",
+        "--pp",
+        "2",
+        "--dp",
+        "2",
+        "--tokens",
+        "dp,pp-tp",
+        "--format",
+        "json",
+    ]);
+    assert_eq!(
+        v,
+        json!({
+            "normalized_order": "tp-pp-dp-ep-cp-gtp_remat",
+            "ordered_size": [2, 2, 2, 1, 1, 1],
+            "world_size": 8,
+            "masks": {"dp": [false, false, true, false, false, false], "pp-tp": [true, true, false, false, false, false]},
+            "ranks": {"dp": [[0, 4], [1, 5], [2, 6], [3, 7]], "pp-tp": [[0, 1, 2, 3], [4, 5, 6, 7]]}
+        })
+    );
+    // A token missing from the order: the output is printed, then exit 2 names the token.
+    let (code, out, err) = run(&[
+        "rank-generator",
+        "--order",
+        "tp-dp",
+        "--tp",
+        "2",
+        "--dp",
+        "2",
+        "--tokens",
+        "tp,xx",
+        "--format",
+        "json",
+    ]);
+    assert_eq!(code, 2);
+    let v: Value = serde_json::from_str(&out).expect("JSON");
+    assert_eq!(v["ranks"]["tp"], json!([[0, 1], [2, 3]]));
+    assert!(v["ranks"]["xx"]["error"].is_string());
+    assert_eq!(err.lines().count(), 1);
+    assert!(
+        err.starts_with("grid: error: grid rank-generator: token 'xx'"),
+        "{err}"
+    );
+}
+
+#[test]
+fn invalid_input_exits_2_with_one_line() {
+    let cases: &[(&[&str], &str)] = &[
+        (&[], "missing command"),
+        (&["frob"], "unknown command 'frob'"),
+        (&["layout"], "--world-size is required"),
+        (
+            &["layout", "--world-size", "0"],
+            "--world-size must be a positive integer, got 0",
+        ),
+        (
+            &["layout", "--world-size", "eight"],
+            "invalid value 'eight' for --world-size",
+        ),
+        (
+            &["layout", "--world-size", "8", "--tp", "-2"],
+            "invalid value '-2' for --tp",
+        ),
+        (
+            &["layout", "--world-size", "8", "--tp", "3"],
+            "not divisible by tp·pp·cp = 3·1·1 = 3",
+        ),
+        (
+            &["layout", "--world-size", "8", "--order", "tp-tp-dp-pp"],
+            "token 'tp' appears more than once",
+        ),
+        (
+            &["layout", "--world-size", "8", "--order", "tp-xx-dp-pp"],
+            "unknown token 'xx'",
+        ),
+        (
+            &[
+                "layout",
+                "--world-size",
+                "16",
+                "--cp",
+                "2",
+                "--order",
+                "tp-dp-pp",
+            ],
+            "the size of cp is 2",
+        ),
+        (
+            &[
+                "layout",
+                "--world-size",
+                "8",
+                "--pp",
+                "2",
+                "--ep",
+                "2",
+                "--order",
+                "tp-pp-ep-dp",
+            ],
+            "does not end in pp",
+        ),
+        (
+            &["layout", "--world-size", "8", "--rank", "8"],
+            "rank 8 is outside the layout",
+        ),
+        (
+            &[
+                "layout",
+                "--world-size",
+                "8",
+                "--rank-offset",
+                "8",
+                "--rank",
+                "7",
+            ],
+            "rank 7 is outside the layout",
+        ),
+        (
+            &["layout", "--world-size", "16", "--cp", "4", "--hcp", "2,4"],
+            "multiply to 8",
+        ),
+        (
+            &["layout", "--world-size", "8", "--hcp", "2,0"],
+            "every entry of --hcp must be a positive integer",
+        ),
+        (
+            &[
+                "layout",
+                "--world-size",
+                "8",
+                "--tp",
+                "2",
+                "--dist-opt-instances",
+                "3",
+            ],
+            "not divisible by the number of distributed-optimizer instances 3",
+        ),
+        (
+            &["layout", "--world-size", "8", "--vpp", "2"],
+            "needs a pipeline-parallel size greater than 1",
+        ),
+        (
+            &["layout", "--world-size", "8", "--dp", "2"],
+            "--dp 2 does not match the layout",
+        ),
+        (
+            &["layout", "--world-size", "8", "--format", "yaml"],
+            "unknown format 'yaml'",
+        ),
+        (
+            &["layout", "--world-size", "8", "--tp", "2", "--tp", "2"],
+            "--tp given more than once",
+        ),
+        (
+            &["layout", "--world-size", "8", "--bogus", "1"],
+            "unknown option '--bogus'",
+        ),
+        (
+            &["layout", "--world-size", "8", "extra"],
+            "unexpected argument 'extra'",
+        ),
+        (
+            &["layout", "--world-size", "8", "--tp"],
+            "--tp needs a value",
+        ),
+        (
+            &["layout", "--world-size", "99999999999999999999999"],
+            "too large",
+        ),
+        (
+            &[
+                "layout",
+                "--world-size",
+                "18446744073709551615",
+                "--tp",
+                "18446744073709551615",
+                "--pp",
+                "2",
+            ],
+            "overflow",
+        ),
+        (
+            &["layout", "--world-size", "33554432", "--format", "json"],
+            "too large to print as JSON",
+        ),
+        (
+            &[
+                "layout",
+                "--world-size",
+                "18446744073709551615",
+                "--rank",
+                "3",
+                "--format",
+                "json",
+            ],
+            "too many to print as JSON",
+        ),
+        (
+            &["enum", "--shape", "2,2", "--dims", "tp", "--group", "tp"],
+            "has 2 entries but dim_names",
+        ),
+        (
+            &["enum", "--shape", "2,2", "--dims", "a,b"],
+            "--group is required",
+        ),
+        (
+            &["enum", "--shape", "2,2", "--dims", "a,b", "--group", "c"],
+            "'c' is not a dimension",
+        ),
+        (
+            &["enum", "--shape", "2,2", "--dims", "a,a", "--group", "a"],
+            "appears more than once",
+        ),
+        (
+            &["enum", "--shape", "2,2", "--dims", "a,b", "--group", "a,a"],
+            "appears more than once",
+        ),
+        (
+            &[
+                "enum",
+                "--shape",
+                "2,4",
+                "--dims",
+                "a,b",
+                "--group",
+                "a",
+                "--rank-offset",
+                "1",
+                "--world-size",
+                "8",
+            ],
+            "over sized",
+        ),
+        (
+            &[
+                "enum",
+                "--shape",
+                "2,4",
+                "--dims",
+                "a,b",
+                "--group",
+                "a",
+                "--rank-offset",
+                "-1",
+            ],
+            "invalid value '-1' for --rank-offset",
+        ),
+        (
+            &["enum", "--shape", "2,,4", "--dims", "a,b", "--group", "a"],
+            "--shape needs a value",
+        ),
+        (
+            &["enum", "--shape", "2,4", "--dims", "a,", "--group", "a"],
+            "without empty entries",
+        ),
+        (
+            &[
+                "enum",
+                "--shape",
+                "2,4",
+                "--dims",
+                "a,b",
+                "--group",
+                "a",
+                "--world-size",
+                "8",
+                "--rank",
+                "8",
+            ],
+            "rank 8 is outside the world",
+        ),
+        (
+            &[
+                "enum",
+                "--shape",
+                "4294967296,4294967296",
+                "--dims",
+                "a,b",
+                "--group",
+                "a",
+            ],
+            "overflow",
+        ),
+        (
+            &["enum", "--shape", "33554432", "--dims", "a", "--group", "a"],
+            "too large to enumerate",
+        ),
+        (
+            &["hierarchical", "--ranks", "0,1,2", "--sizes", "2"],
+            "multiply to 2, but they must multiply to 3",
+        ),
+        (
+            &["hierarchical", "--ranks", "0,1,1,2", "--sizes", "2,2"],
+            "lists rank 1 more than once",
+        ),
+        (
+            &[
+                "hierarchical",
+                "--ranks",
+                "0,1,2,3",
+                "--sizes",
+                "2,2",
+                "--rank",
+                "7",
+            ],
+            "rank 7 is not a member",
+        ),
+        (&["hierarchical", "--sizes", "2,2"], "--ranks is required"),
+        (&["rank-generator", "--tp", "2"], "--order is required"),
+        (
+            &[
+                "rank-generator",
+                "--order",
+                "tp-dp",
+                "--tp",
+                "2",
+                "--pp",
+                "2",
+            ],
+            "the size of pp is 2",
+        ),
+        (
+            &[
+                "rank-generator",
+                "--order",
+                "tp-cp-ep-dp-pp",
+                "--ep",
+                "2",
+                "--cp",
+                "2",
+            ],
+            "ep (2) and cp (2) are both > 1",
+        ),
+        (
+            &["rank-generator", "--order", "tp-dp", "--tokens", "tp,tp"],
+            "--tokens lists 'tp' more than once",
+        ),
+        (&["help", "nope"], "unknown command 'nope'"),
+    ];
+    for (args, needle) in cases {
+        let (code, out, err) = run(args);
+        assert_eq!(code, 2, "grid {args:?}: status {code}, stderr {err}");
+        assert_eq!(err.lines().count(), 1, "grid {args:?}: stderr {err:?}");
+        assert!(err.starts_with("grid: error: "), "grid {args:?}: {err}");
+        assert!(
+            err.contains(needle),
+            "grid {args:?}: '{err}' lacks '{needle}'"
+        );
+        assert!(!err.contains("panicked"), "grid {args:?}: {err}");
+        assert_eq!(out, "", "grid {args:?}: printed {out}");
+    }
+}
+
+#[test]
+fn help_and_version() {
+    for args in [
+        &["--help"][..],
+        &["help"],
+        &["help", "layout"],
+        &["layout", "--help"],
+        &["enum", "-h"],
+        &["hierarchical", "--help"],
+        &["rank-generator", "--help"],
+    ] {
+        let (code, out, err) = run(args);
+        assert_eq!((code, err.as_str()), (0, ""), "grid {args:?}");
+        assert!(out.contains("usage"), "grid {args:?}: {out}");
+    }
+    let (code, out, _) = run(&["--version"]);
+    assert_eq!(
+        (code, out.trim()),
+        (0, concat!("grid ", env!("CARGO_PKG_VERSION")))
+    );
+}
+
+/// Huge worlds: one rank's view is arithmetic, whatever the size.
+#[test]
+fn huge_world_rank_view_text() {
+    let (code, out, err) = run(&[
+        "layout",
+        "--world-size",
+        "4611686018427387904",
+        "--tp",
+        "8",
+        "--pp",
+        "16",
+        "--cp",
+        "2",
+        "--ep",
+        "8",
+        "--rank",
+        "4611686018427387903",
+    ]);
+    assert_eq!((code, err.as_str()), (0, ""));
+    assert!(
+        out.contains("dense coordinates:  tp 7, cp 1, dp 18014398509481983, pp 15"),
+        "{out}"
+    );
+    assert!(out.contains("next rank 288230376151711743"), "{out}");
+    let (code, out, _) = run(&[
+        "layout",
+        "--world-size",
+        "4611686018427387904",
+        "--tp",
+        "8",
+        "--pp",
+        "16",
+        "--cp",
+        "2",
+        "--ep",
+        "8",
+    ]);
+    assert_eq!(code, 0);
+    assert!(out.contains("intra_dist_opt                    1  4611686018427387904  [0, 1, 2, …, 4611686018427387903] (4611686018427387904 ranks)"), "{out}");
+}
