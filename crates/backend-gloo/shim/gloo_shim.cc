@@ -44,6 +44,9 @@ using Millis = std::chrono::milliseconds;
 // collide with a collective.
 constexpr uint8_t kP2pSlotPrefix = 0x7A;
 
+// Tag of the barrier that ends a rendezvous (never reached by the collective counter in practice).
+constexpr uint32_t kConnectBarrierTag = 0xFFFFFFFFu;
+
 // Message Gloo gives every other pair of a context after an application-side timeout
 // (tcp/unbound_buffer.cc): it names no failed peer.
 constexpr const char* kSecondaryFailure = "Application timeout caused pair closure";
@@ -691,6 +694,14 @@ int32_t gloo_shim_context_connect(
     auto ctx = std::make_shared<gloo::rendezvous::Context>(rank, size);
     ctx->setTimeout(timeout);
     ctx->connectFullMesh(prefixed, device->device);
+    // connectFullMesh returns when this rank's own connections are up, not the peers': a peer
+    // that is still connecting would see "connection closed" if this rank dropped the context
+    // at once. A barrier makes the rendezvous complete on every member before any returns.
+    // Its tag is reserved: user collectives take tags from a counter starting at 0.
+    gloo::BarrierOptions opts(ctx);
+    opts.setTag(kConnectBarrierTag);
+    opts.setTimeout(timeout);
+    gloo::barrier(opts);
     *out = new gloo_shim_context{std::move(ctx), {}};
   });
 }

@@ -17,6 +17,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 const BACKEND: &str = "gloo";
+/// The failure recorded by [`GlooCommunicator::abort`].
+const ABORTED: &str = "aborted by the user";
 
 /// A communicator over one group of ranks, backed by one Gloo context (a full mesh of TCP
 /// connections between the members).
@@ -29,8 +31,10 @@ const BACKEND: &str = "gloo";
 /// * Every operation is bounded by the communicator's timeout ([`crate::GlooConfig::timeout`]).
 ///   After a timeout or a lost peer the communicator is unusable (Gloo closes its connections):
 ///   later calls return [`Error::Finalized`].
-/// * All seven dtypes are supported (f16 and bf16 are reduced in f32 and rounded to nearest
-///   even); `Avg` only on floating types. Only host memory is accepted.
+/// * All seven dtypes and all reductions are supported: integers wrap on overflow, f16 and bf16
+///   are reduced in f32 and rounded to nearest even, min/max propagate NaN, and `Avg` is the
+///   sum divided by the size (rounded for floats, truncated toward zero for integers). Only
+///   host memory is accepted.
 ///
 /// ```
 /// use backend_gloo::{run_ranks, GlooConfig};
@@ -101,24 +105,17 @@ fn device_unsupported(op: &'static str) -> Error {
     }
 }
 
-fn raw_op(op_name: &'static str, op: ReduceOp, dtype: DType) -> Result<RawOp> {
-    Ok(match op {
-        ReduceOp::Sum => RawOp::Sum,
+fn raw_op(op: ReduceOp) -> RawOp {
+    match op {
+        ReduceOp::Sum | ReduceOp::Avg => RawOp::Sum,
         ReduceOp::Prod => RawOp::Prod,
         ReduceOp::Min => RawOp::Min,
         ReduceOp::Max => RawOp::Max,
-        ReduceOp::Avg if dtype.is_float() => RawOp::Sum,
-        ReduceOp::Avg => {
-            return Err(Error::Unsupported {
-                op: op_name,
-                backend: BACKEND,
-                what: format!("Avg on {dtype} (Avg needs a floating dtype: f32, f64, f16 or bf16)"),
-            })
-        }
-    })
+    }
 }
 
-/// Divides every element by `n` (the second half of `Avg`).
+/// Divides every element by `n` (the second half of `Avg`): rounded for floats (f16 and bf16
+/// through f32), truncated toward zero for integers.
 fn divide(buf: HostSliceMut<'_>, n: usize) {
     match buf {
         HostSliceMut::F32(s) => s.iter_mut().for_each(|x| *x /= n as f32),
@@ -129,8 +126,18 @@ fn divide(buf: HostSliceMut<'_>, n: usize) {
         HostSliceMut::BF16(s) => s
             .iter_mut()
             .for_each(|x| *x = bf16::from_f32(x.to_f32() / n as f32)),
-        // Integer Avg is rejected by `raw_op` before any communication.
-        _ => {}
+        HostSliceMut::I32(s) => {
+            let n = i32::try_from(n).unwrap_or(i32::MAX);
+            s.iter_mut().for_each(|x| *x /= n)
+        }
+        HostSliceMut::I64(s) => {
+            let n = i64::try_from(n).unwrap_or(i64::MAX);
+            s.iter_mut().for_each(|x| *x /= n)
+        }
+        HostSliceMut::U8(s) => {
+            let n = u8::try_from(n).unwrap_or(u8::MAX);
+            s.iter_mut().for_each(|x| *x /= n)
+        }
     }
 }
 
@@ -201,10 +208,8 @@ impl Inner {
         op_name: &'static str,
         send: (DType, usize),
         recv: (DType, usize),
-        op: ReduceOp,
-    ) -> Result<RawOp> {
-        check::collective(op_name, self.size(), Some(send), recv)?;
-        raw_op(op_name, op, recv.0)
+    ) -> Result<()> {
+        check::collective(op_name, self.size(), Some(send), recv)
     }
 
     fn check_peer(&self, op: &'static str, peer: usize) -> Result<()> {
@@ -224,10 +229,7 @@ impl Inner {
             Tensor::Device(_) => Err(device_unsupported(op)),
         };
         match r {
-            Request::AllReduce { buf, op } => {
-                mem("all_reduce", buf)?;
-                raw_op("all_reduce", *op, buf.dtype()).map(|_| ())
-            }
+            Request::AllReduce { buf, .. } => mem("all_reduce", buf),
             Request::Broadcast { buf, root } => {
                 mem("broadcast", buf)?;
                 check::rank("broadcast", "root", *root, self.size())
@@ -242,16 +244,14 @@ impl Inner {
                     (recv.dtype(), recv.len()),
                 )
             }
-            Request::ReduceScatter { send, recv, op } => {
+            Request::ReduceScatter { send, recv, .. } => {
                 mem("reduce_scatter", send)?;
                 mem("reduce_scatter", recv)?;
                 self.check_reduce(
                     "reduce_scatter",
                     (send.dtype(), send.len()),
                     (recv.dtype(), recv.len()),
-                    *op,
                 )
-                .map(|_| ())
             }
             Request::AllToAll { send, recv } => {
                 mem("all_to_all", send)?;
@@ -286,7 +286,7 @@ impl Inner {
     ) -> Result<()> {
         const OP: &str = "all_reduce";
         self.alive(OP)?;
-        let raw = raw_op(OP, op, recv.dtype())?;
+        let raw = raw_op(op);
         if recv.is_empty() {
             return Ok(());
         }
@@ -338,7 +338,7 @@ impl Inner {
     ) -> Result<()> {
         const OP: &str = "reduce_scatter";
         self.alive(OP)?;
-        let raw = raw_op(OP, op, recv.dtype())?;
+        let raw = raw_op(op);
         if recv.is_empty() {
             return Ok(());
         }
@@ -527,6 +527,27 @@ impl GlooCommunicator {
         &self.inner.ctx
     }
 
+    /// Marks this communicator aborted on this rank: later calls return [`Error::Finalized`]
+    /// (operations already started finish first). Local, like `ncclCommAbort`: the peers see
+    /// nothing until their own calls fail or time out.
+    ///
+    /// ```
+    /// # use backend_gloo::{run_ranks, GlooConfig};
+    /// # use grid_core::{Communicator, Error};
+    /// let r = run_ranks(1, &GlooConfig::new("doc-abort"), |_f, w| {
+    ///     w.abort();
+    ///     Ok(w.barrier().unwrap_err())
+    /// })
+    /// .unwrap();
+    /// assert!(matches!(r[0].as_ref().unwrap(), Error::Finalized { state: "aborted", .. }));
+    /// ```
+    pub fn abort(&self) {
+        let mut f = self.inner.failure.lock().unwrap_or_else(|e| e.into_inner());
+        if f.is_none() {
+            *f = Some(ABORTED.to_string());
+        }
+    }
+
     pub(crate) fn next_split(&self) -> u64 {
         self.inner.splits.fetch_add(1, Ordering::Relaxed)
     }
@@ -608,23 +629,16 @@ impl Communicator for GlooCommunicator {
         memory == Memory::Host
     }
 
-    fn supports(&self, dtype: DType, op: Option<ReduceOp>) -> bool {
-        match op {
-            Some(ReduceOp::Avg) => dtype.is_float(),
-            _ => true,
-        }
+    fn supports(&self, _dtype: DType, _op: Option<ReduceOp>) -> bool {
+        true
     }
 
     fn all_reduce(&self, send: BufRef<'_>, recv: BufMut<'_>, op: ReduceOp) -> Result<()> {
         const OP: &str = "all_reduce";
         let send = host_ref(OP, send)?;
         let recv = host_mut(OP, recv)?;
-        self.inner.check_reduce(
-            OP,
-            (send.dtype(), send.len()),
-            (recv.dtype(), recv.len()),
-            op,
-        )?;
+        self.inner
+            .check_reduce(OP, (send.dtype(), send.len()), (recv.dtype(), recv.len()))?;
         let turn = self.inner.seq.enter();
         self.inner.all_reduce(Some(send), recv, op, turn.tag())
     }
@@ -655,12 +669,8 @@ impl Communicator for GlooCommunicator {
         const OP: &str = "reduce_scatter";
         let send = host_ref(OP, send)?;
         let recv = host_mut(OP, recv)?;
-        self.inner.check_reduce(
-            OP,
-            (send.dtype(), send.len()),
-            (recv.dtype(), recv.len()),
-            op,
-        )?;
+        self.inner
+            .check_reduce(OP, (send.dtype(), send.len()), (recv.dtype(), recv.len()))?;
         let turn = self.inner.seq.enter();
         self.inner.reduce_scatter(send, recv, op, turn.tag())
     }
@@ -768,6 +778,7 @@ impl Communicator for GlooCommunicator {
 
     fn start(&self, request: Request) -> Result<Box<dyn Work>> {
         self.inner.validate(&request)?;
+        self.inner.alive(request.name())?;
         match request {
             Request::Send { buf, peer, tag } => self.start_p2p("send", buf, peer, tag, false),
             Request::Recv { buf, peer, tag } => self.start_p2p("recv", buf, peer, tag, true),

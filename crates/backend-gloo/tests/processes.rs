@@ -187,6 +187,12 @@ fn run_processes(test: &str, n: usize, store: &str, job: &str, limit: Duration) 
         "{n} ranks through {store}: exit statuses {status:?}\n{}",
         ranks.report()
     );
+    if let Some((line, _)) = ranks.output[0]
+        .iter()
+        .find(|(l, _)| l.contains("CONFORMANCE"))
+    {
+        eprintln!("{n} processes through {store}: {line}");
+    }
     for (r, lines) in ranks.output.iter().enumerate() {
         assert!(
             lines
@@ -198,16 +204,23 @@ fn run_processes(test: &str, n: usize, store: &str, job: &str, limit: Duration) 
     }
 }
 
-/// The body of one rank process: the whole suite on the world and on a split of it.
+/// The body of one rank process: the shared conformance suite, then this crate's own checks.
 fn child_suite() {
     let (factory, world) = init_from_env().unwrap_or_else(|e| panic!("init: {e}"));
+    let opts = grid_conformance::Options {
+        finish: Some(Box::new(|c: &backend_gloo::GlooCommunicator| c.abort())),
+        ..Default::default()
+    };
+    match grid_conformance::run_with(&factory, &world, &opts) {
+        Ok(report) => println!(
+            "CONFORMANCE rank {}: {} checks passed, {} skipped",
+            world.rank(),
+            report.passed(),
+            report.skipped().len()
+        ),
+        Err(failure) => panic!("{failure}"),
+    }
     common::suite(&world);
-    use grid_core::GroupFactory;
-    let half = factory
-        .split(&world, Some((world.rank() % 2) as u32), world.rank())
-        .unwrap()
-        .expect("member");
-    common::suite(&half);
     world.barrier().unwrap();
 }
 

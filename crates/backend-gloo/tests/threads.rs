@@ -48,3 +48,35 @@ fn suite_3_ranks_allreduce_algorithms() {
     );
     suite_at(4, cfg("t4b").with_allreduce(AllreduceAlgorithm::Bcube));
 }
+
+/// Gloo's halving-doubling reduce-scatter on sizes that are not powers of two (binary blocks).
+#[test]
+fn reduce_scatter_halving_doubling_odd_sizes() {
+    use grid_core::{Communicator, CommunicatorExt, ReduceOp};
+    for n in [3usize, 5, 6, 7] {
+        let out = run_ranks(n, &cfg(&format!("hd{n}")), |_f, w| {
+            for block in [1usize, 2, 9] {
+                let send: Vec<i64> = (0..block * n).map(|i| (i * 10 + w.rank()) as i64).collect();
+                let mut recv = vec![0i64; block];
+                w.reduce_scatter_into(&send, &mut recv, ReduceOp::Sum)?;
+                let s = (n * (n - 1) / 2) as i64;
+                let want: Vec<i64> = (0..block)
+                    .map(|i| ((w.rank() * block + i) * 10 * n) as i64 + s)
+                    .collect();
+                assert_eq!(recv, want, "size {n} block {block} rank {}", w.rank());
+                let mut mx = vec![0.0f32; block];
+                let send: Vec<f32> = (0..block * n).map(|i| (i + w.rank()) as f32).collect();
+                w.reduce_scatter_into(&send, &mut mx, ReduceOp::Max)?;
+                let want: Vec<f32> = (0..block)
+                    .map(|i| (w.rank() * block + i + n - 1) as f32)
+                    .collect();
+                assert_eq!(mx, want);
+            }
+            Ok(())
+        })
+        .unwrap();
+        for (r, res) in out.into_iter().enumerate() {
+            res.unwrap_or_else(|e| panic!("size {n} rank {r}: {e}"));
+        }
+    }
+}
