@@ -98,6 +98,12 @@ impl MpiCommunicator {
     }
 
     /// True after [`MpiCommunicator::finish`] or after MPI was finalized.
+    ///
+    /// ```no_run
+    /// # let rt = backend_mpi::MpiRuntime::init()?;
+    /// assert!(!rt.world().is_finished());
+    /// # Ok::<(), grid_core::Error>(())
+    /// ```
     pub fn is_finished(&self) -> bool {
         self.finished.load(Ordering::Acquire) || raw::FINALIZED.load(Ordering::Acquire)
     }
@@ -137,6 +143,28 @@ impl MpiCommunicator {
                 i32::MAX
             )));
         }
+        Ok(())
+    }
+}
+
+impl MpiCommunicator {
+    /// All-reduce through a wider wire type (halves via f32, integer averages via i64); kept
+    /// out of line so the common path stays small.
+    #[cold]
+    #[inline(never)]
+    fn all_reduce_staged(
+        &self,
+        send: HostSlice<'_>,
+        recv: HostSliceMut<'_>,
+        plan: Plan,
+    ) -> Result<()> {
+        let w = plan.wire.unwrap_or(send.dtype());
+        let s = stage::widen(send, w);
+        let mut r = HostBuffer::zeros(w, s.len());
+        self.raw
+            .all_reduce(s.as_slice(), r.as_mut_slice(), plan.op)
+            .map_err(|e| backend_err("all_reduce", e))?;
+        stage::narrow(r.as_slice(), recv, plan.divide);
         Ok(())
     }
 }
@@ -200,31 +228,14 @@ impl Communicator for MpiCommunicator {
         check::len(OP, "recv buffer", send.len(), recv.len())?;
         trace_op!("mpi.all_reduce", n = send.len());
         let plan = stage::plan(send.dtype(), op, self.size);
-        match plan {
-            Plan {
-                wire: None,
-                op,
-                divide,
-            } => {
-                self.raw
-                    .all_reduce(send, recv.reborrow(), op)
-                    .map_err(|e| backend_err(OP, e))?;
-                if let Some(n) = divide {
-                    stage::divide_in_place(recv, n);
-                }
-            }
-            Plan {
-                wire: Some(w),
-                op,
-                divide,
-            } => {
-                let s = stage::widen(send, w);
-                let mut r = HostBuffer::zeros(w, s.len());
-                self.raw
-                    .all_reduce(s.as_slice(), r.as_mut_slice(), op)
-                    .map_err(|e| backend_err(OP, e))?;
-                stage::narrow(r.as_slice(), recv, divide);
-            }
+        if plan.wire.is_some() {
+            return self.all_reduce_staged(send, recv, plan);
+        }
+        self.raw
+            .all_reduce(send, recv.reborrow(), plan.op)
+            .map_err(|e| backend_err(OP, e))?;
+        if let Some(n) = plan.divide {
+            stage::divide_in_place(recv, n);
         }
         Ok(())
     }

@@ -30,6 +30,11 @@ pub struct MpiFactory {
 }
 
 /// Counts of communicator-creating collective calls made by one factory on this rank.
+///
+/// ```
+/// let c = backend_mpi::FactoryCalls { splits: 2, creates: 0 };
+/// assert_eq!(c.splits + c.creates, 2);
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct FactoryCalls {
     /// `MPI_Comm_split` calls.

@@ -82,6 +82,11 @@ pub fn mpirun_command(np: usize, timeout_secs: u64, program: &str, args: &[&str]
 }
 
 /// What a launch produced.
+///
+/// ```no_run
+/// let out = backend_mpi::testing::launch(2, 30, "hostname", &[]).unwrap();
+/// println!("exit {:?} after {:?}:\n{}", out.code, out.elapsed, out.output);
+/// ```
 #[derive(Debug)]
 pub struct LaunchOutput {
     /// Exit code of mpirun (`None` when killed by a signal or by the local deadline).
@@ -194,6 +199,16 @@ pub fn launch_with_env(
 /// with all output unless every rank passed; inside a launcher it initialises MPI, runs `body`
 /// and, if `body` fails or panics on this rank, prints `[rank r/n] FAILED: …` and aborts the
 /// job so no rank waits forever.
+///
+/// ```no_run
+/// #[test]
+/// fn mpi_two_ranks() {
+///     backend_mpi::testing::run_test(module_path!(), "mpi_two_ranks", 2, 60, |rt| {
+///         use grid_core::Communicator;
+///         rt.world().barrier().map_err(|e| e.to_string())
+///     });
+/// }
+/// ```
 pub fn run_test<F>(module_path: &str, name: &str, np: usize, timeout_secs: u64, body: F)
 where
     F: FnOnce(&MpiRuntime) -> Result<(), String>,

@@ -69,6 +69,11 @@ use std::time::{Duration, Instant};
 // ------------------------------------------------------------------------------------------
 
 /// How one check ended.
+///
+/// ```
+/// use grid_conformance::Outcome;
+/// assert_ne!(Outcome::Passed, Outcome::Skipped("needs 2 ranks".into()));
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Outcome {
     /// The check ran and matched.
@@ -78,6 +83,11 @@ pub enum Outcome {
 }
 
 /// One check of the report.
+///
+/// ```
+/// let c = grid_conformance::CheckRecord { name: "parent/f32/barrier".into(), outcome: grid_conformance::Outcome::Passed };
+/// assert!(c.name.ends_with("barrier"));
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CheckRecord {
     /// `section/communicator/operation/dtype/...`.
@@ -177,9 +187,19 @@ impl fmt::Display for Failure {
 impl std::error::Error for Failure {}
 
 /// A backend's local finish/abort operation on one communicator.
+///
+/// ```
+/// let f: grid_conformance::FinishFn<u32> = Box::new(|_c: &u32| {});
+/// f(&0);
+/// ```
 pub type FinishFn<C> = Box<dyn Fn(&C)>;
 
 /// Options of [`run_with`].
+///
+/// ```
+/// let o = grid_conformance::Options::<u32> { quick_subgroups: true, ..Default::default() };
+/// assert!(o.finish.is_none() && o.layouts.is_none());
+/// ```
 pub struct Options<C> {
     /// Marks a communicator finished/aborted (local). When given, the suite finishes a fresh
     /// sub-communicator and expects [`Error::Finalized`] from later calls.

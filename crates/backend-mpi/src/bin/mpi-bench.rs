@@ -11,8 +11,9 @@
 //!   nccl-tests: the whole buffer for all_reduce and broadcast, the gathered (receive) buffer for
 //!   all_gather, the send buffer for reduce_scatter.
 //! * `mpi-bench collection`: on 8 ranks, the demo layout (tp2 pp2 cp2, ep4 etp1).
+//! * `mpi-bench overhead`: on 1 rank, the fixed cost per call of this crate against rsmpi.
 //!
-//! Without a launcher, `mpi-bench` runs itself: `collectives` at 2 and 4 ranks and
+//! Without a launcher, `mpi-bench` runs itself: `overhead` at 1 rank, `collectives` at 2 and 4 ranks and
 //! `collection` at 8 ranks, and prints one markdown report. `--quick` uses fewer iterations.
 
 use backend_mpi::{testing, MpiFactory, MpiRuntime};
@@ -36,8 +37,9 @@ fn main() -> ExitCode {
         {
             Some("collectives") | None => collectives(quick),
             Some("collection") => collection(quick),
+            Some("overhead") => overhead(quick),
             Some(other) => Err(format!(
-                "unknown mode '{other}': use collectives or collection"
+                "unknown mode '{other}': use collectives, collection or overhead"
             )),
         }
     } else {
@@ -59,18 +61,28 @@ fn driver(quick: bool) -> Result<(), String> {
         .into_owned();
     let q = if quick { vec!["--quick"] } else { vec![] };
     println!("# MPI benchmark (backend-mpi vs rsmpi called directly)\n");
+    let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
     println!(
-        "Open MPI via rsmpi 0.8, {} cores, env: {}\n",
+        "Open MPI via rsmpi 0.8, {} cores, load average at start: {}, env: {}\n",
         std::thread::available_parallelism()
             .map(|n| n.get())
             .unwrap_or(0),
+        load.split_whitespace()
+            .take(3)
+            .collect::<Vec<_>>()
+            .join(" "),
         testing::launch_env()
             .iter()
             .map(|(k, v)| format!("{k}={v}"))
             .collect::<Vec<_>>()
             .join(" ")
     );
-    for (np, mode) in [(2, "collectives"), (4, "collectives"), (8, "collection")] {
+    for (np, mode) in [
+        (1, "overhead"),
+        (2, "collectives"),
+        (4, "collectives"),
+        (8, "collection"),
+    ] {
         let mut a = vec![mode];
         a.extend(q.iter().copied());
         let out = testing::launch(np, 1200, &exe, &a)?;
@@ -134,7 +146,7 @@ fn collectives(quick: bool) -> Result<(), String> {
     sizes.push(64 << 20);
     if me == 0 {
         println!("## Collectives, {n} ranks (f32, sum)\n");
-        println!("Time: median over samples of the slowest rank (µs per call; up to 64 KiB a sample is the mean of 50 back-to-back calls, up to 1 MiB of 5). Overhead = ours / rsmpi - 1.\n");
+        println!("Time: median over samples of the slowest rank (µs per call; up to 64 KiB a sample is the mean of 50 back-to-back calls, up to 1 MiB of 5). Overhead = median over sample pairs of ours / rsmpi, minus 1.\n");
         println!("| op | bytes | samples | ours µs | rsmpi µs | overhead | ours algbw GB/s | ours busbw GB/s | rsmpi busbw GB/s |");
         println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|");
     }
@@ -230,8 +242,11 @@ fn collectives(quick: bool) -> Result<(), String> {
                 .map_err(e)?;
             ours.all_reduce_into(&t_direct[..], &mut m_direct[..], ReduceOp::Max)
                 .map_err(e)?;
+            // Overhead: median of the paired ratios (the two samples of a pair ran back to
+            // back, so machine noise cancels far better than in a ratio of medians).
+            let mut ratios: Vec<f64> = m_ours.iter().zip(&m_direct).map(|(o, d)| o / d).collect();
+            let over = (median(&mut ratios) - 1.0) * 100.0;
             let (a, b) = (median(&mut m_ours), median(&mut m_direct));
-            let over = (a / b - 1.0) * 100.0;
             worst = worst.max(over);
             if me == 0 {
                 let algbw = actual_bytes as f64 / a / 1e9;
@@ -253,6 +268,75 @@ fn collectives(quick: bool) -> Result<(), String> {
     if me == 0 {
         println!("\nLargest overhead at {n} ranks: {worst:+.1}%\n");
     }
+    Ok(())
+}
+
+/// The fixed cost per call, measured on one rank where MPI does no communication (a local
+/// copy): what this crate adds on top of rsmpi, free of network and scheduling noise.
+fn overhead(quick: bool) -> Result<(), String> {
+    let rt = MpiRuntime::init().map_err(|e| e.to_string())?;
+    let ours = rt.world();
+    let direct = rt.rsmpi_world().duplicate();
+    let e = |e: grid_core::Error| e.to_string();
+    let (calls, samples) = if quick { (20_000, 9) } else { (200_000, 21) };
+    let send = [1f32, 2.0];
+    let mut recv = [0f32; 2];
+    println!("## Fixed cost per call, 1 rank, 8 bytes (f32)\n");
+    println!("MPI only copies locally here, so the difference is this crate's own work per call (argument checks, dispatch). Median of {samples} paired samples of {calls} calls.\n");
+    println!("| op | ours ns/call | rsmpi ns/call | difference ns |");
+    println!("|---|---:|---:|---:|");
+    for op in [
+        Op::AllReduce,
+        Op::AllGather,
+        Op::ReduceScatter,
+        Op::Broadcast,
+    ] {
+        let mut o = Vec::new();
+        let mut d = Vec::new();
+        let mut diff = Vec::new();
+        for _ in 0..samples {
+            let t = Instant::now();
+            for _ in 0..calls {
+                match op {
+                    Op::AllReduce => ours.all_reduce_into(&send[..], &mut recv[..], ReduceOp::Sum),
+                    Op::AllGather => ours.all_gather_into(&send[..], &mut recv[..]),
+                    Op::ReduceScatter => {
+                        ours.reduce_scatter_into(&send[..], &mut recv[..], ReduceOp::Sum)
+                    }
+                    Op::Broadcast => ours.broadcast_into(&mut recv[..], 0),
+                }
+                .map_err(e)?;
+            }
+            let a = t.elapsed().as_secs_f64() / calls as f64 * 1e9;
+            let t = Instant::now();
+            for _ in 0..calls {
+                match op {
+                    Op::AllReduce => {
+                        direct.all_reduce_into(&send[..], &mut recv[..], SystemOperation::sum())
+                    }
+                    Op::AllGather => direct.all_gather_into(&send[..], &mut recv[..]),
+                    Op::ReduceScatter => direct.reduce_scatter_block_into(
+                        &send[..],
+                        &mut recv[..],
+                        SystemOperation::sum(),
+                    ),
+                    Op::Broadcast => direct.process_at_rank(0).broadcast_into(&mut recv[..]),
+                }
+            }
+            let b = t.elapsed().as_secs_f64() / calls as f64 * 1e9;
+            o.push(a);
+            d.push(b);
+            diff.push(a - b);
+        }
+        println!(
+            "| {} | {:.1} | {:.1} | {:+.1} |",
+            op.name(),
+            median(&mut o),
+            median(&mut d),
+            median(&mut diff)
+        );
+    }
+    println!();
     Ok(())
 }
 
