@@ -661,7 +661,7 @@ impl RawContext {
         timeout: Duration,
     ) -> ShimResult<()> {
         Self::same(&send, &recv, send.len())?;
-        if send.len() % self.size != 0 {
+        if !send.len().is_multiple_of(self.size) {
             return Err(ShimError::invalid(format!(
                 "alltoall of {} elements over {} ranks",
                 send.len(),

@@ -172,8 +172,8 @@ fn point_to_point(c: &dyn Communicator) {
     }
     assert_eq!(got, [left as f64, 0.5]);
     // A batch with both directions, two tags, and a message to itself.
-    let to_right = vec![rank as i64; 4];
-    let to_left = vec![100 + rank as i64; 2];
+    let to_right = [rank as i64; 4];
+    let to_left = [100 + rank as i64; 2];
     let to_me = [7u8, 8];
     let mut from_left = vec![0i64; 4];
     let mut from_right = vec![0i64; 2];
@@ -309,7 +309,7 @@ fn argument_errors(c: &dyn Communicator) {
         .all_reduce_into(&[1.0f32; 2], &mut out, ReduceOp::Sum)
         .unwrap_err();
     assert!(matches!(e, Error::LengthMismatch { .. }), "{e}");
-    let mut wrong = vec![0i32; 2];
+    let mut wrong = [0i32; 2];
     let e = c
         .all_reduce(
             BufRefOf::f32(&[1.0, 2.0]),
