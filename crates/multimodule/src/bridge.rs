@@ -29,7 +29,7 @@
 use crate::error::{Error, Result};
 use crate::routing::{BridgePlan, Side};
 use crate::tensor::{batch_split_sizes, tensor_split_sizes, Activation};
-use crate::wire::{distribute, In, Out, OutData, Wire};
+use crate::wire::{distribute, BufferPool, In, Out, OutData, Wire};
 use grid_core::{Communicator, GroupFactory};
 use std::borrow::Cow;
 use std::collections::{HashMap, VecDeque};
@@ -168,6 +168,7 @@ pub struct BridgeCommunicator<C: Communicator> {
     dst_bcast: Option<Arc<C>>,
     tag: u32,
     state: Mutex<State>,
+    pool: Arc<BufferPool>,
 }
 
 impl<C: Communicator> BridgeCommunicator<C> {
@@ -220,6 +221,7 @@ impl<C: Communicator> BridgeCommunicator<C> {
             dst_bcast,
             tag,
             state: Mutex::new(State::default()),
+            pool: Arc::new(BufferPool::default()),
         })
     }
 
@@ -235,6 +237,17 @@ impl<C: Communicator> BridgeCommunicator<C> {
     pub fn holds_both_ends(&self) -> bool {
         self.plan.src().at_boundary(self.me) && self.plan.dst().at_boundary(self.me)
     }
+    /// Hands a tensor this bridge returned (or any tensor) back for reuse as a receive buffer,
+    /// so that steady-state transfers do not allocate. Optional.
+    pub fn recycle(&self, t: Activation) {
+        self.pool.put(t);
+    }
+
+    /// Shares one buffer pool between several bridges.
+    pub fn set_pool(&mut self, pool: Arc<BufferPool>) {
+        self.pool = pool;
+    }
+
     /// Takes the log of bridge messages (leader to leader) this rank sent and received since the
     /// last call (at most the latest 1024), for logging and demos. Empty on non-leaders.
     pub fn take_crossings(&self) -> Vec<Crossing> {
@@ -403,6 +416,7 @@ impl<C: Communicator> BridgeCommunicator<C> {
             comm: &*self.parent,
             me,
             op,
+            pool: Some(&self.pool),
         };
         let mut st = self.lock()?;
 
@@ -723,6 +737,7 @@ impl<C: Communicator> BridgeCommunicator<C> {
             let leader = dst.leader_of(me).unwrap_or(me);
             let group = dst.broadcast_group_of(me).unwrap_or_else(|| vec![me]);
             let full = distribute(
+                Some(&self.pool),
                 op,
                 self.dst_bcast.as_deref(),
                 &group,
@@ -745,6 +760,7 @@ impl<C: Communicator> BridgeCommunicator<C> {
             let leader = src.leader_of(me).unwrap_or(me);
             let group = src.broadcast_group_of(me).unwrap_or_else(|| vec![me]);
             let full = distribute(
+                Some(&self.pool),
                 op,
                 self.src_bcast.as_deref(),
                 &group,

@@ -9,7 +9,7 @@ use crate::plan::{bridge_plans, RankModuleInfo};
 use crate::spec::PipelineSpec;
 use crate::stages::StageTable;
 use crate::tensor::Activation;
-use crate::wire::{In, Out, OutData, Wire};
+use crate::wire::{BufferPool, In, Out, OutData, Wire};
 use grid_core::{Communicator, GroupFactory};
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
@@ -59,6 +59,7 @@ pub struct MultiModulePipelineCommunicator<C: Communicator> {
     modules: Vec<RankModuleInfo>,
     records: Vec<Mutex<P2pRecords>>,
     module_tag: u32,
+    pool: Arc<BufferPool>,
 }
 
 impl<C: Communicator> MultiModulePipelineCommunicator<C> {
@@ -91,6 +92,10 @@ impl<C: Communicator> MultiModulePipelineCommunicator<C> {
                 &mut cache,
             )?);
         }
+        let pool = Arc::new(BufferPool::default());
+        for b in &mut bridges {
+            b.set_pool(pool.clone());
+        }
         let module_tag = tag_base + bridges.len() as u32 * TAGS_PER_BRIDGE;
         let modules = RankModuleInfo::for_rank(spec, &stages, me);
         let records = modules
@@ -107,6 +112,7 @@ impl<C: Communicator> MultiModulePipelineCommunicator<C> {
             modules,
             records,
             module_tag,
+            pool,
         })
     }
 
@@ -156,6 +162,13 @@ impl<C: Communicator> MultiModulePipelineCommunicator<C> {
         let k = self.edges.iter().position(|&e| e == (a, b))?;
         self.bridges.get(k)
     }
+    /// Hands a tensor back for reuse as a receive buffer (activations and gradients this
+    /// communicator returned, once the step that used them is done). Optional; it saves an
+    /// allocation and its page faults per message.
+    pub fn recycle(&self, t: Activation) {
+        self.pool.put(t);
+    }
+
     /// Every bridge, in edge order.
     pub fn bridges(&self) -> &[BridgeCommunicator<C>] {
         &self.bridges
@@ -207,6 +220,7 @@ impl<C: Communicator> MultiModulePipelineCommunicator<C> {
             comm: &*self.parent,
             me: self.me,
             op,
+            pool: Some(&self.pool),
         };
         let outs: Vec<Out<'_>> = send
             .map(|(peer, t, k)| Out {

@@ -105,11 +105,70 @@ pub(crate) struct In {
     pub tag: u32,
 }
 
+/// Receive buffers handed back by the user for reuse, so that steady-state transfers do not
+/// allocate (and page-fault) a fresh buffer for every message, the way torch's caching allocator
+/// spares Megatron. Bounded: at most [`BufferPool::CAPACITY`] buffers are kept.
+///
+/// ```
+/// use multimodule::{Activation, BufferPool};
+/// let pool = BufferPool::default();
+/// pool.put(Activation::from_vec(vec![4], vec![1.0f32; 4]).unwrap());
+/// assert_eq!(pool.len(), 1);
+/// assert_eq!(pool.take(grid_core::DType::F32, 4).len(), 4);
+/// assert_eq!(pool.len(), 0);
+/// ```
+#[derive(Debug, Default)]
+pub struct BufferPool {
+    free: std::sync::Mutex<Vec<HostBuffer>>,
+}
+
+impl BufferPool {
+    /// Most buffers kept.
+    pub const CAPACITY: usize = 16;
+    /// Keeps `t`'s buffer for a later receive of the same dtype and length.
+    pub fn put(&self, t: Activation) {
+        if let Ok(mut f) = self.free.lock() {
+            if f.len() >= Self::CAPACITY {
+                f.remove(0);
+            }
+            f.push(t.into_data());
+        }
+    }
+    /// A buffer of `len` elements of `dtype`: a recycled one if any fits, else a new one (its
+    /// contents are unspecified; receives overwrite all of it).
+    pub fn take(&self, dtype: DType, len: usize) -> HostBuffer {
+        if let Ok(mut f) = self.free.lock() {
+            if let Some(i) = f.iter().position(|b| b.dtype() == dtype && b.len() == len) {
+                return f.swap_remove(i);
+            }
+        }
+        HostBuffer::zeros(dtype, len)
+    }
+    /// Number of buffers kept.
+    pub fn len(&self) -> usize {
+        self.free.lock().map(|f| f.len()).unwrap_or(0)
+    }
+    /// True when no buffer is kept.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
 /// Point-to-point and broadcast over one parent communicator, addressed by world rank.
 pub(crate) struct Wire<'a, C: Communicator + ?Sized> {
     pub comm: &'a C,
     pub me: usize,
     pub op: &'static str,
+    pub pool: Option<&'a BufferPool>,
+}
+
+impl<C: Communicator + ?Sized> Wire<'_, C> {
+    fn alloc(&self, dtype: DType, len: usize) -> HostBuffer {
+        match self.pool {
+            Some(p) => p.take(dtype, len),
+            None => HostBuffer::zeros(dtype, len),
+        }
+    }
 }
 
 impl<C: Communicator + ?Sized> Wire<'_, C> {
@@ -167,7 +226,7 @@ impl<C: Communicator + ?Sized> Wire<'_, C> {
             match self.decode(i.peer, h) {
                 Ok((dtype, shape)) => {
                     let n: usize = shape.iter().product();
-                    bufs.push(Some((shape, HostBuffer::zeros(dtype, n))));
+                    bufs.push(Some((shape, self.alloc(dtype, n))));
                     results.push(None);
                 }
                 Err(e) => {
@@ -276,6 +335,7 @@ impl<C: Communicator + ?Sized> Wire<'_, C> {
 /// whose members are `group`, ascending). Returns the tensor everywhere, or the root's failure.
 /// `comm = None` means the group is this rank alone.
 pub(crate) fn distribute<C: Communicator + ?Sized>(
+    pool: Option<&BufferPool>,
     op: &'static str,
     comm: Option<&C>,
     group: &[usize],
@@ -323,12 +383,13 @@ pub(crate) fn distribute<C: Communicator + ?Sized>(
     } else {
         let mut h = [0i64; HDR];
         comm.broadcast_into(&mut h[..], root)?;
-        let w = Wire { comm, me, op };
+        let w = Wire { comm, me, op, pool };
         let (dtype, shape) = w.decode(leader, &h).map_err(|e| match e {
             Error::Protocol { .. } => e,
             _ => Error::PeerError { op, peer: leader },
         })?;
-        let mut a = Activation::zeros(dtype, shape)?;
+        let n = shape.iter().product();
+        let mut a = Activation::new(shape, w.alloc(dtype, n))?;
         if a.numel() > 0 {
             comm.broadcast(BufMut::Host(a.data_mut()), root)?;
         }
