@@ -1,1 +1,422 @@
-fn main() {}
+//! `gloo-bench`: collectives through the `grid_core::Communicator` trait against the same Gloo
+//! algorithm called directly through the shim ([`backend_gloo::RawContext`]), in the same run.
+//!
+//! Ranks are threads of this process (Gloo over loopback TCP, in-process rendezvous).
+//!
+//! * all_reduce (Gloo ring), all_gather (Gloo ring), reduce_scatter (Gloo halving-doubling),
+//!   broadcast, f32 sum, 8 B to 64 MiB (powers of 4, plus 64 MiB), at 2 and 4 ranks.
+//! * Time = median over iterations of the slowest rank's time; every iteration starts after a
+//!   barrier, and the trait call and the direct call alternate iteration by iteration.
+//! * algbw = bytes / time; busbw = algbw · factor (nccl-tests: all_reduce 2(n-1)/n, all_gather
+//!   and reduce_scatter (n-1)/n, broadcast 1). Bytes follow nccl-tests: the whole buffer for
+//!   all_reduce and broadcast, the gathered buffer for all_gather, the send buffer for
+//!   reduce_scatter.
+//! * `overhead`: on 1 rank, the fixed cost per call of the trait layer (an 8-byte all_reduce,
+//!   which Gloo reduces locally at size 1).
+//!
+//! Usage: `gloo-bench [--quick] [--ranks 2,4] [--max-bytes N]`.
+
+use backend_gloo::{
+    run_ranks, AllreduceAlgorithm, GlooCommunicator, GlooConfig, RawOp, ReduceScatterAlgorithm,
+};
+use grid_core::{Communicator, CommunicatorExt, HostSlice, HostSliceMut, ReduceOp};
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Op {
+    AllReduce,
+    AllGather,
+    ReduceScatter,
+    Broadcast,
+}
+
+impl Op {
+    const ALL: [Op; 4] = [
+        Op::AllReduce,
+        Op::AllGather,
+        Op::ReduceScatter,
+        Op::Broadcast,
+    ];
+    fn name(self) -> &'static str {
+        match self {
+            Op::AllReduce => "all_reduce",
+            Op::AllGather => "all_gather",
+            Op::ReduceScatter => "reduce_scatter",
+            Op::Broadcast => "broadcast",
+        }
+    }
+    fn bus_factor(self, n: usize) -> f64 {
+        let n = n as f64;
+        match self {
+            Op::AllReduce => 2.0 * (n - 1.0) / n,
+            Op::AllGather | Op::ReduceScatter => (n - 1.0) / n,
+            Op::Broadcast => 1.0,
+        }
+    }
+}
+
+/// Buffers of one (op, size) on one rank: elements per rank block and the vectors.
+struct Bufs {
+    send: Vec<f32>,
+    recv: Vec<f32>,
+    /// Bytes in the nccl-tests sense.
+    bytes: usize,
+}
+
+fn bufs(op: Op, bytes: usize, n: usize, rank: usize) -> Bufs {
+    let total = (bytes / 4).max(1);
+    match op {
+        Op::AllReduce | Op::Broadcast => Bufs {
+            send: vec![rank as f32 + 1.0; total],
+            recv: vec![0.0; total],
+            bytes: total * 4,
+        },
+        Op::AllGather => {
+            let per = (total / n).max(1);
+            Bufs {
+                send: vec![rank as f32; per],
+                recv: vec![0.0; per * n],
+                bytes: per * n * 4,
+            }
+        }
+        Op::ReduceScatter => {
+            let per = (total / n).max(1);
+            Bufs {
+                send: vec![rank as f32 + 1.0; per * n],
+                recv: vec![0.0; per],
+                bytes: per * n * 4,
+            }
+        }
+    }
+}
+
+fn check(op: Op, b: &Bufs, n: usize, rank: usize) -> Result<(), String> {
+    let sum = (n * (n + 1) / 2) as f32;
+    let ok = match op {
+        Op::AllReduce | Op::ReduceScatter => b.recv.iter().all(|&x| x == sum),
+        Op::Broadcast => b.recv.iter().all(|&x| x == 1.0),
+        Op::AllGather => {
+            let per = b.send.len();
+            b.recv
+                .iter()
+                .enumerate()
+                .all(|(i, &x)| x == (i / per) as f32)
+        }
+    };
+    if ok {
+        Ok(())
+    } else {
+        Err(format!("{} on rank {rank} of {n}: wrong result", op.name()))
+    }
+}
+
+const TIMEOUT: Duration = Duration::from_secs(120);
+
+/// One call through the trait.
+fn via_trait(c: &GlooCommunicator, op: Op, b: &mut Bufs, rank: usize) -> grid_core::Result<()> {
+    match op {
+        Op::AllReduce => c.all_reduce_into(&b.send, &mut b.recv, ReduceOp::Sum),
+        Op::AllGather => c.all_gather_into(&b.send, &mut b.recv),
+        Op::ReduceScatter => c.reduce_scatter_into(&b.send, &mut b.recv, ReduceOp::Sum),
+        Op::Broadcast => {
+            if rank == 0 {
+                b.recv.copy_from_slice(&b.send);
+            }
+            c.broadcast_into(&mut b.recv, 0)
+        }
+    }
+}
+
+/// The same Gloo algorithm called directly through the shim.
+fn direct(
+    c: &GlooCommunicator,
+    op: Op,
+    b: &mut Bufs,
+    rank: usize,
+    tag: u32,
+) -> grid_core::Result<()> {
+    let raw = c.raw();
+    let r = match op {
+        Op::AllReduce => raw.allreduce(
+            HostSlice::F32(&b.send),
+            HostSliceMut::F32(&mut b.recv),
+            RawOp::Sum,
+            AllreduceAlgorithm::Ring,
+            tag,
+            TIMEOUT,
+        ),
+        Op::AllGather => raw.allgather(
+            HostSlice::F32(&b.send),
+            HostSliceMut::F32(&mut b.recv),
+            tag,
+            TIMEOUT,
+        ),
+        Op::ReduceScatter => raw.reduce_scatter(
+            HostSlice::F32(&b.send),
+            HostSliceMut::F32(&mut b.recv),
+            RawOp::Sum,
+            ReduceScatterAlgorithm::HalvingDoubling,
+            tag,
+            TIMEOUT,
+        ),
+        Op::Broadcast => {
+            if rank == 0 {
+                b.recv.copy_from_slice(&b.send);
+            }
+            raw.broadcast(HostSliceMut::F32(&mut b.recv), 0, tag, TIMEOUT)
+        }
+    };
+    r.map_err(|e| grid_core::Error::Invalid(e.to_string()))
+}
+
+fn iterations(bytes: usize, quick: bool) -> (usize, usize) {
+    let (w, i) = if bytes <= 64 * 1024 {
+        (10, 100)
+    } else if bytes <= 2 << 20 {
+        (5, 40)
+    } else if bytes <= 16 << 20 {
+        (3, 15)
+    } else {
+        (2, 8)
+    };
+    if quick {
+        (w.min(2), (i / 4).max(3))
+    } else {
+        (w, i)
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v.get(v.len() / 2).copied().unwrap_or(0.0)
+}
+
+struct Row {
+    op: Op,
+    ranks: usize,
+    bytes: usize,
+    trait_s: f64,
+    direct_s: f64,
+}
+
+fn collectives(n: usize, sizes: &[usize], quick: bool) -> Result<Vec<Row>, String> {
+    let cfg = GlooConfig::new(format!("gloo-bench-{n}")).with_timeout(TIMEOUT);
+    // Per rank: per (op, size): (trait times, direct times, bytes).
+    let per_rank = run_ranks(n, &cfg, |_f, world| {
+        let rank = world.rank();
+        let mut out = Vec::new();
+        let mut tag = 0x4000_0000u32;
+        for op in Op::ALL {
+            for &size in sizes {
+                let mut b = bufs(op, size, n, rank);
+                let (warm, iters) = iterations(b.bytes, quick);
+                let mut t_trait = Vec::with_capacity(iters);
+                let mut t_direct = Vec::with_capacity(iters);
+                for it in 0..warm + iters {
+                    // Alternate which variant goes first.
+                    for k in 0..2 {
+                        let use_trait = (it + k) % 2 == 0;
+                        b.recv.iter_mut().for_each(|x| *x = 0.0);
+                        world.barrier()?;
+                        let t = Instant::now();
+                        if use_trait {
+                            via_trait(&world, op, &mut b, rank)?;
+                        } else {
+                            tag = tag.wrapping_add(1);
+                            direct(&world, op, &mut b, rank, tag)?;
+                        }
+                        let dt = t.elapsed().as_secs_f64();
+                        if it == 0 {
+                            check(op, &b, n, rank).map_err(grid_core::Error::Invalid)?;
+                        }
+                        if it >= warm {
+                            if use_trait {
+                                t_trait.push(dt);
+                            } else {
+                                t_direct.push(dt);
+                            }
+                        }
+                    }
+                }
+                out.push((op, b.bytes, t_trait, t_direct));
+            }
+        }
+        Ok(out)
+    })
+    .map_err(|e| e.to_string())?;
+    let mut ranks = Vec::new();
+    for (r, res) in per_rank.into_iter().enumerate() {
+        ranks.push(res.map_err(|e| format!("rank {r}: {e}"))?);
+    }
+    let mut rows = Vec::new();
+    for i in 0..ranks[0].len() {
+        let (op, bytes) = (ranks[0][i].0, ranks[0][i].1);
+        let iters = ranks[0][i].2.len();
+        let slowest = |k: usize, direct: bool| {
+            ranks
+                .iter()
+                .map(|r| if direct { r[i].3[k] } else { r[i].2[k] })
+                .fold(0.0, f64::max)
+        };
+        let trait_s = median((0..iters).map(|k| slowest(k, false)).collect());
+        let direct_s = median((0..iters).map(|k| slowest(k, true)).collect());
+        rows.push(Row {
+            op,
+            ranks: n,
+            bytes,
+            trait_s,
+            direct_s,
+        });
+    }
+    Ok(rows)
+}
+
+/// Fixed cost per call on one rank: trait vs direct, 8-byte all_reduce.
+fn overhead(quick: bool) -> Result<(f64, f64), String> {
+    let iters = if quick { 20_000 } else { 200_000 };
+    let cfg = GlooConfig::new("gloo-bench-overhead").with_timeout(TIMEOUT);
+    let r = run_ranks(1, &cfg, |_f, world| {
+        let send = [1.0f32, 2.0];
+        let mut recv = [0.0f32; 2];
+        let mut best = (f64::MAX, f64::MAX);
+        for _round in 0..5 {
+            let t = Instant::now();
+            for _ in 0..iters {
+                world.all_reduce_into(&send, &mut recv, ReduceOp::Sum)?;
+            }
+            let a = t.elapsed().as_secs_f64() / iters as f64;
+            let t = Instant::now();
+            for i in 0..iters {
+                world
+                    .raw()
+                    .allreduce(
+                        HostSlice::F32(&send),
+                        HostSliceMut::F32(&mut recv),
+                        RawOp::Sum,
+                        AllreduceAlgorithm::Ring,
+                        i as u32,
+                        TIMEOUT,
+                    )
+                    .map_err(|e| grid_core::Error::Invalid(e.to_string()))?;
+            }
+            let b = t.elapsed().as_secs_f64() / iters as f64;
+            best = (best.0.min(a), best.1.min(b));
+        }
+        Ok(best)
+    })
+    .map_err(|e| e.to_string())?;
+    r.into_iter()
+        .next()
+        .ok_or("no rank")?
+        .map_err(|e| e.to_string())
+}
+
+fn human(bytes: usize) -> String {
+    if bytes >= 1 << 20 {
+        format!("{} MiB", bytes >> 20)
+    } else if bytes >= 1 << 10 {
+        format!("{} KiB", bytes >> 10)
+    } else {
+        format!("{bytes} B")
+    }
+}
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let quick = args.iter().any(|a| a == "--quick");
+    let mut ranks = vec![2usize, 4];
+    let mut max_bytes = 64usize << 20;
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--quick" => {}
+            "--ranks" => match it.next().map(|v| {
+                v.split(',')
+                    .map(str::parse)
+                    .collect::<Result<Vec<usize>, _>>()
+            }) {
+                Some(Ok(v)) if !v.is_empty() && v.iter().all(|&n| n > 0) => ranks = v,
+                _ => {
+                    eprintln!("gloo-bench: --ranks needs a list of positive integers, e.g. 2,4");
+                    return ExitCode::from(2);
+                }
+            },
+            "--max-bytes" => match it.next().and_then(|v| v.parse().ok()) {
+                Some(b) if b >= 8 => max_bytes = b,
+                _ => {
+                    eprintln!("gloo-bench: --max-bytes needs an integer >= 8");
+                    return ExitCode::from(2);
+                }
+            },
+            other => {
+                eprintln!("gloo-bench: unknown argument '{other}' (usage: gloo-bench [--quick] [--ranks 2,4] [--max-bytes N])");
+                return ExitCode::from(2);
+            }
+        }
+    }
+    let mut sizes = Vec::new();
+    let mut s = 8usize;
+    while s <= max_bytes {
+        sizes.push(s);
+        s *= 4;
+    }
+    if max_bytes >= 64 << 20 && !sizes.contains(&(64 << 20)) {
+        sizes.push(64 << 20);
+    }
+
+    println!("# gloo-bench\n");
+    println!(
+        "Ranks are threads of one process (Gloo over loopback TCP, in-process rendezvous); f32 sum; \
+         time = median over iterations of the slowest rank (each iteration after a barrier); \
+         `trait` = through `grid_core::Communicator`, `direct` = the same Gloo algorithm through the shim; \
+         the two alternate iteration by iteration. algbw/busbw in GB/s (nccl-tests factors).\n"
+    );
+    match overhead(quick) {
+        Ok((t, d)) => println!(
+            "Fixed cost per call, 1 rank, 8-byte all_reduce (best of 5 rounds): trait {:.0} ns, direct {:.0} ns, difference {:.0} ns\n",
+            t * 1e9,
+            d * 1e9,
+            (t - d) * 1e9
+        ),
+        Err(e) => {
+            eprintln!("gloo-bench: overhead: {e}");
+            return ExitCode::FAILURE;
+        }
+    }
+    println!("| op | ranks | bytes | trait µs | direct µs | trait/direct − 1 | algbw | busbw |");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|");
+    let mut ratios = Vec::new();
+    for &n in &ranks {
+        let rows = match collectives(n, &sizes, quick) {
+            Ok(r) => r,
+            Err(e) => {
+                eprintln!("gloo-bench: {n} ranks: {e}");
+                return ExitCode::FAILURE;
+            }
+        };
+        for r in rows {
+            let algbw = r.bytes as f64 / r.trait_s / 1e9;
+            let over = r.trait_s / r.direct_s - 1.0;
+            ratios.push(over);
+            println!(
+                "| {} | {} | {} | {:.1} | {:.1} | {:+.1}% | {:.3} | {:.3} |",
+                r.op.name(),
+                r.ranks,
+                human(r.bytes),
+                r.trait_s * 1e6,
+                r.direct_s * 1e6,
+                over * 100.0,
+                algbw,
+                algbw * r.op.bus_factor(r.ranks)
+            );
+        }
+    }
+    let med = median(ratios.clone());
+    println!(
+        "\nmedian trait/direct − 1 over all rows: {:+.2}% ({} rows)",
+        med * 100.0,
+        ratios.len()
+    );
+    ExitCode::SUCCESS
+}
