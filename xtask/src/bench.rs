@@ -1,16 +1,41 @@
 //! `cargo xtask bench`: benchmarks.
 
 use crate::external::{dispatch, BENCHES};
+use crate::util::{cargo, run};
+
+const HELP: &str = "usage: cargo xtask bench layout [--quick]   topology benchmarks: one rank's view, every family,
+                                            memory, the grid process, Megatron's per-token rows
+       cargo xtask bench mpi|gloo|bridge [--np N] [-- ARGS]
+                                            backend benchmarks (binaries of the backend crates)";
 
 pub fn main(args: &[String]) -> i32 {
     match args.first().map(String::as_str) {
         Some("layout") => {
-            eprintln!("xtask: bench layout is not implemented yet");
-            1
+            let mut pass = Vec::new();
+            for a in &args[1..] {
+                match a.as_str() {
+                    "--quick" => pass.push(a.clone()),
+                    other => {
+                        eprintln!("xtask bench layout: unknown argument '{other}'\n\n{HELP}");
+                        return 2;
+                    }
+                }
+            }
+            // A release-built benchmark binary (harness = false), not a timed test.
+            let ok = run(cargo()
+                .args([
+                    "bench", "--quiet", "-p", "grid-cli", "--bench", "layout", "--",
+                ])
+                .args(&pass));
+            i32::from(!ok)
         }
-        Some("-h" | "--help") | None => {
-            println!("usage: cargo xtask bench layout|mpi|gloo|bridge [--np N] [-- ARGS]");
-            i32::from(args.is_empty()) * 2
+        Some("-h" | "--help") => {
+            println!("{HELP}");
+            0
+        }
+        None => {
+            eprintln!("{HELP}");
+            2
         }
         Some(name) => dispatch(BENCHES, name, &args[1..]),
     }

@@ -4,7 +4,7 @@
 //! lands, its owner only needs to provide the binary named here (or adjust its entry):
 //! `cargo xtask demo mpi` then builds it in release mode and runs it.
 
-use crate::util::{cargo, run, workspace_root, MPI_ENV};
+use crate::util::{cargo, run, target_dir, workspace_root, MPI_ENV};
 use std::process::Command;
 
 /// How an external binary is started.
@@ -126,7 +126,7 @@ pub fn run_external(e: &External, np_override: Option<usize>, extra: &[String]) 
         eprintln!("xtask: building {} failed", e.bin);
         return 1;
     }
-    let exe = workspace_root().join("target/release").join(e.bin);
+    let exe = target_dir().join("release").join(e.bin);
     let mut cmd = match e.launch {
         Launch::Mpirun { np } => {
             let mut c = Command::new("mpirun");

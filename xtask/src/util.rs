@@ -29,6 +29,21 @@ pub fn workspace_root() -> PathBuf {
         .unwrap_or_else(|| manifest.to_path_buf())
 }
 
+/// Cargo's target directory: `CARGO_TARGET_DIR` when set, else `<workspace>/target`.
+pub fn target_dir() -> PathBuf {
+    match std::env::var_os("CARGO_TARGET_DIR") {
+        Some(d) => {
+            let d = PathBuf::from(d);
+            if d.is_absolute() {
+                d
+            } else {
+                workspace_root().join(d)
+            }
+        }
+        None => workspace_root().join("target"),
+    }
+}
+
 /// The `cargo` that runs us (cargo sets `CARGO` for `cargo run`), else `cargo` from PATH.
 pub fn cargo() -> Command {
     let exe = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
@@ -48,7 +63,13 @@ pub fn color_args() -> &'static [&'static str] {
 
 /// Renders a command line for messages.
 pub fn show(cmd: &Command) -> String {
-    let mut s = cmd.get_program().to_string_lossy().into_owned();
+    let program = cmd.get_program().to_string_lossy().into_owned();
+    // The absolute path of the toolchain's cargo says nothing useful.
+    let mut s = if program.ends_with("/cargo") {
+        "cargo".to_string()
+    } else {
+        program
+    };
     for a in cmd.get_args() {
         s.push(' ');
         s.push_str(&quote(a));

@@ -55,19 +55,9 @@ impl<'w> Out<'w> {
         self.spill()
     }
 
-    /// An unsigned integer.
-    pub fn num(&mut self, mut n: usize) -> io::Result<()> {
-        let mut tmp = [0u8; 20];
-        let mut i = tmp.len();
-        loop {
-            i -= 1;
-            tmp[i] = b'0' + (n % 10) as u8;
-            n /= 10;
-            if n == 0 {
-                break;
-            }
-        }
-        self.buf.extend_from_slice(&tmp[i..]);
+    /// An unsigned integer (two digits per step, no intermediate buffer).
+    pub fn num(&mut self, n: usize) -> io::Result<()> {
+        push_num(&mut self.buf, n);
         Ok(())
     }
 
@@ -91,14 +81,23 @@ impl<'w> Out<'w> {
         self.raw(if b { "true" } else { "false" })
     }
 
-    /// A JSON list of ranks.
+    /// A JSON list of ranks. Runs of consecutive ranks (the common case: tensor parallelism
+    /// varies fastest) are formatted by incrementing the previous decimal string.
     pub fn ranks(&mut self, ranks: &[usize]) -> io::Result<()> {
         self.buf.push(b'[');
-        for (i, &r) in ranks.iter().enumerate() {
-            if i > 0 {
-                self.buf.push(b',');
+        let mut dec = Decimal::default();
+        for (i, chunk) in ranks.chunks(CHUNK / 32).enumerate() {
+            self.buf.reserve(chunk.len() * 21);
+            for (j, &r) in chunk.iter().enumerate() {
+                if i + j > 0 {
+                    self.buf.push(b',');
+                }
+                dec.set_next(r);
+                // A byte loop: these are a few bytes, a memcpy call per number costs more.
+                for &b in dec.digits() {
+                    self.buf.push(b);
+                }
             }
-            self.num(r)?;
             if self.buf.len() >= CHUNK {
                 self.spill()?;
             }
@@ -131,6 +130,83 @@ impl<'w> Out<'w> {
         }
         self.buf.push(b']');
         Ok(())
+    }
+}
+
+const PAIRS: &[u8; 200] = b"\
+0001020304050607080910111213141516171819\
+2021222324252627282930313233343536373839\
+4041424344454647484950515253545556575859\
+6061626364656667686970717273747576777879\
+8081828384858687888990919293949596979899";
+
+/// The decimal form of the last number written, so that `n + 1` costs a digit increment.
+struct Decimal {
+    buf: [u8; 20],
+    start: usize,
+    value: Option<usize>,
+}
+
+impl Default for Decimal {
+    fn default() -> Self {
+        Decimal {
+            buf: [b'0'; 20],
+            start: 19,
+            value: None,
+        }
+    }
+}
+
+impl Decimal {
+    fn set_next(&mut self, n: usize) {
+        if self.value.and_then(|v| v.checked_add(1)) == Some(n) {
+            self.value = Some(n);
+            let mut i = self.buf.len() - 1;
+            loop {
+                if self.buf[i] == b'9' {
+                    self.buf[i] = b'0';
+                    if i == self.start {
+                        // usize::MAX has 20 digits, so n (<= MAX) never needs a 21st.
+                        self.start -= 1;
+                        self.buf[self.start] = b'1';
+                        return;
+                    }
+                    i -= 1;
+                } else {
+                    self.buf[i] += 1;
+                    return;
+                }
+            }
+        }
+        let mut tmp = Vec::with_capacity(20);
+        push_num(&mut tmp, n);
+        self.start = self.buf.len() - tmp.len();
+        self.buf[self.start..].copy_from_slice(&tmp);
+        self.value = Some(n);
+    }
+
+    fn digits(&self) -> &[u8] {
+        &self.buf[self.start..]
+    }
+}
+
+/// Appends the decimal digits of `n`.
+fn push_num(buf: &mut Vec<u8>, mut n: usize) {
+    let digits = n.checked_ilog10().map_or(1, |l| l as usize + 1);
+    let start = buf.len();
+    buf.resize(start + digits, b'0');
+    let out = &mut buf[start..];
+    let mut i = digits;
+    while n >= 100 {
+        let r = (n % 100) * 2;
+        n /= 100;
+        i -= 2;
+        out[i..i + 2].copy_from_slice(&PAIRS[r..r + 2]);
+    }
+    if n >= 10 {
+        out[..2].copy_from_slice(&PAIRS[n * 2..n * 2 + 2]);
+    } else {
+        out[0] = b'0' + n as u8;
     }
 }
 
@@ -205,6 +281,34 @@ mod tests {
         assert_eq!(
             String::from_utf8(v).unwrap(),
             r#"{"a\"b":[[0,10,1234567890],[]],"m":[true,false]}"#
+        );
+    }
+
+    #[test]
+    fn numbers() {
+        let mut v = Vec::new();
+        for n in [0usize, 7, 10, 99, 100, 101, 12345, 1_000_000, usize::MAX] {
+            v.clear();
+            push_num(&mut v, n);
+            assert_eq!(String::from_utf8(v.clone()).unwrap(), n.to_string());
+        }
+    }
+
+    #[test]
+    fn consecutive_runs() {
+        let ranks: Vec<usize> = (0..1200)
+            .chain(9990..10010)
+            .chain([5, 99, 100, 999_999, 1_000_000])
+            .chain(usize::MAX - 2..=usize::MAX)
+            .collect();
+        let mut v = Vec::new();
+        let mut o = Out::new(&mut v);
+        o.ranks(&ranks).unwrap();
+        o.finish().unwrap();
+        let want: Vec<String> = ranks.iter().map(|r| r.to_string()).collect();
+        assert_eq!(
+            String::from_utf8(v).unwrap(),
+            format!("[{}]", want.join(","))
         );
     }
 
