@@ -27,8 +27,11 @@
 //! same way: which memory a backend accepts is reported by [`Communicator::accepts`].
 //!
 //! # Ranks
-//! `rank()` is the position of this process in the communicator, which is its index in the
-//! **sorted** list of member world ranks (`global_ranks()`), as torch defines group ranks.
+//! `rank()` is the position of this process in `global_ranks()`, the members' world ranks in
+//! communicator-rank order. A split orders members by its key; [`crate::build_collection`]
+//! keys every split by world rank, so its communicators list members in **ascending** order
+//! and `rank()` is the index in the sorted member list, as torch defines group ranks (also for
+//! families whose Megatron member order is not sorted, such as `intra_dist_opt`).
 //! Roots and peers are given as communicator ranks.
 
 use crate::error::{Error, Result};
@@ -567,7 +570,10 @@ impl Request {
 
 /// Handle of a started nonblocking operation.
 ///
-/// Operations started on one communicator complete in the order they were started.
+/// Operations started on one communicator complete in the order they were started (NCCL, which
+/// executes one communicator's operations in stream order, may also *start* them only in that
+/// order). Dropping a handle whose operation has not finished **waits** for it, so the owned
+/// buffers are never freed while the library still uses them.
 pub trait Work: Send {
     /// True once the operation finished (successfully or not); never blocks.
     fn is_completed(&mut self) -> bool;
@@ -591,11 +597,12 @@ pub trait Work: Send {
 pub trait Communicator: Send + Sync {
     /// Backend name (`"mpi"`, `"gloo"`, `"nccl"`).
     fn backend(&self) -> &'static str;
-    /// This process's rank in the communicator (index in the sorted `global_ranks`).
+    /// This process's rank in the communicator (its index in `global_ranks()`).
     fn rank(&self) -> usize;
     /// Number of ranks.
     fn size(&self) -> usize;
-    /// World ranks of the members, in communicator-rank order (ascending).
+    /// World ranks of the members, in communicator-rank order (ascending for communicators
+    /// made by [`crate::build_collection`] and [`GroupFactory::create_group`]).
     fn global_ranks(&self) -> &[usize];
     /// Which memory this backend's collectives accept.
     fn accepts(&self, memory: Memory) -> bool;
@@ -642,8 +649,8 @@ pub trait GroupFactory {
     /// The communicator type this factory creates.
     type Comm: Communicator;
 
-    /// Splits `parent`: ranks passing the same `color` get one new communicator, ordered by
-    /// `(key, parent rank)`; a rank passing `None` takes part in the call and gets `None`
+    /// Splits `parent`: ranks passing the same `color` get one new communicator, whose ranks are
+    /// ordered by `(key, parent rank)` (pass the world rank as key for torch's sorted order); a rank passing `None` takes part in the call and gets `None`
     /// (`MPI_Comm_split` with `MPI_UNDEFINED`, `ncclCommSplit` with `NCCL_SPLIT_NOCOLOR`).
     fn split(
         &self,
