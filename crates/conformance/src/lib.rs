@@ -1086,7 +1086,9 @@ fn nb_ordering(ctx: &mut Ctx, label: &str, c: &dyn Communicator) {
         Err(e) => ctx.fail(&name, e.to_string()),
     }
 
-    // wait_timeout: rank 0 waits for a message rank 1 sends only after rank 0 said "go".
+    // wait_timeout: rank 0 says "ready", posts a receive and waits 50 ms for it; rank 1 sends
+    // 500 ms after "ready". No message flows against the receive while it is pending, so
+    // backends that run one communicator's operations strictly in order (NCCL) pass too.
     let name = format!("{p}/wait_timeout");
     if n < 2 {
         ctx.skip(name, "needs 2 ranks");
@@ -1094,17 +1096,13 @@ fn nb_ordering(ctx: &mut Ctx, label: &str, c: &dyn Communicator) {
     }
     if me == 0 {
         let r = (|| -> grid_core::Result<(bool, Vec<i32>)> {
+            c.send_to(&[1i32][..], 1, 30)?;
             let w = c.irecv::<i32>(3, 1, 31)?.into_inner();
             let w = match w.wait_timeout(Duration::from_millis(50)) {
-                Ok(done) => {
-                    let _ = done;
-                    // Completed before "go" was sent: the backend did not wait.
-                    c.send_to(&[1i32][..], 1, 30)?;
-                    return Ok((false, Vec::new()));
-                }
+                // Completed long before rank 1 sent: the backend did not wait.
+                Ok(_) => return Ok((false, Vec::new())),
                 Err(w) => w,
             };
-            c.send_to(&[1i32][..], 1, 30)?;
             let v = w.wait()?.into_vec::<i32>()?;
             Ok((true, v))
         })();
@@ -1114,10 +1112,11 @@ fn nb_ordering(ctx: &mut Ctx, label: &str, c: &dyn Communicator) {
             });
         }
     } else if me == 1 {
-        let mut go = [0i32];
-        let r = c
-            .recv_from(&mut go[..], 0, 30)
-            .and_then(|_| c.send_to(&[5i32, 6, 7][..], 0, 31));
+        let mut ready = [0i32];
+        let r = c.recv_from(&mut ready[..], 0, 30).and_then(|_| {
+            std::thread::sleep(Duration::from_millis(500));
+            c.send_to(&[5i32, 6, 7][..], 0, 31)
+        });
         if ctx.ok(&name, r).is_some() {
             ctx.pass(name);
         }
