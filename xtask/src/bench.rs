@@ -5,7 +5,7 @@ use crate::util::{cargo, run};
 
 const HELP: &str = "usage: cargo xtask bench layout [--quick]   topology benchmarks: one rank's view, every family,
                                             memory, the grid process, Megatron's per-token rows
-       cargo xtask bench mpi|gloo|bridge [--np N] [-- ARGS]
+       cargo xtask bench mpi|gloo|bridge|nccl [--np N] [-- ARGS]
                                             backend benchmarks (binaries of the backend crates)";
 
 pub fn main(args: &[String]) -> i32 {

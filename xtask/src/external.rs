@@ -24,6 +24,8 @@ pub struct External {
     pub package: &'static str,
     /// The binary's name (`[[bin]] name` or `src/bin/<name>.rs`).
     pub bin: &'static str,
+    /// Cargo features the binary needs.
+    pub features: &'static [&'static str],
     /// How it is started.
     pub launch: Launch,
 }
@@ -31,43 +33,48 @@ pub struct External {
 // ---- EXTENSION POINT: demos --------------------------------------------------------------------
 /// `cargo xtask demo mpi|gloo|multimodule`.
 pub const DEMOS: &[(&str, External)] = &[
-    // The MPI helper provides crates/backend-mpi/src/bin/mpi-demo.rs: builds the process groups of
-    // a layout over MPI and runs a collective on each.
+    // crates/backend-mpi/src/bin/mpi-demo.rs: builds the demo layout's process groups over MPI
+    // and checks a collective on each.
     (
         "mpi",
         External {
             what: "demo mpi",
             package: "backend-mpi",
             bin: "mpi-demo",
+            features: &[],
             launch: Launch::Mpirun { np: 8 },
         },
     ),
-    // The Gloo helper provides crates/backend-gloo/src/bin/gloo-demo.rs: the same demo without MPI
-    // (the fallback), starting its own ranks.
+    // crates/backend-gloo/src/bin/gloo-demo.rs: the same without MPI (the fallback), 8 ranks as
+    // threads of one process.
     (
         "gloo",
         External {
             what: "demo gloo",
             package: "backend-gloo",
             bin: "gloo-demo",
+            features: &[],
             launch: Launch::Direct,
         },
     ),
-    // The multimodule helper provides crates/multimodule/src/bin/multimodule-demo.rs: a
-    // multi-module pipeline (encoder -> language model) with bridge communicators.
+    // crates/multimodule/src/bin/multimodule-demo.rs: two encoders -> language model ->
+    // generator, with bridge communicators, 8 Gloo ranks as threads.
     (
         "multimodule",
         External {
             what: "demo multimodule",
             package: "multimodule",
             bin: "multimodule-demo",
-            launch: Launch::Mpirun { np: 8 },
+            features: &["gloo"],
+            launch: Launch::Direct,
         },
     ),
 ];
 
 // ---- EXTENSION POINT: benchmarks ---------------------------------------------------------------
-/// `cargo xtask bench mpi|gloo|bridge` (`bench layout` is built in, see bench.rs).
+/// `cargo xtask bench mpi|gloo|bridge|nccl` (`bench layout` is built in, see bench.rs). Each
+/// binary starts its own ranks (re-launching itself under mpirun where needed) and prints a
+/// Markdown report.
 pub const BENCHES: &[(&str, External)] = &[
     (
         "mpi",
@@ -75,7 +82,8 @@ pub const BENCHES: &[(&str, External)] = &[
             what: "bench mpi",
             package: "backend-mpi",
             bin: "mpi-bench",
-            launch: Launch::Mpirun { np: 2 },
+            features: &[],
+            launch: Launch::Direct,
         },
     ),
     (
@@ -84,6 +92,7 @@ pub const BENCHES: &[(&str, External)] = &[
             what: "bench gloo",
             package: "backend-gloo",
             bin: "gloo-bench",
+            features: &[],
             launch: Launch::Direct,
         },
     ),
@@ -93,7 +102,19 @@ pub const BENCHES: &[(&str, External)] = &[
             what: "bench bridge",
             package: "multimodule",
             bin: "bridge-bench",
-            launch: Launch::Mpirun { np: 8 },
+            features: &["gloo"],
+            launch: Launch::Direct,
+        },
+    ),
+    // Prints `SKIPPED: <reason>` without a usable GPU.
+    (
+        "nccl",
+        External {
+            what: "bench nccl",
+            package: "backend-nccl",
+            bin: "nccl-bench",
+            features: &[],
+            launch: Launch::Direct,
         },
     ),
 ];
@@ -122,7 +143,12 @@ pub fn run_external(e: &External, np_override: Option<usize>, extra: &[String]) 
         );
         return 1;
     }
-    if !run(cargo().args(["build", "--release", "-p", e.package, "--bin", e.bin])) {
+    let mut build = cargo();
+    build.args(["build", "--release", "-p", e.package, "--bin", e.bin]);
+    if !e.features.is_empty() {
+        build.args(["--features", &e.features.join(",")]);
+    }
+    if !run(&mut build) {
         eprintln!("xtask: building {} failed", e.bin);
         return 1;
     }
@@ -139,7 +165,16 @@ pub fn run_external(e: &External, np_override: Option<usize>, extra: &[String]) 
             .arg(&exe);
             c
         }
-        Launch::Direct => Command::new(&exe),
+        Launch::Direct => {
+            if np_override.is_some() {
+                eprintln!(
+                    "xtask: --np does not apply to `cargo xtask {}`: {} starts its own ranks",
+                    e.what, e.bin
+                );
+                return 2;
+            }
+            Command::new(&exe)
+        }
     };
     cmd.args(extra).current_dir(workspace_root());
     for (k, v) in MPI_ENV {

@@ -2,7 +2,7 @@
 //!
 //! * `cargo xtask test [--gpu]`: system packages, `cargo fmt --check`, clippy, every test.
 //! * `cargo xtask demo [mpi|gloo|multimodule]`: the layout of a realistic configuration.
-//! * `cargo xtask bench layout|mpi|gloo|bridge`: benchmarks.
+//! * `cargo xtask bench layout|mpi|gloo|bridge|nccl`: benchmarks.
 //!
 //! The alias lives in `.cargo/config.toml` (`xtask = "run --quiet --package xtask --"`).
 
@@ -19,7 +19,7 @@ commands:
   demo                             the layout of a realistic configuration (grid command)
   demo mpi|gloo|multimodule        the backend demos (binaries of the backend crates)
   bench layout [--quick]           topology benchmarks (library and grid command)
-  bench mpi|gloo|bridge [-- ARGS]  backend benchmarks (binaries of the backend crates)";
+  bench mpi|gloo|bridge|nccl [-- ARGS]  backend benchmarks (binaries of the backend crates)";
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();

@@ -45,6 +45,8 @@ pub struct Spec {
     pub values: &'static [&'static str],
     /// Boolean options.
     pub flags: &'static [&'static str],
+    /// Names of the positional arguments, in order (usually none).
+    pub positionals: &'static [&'static str],
 }
 
 /// Parsed options.
@@ -53,6 +55,7 @@ pub struct Parsed {
     command: &'static str,
     values: Vec<(&'static str, String)>,
     flags: Vec<&'static str>,
+    positionals: Vec<String>,
     /// `-h` or `--help` was given.
     pub help: bool,
 }
@@ -79,6 +82,10 @@ impl Spec {
                 continue;
             }
             let Some(body) = a.strip_prefix("--") else {
+                if p.positionals.len() < self.positionals.len() {
+                    p.positionals.push(a.clone());
+                    continue;
+                }
                 return Err(usage!(
                     "{}: unexpected argument '{a}' (options start with --; valid: {})",
                     self.command,
@@ -157,6 +164,11 @@ impl Parsed {
             .iter()
             .find(|(k, _)| *k == name)
             .map(|(_, v)| v.as_str())
+    }
+
+    /// The `i`-th positional argument, if given.
+    pub fn positional(&self, i: usize) -> Option<&str> {
+        self.positionals.get(i).map(String::as_str)
     }
 
     /// Whether a boolean option was given.
@@ -244,6 +256,7 @@ mod tests {
         command: "grid test",
         values: &["tp", "order", "list"],
         flags: &["raw"],
+        positionals: &[],
     };
 
     fn args(v: &[&str]) -> Vec<String> {

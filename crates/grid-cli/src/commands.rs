@@ -40,6 +40,7 @@ pub fn help_of(command: &str) -> Option<&'static str> {
         "enum" => Some(ENUM_HELP),
         "hierarchical" => Some(HIER_HELP),
         "rank-generator" => Some(RANKGEN_HELP),
+        "pipeline" => Some(PIPELINE_HELP),
         _ => None,
     }
 }
@@ -95,6 +96,7 @@ const LAYOUT: Spec = Spec {
         "format",
     ],
     flags: &[],
+    positionals: &[],
 };
 
 const LAYOUT_HELP: &str = "grid layout: every process group of a Megatron-Core layout (initialize_model_parallel)
@@ -539,6 +541,7 @@ const ENUM: Spec = Spec {
         "format",
     ],
     flags: &["raw"],
+    positionals: &[],
 };
 
 const ENUM_HELP: &str = "grid enum: the groups of an N-dimensional grid (Megatron's HyperCommGrid)
@@ -692,6 +695,7 @@ const HIER: Spec = Spec {
     command: "grid hierarchical",
     values: &["ranks", "sizes", "rank", "format"],
     flags: &[],
+    positionals: &[],
 };
 
 const HIER_HELP: &str = "grid hierarchical: hierarchical sub-groups of one group (Megatron's create_hierarchical_groups)
@@ -794,6 +798,7 @@ const RANKGEN: Spec = Spec {
         "format",
     ],
     flags: &[],
+    positionals: &[],
 };
 
 const RANKGEN_HELP: &str =
@@ -934,6 +939,48 @@ pub fn rank_generator(args: &[String], out: &mut Out<'_>) -> std::result::Result
     if let Some((t, Err(e))) = results.iter().find(|(_, r)| r.is_err()) {
         out.flush()?;
         return Err(usage!("grid rank-generator: token '{t}': {e}").into());
+    }
+    Ok(())
+}
+
+// ------------------------------------------------------------------------------------------------
+// grid pipeline
+
+const PIPELINE: Spec = Spec {
+    command: "grid pipeline",
+    values: &["format"],
+    flags: &[],
+    positionals: &["SPEC"],
+};
+
+const PIPELINE_HELP: &str = "grid pipeline: stages and bridges of a multi-module pipeline (crate multimodule)
+
+usage: grid pipeline SPEC [--format text|json]
+
+  SPEC                  a pipeline spec file: modules with their grids, topology, ... (TOML if the
+                        name ends in .toml, JSON otherwise; see crates/multimodule/README.md)
+  --format text|json    readable text (default) or JSON
+
+JSON: {\"total_stages\", \"ranks\": {RANK: {\"modules\", \"current_stage\", \"is_first_stage\",
+       \"is_last_stage\"}}, \"bridges\": [{\"src\", \"dst\", \"src_leaders\", \"dst_leaders\", \"routes\",
+       \"src_broadcast_groups\", \"dst_broadcast_groups\"}]}";
+
+/// `grid pipeline`.
+pub fn pipeline(args: &[String], out: &mut Out<'_>) -> std::result::Result<(), Failure> {
+    let p = PIPELINE.parse(args)?;
+    if p.help {
+        out.line(PIPELINE_HELP)?;
+        return Ok(());
+    }
+    let format = format_of(&p, PIPELINE.command)?;
+    let path = p.positional(0).ok_or_else(|| {
+        usage!("grid pipeline: the spec file is required (grid pipeline SPEC [--format json])")
+    })?;
+    let plan = multimodule::PipelinePlan::from_spec_file(path)
+        .map_err(|e| usage!("grid pipeline: {path}: {e}"))?;
+    match format {
+        Format::Json => out.line(&plan.to_json())?,
+        Format::Text => out.raw(&plan.to_text())?,
     }
     Ok(())
 }

@@ -74,6 +74,7 @@ usage:
   grid hierarchical --ranks R1,R2,... --sizes A,B,... [--rank R] [--format text|json]
   grid rank-generator --order ORDER [--tp N] [--ep N] [--dp N] [--pp N] [--cp N]
                       [--rank-offset O] [--tokens T1,T2,...] [--format text|json]
+  grid pipeline SPEC [--format text|json]
   grid help [COMMAND]      grid --version
 
 Run `grid COMMAND --help` for the details of one command. Invalid input exits with status 2.";
@@ -82,7 +83,7 @@ Run `grid COMMAND --help` for the details of one command. Invalid input exits wi
 pub fn run(args: &[String], w: &mut dyn Write) -> Result<(), Failure> {
     let mut out = out::Out::new(w);
     let Some(cmd) = args.first() else {
-        return Err(usage!("missing command: expected layout, enum, hierarchical or rank-generator (see grid --help)").into());
+        return Err(usage!("missing command: expected layout, enum, hierarchical, rank-generator or pipeline (see grid --help)").into());
     };
     let rest = &args[1..];
     match cmd.as_str() {
@@ -90,6 +91,7 @@ pub fn run(args: &[String], w: &mut dyn Write) -> Result<(), Failure> {
         "enum" => commands::enumerate(rest, &mut out)?,
         "hierarchical" => commands::hierarchical(rest, &mut out)?,
         "rank-generator" => commands::rank_generator(rest, &mut out)?,
+        "pipeline" => commands::pipeline(rest, &mut out)?,
         "-h" | "--help" => out.line(HELP)?,
         "help" => match rest.first().map(String::as_str) {
             None => out.line(HELP)?,
@@ -97,7 +99,7 @@ pub fn run(args: &[String], w: &mut dyn Write) -> Result<(), Failure> {
                 Some(h) => out.line(h)?,
                 None => {
                     return Err(usage!(
-                        "help: unknown command '{c}': expected layout, enum, hierarchical or rank-generator"
+                        "help: unknown command '{c}': expected layout, enum, hierarchical, rank-generator or pipeline"
                     )
                     .into())
                 }
@@ -106,7 +108,7 @@ pub fn run(args: &[String], w: &mut dyn Write) -> Result<(), Failure> {
         "-V" | "--version" => out.line(concat!("grid ", env!("CARGO_PKG_VERSION")))?,
         other => {
             return Err(usage!(
-                "unknown command '{other}': expected layout, enum, hierarchical or rank-generator (see grid --help)"
+                "unknown command '{other}': expected layout, enum, hierarchical, rank-generator or pipeline (see grid --help)"
             )
             .into())
         }
