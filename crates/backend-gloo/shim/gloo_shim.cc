@@ -97,12 +97,42 @@ struct gloo_shim_device {
   std::shared_ptr<gloo::transport::Device> device;
 };
 
+namespace {
+
+// A constructed gloo::ReduceScatterHalvingDoubling<T> with its buffer, kept for reuse.
+// Gloo's legacy algorithms are built to be constructed once and run many times: construction
+// takes slots, registers pair-bound buffers and allocates two internal buffers of the whole
+// input size, which for large inputs costs more than the communication (fresh pages).
+struct HdCache {
+  virtual ~HdCache() noexcept(false) {}
+  virtual void run(const void* send, void* recv) = 0;
+  int32_t dtype = -1;
+  int32_t op = -1;
+  size_t recv_count = 0;
+};
+
+}  // namespace
+
 struct gloo_shim_context {
   std::shared_ptr<gloo::rendezvous::Context> ctx;
   // Serialises the legacy (pair-bound) algorithms, which take slots from the context's
-  // non-atomic slot counter (gloo::Context::nextSlot).
+  // non-atomic slot counter (gloo::Context::nextSlot), and guards `hd`.
   std::mutex legacy;
+  // The last reduce-scatter, reused when the next one has the same dtype, reduction and size.
+  // Every rank makes the same calls in the same order, so every rank makes the same decision
+  // (and takes the same slots). Owned; deleted before `ctx` (see drop_hd).
+  HdCache* hd = nullptr;
 };
+
+namespace {
+
+void drop_hd(gloo_shim_context* c) {
+  HdCache* h = c->hd;
+  c->hd = nullptr;
+  delete h;  // may throw (gloo::Algorithm's destructor is noexcept(false)); callers catch
+}
+
+}  // namespace
 
 struct gloo_shim_pending {
   std::shared_ptr<gloo::rendezvous::Context> ctx;
@@ -515,22 +545,55 @@ void run_allreduce(
 }
 
 template <typename T>
-void run_reduce_scatter_hd(
-    gloo_shim_context* c, const void* send, void* recv, size_t recv_count, int32_t op) {
-  const size_t size = static_cast<size_t>(c->ctx->size);
-  const size_t total = recv_count * size;
-  // The algorithm reduces in place over one buffer of `total` elements and leaves this rank's
-  // block at the START of that buffer (not at rank * recv_count).
-  std::vector<T> scratch(static_cast<const T*>(send), static_cast<const T*>(send) + total);
-  std::vector<T*> ptrs{scratch.data()};
-  std::vector<int> counts(size, static_cast<int>(recv_count));
-  std::lock_guard<std::mutex> guard(c->legacy);
-  {
-    gloo::ReduceScatterHalvingDoubling<T> algo(
-        c->ctx, ptrs, static_cast<int>(total), counts, reduction_function<T>(op));
-    algo.run();
+struct HdImpl : HdCache {
+  std::vector<T> scratch;
+  gloo::ReduceScatterHalvingDoubling<T>* algo = nullptr;
+
+  HdImpl(const std::shared_ptr<gloo::Context>& ctx, size_t count, int32_t op_) {
+    const size_t size = static_cast<size_t>(ctx->size);
+    scratch.resize(count * size);
+    std::vector<T*> ptrs{scratch.data()};
+    std::vector<int> counts(size, static_cast<int>(count));
+    algo = new gloo::ReduceScatterHalvingDoubling<T>(
+        ctx, ptrs, static_cast<int>(count * size), counts, reduction_function<T>(op_));
+    recv_count = count;
+    op = op_;
   }
-  std::memcpy(recv, scratch.data(), recv_count * sizeof(T));
+
+  ~HdImpl() noexcept(false) override {
+    delete algo;
+  }
+
+  void run(const void* send, void* recv) override {
+    std::memcpy(scratch.data(), send, scratch.size() * sizeof(T));
+    algo->run();
+    // The algorithm leaves this rank's block at the START of the buffer (not at rank * count).
+    std::memcpy(recv, scratch.data(), recv_count * sizeof(T));
+  }
+};
+
+template <typename T>
+void run_reduce_scatter_hd(
+    gloo_shim_context* c, const void* send, void* recv, size_t recv_count, int32_t dtype,
+    int32_t op) {
+  std::lock_guard<std::mutex> guard(c->legacy);
+  try {
+    if (c->hd == nullptr || c->hd->dtype != dtype || c->hd->op != op ||
+        c->hd->recv_count != recv_count) {
+      drop_hd(c);
+      auto* h = new HdImpl<T>(c->ctx, recv_count, op);
+      h->dtype = dtype;
+      c->hd = h;
+    }
+    c->hd->run(send, recv);
+  } catch (...) {
+    // After a failure the algorithm's state is unknown: never reuse it.
+    try {
+      drop_hd(c);
+    } catch (...) {
+    }
+    throw;
+  }
 }
 
 template <typename T>
@@ -708,6 +771,10 @@ int32_t gloo_shim_context_connect(
 
 void gloo_shim_context_free(gloo_shim_context* ctx) {
   try {
+    drop_hd(ctx);
+  } catch (...) {
+  }
+  try {
     delete ctx;
   } catch (...) {
   }
@@ -788,7 +855,7 @@ int32_t gloo_shim_reduce_scatter(
       // The legacy algorithm counts elements and bytes in `int`.
       bool fits = total_bytes <= static_cast<size_t>(std::numeric_limits<int>::max());
       if (algorithm == GLOO_SHIM_RS_HALVING_DOUBLING && fits) {
-        run_reduce_scatter_hd<T>(c, send, recv, recv_count, op);
+        run_reduce_scatter_hd<T>(c, send, recv, recv_count, dtype, op);
       } else {
         run_reduce_scatter_ar<T>(c, send, recv, recv_count, op, tag, to_millis(timeout_ms));
       }

@@ -137,7 +137,8 @@ int32_t gloo_shim_context_size(const gloo_shim_context* ctx);
 
 /* ---- collectives (blocking; count = elements, bytes = bytes) --------------------------------- */
 
-/* recv[i] = op over ranks of send[i]; send and recv have count elements of dtype. */
+/* recv[i] = op over ranks of send[i]; send and recv have count elements of dtype. send == recv
+ * reduces in place. */
 int32_t gloo_shim_allreduce(
     gloo_shim_context* ctx, const void* send, void* recv, size_t count, int32_t dtype,
     int32_t op, int32_t algorithm, uint32_t tag, int64_t timeout_ms, gloo_shim_status* st);
