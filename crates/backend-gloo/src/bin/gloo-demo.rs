@@ -42,12 +42,15 @@ fn median(v: &mut [f64]) -> f64 {
     v.get(v.len() / 2).copied().unwrap_or(0.0)
 }
 
+/// One family level on one rank: (group size, created here, reused from, creation s, latency s).
+type FamilyRow = (Option<usize>, usize, Option<FamilyLevel>, f64, f64);
+
 /// What one rank measured.
 struct RankResult {
     build_s: f64,
     created: usize,
     /// Per family level: (group size, created here, reused from, creation s, latency s).
-    rows: Vec<(Option<usize>, usize, Option<FamilyLevel>, f64, f64)>,
+    rows: Vec<FamilyRow>,
     failures: Vec<String>,
 }
 
