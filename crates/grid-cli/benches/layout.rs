@@ -252,6 +252,14 @@ fn megatron_figures() -> HashMap<(usize, String), (String, String)> {
     out
 }
 
+/// The 1-minute load average, from /proc/loadavg.
+fn load_average() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .and_then(|s| s.split_whitespace().next().map(str::to_string))
+        .unwrap_or_else(|| "unknown".into())
+}
+
 fn main() {
     let quick = std::env::args().any(|a| a == "--quick");
     let runs = |world: usize| -> usize {
@@ -266,6 +274,7 @@ fn main() {
         Err(e) => panic!("cannot build a 1-thread pool: {e}"),
     };
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let load_before = load_average();
     eprintln!("benchmarking (medians; {cores} cores; quick = {quick}) ...");
 
     // ---- 1. one rank's view, memory, and the grid process, per world size -------------------
@@ -466,6 +475,10 @@ fn main() {
 
     // ---- report -----------------------------------------------------------------------------
     let ok = |b: bool| if b { "met" } else { "MISSED" };
+    println!(
+        "Machine: {cores} cores; load average {load_before} before the run, {} after (other jobs share the machine).\n",
+        load_average()
+    );
     println!("### Targets (world 1,048,576: tp 8, cp 2, pp 16, ep 8; medians)\n");
     println!("| measurement | target | measured | |");
     println!("|---|---:|---:|---|");
