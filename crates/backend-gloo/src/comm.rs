@@ -151,18 +151,17 @@ impl Inner {
     }
 
     fn alive(&self, op: &'static str) -> Result<()> {
-        if self
-            .failure
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .is_some()
-        {
-            return Err(Error::Finalized {
+        match &*self.failure.lock().unwrap_or_else(|e| e.into_inner()) {
+            None => Ok(()),
+            Some(m) if m == ABORTED => Err(Error::Finalized {
+                op,
+                state: "aborted",
+            }),
+            Some(_) => Err(Error::Finalized {
                 op,
                 state: "aborted by an earlier failure (a timeout or a lost peer)",
-            });
+            }),
         }
-        Ok(())
     }
 
     /// Maps a shim failure to the trait's error and, unless the shim rejected an argument before

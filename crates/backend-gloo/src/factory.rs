@@ -179,6 +179,7 @@ fn store_error(kind: &str, e: ShimError) -> Error {
 /// let cfg = GlooConfig::new("train-42")
 ///     .with_timeout(Duration::from_secs(10))
 ///     .with_reduce_scatter(ReduceScatterAlgorithm::Allreduce);
+/// assert_eq!(cfg.reduce_scatter, ReduceScatterAlgorithm::default());
 /// assert_eq!(cfg.job_id, "train-42");
 /// assert_eq!(cfg.hostname, "127.0.0.1");
 /// ```
@@ -201,7 +202,8 @@ pub struct GlooConfig {
 }
 
 impl GlooConfig {
-    /// Defaults: 30 s timeout, `127.0.0.1`, ring all-reduce, halving-doubling reduce-scatter.
+    /// Defaults: 30 s timeout, `127.0.0.1`, ring all-reduce, reduce-scatter
+    /// through the ring all-reduce.
     ///
     /// ```
     /// let cfg = backend_gloo::GlooConfig::new("job");
@@ -213,7 +215,7 @@ impl GlooConfig {
             timeout: Duration::from_secs(30),
             hostname: "127.0.0.1".into(),
             allreduce: AllreduceAlgorithm::Ring,
-            reduce_scatter: ReduceScatterAlgorithm::HalvingDoubling,
+            reduce_scatter: ReduceScatterAlgorithm::Allreduce,
         }
     }
 
@@ -255,8 +257,8 @@ impl GlooConfig {
     ///
     /// ```
     /// use backend_gloo::{GlooConfig, ReduceScatterAlgorithm};
-    /// let cfg = GlooConfig::new("j").with_reduce_scatter(ReduceScatterAlgorithm::Allreduce);
-    /// assert_eq!(cfg.reduce_scatter, ReduceScatterAlgorithm::Allreduce);
+    /// let cfg = GlooConfig::new("j").with_reduce_scatter(ReduceScatterAlgorithm::HalvingDoubling);
+    /// assert_eq!(cfg.reduce_scatter, ReduceScatterAlgorithm::HalvingDoubling);
     /// ```
     pub fn with_reduce_scatter(mut self, a: ReduceScatterAlgorithm) -> GlooConfig {
         self.reduce_scatter = a;

@@ -5,7 +5,8 @@
 //! `libgloo` (Debian `libgloo-dev`) whose Rust declarations `bindgen` generates at build time.
 //!
 //! * [`GlooCommunicator`] implements [`grid_core::Communicator`]: all-reduce (Gloo's ring or
-//!   BCube), broadcast, all-gather, reduce-scatter (Gloo's `ReduceScatterHalvingDoubling`),
+//!   BCube), broadcast, all-gather, reduce-scatter (through Gloo's ring all-reduce by default:
+//!   Gloo's own `ReduceScatterHalvingDoubling` is opt-in, see [`ReduceScatterAlgorithm`]),
 //!   all-to-all, barrier, tagged send/recv and batches of them, and nonblocking forms on a
 //!   per-communicator worker thread that keeps call order. All seven dtypes, host memory.
 //! * [`GlooFactory`] implements [`grid_core::GroupFactory`]: a split all-gathers colours over

@@ -3,7 +3,8 @@
 //!
 //! Ranks are threads of this process (Gloo over loopback TCP, in-process rendezvous).
 //!
-//! * all_reduce (Gloo ring), all_gather (Gloo ring), reduce_scatter (Gloo halving-doubling),
+//! * all_reduce (Gloo ring), all_gather (Gloo ring), reduce_scatter (the default algorithm:
+//!   Gloo's ring all-reduce plus a copy; `--rs-halving-doubling` measures Gloo's own one),
 //!   broadcast, f32 sum, 8 B to 64 MiB (powers of 4, plus 64 MiB), at 2 and 4 ranks.
 //! * Time = median over iterations of the slowest rank's time; every iteration starts after a
 //!   barrier, and the trait call and the direct call alternate iteration by iteration.
@@ -14,7 +15,7 @@
 //! * `overhead`: on 1 rank, the fixed cost per call of the trait layer (an 8-byte all_reduce,
 //!   which Gloo reduces locally at size 1).
 //!
-//! Usage: `gloo-bench [--quick] [--ranks 2,4] [--max-bytes N]`.
+//! Usage: `gloo-bench [--quick] [--ranks 2,4] [--max-bytes N] [--rs-halving-doubling]`.
 
 use backend_gloo::{
     run_ranks, AllreduceAlgorithm, GlooCommunicator, GlooConfig, RawOp, ReduceScatterAlgorithm,
@@ -121,6 +122,21 @@ fn check(op: Op, b: &Bufs, n: usize, rank: usize) -> Result<(), String> {
 
 const TIMEOUT: Duration = Duration::from_secs(120);
 
+/// The reduce-scatter algorithm of this run (the trait uses it through the configuration).
+static HALVING_DOUBLING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+fn c_rs(_c: &GlooCommunicator) -> ReduceScatterAlgorithm {
+    c_rs_global()
+}
+
+fn c_rs_global() -> ReduceScatterAlgorithm {
+    if HALVING_DOUBLING.load(std::sync::atomic::Ordering::Relaxed) {
+        ReduceScatterAlgorithm::HalvingDoubling
+    } else {
+        ReduceScatterAlgorithm::Allreduce
+    }
+}
+
 /// One call through the trait.
 fn via_trait(c: &GlooCommunicator, op: Op, b: &mut Bufs, rank: usize) -> grid_core::Result<()> {
     match op {
@@ -164,7 +180,7 @@ fn direct(
             HostSlice::F32(&b.send),
             HostSliceMut::F32(&mut b.recv),
             RawOp::Sum,
-            ReduceScatterAlgorithm::HalvingDoubling,
+            c_rs(c),
             tag,
             TIMEOUT,
         ),
@@ -212,7 +228,9 @@ struct Row {
 }
 
 fn collectives(n: usize, sizes: &[usize], quick: bool) -> Result<Vec<Row>, String> {
-    let cfg = GlooConfig::new(format!("gloo-bench-{n}")).with_timeout(TIMEOUT);
+    let cfg = GlooConfig::new(format!("gloo-bench-{n}"))
+        .with_timeout(TIMEOUT)
+        .with_reduce_scatter(c_rs_global());
     // Per rank: per (op, size): (trait times, direct times, bytes).
     let per_rank = run_ranks(n, &cfg, |_f, world| {
         let rank = world.rank();
@@ -344,6 +362,9 @@ fn main() -> ExitCode {
     while let Some(a) = it.next() {
         match a.as_str() {
             "--quick" => {}
+            "--rs-halving-doubling" => {
+                HALVING_DOUBLING.store(true, std::sync::atomic::Ordering::Relaxed)
+            }
             "--ranks" => match it.next().map(|v| {
                 v.split(',')
                     .map(str::parse)
@@ -363,7 +384,7 @@ fn main() -> ExitCode {
                 }
             },
             other => {
-                eprintln!("gloo-bench: unknown argument '{other}' (usage: gloo-bench [--quick] [--ranks 2,4] [--max-bytes N])");
+                eprintln!("gloo-bench: unknown argument '{other}' (usage: gloo-bench [--quick] [--ranks 2,4] [--max-bytes N] [--rs-halving-doubling])");
                 return ExitCode::from(2);
             }
         }
