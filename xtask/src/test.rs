@@ -371,13 +371,14 @@ fn summary(steps: &[Step], counts: &Counts) -> i32 {
     println!();
     println!("==== cargo xtask test: summary ====");
     for s in steps {
-        println!(
+        let line = format!(
             "  {:<6} {:<width$}  {:>8}  {}",
             if s.ok { "ok" } else { "FAILED" },
             s.name,
             secs(s.time),
             s.note
         );
+        println!("{}", line.trim_end());
     }
     if failed.is_empty() {
         println!("all {} steps succeeded", steps.len());
