@@ -30,6 +30,11 @@ mod sys {
 }
 
 /// Kind of failure reported by the shim.
+///
+/// ```
+/// use backend_gloo::ShimCode;
+/// assert_ne!(ShimCode::Timeout, ShimCode::Io);
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ShimCode {
     /// A store wait, connect or send/recv timed out.
@@ -48,6 +53,19 @@ pub enum ShimCode {
 
 /// A failure reported by the shim: its kind, the failed peer (context rank) when Gloo's pair
 /// state names one, and Gloo's message.
+///
+/// ```
+/// # use backend_gloo::{run_ranks, GlooConfig, ShimCode};
+/// # use grid_core::{HostSlice, HostSliceMut};
+/// # use std::time::Duration;
+/// let r = run_ranks(1, &GlooConfig::new("doc-shim-error"), |_f, w| {
+///     // The raw layer checks buffers itself: 2 elements cannot receive 3.
+///     let e = w.raw().allgather(HostSlice::U8(&[1, 2, 3]), HostSliceMut::U8(&mut [0; 2]), 1,
+///                               Duration::from_secs(1)).unwrap_err();
+///     Ok(e.code)
+/// }).unwrap();
+/// assert_eq!(*r[0].as_ref().unwrap(), ShimCode::Invalid);
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ShimError {
     /// What kind of failure.
@@ -132,6 +150,11 @@ fn dtype_code(d: DType) -> i32 {
 }
 
 /// Reductions the shim implements (average is a sum followed by a division, done by the caller).
+///
+/// ```
+/// let op = backend_gloo::RawOp::Max;
+/// # let _ = op;
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RawOp {
     /// Sum (integers wrap).
@@ -156,6 +179,10 @@ impl RawOp {
 }
 
 /// Gloo's allreduce algorithms (`gloo::AllreduceOptions::Algorithm`).
+///
+/// ```
+/// assert_eq!(backend_gloo::AllreduceAlgorithm::default(), backend_gloo::AllreduceAlgorithm::Ring);
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum AllreduceAlgorithm {
     /// Ring (Gloo's default).
@@ -166,6 +193,11 @@ pub enum AllreduceAlgorithm {
 }
 
 /// How reduce-scatter runs.
+///
+/// ```
+/// use backend_gloo::ReduceScatterAlgorithm;
+/// assert_eq!(ReduceScatterAlgorithm::default(), ReduceScatterAlgorithm::Allreduce);
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum ReduceScatterAlgorithm {
     /// `gloo::allreduce` (ring) then a copy of this rank's block: twice the traffic of a
@@ -359,6 +391,24 @@ impl Drop for RawDevice {
 // ---- contexts -----------------------------------------------------------------------------------
 
 /// One point-to-point operation on borrowed memory, for [`RawContext::p2p`].
+///
+/// ```
+/// # use backend_gloo::{run_ranks, GlooConfig, RawP2p};
+/// # use grid_core::{Communicator, HostSlice, HostSliceMut};
+/// # use std::time::Duration;
+/// let r = run_ranks(2, &GlooConfig::new("doc-raw-p2p"), |_f, w| {
+///     let peer = 1 - w.rank();
+///     let mine = [w.rank() as i32; 2];
+///     let mut theirs = [0i32; 2];
+///     let mut ops = [
+///         RawP2p::Recv { data: HostSliceMut::I32(&mut theirs), peer, tag: 3 },
+///         RawP2p::Send { data: HostSlice::I32(&mine), peer, tag: 3 },
+///     ];
+///     w.raw().p2p(&mut ops, Duration::from_secs(10)).map_err(|e| grid_core::Error::Invalid(e.to_string()))?;
+///     Ok(theirs)
+/// }).unwrap();
+/// assert_eq!(r[0].as_ref().unwrap(), &[1, 1]);
+/// ```
 #[derive(Debug)]
 pub enum RawP2p<'a> {
     /// Send `data` to context rank `peer`.
@@ -382,6 +432,7 @@ pub enum RawP2p<'a> {
 }
 
 /// An owned, connected Gloo context (`gloo::rendezvous::Context` with a full mesh of TCP pairs).
+/// Reached through [`crate::GlooCommunicator::raw`] (see its example, and [`RawP2p`]'s).
 ///
 /// All methods block. Collectives on one context are serialised by an internal lock (Gloo
 /// matches messages by slot, so two collectives in flight on one context would need distinct
@@ -751,7 +802,7 @@ impl RawContext {
 
     /// Posts one operation on an owned buffer (`is_recv`: receive into it, else send it) and
     /// returns the pending operation. The buffer comes back from [`RawPending::wait`].
-    pub fn post(
+    pub(crate) fn post(
         &self,
         mut data: HostBuffer,
         peer: usize,
@@ -803,7 +854,7 @@ impl Drop for RawContext {
 
 /// A posted point-to-point operation that owns its buffer.
 #[derive(Debug)]
-pub struct RawPending {
+pub(crate) struct RawPending {
     ptr: Option<NonNull<sys::gloo_shim_pending>>,
     data: Option<HostBuffer>,
 }
@@ -815,7 +866,7 @@ unsafe impl Send for RawPending {}
 impl RawPending {
     /// Waits up to `timeout` for the operation and returns the buffer (received data for a
     /// receive). The operation is cancelled if it failed.
-    pub fn wait(mut self, timeout: Duration) -> (ShimResult<()>, HostBuffer) {
+    pub(crate) fn wait(mut self, timeout: Duration) -> (ShimResult<()>, HostBuffer) {
         let mut result = Ok(());
         if let Some(p) = self.ptr {
             let mut st = new_status();
