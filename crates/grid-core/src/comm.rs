@@ -570,9 +570,11 @@ impl Request {
 
 /// Handle of a started nonblocking operation.
 ///
-/// Operations started on one communicator complete in the order they were started (NCCL, which
-/// executes one communicator's operations in stream order, may also *start* them only in that
-/// order). Dropping a handle whose operation has not finished **waits** for it, so the owned
+/// Collectives started on one communicator run in the order they were started, the same order
+/// on every rank. Point-to-point sends and receives are posted at once and complete as their
+/// peers match them (as `batch_isend_irecv` does), so matching exchanges posted in any order do
+/// not deadlock; NCCL, which executes one communicator's work in stream order, defers them into
+/// one group (see its crate docs). Dropping a handle whose operation has not finished **waits** for it, so the owned
 /// buffers are never freed while the library still uses them.
 pub trait Work: Send {
     /// True once the operation finished (successfully or not); never blocks.
