@@ -1,25 +1,34 @@
-//! Bridge throughput against plain point-to-point sends of the same bytes, on the same backend
-//! in the same run (Gloo, two ranks as threads of this process, TCP loopback).
+//! Bridge throughput against plain point-to-point sends of the same bytes between the same ranks,
+//! on the same backend in the same run (Gloo, ranks as threads of this process, TCP loopback).
 //!
-//! For each size the source rank moves one f32 activation `[rows, 1024, 256]` of that many
-//! bytes to the destination rank `iters` times, first with `send`/`recv` on the world
-//! communicator, then through a 1:1 [`BridgeCommunicator`] (`send_forward` / `recv_forward`:
-//! header exchange, payload, fresh output tensor). Throughput is bytes / (time per transfer),
-//! timed on the receiver after a barrier; the three kinds alternate round by round and the
-//! medians are reported, so load on a shared machine hits them alike.
+//! Three topologies, each on its own Gloo world:
+//! * `1:1`: rank 0 → rank 1; plain p2p is one `send`/`recv`.
+//! * `fan-out 1->2`: source lane rank 0 → destination lanes 1 and 2, half the batch each; plain
+//!   p2p is rank 0 sending the two halves of its buffer in one `batch_p2p`.
+//! * `fan-in 2->1`: source lanes 0 and 1 → destination lane 2, which gets both halves
+//!   concatenated; plain p2p is the two sends received straight into the two halves of one
+//!   buffer (one `batch_p2p`).
 //!
-//! Run: `cargo run --release -p multimodule --features gloo --bin bridge-bench [-- --max-mib 256 --iters N]`
+//! "size" is the activation a transfer delivers (f32 `[2·MiB, 512, 256]`, batch first). For every
+//! size: one warm-up transfer of each kind (its data checked element by element), then rounds in
+//! which every kind runs once, in an order that rotates from round to round; each transfer starts
+//! after a barrier and its time is the slowest rank's. Throughput = bytes / median time; ratio =
+//! bridge / p2p throughput.
+//!
+//! Run: `cargo run --release -p multimodule --features gloo --bin bridge-bench
+//! [-- --max-mib 256 --min-mib 1 --rounds N --topo 1:1|fan-out|fan-in]`
 
 use backend_gloo::{run_ranks, GlooConfig};
-use grid_core::{Communicator, CommunicatorExt, HyperGrid};
+use grid_core::{BufMut, BufRef, Communicator, HyperGrid, P2pOp};
 use multimodule::{Activation, BridgeCommunicator, BridgePlan, DimMapping};
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-const ROW: usize = 1024 * 256; // f32 elements per batch row (1 MiB)
+/// f32 elements per batch row (512 KiB).
+const ROW: usize = 512 * 256;
 
-fn arg(name: &str, default: usize) -> usize {
+fn arg<T: std::str::FromStr>(name: &str, default: T) -> T {
     let args: Vec<String> = std::env::args().collect();
     args.iter()
         .position(|a| a == name)
@@ -28,153 +37,315 @@ fn arg(name: &str, default: usize) -> usize {
         .unwrap_or(default)
 }
 
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Topo {
+    OneToOne,
+    FanOut,
+    FanIn,
+}
+
+impl Topo {
+    fn name(self) -> &'static str {
+        match self {
+            Topo::OneToOne => "1:1",
+            Topo::FanOut => "fan-out 1->2",
+            Topo::FanIn => "fan-in 2->1",
+        }
+    }
+    fn world(self) -> usize {
+        match self {
+            Topo::OneToOne => 2,
+            _ => 3,
+        }
+    }
+    /// (source lanes, destination lanes).
+    fn lanes(self) -> (usize, usize) {
+        match self {
+            Topo::OneToOne => (1, 1),
+            Topo::FanOut => (1, 2),
+            Topo::FanIn => (2, 1),
+        }
+    }
+    fn plan(self) -> Result<BridgePlan, String> {
+        let (s, d) = self.lanes();
+        let g = |dp, off| {
+            HyperGrid::new(vec![1, 1, 1, dp], &["tp", "cp", "pp", "dp"], off)
+                .map_err(|e| e.to_string())
+        };
+        BridgePlan::new("src", g(s, 0)?, "dst", g(d, s)?, 3, DimMapping::default())
+            .map_err(|e| e.to_string())
+    }
+}
+
+/// What one timed transfer runs.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Kind {
+    /// Plain sends of the same bytes between the same ranks.
+    P2p,
+    /// `send_forward` / `recv_forward`, the output dropped.
+    Bridge,
+    /// The same, the output handed back with `recycle()`.
+    Recycled,
+}
+
+const KINDS: [Kind; 3] = [Kind::P2p, Kind::Bridge, Kind::Recycled];
+
+fn kind_name(k: Kind) -> &'static str {
+    match k {
+        Kind::P2p => "p2p",
+        Kind::Bridge => "bridge",
+        Kind::Recycled => "recycled",
+    }
+}
+
+fn invalid(e: impl std::fmt::Display) -> grid_core::Error {
+    grid_core::Error::Invalid(e.to_string())
+}
+
+/// Value of element `e` of source lane `lane`'s activation (exact in f32).
+fn val(lane: usize, e: usize) -> f32 {
+    ((lane * 7 + e) % 4093) as f32
+}
+
+/// One rank of one topology: per size, per kind, the elapsed seconds of every round.
+fn rank_main(
+    topo: Topo,
+    sizes: &[usize],
+    rounds: usize,
+    f: &backend_gloo::GlooFactory,
+    w: backend_gloo::GlooCommunicator,
+) -> grid_core::Result<Vec<Vec<Vec<f64>>>> {
+    let w = Arc::new(w);
+    let me = w.rank();
+    let plan = topo.plan().map_err(invalid)?;
+    let (nsrc, ndst) = topo.lanes();
+    let is_src = me < nsrc;
+    let bridges: Vec<BridgeCommunicator<_>> = (0..KINDS.len())
+        .map(|k| BridgeCommunicator::new(f, w.clone(), plan.clone(), 100 + 16 * k as u32))
+        .collect::<Result<_, _>>()
+        .map_err(invalid)?;
+    let mut out = Vec::new();
+    for &mib in sizes {
+        let total_rows = 2 * mib;
+        let src_rows = total_rows / nsrc;
+        let dst_rows = total_rows / ndst;
+        let lane = if is_src { me } else { me - nsrc };
+        let act = if is_src {
+            let n = src_rows * ROW;
+            Some(
+                Activation::from_vec(
+                    vec![src_rows, 512, 256],
+                    (0..n).map(|e| val(lane, e)).collect(),
+                )
+                .map_err(invalid)?,
+            )
+        } else {
+            None
+        };
+        // What destination lane `lane` must receive: its rows of the lanes' concatenation.
+        let expected = |lane: usize, t: &Activation| -> bool {
+            let Some(v) = t.as_slice::<f32>() else {
+                return false;
+            };
+            let first = lane * dst_rows * ROW;
+            v.len() == dst_rows * ROW
+                && v.iter().enumerate().all(|(e, &x)| {
+                    let g = first + e;
+                    x == val(g / (src_rows * ROW), g % (src_rows * ROW))
+                })
+        };
+        let mut p2p_buf = vec![0f32; if is_src { 0 } else { dst_rows * ROW }];
+        let transfer = |kind: Kind, buf: &mut Vec<f32>, check: bool| -> grid_core::Result<()> {
+            let bridge = &bridges[KINDS.iter().position(|&k| k == kind).unwrap_or(0)];
+            match (kind, is_src) {
+                (Kind::P2p, true) => {
+                    let v = act
+                        .as_ref()
+                        .and_then(|a| a.as_slice::<f32>())
+                        .unwrap_or(&[]);
+                    let dsts: Vec<usize> = (nsrc..nsrc + ndst).collect();
+                    let chunk = v.len() / dsts.len();
+                    let ops = dsts
+                        .iter()
+                        .enumerate()
+                        .map(|(k, &peer)| P2pOp::Send {
+                            buf: BufRef::from(&v[k * chunk..(k + 1) * chunk]),
+                            peer,
+                            tag: 7,
+                        })
+                        .collect();
+                    w.batch_p2p(ops)
+                }
+                (Kind::P2p, false) => {
+                    let chunk = buf.len() / nsrc;
+                    let ops = buf
+                        .chunks_mut(chunk.max(1))
+                        .enumerate()
+                        .map(|(peer, c)| P2pOp::Recv {
+                            buf: BufMut::from(c),
+                            peer,
+                            tag: 7,
+                        })
+                        .collect();
+                    w.batch_p2p(ops)?;
+                    if check
+                        && !buf.chunks(ROW).enumerate().all(|(r, c)| {
+                            let g = lane * dst_rows * ROW + r * ROW;
+                            c.iter().enumerate().all(|(e, &x)| {
+                                x == val((g + e) / (src_rows * ROW), (g + e) % (src_rows * ROW))
+                            })
+                        })
+                    {
+                        return Err(invalid("p2p delivered wrong data"));
+                    }
+                    Ok(())
+                }
+                (_, true) => bridge
+                    .send_forward(act.as_ref().ok_or_else(|| invalid("no activation"))?)
+                    .map_err(invalid),
+                (_, false) => {
+                    let got = bridge
+                        .recv_forward()
+                        .map_err(invalid)?
+                        .ok_or_else(|| invalid("no activation"))?;
+                    if got.shape() != [dst_rows, 512, 256] || (check && !expected(lane, &got)) {
+                        return Err(invalid(format!(
+                            "{} delivered a wrong tensor {:?}",
+                            kind_name(kind),
+                            got.shape()
+                        )));
+                    }
+                    if kind == Kind::Recycled {
+                        bridge.recycle(got);
+                    }
+                    Ok(())
+                }
+            }
+        };
+        for &k in &KINDS {
+            w.barrier()?;
+            transfer(k, &mut p2p_buf, true)?;
+        }
+        let mut times = vec![Vec::with_capacity(rounds); KINDS.len()];
+        for r in 0..rounds {
+            for s in 0..KINDS.len() {
+                let k = (r + s) % KINDS.len();
+                w.barrier()?;
+                let t = Instant::now();
+                transfer(KINDS[k], &mut p2p_buf, false)?;
+                times[k].push(t.elapsed().as_secs_f64());
+            }
+        }
+        out.push(times);
+    }
+    Ok(out)
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
 fn main() -> ExitCode {
-    let max_mib = arg("--max-mib", 256);
-    let fixed_iters = arg("--iters", 0);
+    let max_mib: usize = arg("--max-mib", 256);
+    let min_mib: usize = arg("--min-mib", 1);
+    let fixed_rounds: usize = arg("--rounds", 0);
+    let only: String = arg("--topo", String::new());
     let sizes: Vec<usize> = (0..)
         .map(|k| 1usize << k)
+        .skip_while(|&m| m < min_mib)
         .take_while(|&m| m <= max_mib)
         .collect();
-    let grid = |off| HyperGrid::new(vec![1, 1, 1, 1], &["tp", "cp", "pp", "dp"], off);
-    let plan = match (grid(0), grid(1)) {
-        (Ok(a), Ok(b)) => BridgePlan::new("src", a, "dst", b, 3, DimMapping::default()),
-        (Err(e), _) | (_, Err(e)) => {
-            eprintln!("{e}");
-            return ExitCode::FAILURE;
+    let rounds = |mib: usize| {
+        if fixed_rounds > 0 {
+            fixed_rounds
+        } else {
+            (1024 / mib).clamp(7, 31)
         }
     };
-    let plan = match plan {
-        Ok(p) => p,
-        Err(e) => {
-            eprintln!("{e}");
-            return ExitCode::FAILURE;
-        }
-    };
-    let cfg = GlooConfig::new("bridge-bench").with_timeout(Duration::from_secs(600));
-    let res = run_ranks(2, &cfg, |f, w| {
-        let w = Arc::new(w);
-        let me = w.rank();
-        let inv = |e: multimodule::Error| grid_core::Error::Invalid(e.to_string());
-        // Two bridges over the same grids: `bridge` gets its outputs back through recycle(),
-        // `fresh` never does, so each of its receives allocates a new tensor.
-        let bridge = BridgeCommunicator::new(f, w.clone(), plan.clone(), 100).map_err(inv)?;
-        let fresh = BridgeCommunicator::new(f, w.clone(), plan.clone(), 200).map_err(inv)?;
-        let mut rows_out = Vec::new();
-        for &mib in &sizes {
-            let iters = if fixed_iters > 0 {
-                fixed_iters
-            } else {
-                (1024 / mib).clamp(9, 60)
-            };
-            let shape = vec![mib, 1024, 256];
-            let act = Activation::from_vec(shape.clone(), vec![1.0f32; mib * ROW]).map_err(inv)?;
-            let mut buf = vec![0.0f32; mib * ROW];
-            // Warm-up both paths once.
-            if me == 0 {
-                w.send_to(act.as_slice::<f32>().unwrap_or(&[]), 1, 7)?;
-                bridge.send_forward(&act).map_err(inv)?;
-                fresh.send_forward(&act).map_err(inv)?;
-            } else {
-                w.recv_from(&mut buf, 0, 7)?;
-                if let Some(g) = bridge.recv_forward().map_err(inv)? {
-                    bridge.recycle(g);
-                }
-                fresh.recv_forward().map_err(inv)?;
-            }
-            // Interleaved rounds (one transfer of each kind per round, each started after a
-            // barrier and timed on the receiver), medians over rounds: robust to load drift.
-            let mut times: [Vec<f64>; 3] = [Vec::new(), Vec::new(), Vec::new()];
-            for _ in 0..iters {
-                for (kind, out) in times.iter_mut().enumerate() {
-                    w.barrier()?;
-                    let t = Instant::now();
-                    if me == 0 {
-                        match kind {
-                            0 => w.send_to(act.as_slice::<f32>().unwrap_or(&[]), 1, 7)?,
-                            1 => fresh.send_forward(&act).map_err(inv)?,
-                            _ => bridge.send_forward(&act).map_err(inv)?,
-                        }
-                    } else {
-                        match kind {
-                            0 => w.recv_from(&mut buf, 0, 7)?,
-                            _ => {
-                                let got = if kind == 1 {
-                                    fresh.recv_forward()
-                                } else {
-                                    bridge.recv_forward()
-                                };
-                                match got.map_err(inv)? {
-                                    Some(g) if g.shape() == &shape[..] => {
-                                        if kind == 2 {
-                                            bridge.recycle(g);
-                                        }
-                                    }
-                                    _ => {
-                                        return Err(grid_core::Error::Invalid(
-                                            "bridge delivered a wrong shape".into(),
-                                        ))
-                                    }
-                                }
-                            }
-                        }
-                    }
-                    out.push(t.elapsed().as_secs_f64());
-                }
-            }
-            let median = |v: &mut Vec<f64>| {
-                v.sort_by(|a, b| a.total_cmp(b));
-                v[v.len() / 2]
-            };
-            let [mut a, mut b, mut c] = times;
-            let (plain, bridged, recycled) = (median(&mut a), median(&mut b), median(&mut c));
-            rows_out.push((mib, iters, plain, bridged, recycled));
-        }
-        Ok(rows_out)
-    });
-    let rows = match res {
-        Ok(mut r) => match r.pop() {
-            Some(Ok(rows)) => rows,
-            Some(Err(e)) => {
-                eprintln!("rank 1 failed: {e}");
-                return ExitCode::FAILURE;
-            }
-            None => return ExitCode::FAILURE,
-        },
-        Err(e) => {
-            eprintln!("{e}");
-            return ExitCode::FAILURE;
-        }
-    };
-    println!("bridge vs plain point-to-point, Gloo (2 ranks as threads, TCP loopback), f32 [MiB, 1024, 256]");
+    let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
     println!(
-        "{:>8} {:>6} {:>10} {:>12} {:>7} {:>14} {:>7}",
-        "size", "iters", "p2p GB/s", "bridge GB/s", "ratio", "recycled GB/s", "ratio"
+        "bridge vs plain point-to-point, Gloo (ranks as threads, TCP loopback), f32 [2*MiB, 512, 256]; load average {}",
+        load.split_whitespace().take(3).collect::<Vec<_>>().join(" ")
     );
-    let (mut worst_fresh, mut worst_recycled): (f64, f64) = (f64::INFINITY, f64::INFINITY);
-    for (mib, iters, plain, bridged, recycled) in rows {
-        let bytes = (mib * ROW * 4) as f64;
-        let (p, b, r) = (
-            bytes / plain / 1e9,
-            bytes / bridged / 1e9,
-            bytes / recycled / 1e9,
-        );
-        worst_fresh = worst_fresh.min(b / p);
-        worst_recycled = worst_recycled.min(r / p);
+    println!("kinds: {}", KINDS.map(kind_name).join(", "));
+    let mut worst = vec![f64::INFINITY; KINDS.len()];
+    for topo in [Topo::OneToOne, Topo::FanOut, Topo::FanIn] {
+        if !only.is_empty() && !topo.name().starts_with(only.as_str()) {
+            continue;
+        }
+        // Rounds per size are the same on every rank; run each size group with its count.
+        let mut rows = Vec::new();
+        for &mib in &sizes {
+            let cfg = GlooConfig::new(format!("bridge-bench-{}-{mib}", topo.world()))
+                .with_timeout(Duration::from_secs(600));
+            let n = rounds(mib);
+            let res = run_ranks(topo.world(), &cfg, |f, w| rank_main(topo, &[mib], n, f, w));
+            let per_rank = match res {
+                Ok(r) => r,
+                Err(e) => {
+                    eprintln!("{}: {e}", topo.name());
+                    return ExitCode::FAILURE;
+                }
+            };
+            let mut all = Vec::new();
+            for (rank, r) in per_rank.into_iter().enumerate() {
+                match r {
+                    Ok(mut v) => all.push(v.remove(0)),
+                    Err(e) => {
+                        eprintln!("{} {mib} MiB: rank {rank} failed: {e}", topo.name());
+                        return ExitCode::FAILURE;
+                    }
+                }
+            }
+            // Slowest rank per round, then the median over rounds.
+            let secs: Vec<f64> = (0..KINDS.len())
+                .map(|k| {
+                    median(
+                        (0..n)
+                            .map(|r| all.iter().map(|t| t[k][r]).fold(0.0, f64::max))
+                            .collect(),
+                    )
+                })
+                .collect();
+            rows.push((mib, n, secs));
+        }
+        println!("\n{} ({} ranks)", topo.name(), topo.world());
+        print!("{:>8} {:>6}", "size", "rounds");
+        for (k, kind) in KINDS.iter().enumerate() {
+            if k == 0 {
+                print!(" {:>10}", format!("{} GB/s", kind_name(*kind)));
+            } else {
+                print!(
+                    " {:>14} {:>7}",
+                    format!("{} GB/s", kind_name(*kind)),
+                    "ratio"
+                );
+            }
+        }
+        println!();
+        for (mib, n, secs) in rows {
+            let gbs: Vec<f64> = secs.iter().map(|s| (mib << 20) as f64 / s / 1e9).collect();
+            print!("{:>4} MiB {:>6}", mib, n);
+            for (k, g) in gbs.iter().enumerate() {
+                if k == 0 {
+                    print!(" {:>10.3}", g);
+                } else {
+                    let ratio = g / gbs[0];
+                    worst[k] = worst[k].min(ratio);
+                    print!(" {:>14.3} {:>6.1}%", g, 100.0 * ratio);
+                }
+            }
+            println!();
+        }
+    }
+    println!();
+    for (k, kind) in KINDS.iter().enumerate().skip(1) {
         println!(
-            "{:>5} MiB {:>6} {:>10.3} {:>12.3} {:>6.1}% {:>14.3} {:>6.1}%",
-            mib,
-            iters,
-            p,
-            b,
-            100.0 * b / p,
-            r,
-            100.0 * r / p
+            "lowest ratio, {}: {:.1}% (target >= 90%)",
+            kind_name(*kind),
+            100.0 * worst[k]
         );
     }
-    println!(
-        "lowest ratio: {:.1}% with a fresh tensor per transfer, {:.1}% with recycled buffers (target >= 90%)",
-        100.0 * worst_fresh,
-        100.0 * worst_recycled
-    );
     ExitCode::SUCCESS
 }
