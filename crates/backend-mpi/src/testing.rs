@@ -231,11 +231,18 @@ where
         "--nocapture",
         "--test-threads=1",
     ];
-    let out = match launch(np, timeout_secs, &exe, &args) {
+    // Each rank that passes writes a marker file after finalizing MPI: mpirun's forwarding of
+    // the ranks' stdout can lose the last lines, so output is for diagnostics only.
+    let markers = marker_dir(&test_path);
+    let marker_env = markers.to_string_lossy().into_owned();
+    let out = match launch_with_env(np, timeout_secs, &exe, &args, &[(MARKER_ENV, &marker_env)]) {
         Ok(o) => o,
         Err(e) => panic!("{test_path}: {e}"),
     };
-    let passed = out.output.matches("test result: ok. 1 passed").count();
+    let passed = (0..np)
+        .filter(|r| markers.join(format!("rank-{r}.ok")).exists())
+        .count();
+    let _ = std::fs::remove_dir_all(&markers);
     if out.code != Some(0) || passed != np {
         let why = match out.code {
             Some(110) => {
@@ -295,6 +302,37 @@ where
         panic!("[rank {rank}/{size}] FAILED: {msg}");
     }
     drop(rt);
+    if let Some(dir) = std::env::var_os(MARKER_ENV) {
+        let path = std::path::Path::new(&dir).join(format!("rank-{rank}.ok"));
+        if let Err(e) = std::fs::write(&path, b"ok") {
+            panic!(
+                "[rank {rank}/{size}] FAILED: cannot write {}: {e}",
+                path.display()
+            );
+        }
+    }
+}
+
+/// Environment variable naming the directory where passing ranks leave their marker files.
+const MARKER_ENV: &str = "GRID_MPI_TEST_MARKERS";
+
+/// A fresh, empty marker directory for one launch.
+fn marker_dir(test_path: &str) -> std::path::PathBuf {
+    static COUNTER: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = COUNTER.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    let safe: String = test_path
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+        .collect();
+    let dir = std::env::temp_dir().join(format!("grid-mpi-test-{}-{n}-{safe}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    if let Err(e) = std::fs::create_dir_all(&dir) {
+        panic!(
+            "{test_path}: cannot create the marker directory {}: {e}",
+            dir.display()
+        );
+    }
+    dir
 }
 
 /// Declares a multi-rank test; see the [`testing`](crate::testing) module docs.
