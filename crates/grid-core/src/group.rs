@@ -78,6 +78,18 @@ impl Lattice {
         Some(n)
     }
 
+    /// Digits of enumeration index `n` (first term fastest).
+    fn digits(&self, mut n: usize) -> Vec<usize> {
+        self.terms
+            .iter()
+            .map(|t| {
+                let d = n % t.size;
+                n /= t.size;
+                d
+            })
+            .collect()
+    }
+
     fn is_ascending(&self) -> bool {
         // Enumeration order is ascending iff the terms with size > 1 have increasing strides.
         let mut prev = 0usize;
@@ -240,9 +252,23 @@ impl Group {
     pub fn group_rank(&self, rank: usize) -> Option<usize> {
         let pos = self.position(rank)?;
         if self.is_ascending() {
-            Some(pos)
-        } else {
-            Some(self.iter().filter(|&r| r < rank).count())
+            return Some(pos);
+        }
+        match &self.0 {
+            // A full lattice in sorted order is the same lattice with its terms sorted by
+            // stride, so the sorted index is the mixed-radix number of the digits in that order.
+            Repr::Lattice(l) if l.start == 0 && l.len == l.full_len() => {
+                let mut terms: Vec<(usize, Term)> = l.terms.iter().copied().enumerate().collect();
+                terms.sort_by_key(|(_, t)| t.stride);
+                let digits = l.digits(pos);
+                let (mut index, mut scale) = (0, 1);
+                for (i, t) in terms {
+                    index += digits[i] * scale;
+                    scale *= t.size;
+                }
+                Some(index)
+            }
+            _ => Some(self.iter().filter(|&r| r < rank).count()),
         }
     }
 
@@ -287,6 +313,7 @@ impl Group {
 fn extend_lattice(base: usize, terms: &[Term], out: &mut Vec<usize>) {
     match terms.split_last() {
         None => out.push(base),
+        Some((only, [])) => out.extend((0..only.size).map(|k| base + k * only.stride)),
         Some((last, rest)) => {
             for k in 0..last.size {
                 extend_lattice(base + k * last.stride, rest, out);
@@ -435,6 +462,24 @@ mod tests {
         assert!(!g.is_ascending());
         assert_eq!(g.group_rank(4), Some(2));
         assert_eq!(g.sorted(), vec![0, 2, 4, 6]);
+    }
+
+    #[test]
+    fn arithmetic_group_rank_matches_counting() {
+        let g = Group::lattice(
+            3,
+            vec![
+                Term { size: 2, stride: 1 },
+                Term { size: 3, stride: 8 },
+                Term { size: 2, stride: 2 },
+            ],
+        );
+        assert!(!g.is_ascending());
+        let sorted = g.sorted();
+        for r in g.iter() {
+            let want = sorted.iter().position(|&x| x == r);
+            assert_eq!(g.group_rank(r), want, "rank {r}");
+        }
     }
 
     #[test]

@@ -46,6 +46,17 @@ impl Level {
     }
 }
 
+/// A parent rank list may not repeat a rank.
+fn check_parent(ranks: &[usize]) -> Result<()> {
+    let mut seen = std::collections::HashSet::with_capacity(ranks.len());
+    match ranks.iter().find(|r| !seen.insert(**r)) {
+        Some(r) => Err(Error::Invalid(format!(
+            "rank {r} appears more than once in the parent group {ranks:?}"
+        ))),
+        None => Ok(()),
+    }
+}
+
 /// Validates hierarchical sizes against a parent group size.
 pub(crate) fn check_sizes(sizes: &[usize], expected: usize, what: &str) -> Result<()> {
     if sizes.is_empty() || sizes.contains(&0) {
@@ -75,6 +86,7 @@ pub(crate) fn check_sizes(sizes: &[usize], expected: usize, what: &str) -> Resul
 /// assert_eq!(levels[1], vec![vec![0, 12], vec![4, 16], vec![8, 20]]);
 /// ```
 pub fn hierarchical_groups(ranks: &[usize], sizes: &[usize]) -> Result<Vec<Vec<Vec<usize>>>> {
+    check_parent(ranks)?;
     check_sizes(sizes, ranks.len(), "the parent group's size")?;
     let parent = Group::from_list(ranks.to_vec());
     Ok((0..sizes.len())
@@ -94,6 +106,7 @@ pub fn hierarchical_groups_of(
     sizes: &[usize],
     rank: usize,
 ) -> Result<Vec<Vec<usize>>> {
+    check_parent(ranks)?;
     check_sizes(sizes, ranks.len(), "the parent group's size")?;
     let pos = ranks.iter().position(|&r| r == rank).ok_or_else(|| {
         Error::Invalid(format!(
@@ -125,5 +138,6 @@ mod tests {
             vec![vec![4, 5], vec![5, 7], vec![1, 5, 9, 13]]
         );
         assert!(hierarchical_groups(&ranks, &[2, 4]).is_err());
+        assert!(hierarchical_groups(&[1, 2, 1, 3], &[2, 2]).is_err());
     }
 }
