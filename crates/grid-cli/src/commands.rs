@@ -428,13 +428,9 @@ fn rank_view_json(
     Ok(())
 }
 
-/// The rank's group rank (its index in the sorted member list). For an unsorted group (the
-/// distributed-optimizer instance groups) that needs a pass over the members, so it is only
-/// computed up to [`MAX_ENUMERATED`] members.
+/// The rank's group rank (its index in the sorted member list), `-` outside the group. Constant
+/// time for every group a plan produces (unsorted ones are full lattices).
 fn group_rank_text(g: &Group, rank: usize) -> String {
-    if !g.is_ascending() && g.len() > MAX_ENUMERATED {
-        return "?".into();
-    }
     g.group_rank(rank).map_or("-".into(), |r| r.to_string())
 }
 
