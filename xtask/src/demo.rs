@@ -1,6 +1,8 @@
-//! `cargo xtask demo`: the layout of a realistic configuration, through the `grid` command.
+//! `cargo xtask demo`: the main job. The layout of a realistic configuration through the `grid`
+//! command, then its communicators on real ranks (MPI when it is installed, else Gloo with ranks
+//! as threads), then a multi-module pipeline running forward and backward.
 
-use crate::external::{dispatch, DEMOS};
+use crate::external::{dispatch, run_external, DEMOS};
 use crate::util::{cargo, run, target_dir, workspace_root};
 use std::process::Command;
 
@@ -30,17 +32,75 @@ const RANK: &str = "37";
 
 pub fn main(args: &[String]) -> i32 {
     match args.first().map(String::as_str) {
-        None => layout_demo(),
+        None => full_demo(),
+        Some("layout") => layout_demo(),
         Some("-h" | "--help") => {
             println!(
-                "usage: cargo xtask demo                    the layout of a realistic configuration
+                "usage: cargo xtask demo                    the whole demo: layout, communicators, multi-module pipeline
+       cargo xtask demo layout             only the layout of a realistic configuration
        cargo xtask demo mpi|gloo|multimodule [--np N] [-- ARGS]
-                                            the backend demos (binaries of the backend crates)"
+                                            one backend demo (binaries of the backend crates)"
             );
             0
         }
         Some(name) => dispatch(DEMOS, name, &args[1..]),
     }
+}
+
+/// The demo table entry named `name`.
+fn demo(name: &str) -> &'static crate::external::External {
+    &DEMOS
+        .iter()
+        .find(|(n, _)| *n == name)
+        .expect("DEMOS names mpi, gloo and multimodule")
+        .1
+}
+
+/// Where `mpirun` is, if it is on PATH.
+fn mpirun_path() -> Option<std::path::PathBuf> {
+    std::env::var_os("PATH").and_then(|paths| {
+        std::env::split_paths(&paths)
+            .map(|d| d.join("mpirun"))
+            .find(|p| p.is_file())
+    })
+}
+
+fn banner(title: &str) {
+    println!("==== {title} ====");
+    println!();
+}
+
+/// Layout, then communicators on real ranks, then the multi-module pipeline.
+fn full_demo() -> i32 {
+    banner("1/3 the layout (pure topology, the grid command)");
+    let code = layout_demo();
+    if code != 0 {
+        return code;
+    }
+    println!();
+    let backend = match mpirun_path() {
+        Some(p) => {
+            banner(&format!(
+                "2/3 every communicator of an 8-rank layout over MPI (Open MPI found: {}; 8 processes)",
+                p.display()
+            ));
+            "mpi"
+        }
+        None => {
+            banner(
+                "2/3 every communicator of an 8-rank layout over Gloo \
+                 (MPI is not installed: no mpirun on PATH; 8 ranks as threads of one process)",
+            );
+            "gloo"
+        }
+    };
+    let code = run_external(demo(backend), None, &[]);
+    if code != 0 {
+        return code;
+    }
+    println!();
+    banner("3/3 a multi-module pipeline: two encoders -> language model -> generator (8 Gloo ranks as threads)");
+    run_external(demo("multimodule"), None, &[])
 }
 
 fn layout_demo() -> i32 {
