@@ -5,7 +5,8 @@ use crate::util::{cargo, run};
 
 const HELP: &str = "usage: cargo xtask bench layout [--quick]   topology benchmarks: one rank's view, every family,
                                             memory, the grid process, Megatron's per-token rows
-       cargo xtask bench mpi|gloo|bridge|nccl [--np N] [-- ARGS]
+       cargo xtask bench gloo [--quick]     Gloo (trait and direct) and MPI in one run, side by side
+       cargo xtask bench mpi|bridge|nccl [--np N] [-- ARGS]
                                             backend benchmarks (binaries of the backend crates)";
 
 pub fn main(args: &[String]) -> i32 {
@@ -29,6 +30,8 @@ pub fn main(args: &[String]) -> i32 {
                 .args(&pass));
             i32::from(!ok)
         }
+        // Gloo's benchmark, then MPI's, then both side by side (issue: same run).
+        Some("gloo") => crate::compare::main(&args[1..]),
         Some("-h" | "--help") => {
             println!("{HELP}");
             0

@@ -3,7 +3,7 @@
 //! as threads), then a multi-module pipeline running forward and backward.
 
 use crate::external::{dispatch, run_external, DEMOS};
-use crate::util::{cargo, run, target_dir, workspace_root};
+use crate::util::{cargo, on_path, run, target_dir, workspace_root};
 use std::process::Command;
 
 /// The demo's configuration: 64 GPUs, tensor 2 × context 2 × pipeline 2 (so data parallel 8),
@@ -56,15 +56,6 @@ fn demo(name: &str) -> &'static crate::external::External {
         .1
 }
 
-/// Where `mpirun` is, if it is on PATH.
-fn mpirun_path() -> Option<std::path::PathBuf> {
-    std::env::var_os("PATH").and_then(|paths| {
-        std::env::split_paths(&paths)
-            .map(|d| d.join("mpirun"))
-            .find(|p| p.is_file())
-    })
-}
-
 fn banner(title: &str) {
     println!("==== {title} ====");
     println!();
@@ -78,15 +69,12 @@ fn full_demo() -> i32 {
         return code;
     }
     println!();
-    let backend = match mpirun_path() {
-        Some(p) => {
-            banner(&format!(
-                "2/3 every communicator of an 8-rank layout over MPI (Open MPI found: {}; 8 processes)",
-                p.display()
-            ));
+    let backend = match on_path("mpirun") {
+        true => {
+            banner("2/3 every communicator of an 8-rank layout over MPI (Open MPI's mpirun is on PATH; 8 processes)");
             "mpi"
         }
-        None => {
+        false => {
             banner(
                 "2/3 every communicator of an 8-rank layout over Gloo \
                  (MPI is not installed: no mpirun on PATH; 8 ranks as threads of one process)",

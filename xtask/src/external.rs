@@ -187,6 +187,46 @@ pub fn run_external(e: &External, np_override: Option<usize>, extra: &[String]) 
     }
 }
 
+/// Builds an external binary that starts its own ranks and runs it with `extra`, returning its
+/// standard output (also on failure, after reporting it), or `None` when it could not run.
+pub fn run_external_capture(e: &External, extra: &[String]) -> Option<String> {
+    if !provides(e.package, e.bin) {
+        eprintln!(
+            "xtask: crates/{} does not provide the binary `{}`",
+            e.package, e.bin
+        );
+        return None;
+    }
+    let mut build = cargo();
+    build.args(["build", "--release", "-p", e.package, "--bin", e.bin]);
+    if !e.features.is_empty() {
+        build.args(["--features", &e.features.join(",")]);
+    }
+    if !run(&mut build) {
+        eprintln!("xtask: building {} failed", e.bin);
+        return None;
+    }
+    let exe = target_dir().join("release").join(e.bin);
+    let mut cmd = Command::new(&exe);
+    cmd.args(extra).current_dir(workspace_root());
+    for (k, v) in MPI_ENV {
+        cmd.env(k, v);
+    }
+    eprintln!("$ {} {}", exe.display(), extra.join(" "));
+    match cmd.stderr(std::process::Stdio::inherit()).output() {
+        Ok(o) if o.status.success() => Some(String::from_utf8_lossy(&o.stdout).into_owned()),
+        Ok(o) => {
+            print!("{}", String::from_utf8_lossy(&o.stdout));
+            eprintln!("xtask: {} failed with {}", e.bin, o.status);
+            None
+        }
+        Err(err) => {
+            eprintln!("xtask: cannot run {}: {err}", exe.display());
+            None
+        }
+    }
+}
+
 /// Looks `name` up in `table` and runs it; parses `--np N` and passes `-- ARGS` through.
 pub fn dispatch(table: &[(&str, External)], name: &str, args: &[String]) -> i32 {
     let Some((_, e)) = table.iter().find(|(n, _)| *n == name) else {

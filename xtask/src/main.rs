@@ -7,6 +7,7 @@
 //! The alias lives in `.cargo/config.toml` (`xtask = "run --quiet --package xtask --"`).
 
 mod bench;
+mod compare;
 mod demo;
 mod external;
 mod test;
