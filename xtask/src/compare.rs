@@ -35,10 +35,8 @@ fn gloo_rows(text: &str) -> Rows {
         let c = cells(l);
         if c.len() >= 5 {
             if let Ok(n) = c[1].parse::<usize>() {
-                rows.insert(
-                    (c[0].clone(), n, c[2].clone()),
-                    vec![c[3].clone(), c[4].clone()],
-                );
+                let key = (c[0].clone(), n, bytes(&c[2]));
+                rows.insert(key, (c[2].clone(), vec![c[3].clone(), c[4].clone()]));
             }
         }
     }
@@ -59,10 +57,8 @@ fn mpi_rows(text: &str) -> Rows {
         } else if let (Some(n), true) = (ranks, l.starts_with("| ")) {
             let c = cells(l);
             if c.len() >= 5 && c[2].parse::<usize>().is_ok() {
-                rows.insert(
-                    (c[0].clone(), n, c[1].clone()),
-                    vec![c[3].clone(), c[4].clone()],
-                );
+                let key = (c[0].clone(), n, bytes(&c[1]));
+                rows.insert(key, (c[1].clone(), vec![c[3].clone(), c[4].clone()]));
             }
         }
     }
