@@ -9,109 +9,9 @@
 //! Megatron (an order without `tp` at tp = 1 is accepted, a repeated order token is rejected),
 //! the documented behaviour is asserted.
 
+mod common;
+use common::{grid, run_all, u};
 use serde_json::{json, Value};
-use std::path::PathBuf;
-use std::process::Command;
-
-/// The vectors beside the repository (`<workspace>/../shared/vectors`), or `GRID_VECTORS_DIR`.
-fn vectors_dir() -> PathBuf {
-    let dir = std::env::var_os("GRID_VECTORS_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/vectors")
-        });
-    assert!(
-        dir.join("INDEX.json").is_file(),
-        "reference vectors not found at {} (no INDEX.json): clone the repository with shared/ beside it, \
-         or point GRID_VECTORS_DIR at the vectors",
-        dir.display()
-    );
-    dir
-}
-
-fn load(op: &str) -> Vec<(String, Value)> {
-    let dir = vectors_dir();
-    let read = |p: PathBuf| -> Value {
-        let text = std::fs::read_to_string(&p)
-            .unwrap_or_else(|e| panic!("cannot read {}: {e}", p.display()));
-        serde_json::from_str(&text).unwrap_or_else(|e| panic!("{} is not JSON: {e}", p.display()))
-    };
-    let index = read(dir.join("INDEX.json"));
-    let mut out = Vec::new();
-    for e in index.as_array().expect("INDEX.json is a list") {
-        if e["op"] == op {
-            let name = e["name"].as_str().expect("vector name").to_string();
-            let v = read(dir.join(format!("{name}.json")));
-            out.push((name, v));
-        }
-    }
-    assert!(
-        !out.is_empty(),
-        "no vectors of op {op} in {}",
-        dir.display()
-    );
-    out
-}
-
-/// Output of one `grid` run.
-struct Run {
-    code: i32,
-    stdout: String,
-    stderr: String,
-    cmd: String,
-}
-
-impl Run {
-    fn json(&self) -> Result<Value, String> {
-        if self.code != 0 {
-            return Err(format!(
-                "`{}` exited {}: {}",
-                self.cmd,
-                self.code,
-                self.stderr.trim()
-            ));
-        }
-        serde_json::from_str(&self.stdout)
-            .map_err(|e| format!("`{}` printed invalid JSON: {e}", self.cmd))
-    }
-
-    /// Invalid input: status 2, one line on stderr, no panic.
-    fn invalid(&self) -> Result<(), String> {
-        let lines: Vec<&str> = self.stderr.lines().collect();
-        if self.code != 2 {
-            return Err(format!(
-                "`{}`: expected exit status 2, got {} (stderr: {})",
-                self.cmd,
-                self.code,
-                self.stderr.trim()
-            ));
-        }
-        if lines.len() != 1 || !lines[0].starts_with("grid: error: ") || lines[0].len() < 20 {
-            return Err(format!(
-                "`{}`: expected one line 'grid: error: ...' on stderr, got {:?}",
-                self.cmd, self.stderr
-            ));
-        }
-        Ok(())
-    }
-}
-
-fn grid(args: &[String]) -> Run {
-    let out = Command::new(env!("CARGO_BIN_EXE_grid"))
-        .args(args)
-        .output()
-        .expect("the grid binary runs");
-    Run {
-        code: out.status.code().unwrap_or(-1),
-        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
-        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
-        cmd: format!("grid {}", args.join(" ")),
-    }
-}
-
-fn u(v: &Value, k: &str) -> Option<usize> {
-    v.get(k).and_then(Value::as_u64).map(|x| x as usize)
-}
 
 fn csv<T: ToString>(v: &[T]) -> String {
     v.iter().map(T::to_string).collect::<Vec<_>>().join(",")
@@ -132,31 +32,6 @@ fn numbers(v: &Value) -> Vec<i64> {
     v.as_array()
         .map(|a| a.iter().map(|x| x.as_i64().expect("an integer")).collect())
         .unwrap_or_default()
-}
-
-/// Runs `check` on every vector of `op`; `check` returns `Ok(None)` for a pass and
-/// `Ok(Some(reason))` for a skip.
-fn run_all(op: &str, check: impl Fn(&str, &Value, &Value) -> Result<Option<String>, String>) {
-    let mut failures = Vec::new();
-    let (mut passed, mut skipped) = (0, 0);
-    for (name, v) in load(op) {
-        match check(&name, &v["input"], &v["expected"]) {
-            Ok(None) => passed += 1,
-            Ok(Some(reason)) => {
-                skipped += 1;
-                eprintln!("skipped {name}: {reason}");
-            }
-            Err(e) => failures.push(format!("{name}: {e}")),
-        }
-    }
-    eprintln!("{op}: {passed} vectors passed through the grid command, {skipped} skipped");
-    assert!(
-        failures.is_empty(),
-        "{} {op} vectors failed through the grid command:\n{}",
-        failures.len(),
-        failures.join("\n")
-    );
-    assert!(passed > 0, "no {op} vector passed");
 }
 
 // ---- initialize_model_parallel -----------------------------------------------------------------
