@@ -29,8 +29,8 @@
 use crate::error::{Error, Result};
 use crate::routing::{BridgePlan, Side};
 use crate::tensor::{batch_split_sizes, tensor_split_sizes, Activation};
-use crate::wire::{distribute, BufferPool, In, Out, OutData, Wire};
-use grid_core::{Communicator, GroupFactory};
+use crate::wire::{distribute, BufferPool, In, Join, Meta, Out, OutData, Part, Wire};
+use grid_core::{Communicator, DType, GroupFactory};
 use std::borrow::Cow;
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -459,6 +459,7 @@ impl<C: Communicator> BridgeCommunicator<C> {
                 ins.extend(fwd_chain.iter().filter(|&&r| r != me).map(|&peer| In {
                     peer,
                     tag: self.tag + FWD_CP,
+                    expect: None,
                 }));
             } else if let Some(l) = src.cp_leader_for(me) {
                 outs.push(out_msg(l, self.tag + FWD_CP, fwd_in, fwd_err.is_some()));
@@ -470,6 +471,7 @@ impl<C: Communicator> BridgeCommunicator<C> {
                 ins.extend(bwd_chain.iter().filter(|&&r| r != me).map(|&peer| In {
                     peer,
                     tag: self.tag + BWD_CP,
+                    expect: None,
                 }));
             } else if let Some(l) = dst.cp_leader_for(me) {
                 outs.push(out_msg(l, self.tag + BWD_CP, bwd_in, bwd_err.is_some()));
@@ -478,28 +480,26 @@ impl<C: Communicator> BridgeCommunicator<C> {
         let mut got = if outs.is_empty() && ins.is_empty() {
             Vec::new()
         } else {
-            wire.exchange(outs, &ins)?
+            wire.exchange(outs, &ins, &[])?.into_tensors()
         }
         .into_iter();
+        let alloc = |d: DType, n: usize| self.pool.take(d, n);
         // The lane's full tensors on the leaders.
         let gather = |chain: &[usize],
                       own: Option<&Activation>,
                       own_err: &Option<Error>,
                       got: &mut dyn Iterator<Item = Result<Activation>>|
          -> Result<Activation> {
-            let mut parts = Vec::with_capacity(chain.len());
+            let mut received = Vec::with_capacity(chain.len());
             let mut first_err = own_err.clone();
             for &r in chain {
                 if r == me {
-                    match own {
-                        Some(a) => parts.push(a.clone()),
-                        None => {
-                            first_err = first_err.take().or(Some(Error::PeerError { op, peer: me }))
-                        }
+                    if own.is_none() {
+                        first_err = first_err.take().or(Some(Error::PeerError { op, peer: me }))
                     }
                 } else {
                     match got.next() {
-                        Some(Ok(a)) => parts.push(a),
+                        Some(Ok(a)) => received.push(a),
                         Some(Err(e)) => first_err = first_err.take().or(Some(e)),
                         None => {
                             first_err = first_err.take().or(Some(Error::PeerError { op, peer: r }))
@@ -514,11 +514,21 @@ impl<C: Communicator> BridgeCommunicator<C> {
                 op,
                 message: "internal: cp gather without a sequence dimension".into(),
             })?;
-            Activation::concat(&parts, s).map_err(|e| Error::IncompatibleParts {
-                op,
-                ranks: chain.to_vec(),
-                message: e.to_string(),
-            })
+            let mut others = received.iter();
+            let parts: Vec<&Activation> = chain
+                .iter()
+                .filter_map(|&r| if r == me { own } else { others.next() })
+                .collect();
+            let full =
+                Activation::concat_with(&parts, s, &alloc).map_err(|e| Error::IncompatibleParts {
+                    op,
+                    ranks: chain.to_vec(),
+                    message: e.to_string(),
+                });
+            for a in received {
+                self.pool.put(a);
+            }
+            full
         };
         let fwd_full: Option<Result<Cow<'_, Activation>>> = if !fwd_chain.is_empty() {
             Some(gather(&fwd_chain, fwd_in, &fwd_err, &mut got).map(|a| {
@@ -574,12 +584,11 @@ impl<C: Communicator> BridgeCommunicator<C> {
                                 &rows,
                                 routes.iter().map(|r| r.peer),
                                 self.tag + FWD,
+                                &alloc,
                             )?;
                             for m in &msgs {
-                                if let OutData::Slice { shape, .. } = &m.data {
-                                    sent_parts.push((m.peer, shape.clone()));
-                                } else if let OutData::Owned(t) = &m.data {
-                                    sent_parts.push((m.peer, t.shape().to_vec()));
+                                if let Some(meta) = m.data.meta() {
+                                    sent_parts.push((m.peer, meta.shape));
                                 }
                             }
                             outs.extend(msgs);
@@ -627,6 +636,7 @@ impl<C: Communicator> BridgeCommunicator<C> {
                             &rows,
                             routes.iter().map(|r| r.peer),
                             self.tag + BWD,
+                            &alloc,
                         )?),
                         Err(e) => {
                             phase2_err.get_or_insert(e);
@@ -655,6 +665,7 @@ impl<C: Communicator> BridgeCommunicator<C> {
         ins.extend(fwd_routes.iter().map(|r| In {
             peer: r.peer,
             tag: self.tag + FWD,
+            expect: None,
         }));
         let bwd_routes = match (want_bwd && src_leader_here, src_index) {
             (true, Some(i)) => plan.send_routes(i),
@@ -663,73 +674,87 @@ impl<C: Communicator> BridgeCommunicator<C> {
         ins.extend(bwd_routes.iter().map(|r| In {
             peer: r.peer,
             tag: self.tag + BWD,
+            expect: None,
         }));
+        let (nf, nb) = (fwd_routes.len(), bwd_routes.len());
+        // Each direction's parts arrive straight in their slices of one output tensor when the
+        // batch dimension is the outermost one (or there is a single part).
+        let mut joins = Vec::new();
+        if nf > 0 {
+            joins.push(Join {
+                ins: 0..nf,
+                dim: bd,
+            });
+        }
+        if nb > 0 {
+            joins.push(Join {
+                ins: nf..nf + nb,
+                dim: bd,
+            });
+        }
         let mut crossings: Vec<Crossing> = outs
             .iter()
             .filter_map(|o| {
-                let shape = match &o.data {
-                    OutData::Slice { shape, .. } => shape.clone(),
-                    OutData::Owned(t) => t.shape().to_vec(),
-                    OutData::Failed => return None,
-                };
                 Some(Crossing {
                     forward: (o.tag - self.tag) == FWD,
                     sent: true,
                     peer: o.peer,
-                    shape,
+                    shape: o.data.meta()?.shape,
                 })
             })
             .collect();
-        let got = if outs.is_empty() && ins.is_empty() {
-            Vec::new()
+        let (parts, mut joined) = if outs.is_empty() && ins.is_empty() {
+            (Vec::new(), Vec::new())
         } else {
-            wire.exchange(outs, &ins)?
+            let ex = wire.exchange(outs, &ins, &joins)?;
+            (ex.parts, ex.joined)
         };
-        for (i, r) in ins.iter().zip(&got) {
-            if let Ok(t) = r {
+        for (i, r) in ins.iter().zip(&parts) {
+            if let Ok(p) = r {
                 crossings.push(Crossing {
                     forward: (i.tag - self.tag) == FWD,
                     sent: false,
                     peer: i.peer,
-                    shape: t.shape().to_vec(),
+                    shape: p.meta.shape.clone(),
                 });
             }
         }
         st.last.extend(crossings);
         let excess = st.last.len().saturating_sub(MAX_CROSSINGS);
         st.last.drain(..excess);
-        let mut got = got.into_iter();
-        let got_fwd: Vec<Result<Activation>> = got.by_ref().take(fwd_routes.len()).collect();
-        let got_bwd: Vec<Result<Activation>> = got.collect();
+        let mut joined = joined.drain(..);
+        let fwd_joined = if nf > 0 { joined.next() } else { None };
+        let bwd_joined = if nb > 0 { joined.next() } else { None };
 
         // Leaders assemble what they received.
         let mut fwd_rows: Vec<(usize, usize)> = Vec::new();
-        let fwd_leader_result: Option<Result<Activation>> = (!fwd_routes.is_empty()).then(|| {
-            let peers: Vec<usize> = fwd_routes.iter().map(|r| r.peer).collect();
-            let parts = collect(got_fwd, &peers)?;
-            fwd_rows = peers
+        let fwd_leader_result: Option<Result<Activation>> = fwd_joined.map(|full| {
+            let metas = part_metas(&parts[..nf])?;
+            fwd_rows = fwd_routes
                 .iter()
-                .zip(&parts)
-                .map(|(&p, a)| (p, a.shape()[bd]))
+                .zip(&metas)
+                .map(|(r, m)| (r.peer, m.shape.get(bd).copied().unwrap_or(0)))
                 .collect();
-            concat_parts(op, parts, bd, &peers)
+            full
         });
-        let bwd_leader_result: Option<Result<Activation>> = (!bwd_routes.is_empty()).then(|| {
-            let peers: Vec<usize> = bwd_routes.iter().map(|r| r.peer).collect();
-            let parts = collect(got_bwd, &peers)?;
+        let bwd_leader_result: Option<Result<Activation>> = bwd_joined.map(|full| {
+            let metas = part_metas(&parts[nf..nf + nb])?;
             if let Some(rec) = &sent_record {
-                for ((peer, expected), part) in rec.parts.iter().zip(&parts) {
-                    if expected.as_slice() != part.shape() {
+                for ((peer, expected), m) in rec.parts.iter().zip(&metas) {
+                    if *expected != m.shape {
+                        if let Ok(a) = full {
+                            self.pool.put(a);
+                        }
                         return Err(Error::GradientShape {
                             op,
                             peer: *peer,
                             expected: expected.clone(),
-                            actual: part.shape().to_vec(),
+                            actual: m.shape.clone(),
                         });
                     }
                 }
             }
-            concat_parts(op, parts, bd, &peers)
+            full
         });
 
         // ----- phase 3: broadcasts and cp narrowing --------------------------------------------
@@ -746,7 +771,7 @@ impl<C: Communicator> BridgeCommunicator<C> {
                 fwd_leader_result,
             )?;
             let full_shape = full.shape().to_vec();
-            let mine = narrow_cp(full, seq, dst.cp_size(), dst.cp_rank(me))?;
+            let mine = narrow_cp(full, seq, dst.cp_size(), dst.cp_rank(me), &self.pool)?;
             st.received.push_back(Received {
                 shape: mine.shape().to_vec(),
                 full: full_shape,
@@ -768,7 +793,7 @@ impl<C: Communicator> BridgeCommunicator<C> {
                 leader,
                 bwd_leader_result,
             )?;
-            let mine = narrow_cp(full, seq, src.cp_size(), src.cp_rank(me))?;
+            let mine = narrow_cp(full, seq, src.cp_size(), src.cp_rank(me), &self.pool)?;
             if let Some(rec) = &sent_record {
                 if rec.shape != mine.shape() {
                     return Err(Error::GradientMismatch {
@@ -806,6 +831,7 @@ fn out_msg<'a>(peer: usize, tag: u32, t: Option<&'a Activation>, failed: bool) -
                 range: 0..t.numel(),
                 shape: t.shape().to_vec(),
             },
+            expect: None,
         },
         _ => out_failed(peer, tag),
     }
@@ -816,19 +842,29 @@ fn out_failed(peer: usize, tag: u32) -> Out<'static> {
         peer,
         tag,
         data: OutData::Failed,
+        expect: None,
     }
 }
 
-/// One message per peer with `rows[k]` batch rows each: slices of `t` when the rows are
-/// contiguous, copies otherwise.
+/// One message per peer with `rows[k]` batch rows each: the caller's buffer itself when there
+/// is one message, slices of it when the rows are contiguous, else copies into `alloc`'s
+/// buffers (which the exchange hands back to the pool once sent).
 fn split_messages<'a>(
     t: &'a Activation,
     bd: usize,
     rows: &[usize],
     peers: impl Iterator<Item = usize>,
     tag: u32,
+    alloc: &dyn Fn(DType, usize) -> grid_core::HostBuffer,
 ) -> Result<Vec<Out<'a>>> {
     let peers: Vec<usize> = peers.collect();
+    if rows.len() == 1 {
+        return Ok(peers
+            .into_iter()
+            .take(1)
+            .map(|peer| out_msg(peer, tag, Some(t), false))
+            .collect());
+    }
     let mut start = 0;
     let contiguous = t.contiguous_range(bd, 0..t.shape()[bd]).is_some();
     if contiguous {
@@ -845,12 +881,13 @@ fn split_messages<'a>(
                     range,
                     shape,
                 },
+                expect: None,
             });
             start += n;
         }
         Ok(out)
     } else {
-        let parts = t.split_along(bd, rows)?;
+        let parts = t.split_along_with(bd, rows, alloc)?;
         Ok(parts
             .into_iter()
             .zip(peers)
@@ -858,51 +895,35 @@ fn split_messages<'a>(
                 peer,
                 tag,
                 data: OutData::Owned(p),
+                expect: None,
             })
             .collect())
     }
 }
 
-fn collect(got: Vec<Result<Activation>>, peers: &[usize]) -> Result<Vec<Activation>> {
-    if got.len() != peers.len() {
-        return Err(Error::Usage {
-            op: "bridge",
-            message: format!("internal: {} messages for {} peers", got.len(), peers.len()),
-        });
-    }
-    got.into_iter().collect()
+/// The headers of received parts, or the first failure.
+fn part_metas(parts: &[Result<Part>]) -> Result<Vec<Meta>> {
+    parts
+        .iter()
+        .map(|p| p.as_ref().map(|p| p.meta.clone()).map_err(Clone::clone))
+        .collect()
 }
 
-fn concat_parts(
-    op: &'static str,
-    parts: Vec<Activation>,
-    bd: usize,
-    peers: &[usize],
-) -> Result<Activation> {
-    if parts.len() == 1 {
-        return parts.into_iter().next().ok_or(Error::Usage {
-            op,
-            message: "internal: no part".into(),
-        });
-    }
-    Activation::concat(&parts, bd).map_err(|e| Error::IncompatibleParts {
-        op,
-        ranks: peers.to_vec(),
-        message: e.to_string(),
-    })
-}
-
+/// This rank's cp chunk of `full` along the sequence (the whole of it with cp = 1).
 fn narrow_cp(
     full: Activation,
     seq: Option<usize>,
     cp: usize,
     cp_rank: usize,
+    pool: &BufferPool,
 ) -> Result<Activation> {
     match seq {
         Some(s) if cp > 1 => {
             let sizes = tensor_split_sizes(full.shape()[s], cp);
             let start: usize = sizes[..cp_rank].iter().sum();
-            full.narrow(s, start, sizes[cp_rank])
+            let mine = full.narrow_with(s, start, sizes[cp_rank], &|d, n| pool.take(d, n));
+            pool.put(full);
+            mine
         }
         _ => Ok(full),
     }

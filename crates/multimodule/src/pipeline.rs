@@ -234,14 +234,19 @@ impl<C: Communicator> MultiModulePipelineCommunicator<C> {
                     },
                     None => OutData::Failed,
                 },
+                expect: None,
             })
             .into_iter()
             .collect();
         let ins: Vec<In> = recv
-            .map(|(peer, k)| In { peer, tag: tag + k })
+            .map(|(peer, k)| In {
+                peer,
+                tag: tag + k,
+                expect: None,
+            })
             .into_iter()
             .collect();
-        let mut got = wire.exchange(outs, &ins)?;
+        let mut got = wire.exchange(outs, &ins, &[])?.into_tensors();
         got.pop().transpose()
     }
 

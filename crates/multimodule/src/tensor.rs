@@ -165,6 +165,16 @@ impl Activation {
 
     /// Splits along `dim` into parts of `sizes` rows (which must add up to the dimension).
     pub fn split_along(&self, dim: usize, sizes: &[usize]) -> Result<Vec<Activation>> {
+        self.split_along_with(dim, sizes, &HostBuffer::zeros)
+    }
+
+    /// [`Activation::split_along`] into buffers from `alloc` (whose contents are overwritten).
+    pub(crate) fn split_along_with(
+        &self,
+        dim: usize,
+        sizes: &[usize],
+        alloc: &dyn Fn(DType, usize) -> HostBuffer,
+    ) -> Result<Vec<Activation>> {
         self.check_dim("split_along", dim)?;
         let total: usize = sizes.iter().sum();
         if total != self.shape[dim] {
@@ -177,25 +187,42 @@ impl Activation {
             });
         }
         let (outer, rows, inner) = self.layout(dim);
-        let bufs: Vec<HostBuffer> =
-            dispatch!(HostBuffer, &self.data, v => split_generic(v, outer, rows, inner, sizes));
-        Ok(bufs
-            .into_iter()
-            .zip(sizes)
-            .map(|(data, &s)| {
-                let mut shape = self.shape.clone();
-                shape[dim] = s;
-                Activation {
-                    shape,
-                    data,
-                    split_sizes: None,
-                }
-            })
-            .collect())
+        let mut out = Vec::with_capacity(sizes.len());
+        let mut start = 0;
+        for &n in sizes {
+            let mut data = alloc(self.dtype(), outer * n * inner);
+            copy_rows(
+                self.data.as_slice(),
+                (rows, start),
+                data.as_mut_slice(),
+                (n, 0),
+                (outer, n, inner),
+            )?;
+            let mut shape = self.shape.clone();
+            shape[dim] = n;
+            out.push(Activation {
+                shape,
+                data,
+                split_sizes: None,
+            });
+            start += n;
+        }
+        Ok(out)
     }
 
     /// Rows `start .. start + len` along `dim`.
     pub fn narrow(&self, dim: usize, start: usize, len: usize) -> Result<Activation> {
+        self.narrow_with(dim, start, len, &HostBuffer::zeros)
+    }
+
+    /// [`Activation::narrow`] into a buffer from `alloc` (only the kept rows are copied).
+    pub(crate) fn narrow_with(
+        &self,
+        dim: usize,
+        start: usize,
+        len: usize,
+        alloc: &dyn Fn(DType, usize) -> HostBuffer,
+    ) -> Result<Activation> {
         self.check_dim("narrow", dim)?;
         let n = self.shape[dim];
         if start.checked_add(len).is_none_or(|e| e > n) {
@@ -207,30 +234,74 @@ impl Activation {
                 ),
             });
         }
-        let parts = self.split_along(dim, &[start, len, n - start - len])?;
-        parts.into_iter().nth(1).ok_or_else(|| Error::Tensor {
-            op: "narrow",
-            message: "internal: missing middle part".into(),
+        let (outer, rows, inner) = self.layout(dim);
+        let mut data = alloc(self.dtype(), outer * len * inner);
+        copy_rows(
+            self.data.as_slice(),
+            (rows, start),
+            data.as_mut_slice(),
+            (len, 0),
+            (outer, len, inner),
+        )?;
+        let mut shape = self.shape.clone();
+        shape[dim] = len;
+        Ok(Activation {
+            shape,
+            data,
+            split_sizes: None,
         })
     }
 
     /// Concatenates `parts` along `dim`; they must share the dtype and every other dimension.
     pub fn concat(parts: &[Activation], dim: usize) -> Result<Activation> {
+        let refs: Vec<&Activation> = parts.iter().collect();
+        Activation::concat_with(&refs, dim, &HostBuffer::zeros)
+    }
+
+    /// The shape of `shapes` concatenated along `dim`, if they fit together.
+    pub(crate) fn concat_shape(shapes: &[&[usize]], dim: usize) -> Option<Vec<usize>> {
+        let first = shapes.first()?;
+        if dim >= first.len() {
+            return None;
+        }
+        let mut shape = first.to_vec();
+        shape[dim] = 0;
+        for p in shapes {
+            let same_rest = p.len() == first.len()
+                && p.iter()
+                    .zip(first.iter())
+                    .enumerate()
+                    .all(|(d, (a, b))| d == dim || a == b);
+            if !same_rest {
+                return None;
+            }
+            shape[dim] += p[dim];
+        }
+        Some(shape)
+    }
+
+    /// [`Activation::concat`] of borrowed parts into a buffer from `alloc`.
+    pub(crate) fn concat_with(
+        parts: &[&Activation],
+        dim: usize,
+        alloc: &dyn Fn(DType, usize) -> HostBuffer,
+    ) -> Result<Activation> {
         let first = parts.first().ok_or_else(|| Error::Tensor {
             op: "concat",
             message: "nothing to concatenate".into(),
         })?;
         first.check_dim("concat", dim)?;
-        let mut shape = first.shape.clone();
-        shape[dim] = 0;
-        for p in parts {
-            let same_rest = p.shape.len() == first.shape.len()
-                && p.shape
+        let shapes: Vec<&[usize]> = parts.iter().map(|p| p.shape()).collect();
+        let shape = match Activation::concat_shape(&shapes, dim) {
+            Some(s) if parts.iter().all(|p| p.dtype() == first.dtype()) => s,
+            _ => {
+                let p = parts
                     .iter()
-                    .zip(&first.shape)
-                    .enumerate()
-                    .all(|(d, (a, b))| d == dim || a == b);
-            if !same_rest || p.dtype() != first.dtype() {
+                    .find(|p| {
+                        p.dtype() != first.dtype()
+                            || Activation::concat_shape(&[first.shape(), p.shape()], dim).is_none()
+                    })
+                    .unwrap_or(first);
                 return Err(Error::Tensor {
                     op: "concat",
                     message: format!(
@@ -242,30 +313,20 @@ impl Activation {
                     ),
                 });
             }
-            shape[dim] += p.shape[dim];
-        }
-        if parts.len() == 1 {
-            return Ok(Activation {
-                shape,
-                data: first.data.clone(),
-                split_sizes: None,
-            });
-        }
+        };
         let outer: usize = shape[..dim].iter().product();
         let inner: usize = shape[dim + 1..].iter().product();
         let total = numel(&shape).unwrap_or(0);
-        let mut out = HostBuffer::zeros(first.dtype(), total);
+        let mut out = alloc(first.dtype(), total);
         let mut col = 0usize;
         for p in parts {
             let rows = p.shape[dim];
-            copy_block(
+            copy_rows(
                 p.data.as_slice(),
+                (rows, 0),
                 out.as_mut_slice(),
-                outer,
-                rows,
-                inner,
-                col,
-                shape[dim],
+                (shape[dim], col),
+                (outer, rows, inner),
             )?;
             col += rows;
         }
@@ -294,72 +355,68 @@ impl Activation {
     }
 }
 
-fn split_generic<T: Element>(
-    v: &[T],
-    outer: usize,
-    rows: usize,
-    inner: usize,
-    sizes: &[usize],
-) -> Vec<HostBuffer> {
-    let mut out: Vec<Vec<T>> = sizes
-        .iter()
-        .map(|s| Vec::with_capacity(outer * s * inner))
-        .collect();
-    for o in 0..outer {
-        let base = o * rows * inner;
-        let mut r0 = 0;
-        for (k, &s) in sizes.iter().enumerate() {
-            out[k].extend_from_slice(&v[base + r0 * inner..base + (r0 + s) * inner]);
-            r0 += s;
-        }
-    }
-    out.into_iter().map(T::owned).collect()
-}
-
-/// Copies a `[outer, rows, inner]` block into columns `col..col+rows` of an
-/// `[outer, total_rows, inner]` buffer.
-fn copy_block(
+/// Copies `n` rows per outer index: rows `src_col..src_col + n` of a `[outer, src_rows, inner]`
+/// buffer into rows `dst_col..dst_col + n` of a `[outer, dst_rows, inner]` buffer (same dtype).
+fn copy_rows(
     src: HostSlice<'_>,
+    (src_rows, src_col): (usize, usize),
     dst: HostSliceMut<'_>,
-    outer: usize,
-    rows: usize,
-    inner: usize,
-    col: usize,
-    total_rows: usize,
+    (dst_rows, dst_col): (usize, usize),
+    (outer, n, inner): (usize, usize, usize),
 ) -> Result<()> {
     fn go<T: Copy>(
         s: &[T],
         d: &mut [T],
-        outer: usize,
-        rows: usize,
-        inner: usize,
-        col: usize,
-        total: usize,
+        src: (usize, usize),
+        dst: (usize, usize),
+        dims: (usize, usize, usize),
     ) {
+        let (outer, n, inner) = dims;
+        if outer == 1 || (src.0 == n && dst.0 == n) {
+            // One contiguous block.
+            let (from, to) = (src.1 * inner, dst.1 * inner);
+            let len = outer * n * inner;
+            d[to..to + len].copy_from_slice(&s[from..from + len]);
+            return;
+        }
         for o in 0..outer {
-            let from = o * rows * inner;
-            let to = (o * total + col) * inner;
-            d[to..to + rows * inner].copy_from_slice(&s[from..from + rows * inner]);
+            let from = (o * src.0 + src.1) * inner;
+            let to = (o * dst.0 + dst.1) * inner;
+            d[to..to + n * inner].copy_from_slice(&s[from..from + n * inner]);
         }
     }
+    let (sc, dc, dims) = ((src_rows, src_col), (dst_rows, dst_col), (outer, n, inner));
     match (src, dst) {
-        (HostSlice::F32(s), HostSliceMut::F32(d)) => go(s, d, outer, rows, inner, col, total_rows),
-        (HostSlice::F64(s), HostSliceMut::F64(d)) => go(s, d, outer, rows, inner, col, total_rows),
-        (HostSlice::I32(s), HostSliceMut::I32(d)) => go(s, d, outer, rows, inner, col, total_rows),
-        (HostSlice::I64(s), HostSliceMut::I64(d)) => go(s, d, outer, rows, inner, col, total_rows),
-        (HostSlice::U8(s), HostSliceMut::U8(d)) => go(s, d, outer, rows, inner, col, total_rows),
-        (HostSlice::F16(s), HostSliceMut::F16(d)) => go(s, d, outer, rows, inner, col, total_rows),
-        (HostSlice::BF16(s), HostSliceMut::BF16(d)) => {
-            go(s, d, outer, rows, inner, col, total_rows)
-        }
+        (HostSlice::F32(s), HostSliceMut::F32(d)) => go(s, d, sc, dc, dims),
+        (HostSlice::F64(s), HostSliceMut::F64(d)) => go(s, d, sc, dc, dims),
+        (HostSlice::I32(s), HostSliceMut::I32(d)) => go(s, d, sc, dc, dims),
+        (HostSlice::I64(s), HostSliceMut::I64(d)) => go(s, d, sc, dc, dims),
+        (HostSlice::U8(s), HostSliceMut::U8(d)) => go(s, d, sc, dc, dims),
+        (HostSlice::F16(s), HostSliceMut::F16(d)) => go(s, d, sc, dc, dims),
+        (HostSlice::BF16(s), HostSliceMut::BF16(d)) => go(s, d, sc, dc, dims),
         (s, d) => {
             return Err(Error::Tensor {
-                op: "concat",
+                op: "copy",
                 message: format!("dtype {} into {}", s.dtype(), d.dtype()),
             })
         }
     }
     Ok(())
+}
+
+/// Cuts `s` into consecutive pieces of `lens` elements (their sum must not exceed its length).
+pub(crate) fn chunks_mut<'a>(s: HostSliceMut<'a>, lens: &[usize]) -> Vec<HostSliceMut<'a>> {
+    fn go<'a, T: Element>(mut v: &'a mut [T], lens: &[usize]) -> Vec<HostSliceMut<'a>> {
+        let mut out = Vec::with_capacity(lens.len());
+        for &n in lens {
+            let at = n.min(v.len());
+            let (head, tail) = std::mem::take(&mut v).split_at_mut(at);
+            out.push(T::host_mut(head));
+            v = tail;
+        }
+        out
+    }
+    dispatch!(HostSliceMut, s, v => go(v, lens))
 }
 
 fn add_into(dst: HostSliceMut<'_>, src: HostSlice<'_>) -> Result<()> {
@@ -507,6 +564,36 @@ mod tests {
             Err(Error::SplitMetadataSum { .. })
         ));
         assert_eq!(batch_split_sizes(6, 1, Some(&[1, 2])).unwrap(), vec![6]);
+    }
+
+    #[test]
+    fn chunks_and_row_copies() {
+        let mut b = HostBuffer::zeros(DType::I32, 7);
+        let lens = [2, 0, 5];
+        for (k, c) in chunks_mut(b.as_mut_slice(), &lens).into_iter().enumerate() {
+            assert_eq!(c.len(), lens[k]);
+            if let HostSliceMut::I32(v) = c {
+                v.iter_mut().for_each(|x| *x = k as i32 + 1);
+            }
+        }
+        assert_eq!(i32::from_owned(b).unwrap(), vec![1, 1, 3, 3, 3, 3, 3]);
+        // [2, 3, 2]: narrow and split along the middle dim copy only the rows asked for.
+        let t = Activation::from_vec(vec![2, 3, 2], (0..12).collect::<Vec<i64>>()).unwrap();
+        let n = t.narrow_with(1, 1, 2, &HostBuffer::zeros).unwrap();
+        assert_eq!(n.to_vec::<i64>().unwrap(), vec![2, 3, 4, 5, 8, 9, 10, 11]);
+        let parts = t.split_along(1, &[0, 3]).unwrap();
+        assert_eq!(parts[0].shape(), &[2, 0, 2]);
+        assert_eq!(parts[1], t);
+        let refs: Vec<&Activation> = parts.iter().collect();
+        assert_eq!(
+            Activation::concat_with(&refs, 1, &HostBuffer::zeros).unwrap(),
+            t
+        );
+        assert_eq!(
+            Activation::concat_shape(&[&[2, 1, 2], &[2, 3, 2]], 1),
+            Some(vec![2, 4, 2])
+        );
+        assert_eq!(Activation::concat_shape(&[&[2, 1, 2], &[3, 3, 2]], 1), None);
     }
 
     #[test]

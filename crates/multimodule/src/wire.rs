@@ -1,22 +1,41 @@
 //! The wire format and the two primitives every transfer is built from.
 //!
-//! A message is a header, `[status, dtype, ndim, d0, d1, d2]` as six `i64`s, followed by the
-//! payload (skipped when it would be empty or when the status is an error). Headers travel in one
-//! `batch_p2p`, payloads in a second one (Megatron exchanges shapes first the same way), so a
-//! receiver always knows what to allocate and every exchange is deadlock-free whatever the
-//! backend's send protocol. A rank that failed before sending still sends headers with an error
-//! status, so its peers fail with [`Error::PeerError`] instead of waiting forever.
+//! A message is a header, `[status, dtype, ndim, d0, d1, d2]` as six `i64`s, and a payload
+//! (skipped when it would be empty or when the status is an error). A rank that failed before
+//! sending still sends headers with an error status (and, where its peer expects a payload in
+//! the same round, a placeholder of the expected size), so its peers fail with
+//! [`Error::PeerError`] instead of waiting forever or taking garbage for data.
+//!
+//! Two ways a payload travels, chosen per message by what the receiver knows in advance:
+//! * **shape unknown** (variable shapes, the default): headers travel in one `batch_p2p`,
+//!   payloads in a second one (Megatron exchanges shapes first the same way), so the receiver
+//!   knows what to allocate. One extra round trip per exchange.
+//! * **shape expected** (static shapes, or a shape learned from the previous message on the same
+//!   channel): header and payload travel in the **same** `batch_p2p`, the payload straight into
+//!   a buffer of the expected size; the header is checked afterwards. If the sender's tensor no
+//!   longer has the expected shape, it sends status `RESEND` and a placeholder, and the real
+//!   payload follows in a second round (only that message pays the round trip).
+//!
+//! Every exchange is deadlock-free whatever the backend's send protocol: each round is one
+//! `batch_p2p` on every rank, and both ends of a message agree on which round its payload uses.
+//!
+//! Receives of several messages meant to be concatenated along one dimension (a fan-in) go
+//! straight into their slices of one output buffer when the parts are contiguous in it; no
+//! concatenation copy.
 
 use crate::error::{Error, Result};
-use crate::tensor::{sub_slice, Activation};
+use crate::tensor::{chunks_mut, sub_slice, Activation};
 use grid_core::{
-    BufMut, BufRef, Communicator, CommunicatorExt, DType, HostBuffer, HostSlice, P2pOp,
+    BufMut, BufRef, Communicator, CommunicatorExt, DType, HostBuffer, HostSlice, HostSliceMut,
+    P2pOp,
 };
 use std::ops::Range;
 
 pub(crate) const HDR: usize = 6;
 const OK: i64 = 0;
 const FAILED: i64 = 1;
+/// The payload in the header's round was a placeholder; the real one follows in the next round.
+const RESEND: i64 = 2;
 
 fn dtype_code(d: DType) -> i64 {
     match d {
@@ -34,6 +53,41 @@ fn dtype_of(code: i64) -> Option<DType> {
     DType::ALL.into_iter().find(|&d| dtype_code(d) == code)
 }
 
+/// The element type and shape of a message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Meta {
+    pub dtype: DType,
+    pub shape: Vec<usize>,
+}
+
+impl Meta {
+    pub fn new(dtype: DType, shape: Vec<usize>) -> Meta {
+        Meta { dtype, shape }
+    }
+    pub fn of(t: &Activation) -> Meta {
+        Meta::new(t.dtype(), t.shape().to_vec())
+    }
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+    fn header(&self, status: i64) -> [i64; HDR] {
+        let mut h = [0i64; HDR];
+        h[0] = status;
+        h[1] = dtype_code(self.dtype);
+        h[2] = self.shape.len() as i64;
+        for (k, &s) in self.shape.iter().take(3).enumerate() {
+            h[3 + k] = s as i64;
+        }
+        h
+    }
+}
+
+impl std::fmt::Display for Meta {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} {:?}", self.dtype, self.shape)
+    }
+}
+
 /// What one outgoing message carries.
 pub(crate) enum OutData<'a> {
     /// Elements `range` of a tensor, shaped `shape` (no copy).
@@ -49,23 +103,13 @@ pub(crate) enum OutData<'a> {
 }
 
 impl OutData<'_> {
-    fn header(&self) -> [i64; HDR] {
-        let mut h = [0i64; HDR];
-        let (dtype, shape) = match self {
-            OutData::Slice { src, shape, .. } => (src.dtype(), shape.as_slice()),
-            OutData::Owned(a) => (a.dtype(), a.shape()),
-            OutData::Failed => {
-                h[0] = FAILED;
-                return h;
-            }
-        };
-        h[0] = OK;
-        h[1] = dtype_code(dtype);
-        h[2] = shape.len() as i64;
-        for (k, &s) in shape.iter().take(3).enumerate() {
-            h[3 + k] = s as i64;
+    /// Dtype and shape (`None` for a failure).
+    pub fn meta(&self) -> Option<Meta> {
+        match self {
+            OutData::Slice { src, shape, .. } => Some(Meta::new(src.dtype(), shape.clone())),
+            OutData::Owned(a) => Some(Meta::of(a)),
+            OutData::Failed => None,
         }
-        h
     }
     fn payload(&self) -> Option<HostSlice<'_>> {
         match self {
@@ -76,12 +120,17 @@ impl OutData<'_> {
             OutData::Failed => None,
         }
     }
-    fn into_activation(self) -> Result<Activation> {
+    fn into_activation(self, pool: Option<&BufferPool>) -> Result<Activation> {
         match self {
-            OutData::Slice { src, range, shape } => Activation::new(
-                shape,
-                sub_slice(src.data().as_slice(), range).to_owned_buffer(),
-            ),
+            OutData::Slice { src, range, shape } => {
+                let from = sub_slice(src.data().as_slice(), range);
+                let mut buf = match pool {
+                    Some(p) => p.take(from.dtype(), from.len()),
+                    None => HostBuffer::zeros(from.dtype(), from.len()),
+                };
+                buf.as_mut_slice().copy_from(from)?;
+                Activation::new(shape, buf)
+            }
             OutData::Owned(a) => Ok(a),
             OutData::Failed => Err(Error::Usage {
                 op: "exchange",
@@ -91,18 +140,60 @@ impl OutData<'_> {
     }
 }
 
-/// One outgoing message: world rank of the peer, header tag (the payload uses `tag + 1`).
+/// One outgoing message: world rank of the peer, header tag (the payload uses `tag + 1`), and
+/// what the receiver expects if it knows the shape in advance (then the payload travels in the
+/// header's round; see the module docs).
 pub(crate) struct Out<'a> {
     pub peer: usize,
     pub tag: u32,
     pub data: OutData<'a>,
+    pub expect: Option<Meta>,
 }
 
-/// One expected incoming message.
-#[derive(Clone, Copy)]
+/// One expected incoming message, with its shape if this rank knows it in advance (the sender
+/// must then know it too: both ends derive it from the same static shape or channel history).
+#[derive(Clone)]
 pub(crate) struct In {
     pub peer: usize,
     pub tag: u32,
+    pub expect: Option<Meta>,
+}
+
+/// Consecutive `ins` to be returned as one tensor, concatenated along `dim` in order.
+pub(crate) struct Join {
+    pub ins: Range<usize>,
+    pub dim: usize,
+}
+
+/// One received message: its dtype and shape, and its data unless it went into a join.
+pub(crate) struct Part {
+    pub meta: Meta,
+    pub data: Option<Activation>,
+}
+
+/// What [`Wire::exchange`] received.
+pub(crate) struct Exchanged {
+    /// Per `In`, in order.
+    pub parts: Vec<Result<Part>>,
+    /// Per `Join`, in order: the concatenation, or the first failure among its parts.
+    pub joined: Vec<Result<Activation>>,
+}
+
+impl Exchanged {
+    /// The received tensors, for exchanges without joins.
+    pub fn into_tensors(self) -> Vec<Result<Activation>> {
+        self.parts
+            .into_iter()
+            .map(|p| {
+                p.and_then(|p| {
+                    p.data.ok_or_else(|| Error::Usage {
+                        op: "exchange",
+                        message: "internal: a joined part has no data of its own".into(),
+                    })
+                })
+            })
+            .collect()
+    }
 }
 
 /// Receive buffers handed back by the user for reuse, so that steady-state transfers do not
@@ -127,11 +218,18 @@ impl BufferPool {
     pub const CAPACITY: usize = 16;
     /// Keeps `t`'s buffer for a later receive of the same dtype and length.
     pub fn put(&self, t: Activation) {
+        self.put_buffer(t.into_data());
+    }
+    /// Keeps a buffer for a later receive (empty buffers are not kept).
+    pub(crate) fn put_buffer(&self, b: HostBuffer) {
+        if b.is_empty() {
+            return;
+        }
         if let Ok(mut f) = self.free.lock() {
             if f.len() >= Self::CAPACITY {
                 f.remove(0);
             }
-            f.push(t.into_data());
+            f.push(b);
         }
     }
     /// A buffer of `len` elements of `dtype`: a recycled one if any fits, else a new one (its
@@ -162,6 +260,37 @@ pub(crate) struct Wire<'a, C: Communicator + ?Sized> {
     pub pool: Option<&'a BufferPool>,
 }
 
+/// When a sender's payload travels.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Pay {
+    /// No payload (failure without an expectation, or a message to this rank itself).
+    No,
+    /// The tensor, in the header's round.
+    Now,
+    /// A placeholder of the expected size in the header's round (failure or changed shape).
+    Placeholder,
+}
+
+fn failed_header() -> [i64; HDR] {
+    let mut h = [0i64; HDR];
+    h[0] = FAILED;
+    h
+}
+
+/// The dtype and shape of `metas` concatenated along `dim`, if they fit together **and** each
+/// part is one contiguous block of the result (so it can be received in place).
+fn joinable<'m>(metas: impl Iterator<Item = &'m Meta>, dim: usize) -> Option<Meta> {
+    let metas: Vec<&Meta> = metas.collect();
+    let first = metas.first()?;
+    if metas.iter().any(|m| m.dtype != first.dtype) {
+        return None;
+    }
+    let shapes: Vec<&[usize]> = metas.iter().map(|m| m.shape.as_slice()).collect();
+    let shape = Activation::concat_shape(&shapes, dim)?;
+    let outer: usize = shape[..dim].iter().product();
+    (metas.len() == 1 || outer == 1).then(|| Meta::new(first.dtype, shape))
+}
+
 impl<C: Communicator + ?Sized> Wire<'_, C> {
     fn alloc(&self, dtype: DType, len: usize) -> HostBuffer {
         match self.pool {
@@ -169,9 +298,20 @@ impl<C: Communicator + ?Sized> Wire<'_, C> {
             None => HostBuffer::zeros(dtype, len),
         }
     }
-}
 
-impl<C: Communicator + ?Sized> Wire<'_, C> {
+    fn give_back(&self, b: HostBuffer) {
+        if let Some(p) = self.pool {
+            p.put_buffer(b);
+        }
+    }
+
+    fn internal(&self, what: &str) -> Error {
+        Error::Usage {
+            op: self.op,
+            message: format!("internal: {what}"),
+        }
+    }
+
     fn prank(&self, world: usize) -> Result<usize> {
         self.comm.global_ranks().binary_search(&world).map_err(|_| Error::Usage {
             op: self.op,
@@ -183,127 +323,420 @@ impl<C: Communicator + ?Sized> Wire<'_, C> {
         })
     }
 
-    /// Sends `outs` and receives `ins` (results in `ins` order). Messages to this rank itself
-    /// are handed over locally, matched by tag in order.
-    pub fn exchange(&self, outs: Vec<Out<'_>>, ins: &[In]) -> Result<Vec<Result<Activation>>> {
+    /// Sends `outs` and receives `ins`; `joins` name runs of `ins` to be returned concatenated.
+    /// Messages to this rank itself are handed over locally, matched by tag in order.
+    ///
+    /// At most two `batch_p2p` rounds: headers with the payloads whose shape the receiver
+    /// expects, then the other payloads (skipped when there are none on this rank).
+    pub fn exchange(&self, outs: Vec<Out<'_>>, ins: &[In], joins: &[Join]) -> Result<Exchanged> {
         let me = self.me;
-        // Round 1: headers.
-        let out_hdr: Vec<[i64; HDR]> = outs.iter().map(|o| o.data.header()).collect();
-        let mut in_hdr: Vec<[i64; HDR]> = vec![[0; HDR]; ins.len()];
-        {
-            let mut ops = Vec::new();
-            for (o, h) in outs.iter().zip(&out_hdr) {
-                if o.peer != me {
-                    ops.push(P2pOp::Send {
-                        buf: BufRef::from(&h[..]),
-                        peer: self.prank(o.peer)?,
-                        tag: o.tag,
-                    });
-                }
-            }
-            for (i, h) in ins.iter().zip(in_hdr.iter_mut()) {
-                if i.peer != me {
-                    ops.push(P2pOp::Recv {
-                        buf: BufMut::from(&mut h[..]),
-                        peer: self.prank(i.peer)?,
-                        tag: i.tag,
-                    });
-                }
-            }
-            if !ops.is_empty() {
-                self.comm.batch_p2p(ops)?;
-            }
-        }
-        // Decode the received headers and allocate.
-        let mut results: Vec<Option<Result<Activation>>> = Vec::with_capacity(ins.len());
-        let mut bufs: Vec<Option<(Vec<usize>, HostBuffer)>> = Vec::with_capacity(ins.len());
-        for (i, h) in ins.iter().zip(&in_hdr) {
-            if i.peer == me {
-                results.push(None);
-                bufs.push(None);
-                continue;
-            }
-            match self.decode(i.peer, h) {
-                Ok((dtype, shape)) => {
-                    let n: usize = shape.iter().product();
-                    bufs.push(Some((shape, self.alloc(dtype, n))));
-                    results.push(None);
-                }
-                Err(e) => {
-                    bufs.push(None);
-                    results.push(Some(Err(e)));
+        let n = ins.len();
+        let mut join_of: Vec<Option<usize>> = vec![None; n];
+        for (j, jn) in joins.iter().enumerate() {
+            for k in jn.ins.clone() {
+                match join_of.get_mut(k) {
+                    Some(slot @ None) => *slot = Some(j),
+                    _ => return Err(self.internal("overlapping or out-of-range join")),
                 }
             }
         }
-        // Round 2: payloads.
+
+        // ----- sender plan --------------------------------------------------------------------
+        let mut out_hdr: Vec<[i64; HDR]> = Vec::with_capacity(outs.len());
+        let mut first: Vec<Pay> = Vec::with_capacity(outs.len());
+        let mut second: Vec<bool> = Vec::with_capacity(outs.len());
+        let mut placeholders: Vec<Option<HostBuffer>> = Vec::with_capacity(outs.len());
+        for o in &outs {
+            let meta = o.data.meta();
+            let (h, p1, p2, ph) = match (&o.expect, &meta) {
+                _ if o.peer == me => ([0; HDR], Pay::No, false, None),
+                (Some(e), Some(m)) if m == e => (m.header(OK), Pay::Now, false, None),
+                (Some(e), Some(m)) => (m.header(RESEND), Pay::Placeholder, true, Some(e)),
+                (Some(e), None) => (failed_header(), Pay::Placeholder, false, Some(e)),
+                (None, Some(m)) => (m.header(OK), Pay::No, true, None),
+                (None, None) => (failed_header(), Pay::No, false, None),
+            };
+            out_hdr.push(h);
+            first.push(p1);
+            second.push(p2);
+            placeholders.push(
+                ph.filter(|e| e.numel() > 0)
+                    .map(|e| self.alloc(e.dtype, e.numel())),
+            );
+        }
+
+        // ----- receiver plan ------------------------------------------------------------------
+        // A join is received in place in round 1 if every part's shape is expected and the
+        // parts fit; otherwise it may still be received in place in round 2 (decided once the
+        // headers are in), else part by part and copied.
+        let mut jmeta: Vec<Option<Meta>> = Vec::with_capacity(joins.len());
+        let mut jround: Vec<u8> = vec![0; joins.len()];
+        let mut jbuf: Vec<Option<HostBuffer>> = Vec::with_capacity(joins.len());
+        let mut jlens: Vec<Vec<usize>> = Vec::with_capacity(joins.len());
+        for (j, jn) in joins.iter().enumerate() {
+            let members = &ins[jn.ins.clone()];
+            let eager = members.iter().all(|i| i.peer != me && i.expect.is_some());
+            let m = if eager {
+                joinable(members.iter().filter_map(|i| i.expect.as_ref()), jn.dim)
+            } else {
+                None
+            };
+            match m {
+                Some(m) => {
+                    jround[j] = 1;
+                    jbuf.push(Some(self.alloc(m.dtype, m.numel())));
+                    jlens.push(
+                        members
+                            .iter()
+                            .filter_map(|i| i.expect.as_ref().map(Meta::numel))
+                            .collect(),
+                    );
+                    jmeta.push(Some(m));
+                }
+                None => {
+                    jbuf.push(None);
+                    jlens.push(Vec::new());
+                    jmeta.push(None);
+                }
+            }
+        }
+        let mut dest: Vec<Option<HostBuffer>> = Vec::with_capacity(n);
+        for (k, i) in ins.iter().enumerate() {
+            let in_place = join_of[k].is_some_and(|j| jround[j] == 1);
+            dest.push(match &i.expect {
+                Some(e) if i.peer != me && !in_place => Some(self.alloc(e.dtype, e.numel())),
+                _ => None,
+            });
+        }
+
+        // ----- round 1: headers, and the payloads whose shape is expected -------------------
+        let mut in_hdr: Vec<[i64; HDR]> = vec![[0; HDR]; n];
         {
             let mut ops = Vec::new();
-            for (o, h) in outs.iter().zip(&out_hdr) {
-                if o.peer == me || h[0] != OK {
+            for (k, o) in outs.iter().enumerate() {
+                if o.peer == me {
                     continue;
                 }
-                if let Some(p) = o.data.payload() {
-                    if !p.is_empty() {
-                        ops.push(P2pOp::Send {
-                            buf: BufRef::Host(p),
-                            peer: self.prank(o.peer)?,
-                            tag: o.tag + 1,
-                        });
-                    }
+                let peer = self.prank(o.peer)?;
+                ops.push(P2pOp::Send {
+                    buf: BufRef::from(&out_hdr[k][..]),
+                    peer,
+                    tag: o.tag,
+                });
+                let payload = match first[k] {
+                    Pay::Now => o.data.payload(),
+                    Pay::Placeholder => placeholders[k].as_ref().map(HostBuffer::as_slice),
+                    Pay::No => None,
+                };
+                if let Some(p) = payload.filter(|p| !p.is_empty()) {
+                    ops.push(P2pOp::Send {
+                        buf: BufRef::Host(p),
+                        peer,
+                        tag: o.tag + 1,
+                    });
                 }
             }
-            for (i, b) in ins.iter().zip(bufs.iter_mut()) {
-                if let Some((_, buf)) = b {
-                    if !buf.is_empty() {
-                        ops.push(P2pOp::Recv {
-                            buf: BufMut::Host(buf.as_mut_slice()),
-                            peer: self.prank(i.peer)?,
-                            tag: i.tag + 1,
-                        });
-                    }
+            let mut slots: Vec<Vec<Option<HostSliceMut<'_>>>> = jbuf
+                .iter_mut()
+                .zip(&jlens)
+                .map(|(b, lens)| match b {
+                    Some(b) => chunks_mut(b.as_mut_slice(), lens)
+                        .into_iter()
+                        .map(Some)
+                        .collect(),
+                    None => Vec::new(),
+                })
+                .collect();
+            for (k, (i, (h, d))) in ins
+                .iter()
+                .zip(in_hdr.iter_mut().zip(dest.iter_mut()))
+                .enumerate()
+            {
+                if i.peer == me {
+                    continue;
+                }
+                let peer = self.prank(i.peer)?;
+                ops.push(P2pOp::Recv {
+                    buf: BufMut::from(&mut h[..]),
+                    peer,
+                    tag: i.tag,
+                });
+                if i.expect.is_none() {
+                    continue;
+                }
+                let target = match join_of[k] {
+                    Some(j) if jround[j] == 1 => slots[j]
+                        .get_mut(k - joins[j].ins.start)
+                        .and_then(Option::take),
+                    _ => d.as_mut().map(HostBuffer::as_mut_slice),
+                };
+                if let Some(t) = target.filter(|t| !t.is_empty()) {
+                    ops.push(P2pOp::Recv {
+                        buf: BufMut::Host(t),
+                        peer,
+                        tag: i.tag + 1,
+                    });
                 }
             }
             if !ops.is_empty() {
                 self.comm.batch_p2p(ops)?;
             }
         }
-        // Local hand-over of messages to self, matched by tag in order.
-        let mut own: Vec<Option<Out<'_>>> = outs
-            .into_iter()
-            .filter(|o| o.peer == me)
-            .map(Some)
-            .collect();
-        let mut out = Vec::with_capacity(ins.len());
-        for ((i, r), b) in ins.iter().zip(results).zip(bufs) {
-            if let Some(r) = r {
-                out.push(r);
-            } else if let Some((shape, buf)) = b {
-                out.push(Activation::new(shape, buf));
-            } else {
-                let slot = own
-                    .iter_mut()
-                    .find(|o| o.as_ref().is_some_and(|o| o.tag == i.tag));
-                match slot.and_then(Option::take) {
-                    Some(o) => match o.data {
-                        OutData::Failed => out.push(Err(Error::PeerError { op: self.op, peer: me })),
-                        data => out.push(data.into_activation()),
-                    },
-                    None => {
-                        return Err(Error::Usage {
-                            op: self.op,
-                            message: format!(
-                                "rank {me} expects a message from itself (tag {}) but sends none: on a rank that holds both ends of a bridge, give the sending side's tensor in the same call",
-                                i.tag
-                            ),
-                        })
+        for b in placeholders.into_iter().flatten() {
+            self.give_back(b);
+        }
+
+        // ----- decode the headers -------------------------------------------------------------
+        let mut metas: Vec<Option<Meta>> = vec![None; n];
+        let mut errs: Vec<Option<Error>> = vec![None; n];
+        let mut late: Vec<bool> = vec![false; n];
+        let mut broken: Vec<bool> = vec![false; joins.len()];
+        for (k, i) in ins.iter().enumerate() {
+            if i.peer == me {
+                continue;
+            }
+            match (self.decode(i.peer, &in_hdr[k]), &i.expect) {
+                (Err(e), _) => errs[k] = Some(e),
+                (Ok((OK, m)), Some(e)) if m != *e => {
+                    errs[k] = Some(Error::Protocol {
+                        op: self.op,
+                        peer: i.peer,
+                        message: format!(
+                            "it sent {m} where this rank expected {e}: give every rank the same static shape"
+                        ),
+                    })
+                }
+                (Ok((OK, m)), e) => {
+                    late[k] = e.is_none();
+                    metas[k] = Some(m);
+                }
+                (Ok((_, m)), Some(_)) => {
+                    // RESEND: the payload that came was a placeholder.
+                    late[k] = true;
+                    metas[k] = Some(m);
+                    if let Some(b) = dest[k].take() {
+                        self.give_back(b);
                     }
+                    if let Some(j) = join_of[k] {
+                        broken[j] = true;
+                    }
+                }
+                (Ok(_), None) => {
+                    errs[k] = Some(Error::Protocol {
+                        op: self.op,
+                        peer: i.peer,
+                        message: "a resend on a channel without an expected shape".into(),
+                    })
                 }
             }
         }
-        Ok(out)
+        for (j, jn) in joins.iter().enumerate() {
+            if jround[j] != 0 {
+                continue;
+            }
+            let all_late = jn.ins.clone().all(|k| late[k] && errs[k].is_none());
+            if let Some(m) = all_late
+                .then(|| joinable(jn.ins.clone().filter_map(|k| metas[k].as_ref()), jn.dim))
+                .flatten()
+            {
+                jround[j] = 2;
+                jbuf[j] = Some(self.alloc(m.dtype, m.numel()));
+                jlens[j] = jn
+                    .ins
+                    .clone()
+                    .filter_map(|k| metas[k].as_ref().map(Meta::numel))
+                    .collect();
+                jmeta[j] = Some(m);
+            }
+        }
+        for k in 0..n {
+            let in_place = join_of[k].is_some_and(|j| jround[j] == 2);
+            if late[k] && !in_place {
+                if let Some(m) = &metas[k] {
+                    dest[k] = Some(self.alloc(m.dtype, m.numel()));
+                }
+            }
+        }
+
+        // ----- round 2: the other payloads ------------------------------------------------------
+        {
+            let mut ops = Vec::new();
+            for (k, o) in outs.iter().enumerate() {
+                if !second[k] {
+                    continue;
+                }
+                if let Some(p) = o.data.payload().filter(|p| !p.is_empty()) {
+                    ops.push(P2pOp::Send {
+                        buf: BufRef::Host(p),
+                        peer: self.prank(o.peer)?,
+                        tag: o.tag + 1,
+                    });
+                }
+            }
+            let mut slots: Vec<Vec<Option<HostSliceMut<'_>>>> = jbuf
+                .iter_mut()
+                .zip(&jlens)
+                .zip(&jround)
+                .map(|((b, lens), &r)| match b {
+                    Some(b) if r == 2 => chunks_mut(b.as_mut_slice(), lens)
+                        .into_iter()
+                        .map(Some)
+                        .collect(),
+                    _ => Vec::new(),
+                })
+                .collect();
+            for (k, (i, d)) in ins.iter().zip(dest.iter_mut()).enumerate() {
+                if !late[k] {
+                    continue;
+                }
+                let target = match join_of[k] {
+                    Some(j) if jround[j] == 2 => slots[j]
+                        .get_mut(k - joins[j].ins.start)
+                        .and_then(Option::take),
+                    _ => d.as_mut().map(HostBuffer::as_mut_slice),
+                };
+                if let Some(t) = target.filter(|t| !t.is_empty()) {
+                    ops.push(P2pOp::Recv {
+                        buf: BufMut::Host(t),
+                        peer: self.prank(i.peer)?,
+                        tag: i.tag + 1,
+                    });
+                }
+            }
+            if !ops.is_empty() {
+                self.comm.batch_p2p(ops)?;
+            }
+        }
+
+        // ----- hand-over of messages to this rank itself; sent buffers back to the pool -------
+        let mut own: Vec<Option<Out<'_>>> = Vec::new();
+        for o in outs {
+            if o.peer == me {
+                own.push(Some(o));
+            } else if let OutData::Owned(a) = o.data {
+                self.give_back(a.into_data());
+            }
+        }
+        let mut local: Vec<Option<Activation>> = (0..n).map(|_| None).collect();
+        for (k, i) in ins.iter().enumerate() {
+            if i.peer != me {
+                continue;
+            }
+            let slot = own
+                .iter_mut()
+                .find(|o| o.as_ref().is_some_and(|o| o.tag == i.tag))
+                .and_then(Option::take);
+            match slot {
+                Some(o) => match o.data {
+                    OutData::Failed => errs[k] = Some(Error::PeerError { op: self.op, peer: me }),
+                    data => {
+                        let a = data.into_activation(self.pool)?;
+                        metas[k] = Some(Meta::of(&a));
+                        local[k] = Some(a);
+                    }
+                },
+                None => {
+                    return Err(Error::Usage {
+                        op: self.op,
+                        message: format!(
+                            "rank {me} expects a message from itself (tag {}) but sends none: on a rank that holds both ends of a bridge, give the sending side's tensor in the same call",
+                            i.tag
+                        ),
+                    })
+                }
+            }
+        }
+
+        // ----- joins ----------------------------------------------------------------------------
+        let mut joined = Vec::with_capacity(joins.len());
+        for (j, jn) in joins.iter().enumerate() {
+            let members = jn.ins.clone();
+            if let Some(e) = members.clone().find_map(|k| errs[k].clone()) {
+                if let Some(b) = jbuf[j].take() {
+                    self.give_back(b);
+                }
+                joined.push(Err(e));
+                continue;
+            }
+            if !broken[j] {
+                if let (Some(b), Some(m)) = (jbuf[j].take(), jmeta[j].take()) {
+                    joined.push(Activation::new(m.shape, b));
+                    continue;
+                }
+            }
+            // Part by part, then one copy into the output.
+            let old = jbuf[j].take();
+            let mut pieces: Vec<Activation> = Vec::with_capacity(members.len());
+            let mut off = 0;
+            for (x, k) in members.clone().enumerate() {
+                let m = metas[k]
+                    .clone()
+                    .ok_or_else(|| self.internal("a joined part without a header"))?;
+                let expected_len = jlens[j].get(x).copied().unwrap_or(0);
+                let piece = if let Some(a) = local[k].take() {
+                    a
+                } else if let Some(b) = dest[k].take() {
+                    Activation::new(m.shape, b)?
+                } else if let Some(ob) = &old {
+                    let from = sub_slice(ob.as_slice(), off..off + m.numel());
+                    let mut b = self.alloc(from.dtype(), from.len());
+                    b.as_mut_slice().copy_from(from)?;
+                    Activation::new(m.shape, b)?
+                } else {
+                    return Err(self.internal("a joined part without data"));
+                };
+                off += expected_len;
+                pieces.push(piece);
+            }
+            if let Some(b) = old {
+                self.give_back(b);
+            }
+            let refs: Vec<&Activation> = pieces.iter().collect();
+            let peers: Vec<usize> = members.map(|k| ins[k].peer).collect();
+            joined.push(
+                Activation::concat_with(&refs, jn.dim, &|d, len| self.alloc(d, len)).map_err(|e| {
+                    Error::IncompatibleParts {
+                        op: self.op,
+                        ranks: peers,
+                        message: e.to_string(),
+                    }
+                }),
+            );
+            for p in pieces {
+                self.give_back(p.into_data());
+            }
+        }
+
+        // ----- per-message results --------------------------------------------------------------
+        let mut parts = Vec::with_capacity(n);
+        for k in 0..n {
+            if let Some(e) = errs[k].take() {
+                if let Some(b) = dest[k].take() {
+                    self.give_back(b);
+                }
+                parts.push(Err(e));
+                continue;
+            }
+            let meta = metas[k]
+                .take()
+                .ok_or_else(|| self.internal("a message without a header"))?;
+            let data = if join_of[k].is_some() {
+                None
+            } else if let Some(a) = local[k].take() {
+                Some(a)
+            } else {
+                let b = dest[k]
+                    .take()
+                    .ok_or_else(|| self.internal("a message without a buffer"))?;
+                Some(Activation::new(meta.shape.clone(), b)?)
+            };
+            parts.push(Ok(Part { meta, data }));
+        }
+        Ok(Exchanged { parts, joined })
     }
 
-    fn decode(&self, peer: usize, h: &[i64; HDR]) -> Result<(DType, Vec<usize>)> {
+    /// Status and dtype/shape of a header; a failure status is [`Error::PeerError`].
+    fn decode(&self, peer: usize, h: &[i64; HDR]) -> Result<(i64, Meta)> {
         if h[0] == FAILED {
             return Err(Error::PeerError { op: self.op, peer });
         }
@@ -312,7 +745,7 @@ impl<C: Communicator + ?Sized> Wire<'_, C> {
             peer,
             message: m,
         };
-        if h[0] != OK {
+        if h[0] != OK && h[0] != RESEND {
             return Err(bad(format!("status {}", h[0])));
         }
         let dtype = dtype_of(h[1]).ok_or_else(|| bad(format!("unknown dtype code {}", h[1])))?;
@@ -327,7 +760,7 @@ impl<C: Communicator + ?Sized> Wire<'_, C> {
             }
             shape.push(d as usize);
         }
-        Ok((dtype, shape))
+        Ok((h[0], Meta::new(dtype, shape)))
     }
 }
 
@@ -366,13 +799,8 @@ pub(crate) fn distribute<C: Communicator + ?Sized>(
             })
         });
         let mut h = match &mine {
-            Ok(a) => OutData::Slice {
-                src: a,
-                range: 0..0,
-                shape: a.shape().to_vec(),
-            }
-            .header(),
-            Err(_) => OutData::Failed.header(),
+            Ok(a) => Meta::of(a).header(OK),
+            Err(_) => failed_header(),
         };
         comm.broadcast_into(&mut h[..], root)?;
         let mut a = mine?;
@@ -384,12 +812,12 @@ pub(crate) fn distribute<C: Communicator + ?Sized>(
         let mut h = [0i64; HDR];
         comm.broadcast_into(&mut h[..], root)?;
         let w = Wire { comm, me, op, pool };
-        let (dtype, shape) = w.decode(leader, &h).map_err(|e| match e {
+        let (_, m) = w.decode(leader, &h).map_err(|e| match e {
             Error::Protocol { .. } => e,
             _ => Error::PeerError { op, peer: leader },
         })?;
-        let n = shape.iter().product();
-        let mut a = Activation::new(shape, w.alloc(dtype, n))?;
+        let n = m.numel();
+        let mut a = Activation::new(m.shape, w.alloc(m.dtype, n))?;
         if a.numel() > 0 {
             comm.broadcast(BufMut::Host(a.data_mut()), root)?;
         }
