@@ -1,4 +1,5 @@
-//! The subcommands: `layout`, `enum`, `hierarchical`, `rank-generator`.
+//! The subcommands: `layout`, `enum`, `hierarchical`, `rank-generator`, `pipeline` (and the
+//! shared helpers of `comm-grid`, which lives in its own module).
 
 use crate::args::usage;
 use crate::args::{Parsed, Result, Spec};
@@ -18,12 +19,12 @@ pub const MAX_ENUMERATED: usize = 1 << 24;
 pub const MAX_VIEW_MEMBERS: usize = 1 << 25;
 
 #[derive(Clone, Copy, PartialEq, Eq)]
-enum Format {
+pub(crate) enum Format {
     Text,
     Json,
 }
 
-fn format_of(p: &Parsed, command: &str) -> Result<Format> {
+pub(crate) fn format_of(p: &Parsed, command: &str) -> Result<Format> {
     match p.get("format") {
         None | Some("text") => Ok(Format::Text),
         Some("json") => Ok(Format::Json),
@@ -41,6 +42,7 @@ pub fn help_of(command: &str) -> Option<&'static str> {
         "hierarchical" => Some(HIER_HELP),
         "rank-generator" => Some(RANKGEN_HELP),
         "pipeline" => Some(PIPELINE_HELP),
+        "comm-grid" => Some(crate::comm_grid::HELP),
         _ => None,
     }
 }
@@ -54,7 +56,11 @@ fn show_list(v: &[usize]) -> String {
 }
 
 /// The first groups of a family that fit in about `budget` characters (at least one).
-fn first_groups(n: usize, budget: usize, group: impl Fn(usize) -> Result<Group>) -> Result<String> {
+pub(crate) fn first_groups(
+    n: usize,
+    budget: usize,
+    group: impl Fn(usize) -> Result<Group>,
+) -> Result<String> {
     let mut s = String::new();
     let mut shown = 0;
     while shown < n {
@@ -957,9 +963,18 @@ usage: grid pipeline SPEC [--format text|json]
                         name ends in .toml, JSON otherwise; see crates/multimodule/README.md)
   --format text|json    readable text (default) or JSON
 
-JSON: {\"total_stages\", \"ranks\": {RANK: {\"modules\", \"current_stage\", \"is_first_stage\",
-       \"is_last_stage\"}}, \"bridges\": [{\"src\", \"dst\", \"src_leaders\", \"dst_leaders\", \"routes\",
-       \"src_broadcast_groups\", \"dst_broadcast_groups\"}]}";
+JSON: {\"total_stages\", \"ranks\": {RANK: {\"modules\": {MODULE: {\"pp_rank\", \"pp_size\",
+       \"stages_through\"}}, \"current_stage\", \"is_first_stage\", \"is_last_stage\"}},
+       \"bridges\": [{\"src\", \"dst\", \"src_leaders\", \"dst_leaders\",
+       \"routes\": {RANK: {\"role\": \"sender\"|\"receiver\"|\"sender_receiver\", \"peers\", \"recv_peers\"?}},
+       \"src_broadcast_groups\", \"dst_broadcast_groups\"}]}
+Every rank of every module appears under \"ranks\"; stages_through is Megatron's
+compute_total_pipeline_stages(rank, module) and current_stage the largest of them minus one.
+The bridges are in Megatron's creation order: leaders, routes (peers in message order) and
+broadcast groups as its BridgeCommunicator plans them. Where Megatron is defective this
+command differs on purpose (any cycle is an error, a module without a topology key is a sink,
+a rank in both grids of a bridge is a sender_receiver, current_stage is the maximum over
+colocated modules; see crates/multimodule/README.md). An invalid spec exits with status 2.";
 
 /// `grid pipeline`.
 pub fn pipeline(args: &[String], out: &mut Out<'_>) -> std::result::Result<(), Failure> {

@@ -17,6 +17,7 @@
 #![warn(missing_docs)]
 
 mod args;
+mod comm_grid;
 mod commands;
 mod out;
 
@@ -75,6 +76,8 @@ usage:
   grid rank-generator --order ORDER [--tp N] [--ep N] [--dp N] [--pp N] [--cp N]
                       [--rank-offset O] [--tokens T1,T2,...] [--format text|json]
   grid pipeline SPEC [--format text|json]
+  grid comm-grid --shape S1,S2,... --dims D1,D2,... [--rank-offset O] [--world-size W]
+                 [--rank R] --queries FILE|- [--format text|json]
   grid help [COMMAND]      grid --version
 
 Run `grid COMMAND --help` for the details of one command. Invalid input exits with status 2.";
@@ -83,7 +86,7 @@ Run `grid COMMAND --help` for the details of one command. Invalid input exits wi
 pub fn run(args: &[String], w: &mut dyn Write) -> Result<(), Failure> {
     let mut out = out::Out::new(w);
     let Some(cmd) = args.first() else {
-        return Err(usage!("missing command: expected layout, enum, hierarchical, rank-generator or pipeline (see grid --help)").into());
+        return Err(usage!("missing command: expected layout, enum, hierarchical, rank-generator, pipeline or comm-grid (see grid --help)").into());
     };
     let rest = &args[1..];
     match cmd.as_str() {
@@ -92,6 +95,7 @@ pub fn run(args: &[String], w: &mut dyn Write) -> Result<(), Failure> {
         "hierarchical" => commands::hierarchical(rest, &mut out)?,
         "rank-generator" => commands::rank_generator(rest, &mut out)?,
         "pipeline" => commands::pipeline(rest, &mut out)?,
+        "comm-grid" => comm_grid::comm_grid(rest, &mut out)?,
         "-h" | "--help" => out.line(HELP)?,
         "help" => match rest.first().map(String::as_str) {
             None => out.line(HELP)?,
@@ -99,7 +103,7 @@ pub fn run(args: &[String], w: &mut dyn Write) -> Result<(), Failure> {
                 Some(h) => out.line(h)?,
                 None => {
                     return Err(usage!(
-                        "help: unknown command '{c}': expected layout, enum, hierarchical, rank-generator or pipeline"
+                        "help: unknown command '{c}': expected layout, enum, hierarchical, rank-generator, pipeline or comm-grid"
                     )
                     .into())
                 }
@@ -108,7 +112,7 @@ pub fn run(args: &[String], w: &mut dyn Write) -> Result<(), Failure> {
         "-V" | "--version" => out.line(concat!("grid ", env!("CARGO_PKG_VERSION")))?,
         other => {
             return Err(usage!(
-                "unknown command '{other}': expected layout, enum, hierarchical, rank-generator or pipeline (see grid --help)"
+                "unknown command '{other}': expected layout, enum, hierarchical, rank-generator, pipeline or comm-grid (see grid --help)"
             )
             .into())
         }
