@@ -83,6 +83,25 @@ usage:
 Run `grid COMMAND --help` for the details of one command. Invalid input exits with status 2.";
 
 /// Runs the command line `args` (without the program name), writing the output to `w`.
+///
+/// ```
+/// // `grid comm-grid`: HyperCommGrid queries replayed in order on one grid.
+/// let dir = std::env::temp_dir().join(format!("grid-cli-doc-{}", std::process::id()));
+/// std::fs::create_dir_all(&dir).unwrap();
+/// let q = dir.join("queries.json");
+/// std::fs::write(&q, r#"[{"fn": "create_pg", "dims": ["a", "b"]}, {"fn": "create_pg", "dims": ["b", "a"]}]"#)
+///     .unwrap();
+/// let args: Vec<String> = ["comm-grid", "--shape", "2,2,2", "--dims", "a,b,c", "--rank", "5",
+///                          "--queries", q.to_str().unwrap(), "--format", "json"]
+///     .iter().map(|s| s.to_string()).collect();
+/// let mut out = Vec::new();
+/// grid_cli::run(&args, &mut out).unwrap();
+/// let v: serde_json::Value = serde_json::from_slice(&out).unwrap();
+/// assert_eq!(v[0]["ok"]["key"], "b-a");
+/// assert_eq!(v[0]["ok"]["my_group"], serde_json::json!([4, 5, 6, 7]));
+/// assert_eq!(v[1]["error"]["type"], "KeyError"); // the same key twice
+/// std::fs::remove_dir_all(&dir).unwrap();
+/// ```
 pub fn run(args: &[String], w: &mut dyn Write) -> Result<(), Failure> {
     let mut out = out::Out::new(w);
     let Some(cmd) = args.first() else {
