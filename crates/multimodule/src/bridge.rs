@@ -27,12 +27,15 @@
 //!   that detects it, and its peers get [`Error::PeerError`] instead of hanging.
 
 use crate::error::{Error, Result};
-use crate::routing::{BridgePlan, Side};
+use crate::routing::{BridgePlan, PartRoute, Side};
 use crate::tensor::{batch_split_sizes, tensor_split_sizes, Activation};
-use crate::wire::{distribute, BufferPool, In, Join, Meta, Out, OutData, Part, Wire};
+use crate::wire::{
+    distribute, BufferPool, In, Join, Meta, Out, OutData, Part, ShapeCache, ShapeMode, Wire,
+};
 use grid_core::{Communicator, DType, GroupFactory};
 use std::borrow::Cow;
 use std::collections::{HashMap, VecDeque};
+use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
 /// Tags per bridge: four message kinds, header and payload each.
@@ -137,6 +140,78 @@ struct State {
     bwd_stash: Option<Activation>,
     sent: VecDeque<Sent>,
     received: VecDeque<Received>,
+    mode: ShapeMode,
+    cache: ShapeCache,
+}
+
+/// Every message shape of a bridge under [`ShapeMode::Static`], derived from the declared
+/// per-rank source shape with the routing's `tensor_split` rule (the same on every rank).
+struct StaticShapes {
+    declared: Meta,
+    /// A source lane's tensor after the cp gather.
+    src_full: Vec<usize>,
+    /// Batch rows of each of a source lane's parts.
+    part_rows: Vec<usize>,
+    ps: usize,
+    pd: usize,
+    bd: usize,
+    seq: Option<usize>,
+    dst_cp: usize,
+}
+
+impl StaticShapes {
+    fn new(plan: &BridgePlan, shape: &[usize], dtype: DType) -> StaticShapes {
+        let bd = plan.batch_dim();
+        let seq = plan.seq_dim();
+        let mut src_full = shape.to_vec();
+        if let Some(s) = seq {
+            src_full[s] *= plan.src().cp_size();
+        }
+        let ps = plan.parts_per_src();
+        StaticShapes {
+            declared: Meta::new(dtype, shape.to_vec()),
+            part_rows: tensor_split_sizes(shape[bd], ps),
+            src_full,
+            ps,
+            pd: plan.parts_per_dst(),
+            bd,
+            seq,
+            dst_cp: plan.dst().cp_size(),
+        }
+    }
+    fn rows(&self, parts: Range<usize>) -> usize {
+        parts.map(|u| self.part_rows[u % self.ps]).sum()
+    }
+    fn with_rows(&self, rows: usize) -> Vec<usize> {
+        let mut s = self.src_full.clone();
+        s[self.bd] = rows;
+        s
+    }
+    /// The message carrying global parts `parts` (either direction).
+    fn route(&self, parts: Range<usize>) -> Meta {
+        Meta::new(self.declared.dtype, self.with_rows(self.rows(parts)))
+    }
+    /// What destination rank with cp coordinate `cp_rank` of lane `j` gets (and sends back).
+    fn dst_chunk(&self, j: usize, cp_rank: usize) -> Meta {
+        let mut s = self.with_rows(self.rows(j * self.pd..(j + 1) * self.pd));
+        if let (Some(q), true) = (self.seq, self.dst_cp > 1) {
+            s[q] = tensor_split_sizes(s[q], self.dst_cp)[cp_rank];
+        }
+        Meta::new(self.declared.dtype, s)
+    }
+    fn check(&self, op: &'static str, what: &str, expected: &Meta, t: &Activation) -> Result<()> {
+        if t.dtype() == expected.dtype && t.shape() == expected.shape.as_slice() {
+            return Ok(());
+        }
+        Err(Error::StaticShape {
+            op,
+            what: what.to_string(),
+            expected: expected.shape.clone(),
+            dtype: expected.dtype,
+            actual: t.shape().to_vec(),
+            actual_dtype: t.dtype(),
+        })
+    }
 }
 
 /// Moves activations and gradients between a source and a destination module.
@@ -241,6 +316,51 @@ impl<C: Communicator> BridgeCommunicator<C> {
     /// so that steady-state transfers do not allocate. Optional.
     pub fn recycle(&self, t: Activation) {
         self.pool.put(t);
+    }
+
+    /// Sets how receivers learn the shapes of what comes ([`ShapeMode`]; the default is
+    /// `Variable`). Call it on every rank of both grids alike, between transfers. Errors: a
+    /// static shape whose number of dimensions is not the bridge's `tensor_ndim`.
+    ///
+    /// ```no_run
+    /// # fn f<C: grid_core::Communicator>(bridge: &multimodule::BridgeCommunicator<C>) -> multimodule::Result<()> {
+    /// use multimodule::ShapeMode;
+    /// // Every micro-batch's activation is [4, 128, 1024] bf16 (Megatron's variable_seq_lengths = False).
+    /// bridge.set_shape_mode(ShapeMode::Static { shape: vec![4, 128, 1024], dtype: grid_core::DType::BF16 })?;
+    /// # Ok(()) }
+    /// ```
+    pub fn set_shape_mode(&self, mode: ShapeMode) -> Result<()> {
+        if let ShapeMode::Static { shape, .. } = &mode {
+            if shape.len() != self.plan.tensor_ndim() {
+                return Err(Error::BridgeConfig {
+                    src: self.plan.src_name().into(),
+                    dst: self.plan.dst_name().into(),
+                    message: format!(
+                        "the static shape {shape:?} has {} dimensions, but the bridge carries {}-D tensors",
+                        shape.len(),
+                        self.plan.tensor_ndim()
+                    ),
+                });
+            }
+        }
+        let mut st = self.lock()?;
+        st.mode = mode;
+        st.cache = ShapeCache::default();
+        Ok(())
+    }
+
+    /// [`BridgeCommunicator::set_shape_mode`] as a builder.
+    pub fn with_shape_mode(self, mode: ShapeMode) -> Result<Self> {
+        self.set_shape_mode(mode)?;
+        Ok(self)
+    }
+
+    /// The current [`ShapeMode`].
+    pub fn shape_mode(&self) -> ShapeMode {
+        self.state
+            .lock()
+            .map(|s| s.mode.clone())
+            .unwrap_or_default()
     }
 
     /// Shares one buffer pool between several bridges.
@@ -424,9 +544,43 @@ impl<C: Communicator> BridgeCommunicator<C> {
         let bwd_in = bwd_in.filter(|_| dst.at_boundary(me));
         let want_fwd = want_fwd && dst.at_boundary(me);
         let want_bwd = want_bwd && src.at_boundary(me);
+        let src_leader_here = src.leaders().contains(&me) && src.at_boundary(me);
+        let dst_leader_here = dst.leaders().contains(&me) && dst.at_boundary(me);
+        let stat = match &st.mode {
+            ShapeMode::Static { shape, dtype } => Some(StaticShapes::new(plan, shape, *dtype)),
+            _ => None,
+        };
+        let learned = matches!(st.mode, ShapeMode::Learned);
+        let what = || format!("bridge {} -> {}", plan.src_name(), plan.dst_name());
+        // This destination rank's static chunk (what it receives and sends back).
+        let my_dst_chunk = stat
+            .as_ref()
+            .zip(dst.lane_of(me))
+            .map(|(s, j)| s.dst_chunk(j, dst.cp_rank(me)));
 
-        // Local checks: a failure here is sent on as error headers so peers do not wait.
-        let fwd_err: Option<Error> = fwd_in.and_then(|t| self.check_input(op, t).err());
+        // Local checks, all before anything is sent: a failure here is sent on as error headers
+        // (and placeholders where a payload is expected) so peers neither wait nor misread.
+        let fwd_err: Option<Error> = fwd_in.and_then(|t| {
+            self.check_input(op, t).err().or_else(|| {
+                let s = stat.as_ref()?;
+                if let Err(e) = s.check(op, &what(), &s.declared, t) {
+                    return Some(e);
+                }
+                let sizes = t.split_sizes().filter(|_| src_leader_here)?;
+                match batch_split_sizes(t.shape()[bd], s.ps, Some(sizes)) {
+                    Ok(rows) if rows == s.part_rows => None,
+                    Ok(rows) => Some(Error::Usage {
+                        op,
+                        message: format!(
+                            "{}: static shapes route parts of {:?} rows (tensor_split), but the tensor's split sizes {sizes:?} give {rows:?}: use ShapeMode::Variable or ShapeMode::Learned for per-sample splits",
+                            what(),
+                            s.part_rows
+                        ),
+                    }),
+                    Err(e) => Some(e),
+                }
+            })
+        });
         let recv_record = if bwd_in.is_some() {
             st.received.pop_front()
         } else {
@@ -436,19 +590,18 @@ impl<C: Communicator> BridgeCommunicator<C> {
             if let Err(e) = self.check_input(op, g) {
                 return Some(e);
             }
-            match &recv_record {
-                Some(r) if r.shape != g.shape() => Some(Error::GradientMismatch {
+            match (&recv_record, &my_dst_chunk) {
+                (Some(r), _) if r.shape != g.shape() => Some(Error::GradientMismatch {
                     op,
                     expected: r.shape.clone(),
                     actual: g.shape().to_vec(),
                 }),
+                (_, Some(m)) => stat.as_ref()?.check(op, &what(), m, g).err(),
                 _ => None,
             }
         });
 
         // ----- phase 1: cp gathers --------------------------------------------------------
-        let src_leader_here = src.leaders().contains(&me) && src.at_boundary(me);
-        let dst_leader_here = dst.leaders().contains(&me) && dst.at_boundary(me);
         let mut outs: Vec<Out<'_>> = Vec::new();
         let mut ins: Vec<In> = Vec::new();
         let mut fwd_chain: Vec<usize> = Vec::new();
@@ -459,28 +612,34 @@ impl<C: Communicator> BridgeCommunicator<C> {
                 ins.extend(fwd_chain.iter().filter(|&&r| r != me).map(|&peer| In {
                     peer,
                     tag: self.tag + FWD_CP,
-                    expect: None,
+                    expect: stat.as_ref().map(|s| s.declared.clone()),
                 }));
             } else if let Some(l) = src.cp_leader_for(me) {
-                outs.push(out_msg(l, self.tag + FWD_CP, fwd_in, fwd_err.is_some()));
+                let mut o = out_msg(l, self.tag + FWD_CP, fwd_in, fwd_err.is_some());
+                o.expect = stat.as_ref().map(|s| s.declared.clone());
+                outs.push(o);
             }
         }
         if bwd_in.is_some() && dst.cp_size() > 1 {
             if dst_leader_here {
                 bwd_chain = dst.cp_chain(me);
+                let j = dst.lane_of(me).unwrap_or(0);
                 ins.extend(bwd_chain.iter().filter(|&&r| r != me).map(|&peer| In {
                     peer,
                     tag: self.tag + BWD_CP,
-                    expect: None,
+                    expect: stat.as_ref().map(|s| s.dst_chunk(j, dst.cp_rank(peer))),
                 }));
             } else if let Some(l) = dst.cp_leader_for(me) {
-                outs.push(out_msg(l, self.tag + BWD_CP, bwd_in, bwd_err.is_some()));
+                let mut o = out_msg(l, self.tag + BWD_CP, bwd_in, bwd_err.is_some());
+                o.expect = my_dst_chunk.clone();
+                outs.push(o);
             }
         }
         let mut got = if outs.is_empty() && ins.is_empty() {
             Vec::new()
         } else {
-            wire.exchange(outs, &ins, &[])?.into_tensors()
+            let cache = learned.then_some(&mut st.cache);
+            wire.exchange(outs, &ins, &[], cache)?.into_tensors()
         }
         .into_iter();
         let alloc = |d: DType, n: usize| self.pool.take(d, n);
@@ -565,6 +724,7 @@ impl<C: Communicator> BridgeCommunicator<C> {
         let dst_index = dst.leaders().iter().position(|&l| l == me);
         if let (Some(full), Some(i), true) = (&fwd_full, src_index, src_leader_here) {
             let routes = plan.send_routes(i);
+            let first = outs.len();
             match full {
                 Ok(a) => {
                     let ps = plan.parts_per_src();
@@ -601,9 +761,11 @@ impl<C: Communicator> BridgeCommunicator<C> {
                 }
                 Err(_) => outs.extend(routes.iter().map(|r| out_failed(r.peer, self.tag + FWD))),
             }
+            expect_routes(&mut outs[first..], &routes, stat.as_ref());
         }
         if let (Some(full), Some(j), true) = (&bwd_full, dst_index, dst_leader_here) {
             let routes = plan.recv_routes(j);
+            let first = outs.len();
             match full {
                 Ok(g) => {
                     let rows: Result<Vec<usize>> = match &recv_record {
@@ -646,6 +808,7 @@ impl<C: Communicator> BridgeCommunicator<C> {
                 }
                 Err(_) => outs.extend(routes.iter().map(|r| out_failed(r.peer, self.tag + BWD))),
             }
+            expect_routes(&mut outs[first..], &routes, stat.as_ref());
         }
         // Record this forward transfer before taking the oldest record for the gradient, so a
         // fused call with nothing else in flight checks against what it sends now.
@@ -665,7 +828,7 @@ impl<C: Communicator> BridgeCommunicator<C> {
         ins.extend(fwd_routes.iter().map(|r| In {
             peer: r.peer,
             tag: self.tag + FWD,
-            expect: None,
+            expect: stat.as_ref().map(|s| s.route(r.parts.clone())),
         }));
         let bwd_routes = match (want_bwd && src_leader_here, src_index) {
             (true, Some(i)) => plan.send_routes(i),
@@ -674,7 +837,7 @@ impl<C: Communicator> BridgeCommunicator<C> {
         ins.extend(bwd_routes.iter().map(|r| In {
             peer: r.peer,
             tag: self.tag + BWD,
-            expect: None,
+            expect: stat.as_ref().map(|s| s.route(r.parts.clone())),
         }));
         let (nf, nb) = (fwd_routes.len(), bwd_routes.len());
         // Each direction's parts arrive straight in their slices of one output tensor when the
@@ -706,7 +869,8 @@ impl<C: Communicator> BridgeCommunicator<C> {
         let (parts, mut joined) = if outs.is_empty() && ins.is_empty() {
             (Vec::new(), Vec::new())
         } else {
-            let ex = wire.exchange(outs, &ins, &joins)?;
+            let cache = learned.then_some(&mut st.cache);
+            let ex = wire.exchange(outs, &ins, &joins, cache)?;
             (ex.parts, ex.joined)
         };
         for (i, r) in ins.iter().zip(&parts) {
@@ -898,6 +1062,15 @@ fn split_messages<'a>(
                 expect: None,
             })
             .collect())
+    }
+}
+
+/// Under static shapes, the shape each route's receiver expects (`outs` are one per route).
+fn expect_routes(outs: &mut [Out<'_>], routes: &[PartRoute], stat: Option<&StaticShapes>) {
+    if let Some(s) = stat {
+        for (o, r) in outs.iter_mut().zip(routes) {
+            o.expect = Some(s.route(r.parts.clone()));
+        }
     }
 }
 

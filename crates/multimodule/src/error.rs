@@ -163,6 +163,18 @@ pub enum Error {
         ranks: Vec<usize>,
         message: String,
     },
+    /// A tensor that does not have the static shape declared for a bridge or module
+    /// ([`crate::ShapeMode::Static`]). Detected before anything is sent; the peers get
+    /// [`Error::PeerError`].
+    #[error("{op}: the tensor is {actual_dtype} {actual:?}, but {what} declares the static shape {dtype} {expected:?}; nothing was sent: give tensors of the declared shape, or use ShapeMode::Variable or ShapeMode::Learned")]
+    StaticShape {
+        op: &'static str,
+        what: String,
+        expected: Vec<usize>,
+        dtype: grid_core::DType,
+        actual: Vec<usize>,
+        actual_dtype: grid_core::DType,
+    },
     /// A peer reported a failure instead of sending data.
     #[error("{op}: rank {peer} failed on its side of the exchange and sent no data")]
     PeerError { op: &'static str, peer: usize },

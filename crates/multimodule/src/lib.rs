@@ -27,4 +27,4 @@ pub use routing::{BridgeEnd, BridgePlan, PartRoute, Side};
 pub use spec::{DimMapping, ModuleSpec, PipelineSpec};
 pub use stages::StageTable;
 pub use tensor::{batch_split_sizes, split_at_batch_dim, tensor_split_sizes, Activation};
-pub use wire::BufferPool;
+pub use wire::{BufferPool, ShapeMode};

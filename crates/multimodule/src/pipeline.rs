@@ -9,7 +9,7 @@ use crate::plan::{bridge_plans, RankModuleInfo};
 use crate::spec::PipelineSpec;
 use crate::stages::StageTable;
 use crate::tensor::Activation;
-use crate::wire::{BufferPool, In, Out, OutData, Wire};
+use crate::wire::{BufferPool, In, Meta, Out, OutData, ShapeCache, ShapeMode, Wire};
 use grid_core::{Communicator, GroupFactory};
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
@@ -60,6 +60,10 @@ pub struct MultiModulePipelineCommunicator<C: Communicator> {
     records: Vec<Mutex<P2pRecords>>,
     module_tag: u32,
     pool: Arc<BufferPool>,
+    /// Shape mode of each spec module (its pipeline p2p and its outgoing bridges).
+    modes: Mutex<Vec<ShapeMode>>,
+    /// Channel shapes of the pipeline p2p messages (modules in `ShapeMode::Learned`).
+    p2p_cache: Mutex<ShapeCache>,
 }
 
 impl<C: Communicator> MultiModulePipelineCommunicator<C> {
@@ -113,6 +117,8 @@ impl<C: Communicator> MultiModulePipelineCommunicator<C> {
             records,
             module_tag,
             pool,
+            modes: Mutex::new(vec![ShapeMode::Variable; spec.modules().len()]),
+            p2p_cache: Mutex::new(ShapeCache::default()),
         })
     }
 
@@ -169,6 +175,58 @@ impl<C: Communicator> MultiModulePipelineCommunicator<C> {
         self.pool.put(t);
     }
 
+    /// Sets how receivers learn the shapes of `module`'s outputs ([`ShapeMode`]; the default is
+    /// `Variable`): along the module's pipeline (activations forward, gradients back) and over
+    /// every bridge out of it. With [`ShapeMode::Static`] the shape is what every rank of the
+    /// module passes to `send_forward` for it; no header round trip is paid, and a tensor of
+    /// another shape is an error on its sender before anything is sent. Call it on every rank
+    /// (any rank may call it for any module of the spec), between transfers.
+    ///
+    /// ```no_run
+    /// # fn f<C: grid_core::Communicator>(mm: &multimodule::MultiModulePipelineCommunicator<C>) -> multimodule::Result<()> {
+    /// use multimodule::ShapeMode;
+    /// mm.set_shape_mode("llm", ShapeMode::Static { shape: vec![4, 128, 1024], dtype: grid_core::DType::BF16 })?;
+    /// mm.set_shape_mode("image_encoder", ShapeMode::Learned)?;
+    /// # Ok(()) }
+    /// ```
+    pub fn set_shape_mode(&self, module: &str, mode: ShapeMode) -> Result<()> {
+        let idx = self.spec.module_index(module)?;
+        let ndim = self.spec.modules()[idx].output_ndim;
+        if let ShapeMode::Static { shape, .. } = &mode {
+            if shape.len() != ndim {
+                return Err(Error::Usage {
+                    op: "set_shape_mode",
+                    message: format!(
+                        "the static shape {shape:?} of module '{module}' has {} dimensions, but its output_ndim is {ndim}",
+                        shape.len()
+                    ),
+                });
+            }
+        }
+        for (k, &(a, _)) in self.edges.iter().enumerate() {
+            if a == idx {
+                self.bridges[k].set_shape_mode(mode.clone())?;
+            }
+        }
+        let tag = self.module_tag + idx as u32 * TAGS_PER_MODULE;
+        self.p2p_cache
+            .lock()
+            .map_err(|_| poisoned())?
+            .forget(tag..tag + TAGS_PER_MODULE);
+        let mut modes = self.modes.lock().map_err(|_| poisoned())?;
+        if let Some(m) = modes.get_mut(idx) {
+            *m = mode;
+        }
+        Ok(())
+    }
+
+    /// The [`ShapeMode`] of `module`'s outputs.
+    pub fn shape_mode(&self, module: &str) -> Result<ShapeMode> {
+        let idx = self.spec.module_index(module)?;
+        let modes = self.modes.lock().map_err(|_| poisoned())?;
+        Ok(modes.get(idx).cloned().unwrap_or_default())
+    }
+
     /// Every bridge, in edge order.
     pub fn bridges(&self) -> &[BridgeCommunicator<C>] {
         &self.bridges
@@ -222,19 +280,48 @@ impl<C: Communicator> MultiModulePipelineCommunicator<C> {
             op,
             pool: Some(&self.pool),
         };
+        let mode = self
+            .modes
+            .lock()
+            .map_err(|_| poisoned())?
+            .get(m.index)
+            .cloned()
+            .unwrap_or_default();
+        let expect = match &mode {
+            ShapeMode::Static { shape, dtype } => Some(Meta::new(*dtype, shape.clone())),
+            _ => None,
+        };
+        // Static shapes: a tensor of another shape is not sent (its peer gets an error).
+        let mut static_err = None;
         let outs: Vec<Out<'_>> = send
-            .map(|(peer, t, k)| Out {
-                peer,
-                tag: tag + k,
-                data: match t {
-                    Some(t) => OutData::Slice {
-                        src: t,
-                        range: 0..t.numel(),
-                        shape: t.shape().to_vec(),
+            .map(|(peer, t, k)| {
+                let t = t.filter(|t| match &expect {
+                    Some(e) if Meta::of(t) != *e => {
+                        static_err = Some(Error::StaticShape {
+                            op,
+                            what: format!("module '{}'", m.name),
+                            expected: e.shape.clone(),
+                            dtype: e.dtype,
+                            actual: t.shape().to_vec(),
+                            actual_dtype: t.dtype(),
+                        });
+                        false
+                    }
+                    _ => true,
+                });
+                Out {
+                    peer,
+                    tag: tag + k,
+                    data: match t {
+                        Some(t) => OutData::Slice {
+                            src: t,
+                            range: 0..t.numel(),
+                            shape: t.shape().to_vec(),
+                        },
+                        None => OutData::Failed,
                     },
-                    None => OutData::Failed,
-                },
-                expect: None,
+                    expect: expect.clone(),
+                }
             })
             .into_iter()
             .collect();
@@ -242,11 +329,20 @@ impl<C: Communicator> MultiModulePipelineCommunicator<C> {
             .map(|(peer, k)| In {
                 peer,
                 tag: tag + k,
-                expect: None,
+                expect: expect.clone(),
             })
             .into_iter()
             .collect();
-        let mut got = wire.exchange(outs, &ins, &[])?.into_tensors();
+        let mut cache = match mode {
+            ShapeMode::Learned => Some(self.p2p_cache.lock().map_err(|_| poisoned())?),
+            _ => None,
+        };
+        let mut got = wire
+            .exchange(outs, &ins, &[], cache.as_deref_mut())?
+            .into_tensors();
+        if let Some(e) = static_err {
+            return Err(e);
+        }
         got.pop().transpose()
     }
 
@@ -440,6 +536,13 @@ impl<C: Communicator> MultiModulePipelineCommunicator<C> {
             }
         }
         Ok(())
+    }
+}
+
+fn poisoned() -> Error {
+    Error::Usage {
+        op: "pipeline",
+        message: "a previous call panicked while holding the communicator state".into(),
     }
 }
 

@@ -53,6 +53,63 @@ fn dtype_of(code: i64) -> Option<DType> {
     DType::ALL.into_iter().find(|&d| dtype_code(d) == code)
 }
 
+/// How the receiving end of a bridge (or of a pipeline stage) learns the shape of what comes, and
+/// so whether a transfer pays a header round trip before its payload (Megatron's
+/// `variable_seq_lengths`). Every rank of a bridge (both grids) or of a module must use the same
+/// mode; set it before the first transfer, or between transfers on every rank alike.
+///
+/// ```
+/// use grid_core::DType;
+/// use multimodule::ShapeMode;
+/// assert_eq!(ShapeMode::default(), ShapeMode::Variable);
+/// // Megatron's `variable_seq_lengths = False`: every micro-batch's activation is [4, 128, 1024].
+/// let fixed = ShapeMode::Static { shape: vec![4, 128, 1024], dtype: DType::BF16 };
+/// assert_ne!(fixed, ShapeMode::Learned);
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum ShapeMode {
+    /// Shapes may change from message to message: each one is preceded by a header round trip
+    /// (the default; Megatron's `variable_seq_lengths = True`).
+    #[default]
+    Variable,
+    /// Every activation handed to the sending side has this shape and dtype (for a bridge: what
+    /// each rank at the source's last stage passes to `send_forward`, i.e. the per-rank tensor
+    /// when the source has cp > 1). Receivers compute each part's shape with the same
+    /// `tensor_split` rule the senders use, so a header travels **with** its payload and no
+    /// round trip is paid. A tensor of another shape or dtype is [`crate::Error::StaticShape`]
+    /// on its sender before anything is sent, and its peers get [`crate::Error::PeerError`]
+    /// (never a hang, never misread data). Per-sample split sizes that differ from the
+    /// `tensor_split` rule are rejected the same way.
+    Static {
+        /// The activation shape.
+        shape: Vec<usize>,
+        /// The element type.
+        dtype: DType,
+    },
+    /// Explicit opt-in: the first message on each channel (one peer and message kind) carries
+    /// its shape as in `Variable`; later messages are expected with the same shape and travel
+    /// with their header, without the round trip. A message whose shape changed still arrives
+    /// correctly: it sends a placeholder and then the real payload (one extra round for that
+    /// message), and the new shape is expected from then on.
+    Learned,
+}
+
+/// The shape of the last message on each channel, both directions (for [`ShapeMode::Learned`]).
+/// Both ends of a channel update it from the same headers, so they agree on what to expect.
+#[derive(Debug, Default)]
+pub(crate) struct ShapeCache {
+    sent: std::collections::HashMap<(usize, u32), Meta>,
+    received: std::collections::HashMap<(usize, u32), Meta>,
+}
+
+impl ShapeCache {
+    /// Forgets the channels with a tag in `tags` (both directions).
+    pub fn forget(&mut self, tags: Range<u32>) {
+        self.sent.retain(|k, _| !tags.contains(&k.1));
+        self.received.retain(|k, _| !tags.contains(&k.1));
+    }
+}
+
 /// The element type and shape of a message.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Meta {
@@ -328,9 +385,47 @@ impl<C: Communicator + ?Sized> Wire<'_, C> {
     ///
     /// At most two `batch_p2p` rounds: headers with the payloads whose shape the receiver
     /// expects, then the other payloads (skipped when there are none on this rank).
-    pub fn exchange(&self, outs: Vec<Out<'_>>, ins: &[In], joins: &[Join]) -> Result<Exchanged> {
+    ///
+    /// With a `cache` ([`ShapeMode::Learned`]), messages without an expected shape get the last
+    /// shape of their channel, and the cache learns what went through.
+    pub fn exchange(
+        &self,
+        mut outs: Vec<Out<'_>>,
+        ins: &[In],
+        joins: &[Join],
+        cache: Option<&mut ShapeCache>,
+    ) -> Result<Exchanged> {
         let me = self.me;
         let n = ins.len();
+        let learned_ins: Vec<In>;
+        let ins: &[In] = match cache.as_deref() {
+            Some(c) => {
+                for o in outs
+                    .iter_mut()
+                    .filter(|o| o.peer != me && o.expect.is_none())
+                {
+                    o.expect = c.sent.get(&(o.peer, o.tag)).cloned();
+                }
+                learned_ins = ins
+                    .iter()
+                    .map(|i| In {
+                        expect: i.expect.clone().or_else(|| {
+                            (i.peer != me)
+                                .then(|| c.received.get(&(i.peer, i.tag)).cloned())
+                                .flatten()
+                        }),
+                        ..i.clone()
+                    })
+                    .collect();
+                &learned_ins
+            }
+            None => ins,
+        };
+        let sent_metas: Vec<(usize, u32, Meta)> = outs
+            .iter()
+            .filter(|o| o.peer != me)
+            .filter_map(|o| Some((o.peer, o.tag, o.data.meta()?)))
+            .collect();
         let mut join_of: Vec<Option<usize>> = vec![None; n];
         for (j, jn) in joins.iter().enumerate() {
             for k in jn.ins.clone() {
@@ -731,6 +826,16 @@ impl<C: Communicator + ?Sized> Wire<'_, C> {
                 Some(Activation::new(meta.shape.clone(), b)?)
             };
             parts.push(Ok(Part { meta, data }));
+        }
+        if let Some(c) = cache {
+            for (peer, tag, m) in sent_metas {
+                c.sent.insert((peer, tag), m);
+            }
+            for (i, p) in ins.iter().zip(&parts) {
+                if let (Ok(p), true) = (p, i.peer != me) {
+                    c.received.insert((i.peer, i.tag), p.meta.clone());
+                }
+            }
         }
         Ok(Exchanged { parts, joined })
     }

@@ -20,7 +20,7 @@
 
 use backend_gloo::{run_ranks, GlooConfig};
 use grid_core::{BufMut, BufRef, Communicator, HyperGrid, P2pOp};
-use multimodule::{Activation, BridgeCommunicator, BridgePlan, DimMapping};
+use multimodule::{Activation, BridgeCommunicator, BridgePlan, DimMapping, ShapeMode};
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -82,19 +82,20 @@ impl Topo {
 enum Kind {
     /// Plain sends of the same bytes between the same ranks.
     P2p,
-    /// `send_forward` / `recv_forward`, the output dropped.
-    Bridge,
-    /// The same, the output handed back with `recycle()`.
-    Recycled,
+    /// `send_forward` / `recv_forward` with static shapes, the output handed back with
+    /// `recycle()`.
+    Static,
+    /// The same with variable shapes (a header round trip per transfer).
+    Variable,
 }
 
-const KINDS: [Kind; 3] = [Kind::P2p, Kind::Bridge, Kind::Recycled];
+const KINDS: [Kind; 3] = [Kind::P2p, Kind::Static, Kind::Variable];
 
 fn kind_name(k: Kind) -> &'static str {
     match k {
         Kind::P2p => "p2p",
-        Kind::Bridge => "bridge",
-        Kind::Recycled => "recycled",
+        Kind::Static => "static",
+        Kind::Variable => "variable",
     }
 }
 
@@ -129,6 +130,15 @@ fn rank_main(
         let total_rows = 2 * mib;
         let src_rows = total_rows / nsrc;
         let dst_rows = total_rows / ndst;
+        for (b, k) in bridges.iter().zip(KINDS) {
+            if k == Kind::Static {
+                b.set_shape_mode(ShapeMode::Static {
+                    shape: vec![src_rows, 512, 256],
+                    dtype: grid_core::DType::F32,
+                })
+                .map_err(invalid)?;
+            }
+        }
         let lane = if is_src { me } else { me - nsrc };
         let act = if is_src {
             let n = src_rows * ROW;
@@ -215,9 +225,7 @@ fn rank_main(
                             got.shape()
                         )));
                     }
-                    if kind == Kind::Recycled {
-                        bridge.recycle(got);
-                    }
+                    bridge.recycle(got);
                     Ok(())
                 }
             }

@@ -4,7 +4,8 @@
 use super::check::{grad_of, value, Layout};
 use grid_core::GroupFactory;
 use multimodule::{
-    Activation, DimMapping, ModuleInputs, MultiModulePipelineCommunicator, OrderedMap, PipelineSpec,
+    Activation, DimMapping, ModuleInputs, MultiModulePipelineCommunicator, OrderedMap,
+    PipelineSpec, ShapeMode,
 };
 use std::sync::Arc;
 
@@ -65,8 +66,38 @@ pub fn two_encoders_rank<F: GroupFactory>(
     rank: usize,
     n: usize,
 ) -> usize {
+    two_encoders_rank_with(factory, comm, spec, rank, n, &[])
+}
+
+/// Every module's static output shape in the two-encoder scenario (f64).
+pub fn two_encoders_static_modes() -> Vec<(&'static str, ShapeMode)> {
+    let s = |b: usize| ShapeMode::Static {
+        shape: LAY.shape(b, 2),
+        dtype: grid_core::DType::F64,
+    };
+    vec![
+        ("image_encoder", s(2)),
+        ("audio_encoder", s(4)),
+        ("llm", s(4)),
+        ("generator", s(4)),
+    ]
+}
+
+/// [`two_encoders_rank`] with shape modes set per module first.
+pub fn two_encoders_rank_with<F: GroupFactory>(
+    factory: &F,
+    comm: Arc<F::Comm>,
+    spec: &PipelineSpec,
+    rank: usize,
+    n: usize,
+    modes: &[(&str, ShapeMode)],
+) -> usize {
     {
         let mm = MultiModulePipelineCommunicator::new(factory, comm, spec, 0).unwrap();
+        for (m, mode) in modes {
+            mm.set_shape_mode(m, mode.clone()).unwrap();
+            assert_eq!(&mm.shape_mode(m).unwrap(), mode);
+        }
         assert_eq!(mm.total_stages(), 4);
         let stage = [0, 0, 0, 1, 1, 2, 2, 3][rank];
         assert_eq!(mm.current_stage().unwrap(), stage);

@@ -27,6 +27,8 @@ struct HubState {
     next_id: u64,
     /// (world src, world dst, elements) of every payload-sized message, for inspection.
     log: Vec<(usize, usize, usize)>,
+    /// Number of `batch_p2p` calls (exchange rounds) per world rank.
+    batches: HashMap<usize, usize>,
 }
 
 /// Shared state of one simulated world.
@@ -51,6 +53,16 @@ impl Hub {
     }
     pub fn log(&self) -> Vec<(usize, usize, usize)> {
         self.state.lock().unwrap().log.clone()
+    }
+    /// `batch_p2p` calls made by world rank `rank` so far.
+    pub fn batches(&self, rank: usize) -> usize {
+        self.state
+            .lock()
+            .unwrap()
+            .batches
+            .get(&rank)
+            .copied()
+            .unwrap_or(0)
     }
 }
 
@@ -258,6 +270,14 @@ impl Communicator for ThreadComm {
         self.take(peer, tag, buf)
     }
     fn batch_p2p(&self, ops: Vec<P2pOp<'_>>) -> Result<()> {
+        *self
+            .hub
+            .state
+            .lock()
+            .unwrap()
+            .batches
+            .entry(self.world_rank())
+            .or_default() += 1;
         let mut ids = Vec::new();
         let mut recvs = Vec::new();
         for op in ops {

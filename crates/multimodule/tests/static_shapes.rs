@@ -1,0 +1,644 @@
+//! Static and learned shapes (`ShapeMode`) on thread ranks and on Gloo: every element checked,
+//! the header round trip gone (counted in `batch_p2p` rounds), and a tensor that does not match
+//! the declared shape is an error on its sender before anything is sent, with an error (never a
+//! hang, never misread data) on its peers; the bridge keeps working afterwards.
+
+mod common;
+use backend_gloo::{run_ranks, GlooConfig};
+use common::check::{dst_rows, grad_of, grid, plan_of, run_rank, value, world_of, Case, Layout};
+use common::scenarios::{
+    two_encoders_rank_with, two_encoders_spec, two_encoders_static_modes, LAY, TWO_ENCODERS_PER_MB,
+};
+use common::threads::{run_world, ThreadComm, ThreadFactory};
+use grid_core::{Communicator, DType};
+use multimodule::{
+    Activation, BridgeCommunicator, DimMapping, Error, MultiModulePipelineCommunicator,
+    PipelineSpec, ShapeMode,
+};
+use std::sync::Arc;
+use std::time::Duration;
+
+fn l3(seq: usize) -> Layout {
+    Layout {
+        ndim: 3,
+        dm: DimMapping::default(),
+        seq,
+        hidden: 3,
+    }
+}
+
+fn case(
+    src: grid_core::HyperGrid,
+    dst: grid_core::HyperGrid,
+    layout: Layout,
+    batches: Vec<usize>,
+) -> Case {
+    Case {
+        src,
+        dst,
+        layout,
+        batches,
+        microbatches: 3,
+        fused: false,
+        rendezvous: false,
+    }
+}
+
+/// The static mode of a case: every source rank's tensor (equal batches on every lane, its cp
+/// chunk of the sequence, which must divide evenly).
+fn static_mode(c: &Case) -> ShapeMode {
+    let cp = plan_of(c).src().cp_size();
+    assert!(c.batches.iter().all(|&b| b == c.batches[0]));
+    assert_eq!(c.layout.seq_len() % cp, 0);
+    ShapeMode::Static {
+        shape: c.layout.shape(c.batches[0], c.layout.seq_len() / cp),
+        dtype: DType::F64,
+    }
+}
+
+/// Runs `c` on thread ranks in `mode`: (elements checked, `batch_p2p` rounds of every rank).
+fn run_in(c: &Case, mode: &ShapeMode) -> (usize, Vec<usize>) {
+    let plan = plan_of(c);
+    let world = world_of(c);
+    let (res, hub) = run_world(world, c.rendezvous, |rank, comm: Arc<ThreadComm>| {
+        let bridge = BridgeCommunicator::new(&ThreadFactory, comm, plan.clone(), 40)
+            .unwrap()
+            .with_shape_mode(mode.clone())
+            .unwrap();
+        assert_eq!(&bridge.shape_mode(), mode);
+        run_rank(c, &bridge, rank)
+    });
+    (
+        res.iter().sum(),
+        (0..world).map(|r| hub.batches(r)).collect(),
+    )
+}
+
+/// Static and learned modes check exactly the elements the variable mode checks, in every
+/// schedule, and never take more rounds.
+fn all_modes(mut c: Case) {
+    let stat = static_mode(&c);
+    for fused in [false, true] {
+        for rendezvous in [false, true] {
+            c.fused = fused;
+            c.rendezvous = rendezvous;
+            let (n_var, r_var) = run_in(&c, &ShapeMode::Variable);
+            let (n_stat, r_stat) = run_in(&c, &stat);
+            let (n_learn, r_learn) = run_in(&c, &ShapeMode::Learned);
+            assert!(n_var > 0);
+            assert_eq!((n_stat, n_learn), (n_var, n_var));
+            for r in 0..r_var.len() {
+                assert!(
+                    r_stat[r] <= r_learn[r] && r_learn[r] <= r_var[r],
+                    "rank {r}"
+                );
+            }
+            assert!(r_stat.iter().sum::<usize>() < r_var.iter().sum::<usize>());
+        }
+    }
+}
+
+#[test]
+fn static_shapes_one_to_one_take_one_round_per_transfer() {
+    // 3 micro-batches forward then backward, tp 1: each transfer is one batch_p2p on each
+    // side with static shapes (two with variable shapes); learned shapes pay the second round
+    // only on each channel's first message.
+    let c = case(grid(1, 1, 1, 1, 0), grid(1, 1, 1, 1, 1), l3(2), vec![3]);
+    assert_eq!(run_in(&c, &ShapeMode::Variable).1, vec![12, 12]);
+    assert_eq!(run_in(&c, &static_mode(&c)).1, vec![6, 6]);
+    assert_eq!(run_in(&c, &ShapeMode::Learned).1, vec![8, 8]);
+}
+
+#[test]
+fn static_shapes_fan_in_fan_out_one_to_one() {
+    all_modes(case(
+        grid(1, 1, 1, 4, 0),
+        grid(4, 1, 1, 1, 4),
+        l3(2),
+        vec![2; 4],
+    ));
+    all_modes(case(
+        grid(2, 1, 1, 2, 0),
+        grid(1, 1, 1, 4, 4),
+        l3(2),
+        vec![4, 4],
+    ));
+    all_modes(case(
+        grid(2, 1, 1, 1, 0),
+        grid(2, 1, 1, 1, 2),
+        l3(3),
+        vec![3],
+    ));
+}
+
+#[test]
+fn static_shapes_pp_uneven_lcm_2d() {
+    all_modes(case(
+        grid(2, 1, 2, 2, 0),
+        grid(1, 1, 2, 4, 8),
+        l3(2),
+        vec![5, 5],
+    ));
+    all_modes(case(
+        grid(1, 1, 1, 1, 0),
+        grid(1, 1, 1, 3, 1),
+        l3(2),
+        vec![2],
+    ));
+    all_modes(case(
+        grid(1, 1, 1, 3, 0),
+        grid(1, 1, 1, 2, 3),
+        l3(2),
+        vec![4; 3],
+    ));
+    let l2 = Layout {
+        ndim: 2,
+        dm: DimMapping::default(),
+        seq: 1,
+        hidden: 4,
+    };
+    all_modes(case(
+        grid(1, 1, 1, 4, 0),
+        grid(4, 1, 1, 1, 4),
+        l2,
+        vec![5; 4],
+    ));
+}
+
+#[test]
+fn static_shapes_cp_colocated_batch_dim_one() {
+    all_modes(case(
+        grid(2, 2, 1, 1, 0),
+        grid(1, 1, 1, 2, 4),
+        l3(6),
+        vec![4],
+    ));
+    all_modes(case(
+        grid(1, 1, 1, 2, 0),
+        grid(2, 2, 1, 1, 2),
+        l3(5),
+        vec![2, 2],
+    ));
+    all_modes(case(
+        grid(1, 2, 2, 1, 0),
+        grid(2, 2, 1, 1, 4),
+        l3(6),
+        vec![3],
+    ));
+    all_modes(case(
+        grid(2, 1, 1, 2, 0),
+        grid(1, 1, 1, 4, 0),
+        l3(2),
+        vec![4, 4],
+    ));
+    let sbh = Layout {
+        ndim: 3,
+        dm: DimMapping::new(0, 1, 2).unwrap(),
+        seq: 3,
+        hidden: 2,
+    };
+    all_modes(case(
+        grid(1, 1, 1, 4, 0),
+        grid(2, 1, 1, 2, 4),
+        sbh,
+        vec![2; 4],
+    ));
+    all_modes(case(grid(2, 1, 1, 1, 0), grid(1, 1, 1, 3, 2), sbh, vec![7]));
+}
+
+/// Rounds a rank pays for a sequence of messages on one channel group under learned shapes: one
+/// per message, plus one whenever the shapes differ from the previous message's (or for the
+/// first).
+fn learned_rounds<T: PartialEq>(shapes: &[T]) -> usize {
+    shapes
+        .iter()
+        .enumerate()
+        .map(|(k, s)| if k > 0 && shapes[k - 1] == *s { 1 } else { 2 })
+        .sum()
+}
+
+#[test]
+fn learned_shapes_follow_changes() {
+    // Fan-in 2 -> 1; the lanes' batch rows and the sequence change from micro-batch to
+    // micro-batch, sometimes on one lane only (the destination's in-place receive of both parts
+    // then falls back to a copy). Every element is checked, forward and backward.
+    let c = case(grid(1, 1, 1, 2, 0), grid(1, 1, 1, 1, 2), l3(2), vec![2, 2]);
+    let plan = plan_of(&c);
+    let steps: Vec<([usize; 2], usize)> = vec![
+        ([2, 2], 2),
+        ([2, 2], 2),
+        ([3, 2], 2),
+        ([3, 2], 3),
+        ([2, 2], 3),
+        ([2, 2], 3),
+    ];
+    for rendezvous in [false, true] {
+        let (res, hub) = run_world(3, rendezvous, |rank, comm: Arc<ThreadComm>| -> usize {
+            let bridge = BridgeCommunicator::new(&ThreadFactory, comm, plan.clone(), 40)
+                .unwrap()
+                .with_shape_mode(ShapeMode::Learned)
+                .unwrap();
+            let mut checked = 0;
+            let mut kept = Vec::new();
+            for (mb, (batches, seq)) in steps.iter().enumerate() {
+                let lay = l3(*seq);
+                if rank < 2 {
+                    let t = lay.build(batches[rank], *seq, |b, s, h| value(mb, rank, b, s, h));
+                    bridge.send_forward(&t).unwrap();
+                } else {
+                    let t = bridge.recv_forward().unwrap().unwrap();
+                    let rows = dst_rows(&plan, batches, 0);
+                    lay.check(&t, rows.len(), *seq, "forward", |b, s, h| {
+                        value(mb, rows[b].0, rows[b].1, s, h)
+                    });
+                    checked += t.numel();
+                    kept.push(t);
+                }
+            }
+            for (mb, (batches, seq)) in steps.iter().enumerate() {
+                let lay = l3(*seq);
+                if rank < 2 {
+                    let g = bridge.recv_backward().unwrap().unwrap();
+                    lay.check(&g, batches[rank], *seq, "backward", |b, s, h| {
+                        grad_of(value(mb, rank, b, s, h))
+                    });
+                    checked += g.numel();
+                } else {
+                    let t = &kept[mb];
+                    let g: Vec<f64> = t
+                        .to_vec::<f64>()
+                        .unwrap()
+                        .into_iter()
+                        .map(grad_of)
+                        .collect();
+                    bridge
+                        .send_backward(&Activation::from_vec(t.shape().to_vec(), g).unwrap())
+                        .unwrap();
+                }
+            }
+            checked
+        });
+        let rows: usize = steps.iter().map(|(b, s)| (b[0] + b[1]) * s * 3).sum();
+        assert_eq!(res.iter().sum::<usize>(), 2 * rows);
+        // Forward then backward over the same channels: each direction pays a second round at
+        // its first message and wherever a shape changed.
+        for lane in 0..2 {
+            let shapes: Vec<(usize, usize)> = steps.iter().map(|(b, s)| (b[lane], *s)).collect();
+            assert_eq!(
+                hub.batches(lane),
+                2 * learned_rounds(&shapes),
+                "lane {lane}"
+            );
+        }
+        assert_eq!(hub.batches(2), 2 * learned_rounds(&steps));
+    }
+}
+
+/// 1:1 or fan-in (`lanes` sources) with a static shape: a wrong tensor on source 0 fails there
+/// before anything of it is sent, the destination gets `PeerError`, and the next, correct
+/// transfer delivers exact values.
+fn mismatch_then_recover(
+    lanes: usize,
+    rendezvous: bool,
+    wrong: Activation,
+    expect: fn(&Error) -> bool,
+) {
+    let c = case(
+        grid(1, 1, 1, lanes, 0),
+        grid(1, 1, 1, 1, lanes),
+        l3(2),
+        vec![2; lanes],
+    );
+    let plan = plan_of(&c);
+    let mode = static_mode(&c);
+    let (res, hub) = run_world(lanes + 1, rendezvous, |rank, comm: Arc<ThreadComm>| {
+        let bridge = BridgeCommunicator::new(&ThreadFactory, comm, plan.clone(), 40)
+            .unwrap()
+            .with_shape_mode(mode.clone())
+            .unwrap();
+        let good = |mb: usize| l3(2).build(2, 2, |b, s, h| value(mb, rank, b, s, h));
+        if rank < lanes {
+            let first = if rank == 0 {
+                bridge.send_forward(&wrong)
+            } else {
+                bridge.send_forward(&good(0))
+            };
+            match (rank, first) {
+                (0, Err(e)) => assert!(expect(&e), "rank 0: {e}"),
+                (0, Ok(())) => panic!("rank 0 sent a tensor that does not match the static shape"),
+                (_, r) => r.unwrap(),
+            }
+            bridge.send_forward(&good(1)).unwrap();
+            0
+        } else {
+            match bridge.recv_forward() {
+                Err(Error::PeerError { peer: 0, .. }) => {}
+                other => panic!("destination: {other:?}"),
+            }
+            let t = bridge.recv_forward().unwrap().unwrap();
+            let rows = dst_rows(&plan, &c.batches, 0);
+            l3(2).check(&t, rows.len(), 2, "after the error", |b, s, h| {
+                value(1, rows[b].0, rows[b].1, s, h)
+            });
+            t.numel()
+        }
+    });
+    assert_eq!(res.iter().sum::<usize>(), lanes * 2 * 2 * 3);
+    // What rank 0 sent: a placeholder of the expected size, then the good tensor (no element of
+    // the wrong tensor, whose size differs).
+    let sent: Vec<usize> = hub
+        .log()
+        .iter()
+        .filter(|(s, _, _)| *s == 0)
+        .map(|&(_, _, n)| n)
+        .collect();
+    assert_eq!(sent, vec![12, 12]);
+}
+
+#[test]
+fn static_shape_mismatch_is_an_error_before_sending() {
+    let shape = |r: &Error| matches!(r, Error::StaticShape { expected, actual, .. } if expected == &vec![2, 2, 3] && actual == &vec![3, 2, 3]);
+    let dtype = |r: &Error| {
+        matches!(
+            r,
+            Error::StaticShape {
+                dtype: DType::F64,
+                actual_dtype: DType::F32,
+                ..
+            }
+        )
+    };
+    for rendezvous in [false, true] {
+        for lanes in [1, 2] {
+            let wrong_shape = l3(2).build(3, 2, |b, s, h| value(9, 0, b, s, h));
+            mismatch_then_recover(lanes, rendezvous, wrong_shape, shape);
+            let wrong_dtype = Activation::from_vec(vec![2, 2, 3], vec![1f32; 12]).unwrap();
+            mismatch_then_recover(lanes, rendezvous, wrong_dtype, dtype);
+        }
+    }
+    // The message names the declared shape and the way out.
+    let e = Error::StaticShape {
+        op: "send_forward",
+        what: "bridge a -> b".into(),
+        expected: vec![2, 2, 3],
+        dtype: DType::F64,
+        actual: vec![3, 2, 3],
+        actual_dtype: DType::F64,
+    };
+    assert_eq!(
+        e.to_string(),
+        "send_forward: the tensor is f64 [3, 2, 3], but bridge a -> b declares the static shape f64 [2, 2, 3]; nothing was sent: give tensors of the declared shape, or use ShapeMode::Variable or ShapeMode::Learned"
+    );
+}
+
+#[test]
+fn static_shape_errors_for_split_sizes_gradients_and_bad_modes() {
+    // Fan-out 1 -> 2 of 4 rows: split sizes [1, 3] are not tensor_split's [2, 2]; a gradient of
+    // the wrong dtype is caught on the destination; a static shape of the wrong rank is refused.
+    let c = case(grid(1, 1, 1, 1, 0), grid(1, 1, 1, 2, 1), l3(2), vec![4]);
+    let plan = plan_of(&c);
+    let mode = static_mode(&c);
+    let (res, _) = run_world(3, true, |rank, comm: Arc<ThreadComm>| -> usize {
+        let bridge = BridgeCommunicator::new(&ThreadFactory, comm, plan.clone(), 40).unwrap();
+        let bad = ShapeMode::Static {
+            shape: vec![4, 2],
+            dtype: DType::F64,
+        };
+        assert!(matches!(
+            bridge.set_shape_mode(bad),
+            Err(Error::BridgeConfig { .. })
+        ));
+        bridge.set_shape_mode(mode.clone()).unwrap();
+        let x = |mb| l3(2).build(4, 2, move |b, s, h| value(mb, 0, b, s, h));
+        if rank == 0 {
+            let e = bridge
+                .send_forward(&x(0).with_split_sizes(vec![1, 3]))
+                .unwrap_err();
+            assert!(
+                e.to_string().contains("split sizes [1, 3] give [1, 3]"),
+                "{e}"
+            );
+            bridge
+                .send_forward(&x(1).with_split_sizes(vec![2, 2]))
+                .unwrap();
+            match bridge.recv_backward() {
+                Err(Error::PeerError { .. }) => {}
+                other => panic!("source: {other:?}"),
+            }
+            0
+        } else {
+            assert!(matches!(
+                bridge.recv_forward(),
+                Err(Error::PeerError { peer: 0, .. })
+            ));
+            let t = bridge.recv_forward().unwrap().unwrap();
+            let off = 2 * (rank - 1);
+            l3(2).check(&t, 2, 2, "fan-out", |b, s, h| value(1, 0, b + off, s, h));
+            let g32 = Activation::from_vec(t.shape().to_vec(), vec![0f32; t.numel()]).unwrap();
+            assert!(matches!(
+                bridge.send_backward(&g32),
+                Err(Error::StaticShape {
+                    actual_dtype: DType::F32,
+                    ..
+                })
+            ));
+            t.numel()
+        }
+    });
+    assert_eq!(res.iter().sum::<usize>(), 2 * 12);
+}
+
+fn three_stage_spec() -> PipelineSpec {
+    PipelineSpec::from_json_str(
+        r#"{"modules": {"enc": {"pp": 2}, "dec": {"offset": 2}}, "topology": {"enc": ["dec"]}}"#,
+    )
+    .unwrap()
+}
+
+#[test]
+fn pipeline_static_and_learned_shapes() {
+    // Two encoders -> LLM (tp 2, pp 2) -> generator, every element checked, with every module
+    // static, then every module learned.
+    let spec = two_encoders_spec();
+    let n = 4;
+    let learned: Vec<(&str, ShapeMode)> = two_encoders_static_modes()
+        .into_iter()
+        .map(|(m, _)| (m, ShapeMode::Learned))
+        .collect();
+    for modes in [two_encoders_static_modes(), learned] {
+        for rendezvous in [false, true] {
+            let (res, _) = run_world(8, rendezvous, |rank, comm: Arc<ThreadComm>| {
+                two_encoders_rank_with(&ThreadFactory, comm, &spec, rank, n, &modes)
+            });
+            assert_eq!(res.iter().sum::<usize>(), n * TWO_ENCODERS_PER_MB);
+        }
+    }
+}
+
+#[test]
+fn pipeline_static_shape_mismatch() {
+    // enc (pp 2) -> dec: a wrong tensor between enc's stages, then one over the bridge; each
+    // fails on its sender and on its receiver, and the next transfer is exact.
+    let spec = three_stage_spec();
+    let mode = ShapeMode::Static {
+        shape: LAY.shape(2, 2),
+        dtype: DType::F64,
+    };
+    let (res, _) = run_world(3, true, |rank, comm: Arc<ThreadComm>| -> usize {
+        let mm = MultiModulePipelineCommunicator::new(&ThreadFactory, comm, &spec, 0).unwrap();
+        assert!(matches!(
+            mm.set_shape_mode(
+                "enc",
+                ShapeMode::Static {
+                    shape: vec![2, 2],
+                    dtype: DType::F64
+                }
+            ),
+            Err(Error::Usage { .. })
+        ));
+        assert!(matches!(
+            mm.set_shape_mode("nope", ShapeMode::Learned),
+            Err(Error::UnknownModule { .. })
+        ));
+        mm.set_shape_mode("enc", mode.clone()).unwrap();
+        let good = |mb| LAY.build(2, 2, move |b, s, h| value(mb, 0, b, s, h));
+        let wrong = LAY.build(3, 2, |b, s, h| value(0, 0, b, s, h));
+        match rank {
+            0 => {
+                assert!(matches!(
+                    mm.send_forward("enc", &wrong),
+                    Err(Error::StaticShape { .. })
+                ));
+                mm.send_forward("enc", &good(1)).unwrap();
+                0
+            }
+            1 => {
+                assert!(matches!(
+                    mm.recv_forward("enc"),
+                    Err(Error::PeerError { peer: 0, .. })
+                ));
+                let x = mm.recv_forward("enc").unwrap();
+                let x = x.get("enc").unwrap();
+                LAY.check(x, 2, 2, "enc stage 1", |b, s, h| value(1, 0, b, s, h));
+                assert!(matches!(
+                    mm.send_forward("enc", &wrong),
+                    Err(Error::StaticShape { .. })
+                ));
+                mm.send_forward("enc", x).unwrap();
+                x.numel()
+            }
+            _ => {
+                assert!(matches!(
+                    mm.recv_forward("dec"),
+                    Err(Error::PeerError { peer: 1, .. })
+                ));
+                let x = mm.recv_forward("dec").unwrap();
+                let x = x.get("enc").unwrap();
+                LAY.check(x, 2, 2, "dec", |b, s, h| value(1, 0, b, s, h));
+                x.numel()
+            }
+        }
+    });
+    assert_eq!(res.iter().sum::<usize>(), 24);
+}
+
+// ----- Gloo ----------------------------------------------------------------------------------
+
+fn cfg(job: &str) -> GlooConfig {
+    GlooConfig::new(job).with_timeout(Duration::from_secs(60))
+}
+
+#[test]
+fn gloo_static_shapes() {
+    let cases = [
+        case(grid(1, 1, 1, 4, 0), grid(4, 1, 1, 1, 4), l3(2), vec![2; 4]),
+        case(grid(2, 1, 1, 2, 0), grid(1, 1, 1, 4, 4), l3(2), vec![5, 5]),
+        case(grid(2, 1, 2, 1, 0), grid(1, 1, 2, 2, 4), l3(2), vec![4]),
+        case(grid(1, 1, 1, 3, 0), grid(1, 1, 1, 2, 3), l3(2), vec![4; 3]),
+        case(grid(1, 2, 2, 1, 0), grid(2, 2, 1, 1, 4), l3(6), vec![3]),
+        case(grid(2, 1, 1, 2, 0), grid(1, 1, 1, 4, 0), l3(2), vec![4, 4]),
+    ];
+    for (k, mut c) in cases.into_iter().enumerate() {
+        for fused in [false, true] {
+            c.fused = fused;
+            for (m, mode) in [static_mode(&c), ShapeMode::Learned]
+                .into_iter()
+                .enumerate()
+            {
+                let plan = plan_of(&c);
+                let job = format!("mm-static-{k}-{fused}-{m}");
+                let res = run_ranks(world_of(&c), &cfg(&job), |f, w| {
+                    let rank = w.rank();
+                    let bridge = BridgeCommunicator::new(f, Arc::new(w), plan.clone(), 40)
+                        .and_then(|b| b.with_shape_mode(mode.clone()))
+                        .map_err(|e| grid_core::Error::Invalid(e.to_string()))?;
+                    Ok(run_rank(&c, &bridge, rank))
+                })
+                .unwrap();
+                let n: usize = res
+                    .into_iter()
+                    .enumerate()
+                    .map(|(r, x)| x.unwrap_or_else(|e| panic!("case {k} rank {r}: {e}")))
+                    .sum();
+                assert!(n > 0);
+            }
+        }
+    }
+}
+
+#[test]
+fn gloo_static_shape_mismatch_and_pipeline() {
+    // Fan-in 2 -> 1 on Gloo: a wrong tensor from lane 0 fails there and on the destination
+    // (no hang), then exact data.
+    let c = case(grid(1, 1, 1, 2, 0), grid(1, 1, 1, 1, 2), l3(2), vec![2, 2]);
+    let plan = plan_of(&c);
+    let mode = static_mode(&c);
+    let res = run_ranks(3, &cfg("mm-static-mismatch"), |f, w| {
+        let rank = w.rank();
+        let bridge = BridgeCommunicator::new(f, Arc::new(w), plan.clone(), 40)
+            .and_then(|b| b.with_shape_mode(mode.clone()))
+            .map_err(|e| grid_core::Error::Invalid(e.to_string()))?;
+        let good = |mb| l3(2).build(2, 2, move |b, s, h| value(mb, rank, b, s, h));
+        Ok(if rank < 2 {
+            let first = if rank == 0 {
+                l3(2).build(2, 3, |b, s, h| value(0, 0, b, s, h))
+            } else {
+                good(0)
+            };
+            let r = bridge.send_forward(&first);
+            assert_eq!(r.is_err(), rank == 0, "{r:?}");
+            bridge.send_forward(&good(1)).unwrap();
+            0
+        } else {
+            assert!(matches!(
+                bridge.recv_forward(),
+                Err(Error::PeerError { peer: 0, .. })
+            ));
+            let t = bridge.recv_forward().unwrap().unwrap();
+            let rows = dst_rows(&plan, &c.batches, 0);
+            l3(2).check(&t, 4, 2, "gloo fan-in", |b, s, h| {
+                value(1, rows[b].0, rows[b].1, s, h)
+            });
+            t.numel()
+        })
+    })
+    .unwrap();
+    let n: usize = res.into_iter().map(|x| x.unwrap()).sum();
+    assert_eq!(n, 24);
+    // The two-encoder pipeline with static shapes on Gloo.
+    let spec = two_encoders_spec();
+    let res = run_ranks(8, &cfg("mm-static-two-enc"), |f, w| {
+        let rank = w.rank();
+        Ok(two_encoders_rank_with(
+            f,
+            Arc::new(w),
+            &spec,
+            rank,
+            4,
+            &two_encoders_static_modes(),
+        ))
+    })
+    .unwrap();
+    let total: usize = res.into_iter().map(|x| x.unwrap()).sum();
+    assert_eq!(total, 4 * TWO_ENCODERS_PER_MB);
+}
