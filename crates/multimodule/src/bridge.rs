@@ -312,8 +312,9 @@ impl<C: Communicator> BridgeCommunicator<C> {
     pub fn holds_both_ends(&self) -> bool {
         self.plan.src().at_boundary(self.me) && self.plan.dst().at_boundary(self.me)
     }
-    /// Hands a tensor this bridge returned (or any tensor) back for reuse as a receive buffer,
-    /// so that steady-state transfers do not allocate. Optional.
+    /// Hands a tensor (any tensor) to this bridge's pool for reuse as a receive buffer.
+    /// Tensors this bridge returned go back on their own when dropped, so this is only needed
+    /// for other tensors (or to give one back before it goes out of scope).
     pub fn recycle(&self, t: Activation) {
         self.pool.put(t);
     }
@@ -361,6 +362,11 @@ impl<C: Communicator> BridgeCommunicator<C> {
             .lock()
             .map(|s| s.mode.clone())
             .unwrap_or_default()
+    }
+
+    /// The pool receive buffers come from (and returned tensors go back to).
+    pub fn pool(&self) -> &Arc<BufferPool> {
+        &self.pool
     }
 
     /// Shares one buffer pool between several bridges.
@@ -981,7 +987,11 @@ impl<C: Communicator> BridgeCommunicator<C> {
         if let Some(Err(e)) = bwd_full {
             return Err(e);
         }
-        Ok((fwd_out, bwd_out))
+        // What the caller gets back returns its buffer to the pool when dropped.
+        Ok((
+            fwd_out.map(|a| a.pooled(&self.pool)),
+            bwd_out.map(|a| a.pooled(&self.pool)),
+        ))
     }
 }
 

@@ -168,9 +168,9 @@ impl<C: Communicator> MultiModulePipelineCommunicator<C> {
         let k = self.edges.iter().position(|&e| e == (a, b))?;
         self.bridges.get(k)
     }
-    /// Hands a tensor back for reuse as a receive buffer (activations and gradients this
-    /// communicator returned, once the step that used them is done). Optional; it saves an
-    /// allocation and its page faults per message.
+    /// Hands a tensor (any tensor) to this communicator's pool for reuse as a receive buffer.
+    /// Activations and gradients this communicator returned go back on their own when dropped,
+    /// so this is only needed for other tensors.
     pub fn recycle(&self, t: Activation) {
         self.pool.put(t);
     }
@@ -225,6 +225,11 @@ impl<C: Communicator> MultiModulePipelineCommunicator<C> {
         let idx = self.spec.module_index(module)?;
         let modes = self.modes.lock().map_err(|_| poisoned())?;
         Ok(modes.get(idx).cloned().unwrap_or_default())
+    }
+
+    /// The pool receive buffers come from (shared by the pipeline p2p and every bridge).
+    pub fn pool(&self) -> &Arc<BufferPool> {
+        &self.pool
     }
 
     /// Every bridge, in edge order.
@@ -343,7 +348,7 @@ impl<C: Communicator> MultiModulePipelineCommunicator<C> {
         if let Some(e) = static_err {
             return Err(e);
         }
-        got.pop().transpose()
+        Ok(got.pop().transpose()?.map(|a| a.pooled(&self.pool)))
     }
 
     /// Receives `module`'s inputs: at its first stage one activation per incoming bridge, keyed

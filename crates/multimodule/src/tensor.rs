@@ -3,9 +3,11 @@
 //! per-sample split metadata), concatenation, narrowing and element-wise sums the bridges need.
 
 use crate::error::{Error, Result};
+use crate::wire::BufferPool;
 use grid_core::{DType, Element, HostBuffer, HostSlice, HostSliceMut};
 use half::{bf16, f16};
 use std::ops::Range;
+use std::sync::{Arc, Weak};
 
 /// Calls `$body` with `$v` bound to the typed vector (or slice) inside a [`HostBuffer`]-like
 /// enum, whatever the element type.
@@ -27,6 +29,12 @@ macro_rules! dispatch {
 /// bridge (Megatron's `_mimo_bridge_split_sizes` attribute; it is local metadata and does not
 /// travel).
 ///
+/// A tensor that a bridge or pipeline communicator returned remembers that communicator's
+/// [`BufferPool`]: when it is dropped its buffer goes back there and the next receive reuses it
+/// instead of allocating (and page-faulting) a new one, as torch's caching allocator does for
+/// Megatron. Clones and tensors built by the user have no pool;
+/// [`Activation::into_data`] takes the buffer out for good.
+///
 /// ```
 /// use multimodule::Activation;
 /// let t = Activation::from_vec(vec![4, 2], (0..8).map(|x| x as f32).collect()).unwrap();
@@ -35,11 +43,45 @@ macro_rules! dispatch {
 /// let back = multimodule::Activation::concat(&parts, 0).unwrap();
 /// assert_eq!(back, t);
 /// ```
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug)]
 pub struct Activation {
     shape: Vec<usize>,
     data: HostBuffer,
     split_sizes: Option<Vec<usize>>,
+    /// Where the buffer goes when the tensor is dropped.
+    home: Option<Weak<BufferPool>>,
+}
+
+impl Clone for Activation {
+    /// A copy with its own buffer (and no pool).
+    fn clone(&self) -> Activation {
+        Activation {
+            shape: self.shape.clone(),
+            data: self.data.clone(),
+            split_sizes: self.split_sizes.clone(),
+            home: None,
+        }
+    }
+}
+
+impl PartialEq for Activation {
+    /// Same shape, dtype, elements and split sizes (the pool does not matter).
+    fn eq(&self, other: &Activation) -> bool {
+        self.shape == other.shape
+            && self.data == other.data
+            && self.split_sizes == other.split_sizes
+    }
+}
+
+impl Drop for Activation {
+    fn drop(&mut self) {
+        if let Some(pool) = self.home.take().and_then(|w| w.upgrade()) {
+            pool.put_buffer(std::mem::replace(
+                &mut self.data,
+                HostBuffer::U8(Vec::new()),
+            ));
+        }
+    }
 }
 
 fn numel(shape: &[usize]) -> Option<usize> {
@@ -66,6 +108,7 @@ impl Activation {
             shape,
             data,
             split_sizes: None,
+            home: None,
         })
     }
     /// A tensor over a typed vector.
@@ -117,9 +160,30 @@ impl Activation {
     pub fn data_mut(&mut self) -> HostSliceMut<'_> {
         self.data.as_mut_slice()
     }
-    /// Takes the buffer.
-    pub fn into_data(self) -> HostBuffer {
-        self.data
+    /// Takes the buffer (it then never goes back to a pool).
+    pub fn into_data(mut self) -> HostBuffer {
+        self.home = None;
+        std::mem::replace(&mut self.data, HostBuffer::U8(Vec::new()))
+    }
+    /// Whether the buffer goes back to a communicator's pool when the tensor is dropped.
+    ///
+    /// ```
+    /// let t = multimodule::Activation::from_vec(vec![2], vec![1u8, 2]).unwrap();
+    /// assert!(!t.is_pooled()); // built here, not received
+    /// assert!(!t.detach().is_pooled());
+    /// ```
+    pub fn is_pooled(&self) -> bool {
+        self.home.as_ref().is_some_and(|w| w.strong_count() > 0)
+    }
+    /// Detaches the tensor from its pool: its buffer is freed normally when it is dropped.
+    pub fn detach(mut self) -> Activation {
+        self.home = None;
+        self
+    }
+    /// The buffer goes to `pool` when the tensor is dropped.
+    pub(crate) fn pooled(mut self, pool: &Arc<BufferPool>) -> Activation {
+        self.home = Some(Arc::downgrade(pool));
+        self
     }
     /// The elements as a typed slice, if the dtype is `T`.
     pub fn as_slice<T: Element>(&self) -> Option<&[T]> {
@@ -204,6 +268,7 @@ impl Activation {
                 shape,
                 data,
                 split_sizes: None,
+                home: None,
             });
             start += n;
         }
@@ -249,6 +314,7 @@ impl Activation {
             shape,
             data,
             split_sizes: None,
+            home: None,
         })
     }
 
@@ -334,6 +400,7 @@ impl Activation {
             shape,
             data: out,
             split_sizes: None,
+            home: None,
         })
     }
 
@@ -402,6 +469,17 @@ fn copy_rows(
         }
     }
     Ok(())
+}
+
+/// Capacity of a buffer in elements.
+pub(crate) fn capacity(b: &HostBuffer) -> usize {
+    dispatch!(HostBuffer, b, v => v.capacity())
+}
+
+/// Sets a buffer's length to `len` within its capacity (new elements are zero; no allocation
+/// when `len <= capacity`).
+pub(crate) fn set_len(b: &mut HostBuffer, len: usize) {
+    dispatch!(HostBuffer, b, v => v.resize(len, Default::default()))
 }
 
 /// Cuts `s` into consecutive pieces of `lens` elements (their sum must not exceed its length).
