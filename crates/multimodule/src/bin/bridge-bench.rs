@@ -9,14 +9,17 @@
 //!   concatenated; plain p2p is the two sends received straight into the two halves of one
 //!   buffer (one `batch_p2p`).
 //!
-//! "size" is the activation a transfer delivers (f32 `[2·MiB, 512, 256]`, batch first). For every
-//! size: one warm-up transfer of each kind (its data checked element by element), then rounds in
-//! which every kind runs once, in an order that rotates from round to round; each transfer starts
-//! after a barrier and its time is the slowest rank's. Throughput = bytes / median time; ratio =
-//! bridge / p2p throughput.
+//! "size" is the activation a transfer delivers (f32 `[2·MiB, 512, 256]`, batch first). The
+//! bridge kinds are `ShapeMode::Static` and `ShapeMode::Variable`, outputs simply dropped (their
+//! buffers return to the bridge's pool on their own). For every run and size: a fresh Gloo world,
+//! one warm-up transfer of each kind (its data checked element by element), then rounds in which
+//! every kind runs once, in an order that rotates from round to round; each transfer starts after
+//! a barrier and its time is the slowest rank's; the median over rounds. Several runs
+//! (`--runs`, default 3) are interleaved over sizes and topologies and the median of the runs is
+//! reported, with the spread of the static ratio. Throughput = bytes / time; ratio = bridge / p2p.
 //!
 //! Run: `cargo run --release -p multimodule --features gloo --bin bridge-bench
-//! [-- --max-mib 256 --min-mib 1 --rounds N --topo 1:1|fan-out|fan-in]`
+//! [-- --runs 3 --max-mib 256 --min-mib 1 --rounds N --topo 1:1|fan-out|fan-in]`
 
 use backend_gloo::{run_ranks, GlooConfig};
 use grid_core::{BufMut, BufRef, Communicator, HyperGrid, P2pOp};
@@ -253,10 +256,53 @@ fn median(mut v: Vec<f64>) -> f64 {
     v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
 }
 
+fn load_average() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .unwrap_or_default()
+        .split_whitespace()
+        .take(3)
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// Rounds per run for a size: many for small transfers (cheap, and the noisiest).
+fn default_rounds(mib: usize) -> usize {
+    match mib {
+        0..=4 => 101,
+        5..=32 => 61,
+        _ => 31,
+    }
+}
+
+/// One run of one topology at one size on a fresh Gloo world: the median seconds per kind.
+fn run_once(topo: Topo, mib: usize, rounds: usize, tag: &str) -> Result<Vec<f64>, String> {
+    let cfg = GlooConfig::new(format!("bridge-bench-{tag}")).with_timeout(Duration::from_secs(600));
+    let per_rank = run_ranks(topo.world(), &cfg, |f, w| {
+        rank_main(topo, &[mib], rounds, f, w)
+    })
+    .map_err(|e| format!("{}: {e}", topo.name()))?;
+    let mut all = Vec::new();
+    for (rank, r) in per_rank.into_iter().enumerate() {
+        let mut v = r.map_err(|e| format!("{} {mib} MiB: rank {rank} failed: {e}", topo.name()))?;
+        all.push(v.remove(0));
+    }
+    // Slowest rank per round, then the median over rounds.
+    Ok((0..KINDS.len())
+        .map(|k| {
+            median(
+                (0..rounds)
+                    .map(|r| all.iter().map(|t| t[k][r]).fold(0.0, f64::max))
+                    .collect(),
+            )
+        })
+        .collect())
+}
+
 fn main() -> ExitCode {
     let max_mib: usize = arg("--max-mib", 256);
     let min_mib: usize = arg("--min-mib", 1);
     let fixed_rounds: usize = arg("--rounds", 0);
+    let runs: usize = arg("--runs", 3usize).max(1);
     let only: String = arg("--topo", String::new());
     let sizes: Vec<usize> = (0..)
         .map(|k| 1usize << k)
@@ -267,92 +313,119 @@ fn main() -> ExitCode {
         if fixed_rounds > 0 {
             fixed_rounds
         } else {
-            (1024 / mib).clamp(7, 31)
+            default_rounds(mib)
         }
     };
-    let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
-    println!(
-        "bridge vs plain point-to-point, Gloo (ranks as threads, TCP loopback), f32 [2*MiB, 512, 256]; load average {}",
-        load.split_whitespace().take(3).collect::<Vec<_>>().join(" ")
-    );
-    println!("kinds: {}", KINDS.map(kind_name).join(", "));
-    let mut worst = vec![f64::INFINITY; KINDS.len()];
-    for topo in [Topo::OneToOne, Topo::FanOut, Topo::FanIn] {
-        if !only.is_empty() && !topo.name().starts_with(only.as_str()) {
-            continue;
-        }
-        // Rounds per size are the same on every rank; run each size group with its count.
-        let mut rows = Vec::new();
-        for &mib in &sizes {
-            let cfg = GlooConfig::new(format!("bridge-bench-{}-{mib}", topo.world()))
-                .with_timeout(Duration::from_secs(600));
-            let n = rounds(mib);
-            let res = run_ranks(topo.world(), &cfg, |f, w| rank_main(topo, &[mib], n, f, w));
-            let per_rank = match res {
-                Ok(r) => r,
-                Err(e) => {
-                    eprintln!("{}: {e}", topo.name());
-                    return ExitCode::FAILURE;
-                }
-            };
-            let mut all = Vec::new();
-            for (rank, r) in per_rank.into_iter().enumerate() {
-                match r {
-                    Ok(mut v) => all.push(v.remove(0)),
+    let topos: Vec<Topo> = [Topo::OneToOne, Topo::FanOut, Topo::FanIn]
+        .into_iter()
+        .filter(|t| only.is_empty() || t.name().starts_with(only.as_str()))
+        .collect();
+    let load_before = load_average();
+    println!("bridge-bench: BridgeCommunicator vs plain point-to-point sends of the same bytes between the same ranks");
+    println!("backend: Gloo, ranks as threads of this process, TCP loopback; f32 activations [2*MiB, 512, 256] (batch first)");
+    println!("columns: p2p      = plain send/recv (fan-out: the two halves of one buffer; fan-in: received into the two halves of one buffer)");
+    println!("         static   = send_forward/recv_forward with ShapeMode::Static (declared shape; header travels with the payload, one round)");
+    println!("         variable = send_forward/recv_forward with ShapeMode::Variable (default; a header round trip, then the payload)");
+    println!("         bridge outputs are simply dropped: their buffers go back to the bridge's pool on their own (the default behaviour)");
+    println!("method:  per run and size a fresh world, 1 warm-up transfer per kind (data checked element by element), then rounds of one");
+    println!("         transfer per kind in rotating order, each after a barrier, timed as the slowest rank; median over rounds;");
+    println!("         {runs} runs (interleaved over sizes and topologies), the median of the runs shown, (min-max) of the static ratio over runs");
+    println!("load average before: {load_before}");
+    // results[topo][size][run] = median seconds per kind
+    let mut results: Vec<Vec<Vec<Vec<f64>>>> = vec![vec![Vec::new(); sizes.len()]; topos.len()];
+    for run in 0..runs {
+        for (ti, &topo) in topos.iter().enumerate() {
+            for (si, &mib) in sizes.iter().enumerate() {
+                let tag = format!("{run}-{ti}-{mib}");
+                match run_once(topo, mib, rounds(mib), &tag) {
+                    Ok(secs) => results[ti][si].push(secs),
                     Err(e) => {
-                        eprintln!("{} {mib} MiB: rank {rank} failed: {e}", topo.name());
+                        eprintln!("{e}");
                         return ExitCode::FAILURE;
                     }
                 }
             }
-            // Slowest rank per round, then the median over rounds.
-            let secs: Vec<f64> = (0..KINDS.len())
-                .map(|k| {
-                    median(
-                        (0..n)
-                            .map(|r| all.iter().map(|t| t[k][r]).fold(0.0, f64::max))
-                            .collect(),
-                    )
-                })
-                .collect();
-            rows.push((mib, n, secs));
         }
-        println!("\n{} ({} ranks)", topo.name(), topo.world());
-        print!("{:>8} {:>6}", "size", "rounds");
-        for (k, kind) in KINDS.iter().enumerate() {
-            if k == 0 {
-                print!(" {:>10}", format!("{} GB/s", kind_name(*kind)));
-            } else {
-                print!(
-                    " {:>14} {:>7}",
-                    format!("{} GB/s", kind_name(*kind)),
-                    "ratio"
-                );
-            }
-        }
-        println!();
-        for (mib, n, secs) in rows {
-            let gbs: Vec<f64> = secs.iter().map(|s| (mib << 20) as f64 / s / 1e9).collect();
-            print!("{:>4} MiB {:>6}", mib, n);
-            for (k, g) in gbs.iter().enumerate() {
-                if k == 0 {
-                    print!(" {:>10.3}", g);
-                } else {
-                    let ratio = g / gbs[0];
-                    worst[k] = worst[k].min(ratio);
-                    print!(" {:>14.3} {:>6.1}%", g, 100.0 * ratio);
+    }
+    let mut worst = vec![(f64::INFINITY, String::new()); KINDS.len()];
+    let mut misses: Vec<String> = Vec::new();
+    for (ti, &topo) in topos.iter().enumerate() {
+        let (s, d) = topo.lanes();
+        println!(
+            "\n{} (source ranks {:?} -> destination ranks {:?})",
+            topo.name(),
+            (0..s).collect::<Vec<_>>(),
+            (s..s + d).collect::<Vec<_>>()
+        );
+        println!(
+            "{:>8} {:>8} {:>9} {:>11} {:>7} {:>13} {:>13} {:>7}",
+            "size",
+            "rounds",
+            "p2p GB/s",
+            "static GB/s",
+            "ratio",
+            "(runs)",
+            "variable GB/s",
+            "ratio"
+        );
+        for (si, &mib) in sizes.iter().enumerate() {
+            let per_run = &results[ti][si];
+            let bytes = (mib << 20) as f64;
+            let gbs = |k: usize| median(per_run.iter().map(|r| bytes / r[k] / 1e9).collect());
+            let ratios = |k: usize| -> Vec<f64> { per_run.iter().map(|r| r[0] / r[k]).collect() };
+            let (p, st, va) = (gbs(0), gbs(1), gbs(2));
+            let rs = ratios(1);
+            let lo = rs.iter().copied().fold(f64::INFINITY, f64::min);
+            let hi = rs.iter().copied().fold(0.0, f64::max);
+            for (k, g) in [(1, st), (2, va)] {
+                if g / p < worst[k].0 {
+                    worst[k] = (g / p, format!("{} {mib} MiB", topo.name()));
                 }
             }
-            println!();
+            if st / p < 0.9 {
+                misses.push(format!(
+                    "{} {mib} MiB ({:.1}%)",
+                    topo.name(),
+                    100.0 * st / p
+                ));
+            }
+            println!(
+                "{:>4} MiB {:>8} {:>9.3} {:>11.3} {:>6.1}% {:>13} {:>13.3} {:>6.1}%",
+                mib,
+                format!("{runs}x{}", rounds(mib)),
+                p,
+                st,
+                100.0 * st / p,
+                format!("({:.0}-{:.0}%)", 100.0 * lo, 100.0 * hi),
+                va,
+                100.0 * va / p
+            );
         }
     }
     println!();
     for (k, kind) in KINDS.iter().enumerate().skip(1) {
         println!(
-            "lowest ratio, {}: {:.1}% (target >= 90%)",
+            "lowest ratio, {}: {:.1}% at {} (target >= 90%)",
             kind_name(*kind),
-            100.0 * worst[k]
+            100.0 * worst[k].0,
+            worst[k].1
         );
+    }
+    if misses.is_empty() {
+        println!("static shapes: every size at >= 90% of plain p2p");
+    } else {
+        println!("static shapes under 90%: {}", misses.join(", "));
+    }
+    let load_after = load_average();
+    println!("load average after: {load_after}");
+    let busy = |l: &str| {
+        l.split_whitespace()
+            .next()
+            .and_then(|x| x.parse::<f64>().ok())
+            .is_some_and(|x| x > 3.0)
+    };
+    if busy(&load_before) {
+        println!("note: the machine was loaded before the run (1-minute load average > 3); numbers are noisier");
     }
     ExitCode::SUCCESS
 }
