@@ -83,26 +83,11 @@ pub(crate) struct Inner {
 }
 
 fn host_ref<'a>(op: &'static str, b: BufRef<'a>) -> Result<HostSlice<'a>> {
-    match b {
-        BufRef::Host(h) => Ok(h),
-        BufRef::Device(_) => Err(device_unsupported(op)),
-    }
+    b.host_only(op, BACKEND)
 }
 
 fn host_mut<'a>(op: &'static str, b: BufMut<'a>) -> Result<HostSliceMut<'a>> {
-    match b {
-        BufMut::Host(h) => Ok(h),
-        BufMut::Device(_) => Err(device_unsupported(op)),
-    }
-}
-
-fn device_unsupported(op: &'static str) -> Error {
-    Error::Unsupported {
-        op,
-        backend: BACKEND,
-        what: "device memory (Gloo reduces host buffers; copy to the host or use the NCCL backend)"
-            .into(),
-    }
+    b.host_only(op, BACKEND)
 }
 
 fn raw_op(op: ReduceOp) -> RawOp {
@@ -223,10 +208,7 @@ impl Inner {
     }
 
     fn validate(&self, r: &Request) -> Result<()> {
-        let mem = |op, t: &Tensor| match t {
-            Tensor::Host(_) => Ok(()),
-            Tensor::Device(_) => Err(device_unsupported(op)),
-        };
+        let mem = |op, t: &Tensor| t.as_ref().host_only(op, BACKEND).map(|_| ());
         match r {
             Request::AllReduce { buf, .. } => mem("all_reduce", buf),
             Request::Broadcast { buf, root } => {
@@ -379,10 +361,7 @@ impl Inner {
     /// Runs a nonblocking collective (on the worker, its turn held) and returns its result buffer.
     fn exec(&self, request: Request, tag: u32) -> Result<Tensor> {
         fn h(t: &mut Tensor) -> Result<HostSliceMut<'_>> {
-            match t {
-                Tensor::Host(b) => Ok(b.as_mut_slice()),
-                Tensor::Device(_) => Err(device_unsupported("start")),
-            }
+            t.as_mut().host_only("start", BACKEND)
         }
         match request {
             Request::AllReduce { mut buf, op } => {
@@ -579,10 +558,7 @@ impl GlooCommunicator {
         is_recv: bool,
     ) -> Result<Box<dyn Work>> {
         self.inner.alive(op)?;
-        let host = match buf {
-            Tensor::Host(h) => h,
-            Tensor::Device(_) => return Err(device_unsupported(op)),
-        };
+        let host = buf.host_only(op, BACKEND)?;
         let pending = self
             .inner
             .ctx

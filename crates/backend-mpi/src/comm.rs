@@ -170,32 +170,15 @@ impl MpiCommunicator {
 }
 
 fn host<'a>(op: &'static str, b: BufRef<'a>) -> Result<HostSlice<'a>> {
-    match b {
-        BufRef::Host(h) => Ok(h),
-        BufRef::Device(d) => Err(device_err(op, d.dtype(), d.device())),
-    }
+    b.host_only(op, BACKEND)
 }
 
 fn host_mut<'a>(op: &'static str, b: BufMut<'a>) -> Result<HostSliceMut<'a>> {
-    match b {
-        BufMut::Host(h) => Ok(h),
-        BufMut::Device(d) => Err(device_err(op, d.dtype(), d.device())),
-    }
-}
-
-fn device_err(op: &'static str, dtype: DType, device: usize) -> Error {
-    Error::Unsupported {
-        op,
-        backend: BACKEND,
-        what: format!("device memory ({dtype} buffer on device {device}); pass host memory"),
-    }
+    b.host_only(op, BACKEND)
 }
 
 fn owned(op: &'static str, t: Tensor) -> Result<HostBuffer> {
-    match t {
-        Tensor::Host(h) => Ok(h),
-        Tensor::Device(d) => Err(device_err(op, d.dtype(), d.device())),
-    }
+    t.host_only(op, BACKEND)
 }
 
 impl Communicator for MpiCommunicator {

@@ -108,25 +108,11 @@ impl std::fmt::Debug for InProcessComm {
 }
 
 fn host_in<'a>(op: &'static str, b: BufRef<'a>) -> Result<HostSlice<'a>> {
-    match b {
-        BufRef::Host(h) => Ok(h),
-        BufRef::Device(_) => Err(device_unsupported(op)),
-    }
+    b.host_only(op, NAME)
 }
 
 fn host_out<'a>(op: &'static str, b: BufMut<'a>) -> Result<HostSliceMut<'a>> {
-    match b {
-        BufMut::Host(h) => Ok(h),
-        BufMut::Device(_) => Err(device_unsupported(op)),
-    }
-}
-
-fn device_unsupported(op: &'static str) -> Error {
-    Error::Unsupported {
-        op,
-        backend: NAME,
-        what: "device memory (the in-process communicator is host-only)".into(),
-    }
+    b.host_only(op, NAME)
 }
 
 /// Element arithmetic for reductions (f16 and bf16 through f32).
@@ -570,10 +556,7 @@ impl Communicator for InProcessComm {
     /// Collectives and sends run at once; a receive is deferred to `wait` / `is_completed`.
     fn start(&self, request: Request) -> Result<Box<dyn Work>> {
         fn host(op: &'static str, t: Tensor) -> Result<HostBuffer> {
-            match t {
-                Tensor::Host(h) => Ok(h),
-                Tensor::Device(_) => Err(device_unsupported(op)),
-            }
+            t.host_only(op, NAME)
         }
         let op = request.name();
         Ok(match request {

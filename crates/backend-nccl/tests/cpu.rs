@@ -346,7 +346,7 @@ fn inproc_rejects_device_memory_and_bad_arguments() {
     let e = c.broadcast(BufMut::Device(&mut FakeGpu), 0).unwrap_err();
     assert_eq!(
         e.to_string(),
-        "broadcast: the inproc backend does not support device memory (the in-process communicator is host-only)"
+        "broadcast: the inproc backend does not support device memory (1 f32 elements on device 0): this backend moves host memory only; copy it to the host or use the NCCL backend"
     );
     let e = c.start(Request::Barrier).and_then(|w| w.wait()).unwrap();
     assert_eq!(e.dtype(), DType::U8);

@@ -359,6 +359,41 @@ impl BufMut<'_> {
     }
 }
 
+/// The error a host-only backend returns for device memory.
+fn device_memory_error(op: &'static str, backend: &'static str, d: &dyn DeviceBuffer) -> Error {
+    Error::Unsupported {
+        op,
+        backend,
+        what: format!(
+            "device memory ({} {} elements on device {}): this backend moves host memory only; copy it to the host or use the NCCL backend",
+            d.len(),
+            d.dtype(),
+            d.device()
+        ),
+    }
+}
+
+impl<'a> BufRef<'a> {
+    /// The host slice, or [`Error::Unsupported`] naming `op` and `backend` for device memory:
+    /// what a host-only backend does with its inputs.
+    pub fn host_only(self, op: &'static str, backend: &'static str) -> Result<HostSlice<'a>> {
+        match self {
+            BufRef::Host(h) => Ok(h),
+            BufRef::Device(d) => Err(device_memory_error(op, backend, d)),
+        }
+    }
+}
+
+impl<'a> BufMut<'a> {
+    /// The host slice, or [`Error::Unsupported`] for device memory (see [`BufRef::host_only`]).
+    pub fn host_only(self, op: &'static str, backend: &'static str) -> Result<HostSliceMut<'a>> {
+        match self {
+            BufMut::Host(h) => Ok(h),
+            BufMut::Device(d) => Err(device_memory_error(op, backend, &*d)),
+        }
+    }
+}
+
 impl<'a, T: Element> From<&'a [T]> for BufRef<'a> {
     fn from(s: &'a [T]) -> BufRef<'a> {
         BufRef::Host(T::host(s))
@@ -440,6 +475,13 @@ impl Tensor {
         match self {
             Tensor::Host(h) => BufMut::Host(h.as_mut_slice()),
             Tensor::Device(d) => BufMut::Device(&mut **d),
+        }
+    }
+    /// The host buffer, or [`Error::Unsupported`] for device memory (see [`BufRef::host_only`]).
+    pub fn host_only(self, op: &'static str, backend: &'static str) -> Result<HostBuffer> {
+        match self {
+            Tensor::Host(h) => Ok(h),
+            Tensor::Device(d) => Err(device_memory_error(op, backend, &*d)),
         }
     }
     /// The host vector, if this is host memory of type `T`.
