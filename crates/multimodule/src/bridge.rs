@@ -27,7 +27,7 @@
 //!   that detects it, and its peers get [`Error::PeerError`] instead of hanging.
 
 use crate::error::{Error, Result};
-use crate::routing::{BridgePlan, PartRoute, Side};
+use crate::routing::{BridgePlan, Side};
 use crate::tensor::{batch_split_sizes, tensor_split_sizes, Activation};
 use crate::wire::{
     distribute, BufferPool, In, Join, Meta, Out, OutData, Part, ShapeCache, ShapeMode, Wire,
@@ -556,7 +556,10 @@ impl<C: Communicator> BridgeCommunicator<C> {
             ShapeMode::Static { shape, dtype } => Some(StaticShapes::new(plan, shape, *dtype)),
             _ => None,
         };
-        let learned = matches!(st.mode, ShapeMode::Learned);
+        // Static and learned shapes: payloads travel with their header once a channel's first
+        // message has set both ends' expectation (static ones are also checked against the
+        // declared shape, on both ends).
+        let cached = !matches!(st.mode, ShapeMode::Variable);
         let what = || format!("bridge {} -> {}", plan.src_name(), plan.dst_name());
         // This destination rank's static chunk (what it receives and sends back).
         let my_dst_chunk = stat
@@ -618,12 +621,11 @@ impl<C: Communicator> BridgeCommunicator<C> {
                 ins.extend(fwd_chain.iter().filter(|&&r| r != me).map(|&peer| In {
                     peer,
                     tag: self.tag + FWD_CP,
-                    expect: stat.as_ref().map(|s| s.declared.clone()),
+                    expect: None,
+                    verify: stat.as_ref().map(|s| s.declared.clone()),
                 }));
             } else if let Some(l) = src.cp_leader_for(me) {
-                let mut o = out_msg(l, self.tag + FWD_CP, fwd_in, fwd_err.is_some());
-                o.expect = stat.as_ref().map(|s| s.declared.clone());
-                outs.push(o);
+                outs.push(out_msg(l, self.tag + FWD_CP, fwd_in, fwd_err.is_some()));
             }
         }
         if bwd_in.is_some() && dst.cp_size() > 1 {
@@ -633,18 +635,17 @@ impl<C: Communicator> BridgeCommunicator<C> {
                 ins.extend(bwd_chain.iter().filter(|&&r| r != me).map(|&peer| In {
                     peer,
                     tag: self.tag + BWD_CP,
-                    expect: stat.as_ref().map(|s| s.dst_chunk(j, dst.cp_rank(peer))),
+                    expect: None,
+                    verify: stat.as_ref().map(|s| s.dst_chunk(j, dst.cp_rank(peer))),
                 }));
             } else if let Some(l) = dst.cp_leader_for(me) {
-                let mut o = out_msg(l, self.tag + BWD_CP, bwd_in, bwd_err.is_some());
-                o.expect = my_dst_chunk.clone();
-                outs.push(o);
+                outs.push(out_msg(l, self.tag + BWD_CP, bwd_in, bwd_err.is_some()));
             }
         }
         let mut got = if outs.is_empty() && ins.is_empty() {
             Vec::new()
         } else {
-            let cache = learned.then_some(&mut st.cache);
+            let cache = cached.then_some(&mut st.cache);
             wire.exchange(outs, &ins, &[], cache)?.into_tensors()
         }
         .into_iter();
@@ -730,7 +731,6 @@ impl<C: Communicator> BridgeCommunicator<C> {
         let dst_index = dst.leaders().iter().position(|&l| l == me);
         if let (Some(full), Some(i), true) = (&fwd_full, src_index, src_leader_here) {
             let routes = plan.send_routes(i);
-            let first = outs.len();
             match full {
                 Ok(a) => {
                     let ps = plan.parts_per_src();
@@ -767,11 +767,9 @@ impl<C: Communicator> BridgeCommunicator<C> {
                 }
                 Err(_) => outs.extend(routes.iter().map(|r| out_failed(r.peer, self.tag + FWD))),
             }
-            expect_routes(&mut outs[first..], &routes, stat.as_ref());
         }
         if let (Some(full), Some(j), true) = (&bwd_full, dst_index, dst_leader_here) {
             let routes = plan.recv_routes(j);
-            let first = outs.len();
             match full {
                 Ok(g) => {
                     let rows: Result<Vec<usize>> = match &recv_record {
@@ -814,7 +812,6 @@ impl<C: Communicator> BridgeCommunicator<C> {
                 }
                 Err(_) => outs.extend(routes.iter().map(|r| out_failed(r.peer, self.tag + BWD))),
             }
-            expect_routes(&mut outs[first..], &routes, stat.as_ref());
         }
         // Record this forward transfer before taking the oldest record for the gradient, so a
         // fused call with nothing else in flight checks against what it sends now.
@@ -834,7 +831,8 @@ impl<C: Communicator> BridgeCommunicator<C> {
         ins.extend(fwd_routes.iter().map(|r| In {
             peer: r.peer,
             tag: self.tag + FWD,
-            expect: stat.as_ref().map(|s| s.route(r.parts.clone())),
+            expect: None,
+            verify: stat.as_ref().map(|s| s.route(r.parts.clone())),
         }));
         let bwd_routes = match (want_bwd && src_leader_here, src_index) {
             (true, Some(i)) => plan.send_routes(i),
@@ -843,7 +841,8 @@ impl<C: Communicator> BridgeCommunicator<C> {
         ins.extend(bwd_routes.iter().map(|r| In {
             peer: r.peer,
             tag: self.tag + BWD,
-            expect: stat.as_ref().map(|s| s.route(r.parts.clone())),
+            expect: None,
+            verify: stat.as_ref().map(|s| s.route(r.parts.clone())),
         }));
         let (nf, nb) = (fwd_routes.len(), bwd_routes.len());
         // Each direction's parts arrive straight in their slices of one output tensor when the
@@ -875,7 +874,7 @@ impl<C: Communicator> BridgeCommunicator<C> {
         let (parts, mut joined) = if outs.is_empty() && ins.is_empty() {
             (Vec::new(), Vec::new())
         } else {
-            let cache = learned.then_some(&mut st.cache);
+            let cache = cached.then_some(&mut st.cache);
             let ex = wire.exchange(outs, &ins, &joins, cache)?;
             (ex.parts, ex.joined)
         };
@@ -1072,15 +1071,6 @@ fn split_messages<'a>(
                 expect: None,
             })
             .collect())
-    }
-}
-
-/// Under static shapes, the shape each route's receiver expects (`outs` are one per route).
-fn expect_routes(outs: &mut [Out<'_>], routes: &[PartRoute], stat: Option<&StaticShapes>) {
-    if let Some(s) = stat {
-        for (o, r) in outs.iter_mut().zip(routes) {
-            o.expect = Some(s.route(r.parts.clone()));
-        }
     }
 }
 

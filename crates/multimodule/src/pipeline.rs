@@ -325,7 +325,7 @@ impl<C: Communicator> MultiModulePipelineCommunicator<C> {
                         },
                         None => OutData::Failed,
                     },
-                    expect: expect.clone(),
+                    expect: None,
                 }
             })
             .into_iter()
@@ -334,13 +334,14 @@ impl<C: Communicator> MultiModulePipelineCommunicator<C> {
             .map(|(peer, k)| In {
                 peer,
                 tag: tag + k,
-                expect: expect.clone(),
+                expect: None,
+                verify: expect.clone(),
             })
             .into_iter()
             .collect();
         let mut cache = match mode {
-            ShapeMode::Learned => Some(self.p2p_cache.lock().map_err(|_| poisoned())?),
-            _ => None,
+            ShapeMode::Variable => None,
+            _ => Some(self.p2p_cache.lock().map_err(|_| poisoned())?),
         };
         let mut got = wire
             .exchange(outs, &ins, &[], cache.as_deref_mut())?

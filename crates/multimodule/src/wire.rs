@@ -10,11 +10,12 @@
 //! * **shape unknown** (variable shapes, the default): headers travel in one `batch_p2p`,
 //!   payloads in a second one (Megatron exchanges shapes first the same way), so the receiver
 //!   knows what to allocate. One extra round trip per exchange.
-//! * **shape expected** (static shapes, or a shape learned from the previous message on the same
-//!   channel): header and payload travel in the **same** `batch_p2p`, the payload straight into
-//!   a buffer of the expected size; the header is checked afterwards. If the sender's tensor no
-//!   longer has the expected shape, it sends status `RESEND` and a placeholder, and the real
-//!   payload follows in a second round (only that message pays the round trip).
+//! * **shape expected** (static or learned shapes, once a channel's first message has set the
+//!   expectation on both ends): header and payload travel in the **same** `batch_p2p`, the
+//!   payload straight into a buffer of the expected size; the header is checked afterwards. If
+//!   the sender's tensor no longer has the expected shape, it sends status `RESEND` and a
+//!   placeholder, and the real payload follows in a second round (only that message pays the
+//!   round trip).
 //!
 //! Every exchange is deadlock-free whatever the backend's send protocol: each round is one
 //! `batch_p2p` on every rank, and both ends of a message agree on which round its payload uses.
@@ -74,12 +75,16 @@ pub enum ShapeMode {
     Variable,
     /// Every activation handed to the sending side has this shape and dtype (for a bridge: what
     /// each rank at the source's last stage passes to `send_forward`, i.e. the per-rank tensor
-    /// when the source has cp > 1). Receivers compute each part's shape with the same
-    /// `tensor_split` rule the senders use, so a header travels **with** its payload and no
-    /// round trip is paid. A tensor of another shape or dtype is [`crate::Error::StaticShape`]
-    /// on its sender before anything is sent, and its peers get [`crate::Error::PeerError`]
-    /// (never a hang, never misread data). Per-sample split sizes that differ from the
-    /// `tensor_split` rule are rejected the same way.
+    /// when the source has cp > 1). A header travels **with** its payload in one round, no
+    /// round trip, except on each channel's (peer's and message kind's) first message, which
+    /// goes header first: both ends then know the size for sure, so ranks that declared
+    /// different shapes get a clear error instead of a length mismatch in the backend. A
+    /// tensor of another shape or dtype is [`crate::Error::StaticShape`] on its sender before
+    /// anything of it is sent, and its peers get [`crate::Error::PeerError`] (never a hang,
+    /// never misread data); a received part whose shape differs from what this rank's declared
+    /// shape gives (with the same `tensor_split` rule the senders use) is
+    /// [`crate::Error::Protocol`]. Per-sample split sizes that differ from the `tensor_split`
+    /// rule are rejected on the sender too.
     Static {
         /// The activation shape.
         shape: Vec<usize>,
@@ -207,13 +212,15 @@ pub(crate) struct Out<'a> {
     pub expect: Option<Meta>,
 }
 
-/// One expected incoming message, with its shape if this rank knows it in advance (the sender
-/// must then know it too: both ends derive it from the same static shape or channel history).
+/// One expected incoming message, with its shape if this rank knows it in advance (`expect`:
+/// the sender must then know it too, as both ends do from a channel's history), and the shape
+/// it must have (`verify`: a static shape; another one is an error once received).
 #[derive(Clone)]
 pub(crate) struct In {
     pub peer: usize,
     pub tag: u32,
     pub expect: Option<Meta>,
+    pub verify: Option<Meta>,
 }
 
 /// Consecutive `ins` to be returned as one tensor, concatenated along `dim` in order.
@@ -647,13 +654,31 @@ impl<C: Communicator + ?Sized> Wire<'_, C> {
         // ----- decode the headers -------------------------------------------------------------
         let mut metas: Vec<Option<Meta>> = vec![None; n];
         let mut errs: Vec<Option<Error>> = vec![None; n];
+        // Shapes that arrived (for the channel cache, whatever this rank thinks of them), and
+        // static-shape violations (reported once the payload is in, so the sender is not left
+        // waiting).
+        let mut arrived: Vec<(usize, u32, Meta)> = Vec::new();
+        let mut vfail: Vec<Option<Error>> = vec![None; n];
         let mut late: Vec<bool> = vec![false; n];
         let mut broken: Vec<bool> = vec![false; joins.len()];
         for (k, i) in ins.iter().enumerate() {
             if i.peer == me {
                 continue;
             }
-            match (self.decode(i.peer, &in_hdr[k]), &i.expect) {
+            let decoded = self.decode(i.peer, &in_hdr[k]);
+            if let Ok((_, m)) = &decoded {
+                arrived.push((i.peer, i.tag, m.clone()));
+                if let Some(v) = i.verify.as_ref().filter(|v| *v != m) {
+                    vfail[k] = Some(Error::Protocol {
+                        op: self.op,
+                        peer: i.peer,
+                        message: format!(
+                            "it sent {m} where this rank's static shape gives {v}: declare the same static shape on every rank"
+                        ),
+                    });
+                }
+            }
+            match (decoded, &i.expect) {
                 (Err(e), _) => errs[k] = Some(e),
                 (Ok((OK, m)), Some(e)) if m != *e => {
                     errs[k] = Some(Error::Protocol {
@@ -763,6 +788,12 @@ impl<C: Communicator + ?Sized> Wire<'_, C> {
             }
             if !ops.is_empty() {
                 self.comm.batch_p2p(ops)?;
+            }
+        }
+
+        for (e, v) in errs.iter_mut().zip(vfail) {
+            if e.is_none() {
+                *e = v;
             }
         }
 
@@ -894,10 +925,8 @@ impl<C: Communicator + ?Sized> Wire<'_, C> {
             for (peer, tag, m) in sent_metas {
                 c.sent.insert((peer, tag), m);
             }
-            for (i, p) in ins.iter().zip(&parts) {
-                if let (Ok(p), true) = (p, i.peer != me) {
-                    c.received.insert((i.peer, i.tag), p.meta.clone());
-                }
+            for (peer, tag, m) in arrived {
+                c.received.insert((peer, tag), m);
             }
         }
         Ok(Exchanged { parts, joined })

@@ -100,13 +100,20 @@ fn all_modes(mut c: Case) {
 
 #[test]
 fn static_shapes_one_to_one_take_one_round_per_transfer() {
-    // 3 micro-batches forward then backward, tp 1: each transfer is one batch_p2p on each
-    // side with static shapes (two with variable shapes); learned shapes pay the second round
-    // only on each channel's first message.
+    // 3 micro-batches forward then backward, tp 1: with variable shapes every transfer takes
+    // two batch_p2p rounds on each side; with static and learned shapes one, except each
+    // channel's first message (forward and backward: 2 + 1 + 1 each way).
     let c = case(grid(1, 1, 1, 1, 0), grid(1, 1, 1, 1, 1), l3(2), vec![3]);
     assert_eq!(run_in(&c, &ShapeMode::Variable).1, vec![12, 12]);
-    assert_eq!(run_in(&c, &static_mode(&c)).1, vec![6, 6]);
+    assert_eq!(run_in(&c, &static_mode(&c)).1, vec![8, 8]);
     assert_eq!(run_in(&c, &ShapeMode::Learned).1, vec![8, 8]);
+    // 10 micro-batches: 20 rounds per side instead of 40.
+    let c = Case {
+        microbatches: 10,
+        ..c
+    };
+    assert_eq!(run_in(&c, &ShapeMode::Variable).1, vec![40, 40]);
+    assert_eq!(run_in(&c, &static_mode(&c)).1, vec![22, 22]);
 }
 
 #[test]
@@ -295,11 +302,12 @@ fn learned_shapes_follow_changes() {
 }
 
 /// 1:1 or fan-in (`lanes` sources) with a static shape: a wrong tensor on source 0 fails there
-/// before anything of it is sent, the destination gets `PeerError`, and the next, correct
-/// transfer delivers exact values.
+/// before anything of it is sent, the destination gets `PeerError`, and the transfers around
+/// it deliver exact values. With `first`, the wrong tensor is the channel's first message.
 fn mismatch_then_recover(
     lanes: usize,
     rendezvous: bool,
+    first: bool,
     wrong: Activation,
     expect: fn(&Error) -> bool,
 ) {
@@ -311,19 +319,29 @@ fn mismatch_then_recover(
     );
     let plan = plan_of(&c);
     let mode = static_mode(&c);
+    let mbs: Vec<usize> = if first { vec![1] } else { vec![0, 1] };
     let (res, hub) = run_world(lanes + 1, rendezvous, |rank, comm: Arc<ThreadComm>| {
         let bridge = BridgeCommunicator::new(&ThreadFactory, comm, plan.clone(), 40)
             .unwrap()
             .with_shape_mode(mode.clone())
             .unwrap();
         let good = |mb: usize| l3(2).build(2, 2, |b, s, h| value(mb, rank, b, s, h));
+        let check = |mb: usize| {
+            let t = bridge.recv_forward().unwrap().unwrap();
+            let rows = dst_rows(&plan, &c.batches, 0);
+            l3(2).check(&t, rows.len(), 2, "around the error", |b, s, h| {
+                value(mb, rows[b].0, rows[b].1, s, h)
+            });
+            t.numel()
+        };
         if rank < lanes {
-            let first = if rank == 0 {
-                bridge.send_forward(&wrong)
-            } else {
-                bridge.send_forward(&good(0))
-            };
-            match (rank, first) {
+            if !first {
+                bridge.send_forward(&good(0)).unwrap();
+            }
+            // The other lanes' part of this transfer is never delivered: rank 0's failed.
+            let other = good(7);
+            let mine = if rank == 0 { &wrong } else { &other };
+            match (rank, bridge.send_forward(mine)) {
                 (0, Err(e)) => assert!(expect(&e), "rank 0: {e}"),
                 (0, Ok(())) => panic!("rank 0 sent a tensor that does not match the static shape"),
                 (_, r) => r.unwrap(),
@@ -331,28 +349,21 @@ fn mismatch_then_recover(
             bridge.send_forward(&good(1)).unwrap();
             0
         } else {
+            let mut n = if first { 0 } else { check(0) };
             match bridge.recv_forward() {
                 Err(Error::PeerError { peer: 0, .. }) => {}
                 other => panic!("destination: {other:?}"),
             }
-            let t = bridge.recv_forward().unwrap().unwrap();
-            let rows = dst_rows(&plan, &c.batches, 0);
-            l3(2).check(&t, rows.len(), 2, "after the error", |b, s, h| {
-                value(1, rows[b].0, rows[b].1, s, h)
-            });
-            t.numel()
+            n += check(1);
+            n
         }
     });
-    assert_eq!(res.iter().sum::<usize>(), lanes * 2 * 2 * 3);
-    // What rank 0 sent: a placeholder of the expected size, then the good tensor (no element of
-    // the wrong tensor, whose size differs).
-    let sent: Vec<usize> = hub
-        .log()
-        .iter()
-        .filter(|(s, _, _)| *s == 0)
-        .map(|&(_, _, n)| n)
-        .collect();
-    assert_eq!(sent, vec![12, 12]);
+    assert_eq!(res.iter().sum::<usize>(), mbs.len() * lanes * 2 * 2 * 3);
+    // What rank 0 sent with a payload's size: its good tensors and, when the channel already
+    // had a message, a placeholder in place of the wrong one (never the wrong one's data; the
+    // destination checked every element it got).
+    let sent = hub.log().iter().filter(|(s, _, _)| *s == 0).count();
+    assert_eq!(sent, if first { 1 } else { 3 });
 }
 
 #[test]
@@ -370,10 +381,12 @@ fn static_shape_mismatch_is_an_error_before_sending() {
     };
     for rendezvous in [false, true] {
         for lanes in [1, 2] {
-            let wrong_shape = l3(2).build(3, 2, |b, s, h| value(9, 0, b, s, h));
-            mismatch_then_recover(lanes, rendezvous, wrong_shape, shape);
-            let wrong_dtype = Activation::from_vec(vec![2, 2, 3], vec![1f32; 12]).unwrap();
-            mismatch_then_recover(lanes, rendezvous, wrong_dtype, dtype);
+            for first in [false, true] {
+                let wrong_shape = l3(2).build(3, 2, |b, s, h| value(9, 0, b, s, h));
+                mismatch_then_recover(lanes, rendezvous, first, wrong_shape, shape);
+                let wrong_dtype = Activation::from_vec(vec![2, 2, 3], vec![1f32; 12]).unwrap();
+                mismatch_then_recover(lanes, rendezvous, first, wrong_dtype, dtype);
+            }
         }
     }
     // The message names the declared shape and the way out.
@@ -446,6 +459,61 @@ fn static_shape_errors_for_split_sizes_gradients_and_bad_modes() {
         }
     });
     assert_eq!(res.iter().sum::<usize>(), 2 * 12);
+}
+
+/// Source and destination declare different static shapes (the source's is larger): every
+/// transfer is a `Protocol` error on the destination naming both shapes, never a length
+/// mismatch in the backend (Gloo aborts the process on a message longer than the receive) and
+/// never a hang. Returns the number of errors seen.
+fn misdeclared<C: grid_core::Communicator>(bridge: &BridgeCommunicator<C>, rank: usize) -> usize {
+    let declared = |b: usize| ShapeMode::Static {
+        shape: vec![b, 2, 3],
+        dtype: DType::F64,
+    };
+    bridge
+        .set_shape_mode(declared(if rank == 0 { 3 } else { 2 }))
+        .unwrap();
+    let mut errors = 0;
+    for mb in 0..3 {
+        if rank == 0 {
+            bridge
+                .send_forward(&l3(2).build(3, 2, |b, s, h| value(mb, 0, b, s, h)))
+                .unwrap();
+        } else {
+            match bridge.recv_forward() {
+                Err(Error::Protocol {
+                    peer: 0, message, ..
+                }) => {
+                    assert!(message.contains("[3, 2, 3]") && message.contains("[2, 2, 3]"));
+                    errors += 1;
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+    }
+    errors
+}
+
+#[test]
+fn static_shapes_declared_differently_are_an_error_not_an_abort() {
+    let c = case(grid(1, 1, 1, 1, 0), grid(1, 1, 1, 1, 1), l3(2), vec![2]);
+    let plan = plan_of(&c);
+    for rendezvous in [false, true] {
+        let (res, _) = run_world(2, rendezvous, |rank, comm: Arc<ThreadComm>| {
+            let bridge = BridgeCommunicator::new(&ThreadFactory, comm, plan.clone(), 40).unwrap();
+            misdeclared(&bridge, rank)
+        });
+        assert_eq!(res, vec![0, 3]);
+    }
+    let res = run_ranks(2, &cfg("mm-static-misdeclared"), |f, w| {
+        let rank = w.rank();
+        let bridge = BridgeCommunicator::new(f, Arc::new(w), plan.clone(), 40)
+            .map_err(|e| grid_core::Error::Invalid(e.to_string()))?;
+        Ok(misdeclared(&bridge, rank))
+    })
+    .unwrap();
+    let res: Vec<usize> = res.into_iter().map(|r| r.unwrap()).collect();
+    assert_eq!(res, vec![0, 3]);
 }
 
 fn three_stage_spec() -> PipelineSpec {
