@@ -2,35 +2,10 @@
 //! and backward is checked against where it must come from.
 
 mod common;
+use common::check::{case, l3};
 use common::check::{grid, run_case, Case, Layout};
 use common::threads::{run_world, ThreadFactory};
 use multimodule::{Activation, BridgeCommunicator, BridgePlan, DimMapping, Error};
-
-fn l3(seq: usize) -> Layout {
-    Layout {
-        ndim: 3,
-        dm: DimMapping::default(),
-        seq,
-        hidden: 3,
-    }
-}
-
-fn case(
-    src: grid_core::HyperGrid,
-    dst: grid_core::HyperGrid,
-    layout: Layout,
-    batches: Vec<usize>,
-) -> Case {
-    Case {
-        src,
-        dst,
-        layout,
-        batches,
-        microbatches: 3,
-        fused: false,
-        rendezvous: false,
-    }
-}
 
 /// Runs a case in all four modes (plain/fused × buffered/rendezvous sends).
 fn all_modes(mut c: Case) {

@@ -3,7 +3,8 @@
 //! next receive of that size gets the same memory.
 
 mod common;
-use common::check::{grid, value, Layout};
+use common::check::l3;
+use common::check::{grid, value};
 use common::scenarios::{two_encoders_spec, LAY};
 use common::threads::{run_world, ThreadComm, ThreadFactory};
 use grid_core::DType;
@@ -12,15 +13,6 @@ use multimodule::{
     MultiModulePipelineCommunicator, ShapeMode,
 };
 use std::sync::Arc;
-
-fn l3(seq: usize) -> Layout {
-    Layout {
-        ndim: 3,
-        dm: DimMapping::default(),
-        seq,
-        hidden: 3,
-    }
-}
 
 #[test]
 fn dropped_outputs_come_back_and_are_reused() {

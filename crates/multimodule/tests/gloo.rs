@@ -2,6 +2,7 @@
 
 mod common;
 use backend_gloo::{run_ranks, GlooConfig};
+use common::check::l3;
 use common::check::{grid, plan_of, run_rank, world_of, Case, Layout};
 use common::scenarios::{two_encoders_rank, two_encoders_spec, TWO_ENCODERS_PER_MB};
 use grid_core::Communicator;
@@ -26,15 +27,6 @@ fn gloo_case(job: &str, case: Case) -> usize {
         .enumerate()
         .map(|(r, x)| x.unwrap_or_else(|e| panic!("rank {r}: {e}")))
         .sum()
-}
-
-fn l3(seq: usize) -> Layout {
-    Layout {
-        ndim: 3,
-        dm: DimMapping::default(),
-        seq,
-        hidden: 3,
-    }
 }
 
 fn case(

@@ -3,6 +3,7 @@
 
 mod common;
 use backend_mpi::{mpi_test, MpiFactory};
+use common::check::l3;
 use common::check::{grid, plan_of, run_rank, Case, Layout};
 use common::scenarios::{two_encoders_rank, two_encoders_spec, TWO_ENCODERS_PER_MB};
 use grid_core::{Communicator, CommunicatorExt, GroupFactory, ReduceOp};
@@ -19,15 +20,6 @@ fn world(
         .map_err(|e| e.to_string())?
         .map(Arc::new)
         .ok_or_else(|| "split returned no communicator".to_string())
-}
-
-fn l3(seq: usize) -> Layout {
-    Layout {
-        ndim: 3,
-        dm: DimMapping::default(),
-        seq,
-        hidden: 3,
-    }
 }
 
 mpi_test!(

@@ -4,12 +4,13 @@
 
 mod common;
 use backend_mpi::{mpi_test, MpiFactory};
-use common::check::{dst_rows, grid, plan_of, run_rank, value, Case, Layout};
+use common::check::l3;
+use common::check::{dst_rows, grid, plan_of, run_rank, value, Case};
 use common::scenarios::{
     two_encoders_rank_with, two_encoders_spec, two_encoders_static_modes, TWO_ENCODERS_PER_MB,
 };
 use grid_core::{Communicator, CommunicatorExt, DType, GroupFactory, ReduceOp};
-use multimodule::{BridgeCommunicator, DimMapping, Error, ShapeMode};
+use multimodule::{BridgeCommunicator, Error, ShapeMode};
 use std::sync::Arc;
 
 fn world(
@@ -21,15 +22,6 @@ fn world(
         .map_err(|e| e.to_string())?
         .map(Arc::new)
         .ok_or_else(|| "split returned no communicator".to_string())
-}
-
-fn l3(seq: usize) -> Layout {
-    Layout {
-        ndim: 3,
-        dm: DimMapping::default(),
-        seq,
-        hidden: 3,
-    }
 }
 
 fn sum(w: &backend_mpi::MpiCommunicator, mine: usize) -> Result<usize, String> {

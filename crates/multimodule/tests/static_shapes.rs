@@ -5,6 +5,7 @@
 
 mod common;
 use backend_gloo::{run_ranks, GlooConfig};
+use common::check::{case, l3};
 use common::check::{dst_rows, grad_of, grid, plan_of, run_rank, value, world_of, Case, Layout};
 use common::scenarios::{
     two_encoders_rank_with, two_encoders_spec, two_encoders_static_modes, LAY, TWO_ENCODERS_PER_MB,
@@ -17,32 +18,6 @@ use multimodule::{
 };
 use std::sync::Arc;
 use std::time::Duration;
-
-fn l3(seq: usize) -> Layout {
-    Layout {
-        ndim: 3,
-        dm: DimMapping::default(),
-        seq,
-        hidden: 3,
-    }
-}
-
-fn case(
-    src: grid_core::HyperGrid,
-    dst: grid_core::HyperGrid,
-    layout: Layout,
-    batches: Vec<usize>,
-) -> Case {
-    Case {
-        src,
-        dst,
-        layout,
-        batches,
-        microbatches: 3,
-        fused: false,
-        rendezvous: false,
-    }
-}
 
 /// The static mode of a case: every source rank's tensor (equal batches on every lane, its cp
 /// chunk of the sequence, which must divide evenly).

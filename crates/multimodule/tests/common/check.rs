@@ -304,3 +304,31 @@ pub fn run_rank<C: grid_core::Communicator>(
     }
     checked
 }
+
+/// A 3-D activation layout `[s, b, h]` (the default mapping) with `seq` rows per sample.
+pub fn l3(seq: usize) -> Layout {
+    Layout {
+        ndim: 3,
+        dm: DimMapping::default(),
+        seq,
+        hidden: 3,
+    }
+}
+
+/// A bridge case with 3 micro-batches, unfused, without the rendezvous check.
+pub fn case(
+    src: grid_core::HyperGrid,
+    dst: grid_core::HyperGrid,
+    layout: Layout,
+    batches: Vec<usize>,
+) -> Case {
+    Case {
+        src,
+        dst,
+        layout,
+        batches,
+        microbatches: 3,
+        fused: false,
+        rendezvous: false,
+    }
+}
