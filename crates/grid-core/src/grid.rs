@@ -297,18 +297,7 @@ impl HyperGrid {
     /// The group containing `rank` in the family spanned by `mask`, in O(dimensions).
     pub fn group_of_masked(&self, mask: &[bool], rank: usize) -> Result<Group> {
         self.check_rank(rank)?;
-        let mut base = self.offset;
-        let mut terms = Vec::new();
-        for (d, ((&size, &stride), &m)) in
-            self.shape.iter().zip(&self.strides).zip(mask).enumerate()
-        {
-            if m {
-                terms.push(Term { size, stride });
-            } else {
-                base += self.coord_unchecked(rank, d) * stride;
-            }
-        }
-        Ok(Group::lattice(base, terms))
+        Ok(self.group_at_masked(mask, self.group_index_masked(mask, rank)))
     }
 
     /// Every group over `dims`, in canonical order (Megatron's `get_rank_enum`).

@@ -81,19 +81,22 @@ impl LayoutPlan {
                 groups[fl.family as usize] = g;
             }
         }
-        let pp = self.group_of(FamilyLevel::from(Family::Pp), rank)?;
-        let (n, pos) = match &pp {
-            Some(p) => (p.len(), p.position(rank).unwrap_or(0)),
-            None => (1, 0),
+        let (n, pos, pp_next, pp_prev) = {
+            let pp = groups[Family::Pp as usize].as_ref();
+            let (n, pos) = match pp {
+                Some(p) => (p.len(), p.position(rank).unwrap_or(0)),
+                None => (1, 0),
+            };
+            let at = |i: usize| pp.map_or(rank, |p| p.get(i));
+            (n, pos, at((pos + 1) % n), at((pos + n - 1) % n))
         };
-        let at = |i: usize| pp.as_ref().map_or(rank, |p| p.get(i));
         Ok(RankView {
             rank,
             coords,
             groups,
             hcp,
-            pp_next: at((pos + 1) % n),
-            pp_prev: at((pos + n - 1) % n),
+            pp_next,
+            pp_prev,
             is_first_stage: pos == 0,
             is_last_stage: pos + 1 == n,
         })
