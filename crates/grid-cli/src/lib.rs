@@ -1,8 +1,9 @@
 //! The `grid` command: every process group of a Megatron-Core compatible parallel layout.
 //!
-//! A thin front over [`grid_core`]: it parses the arguments, calls the library and prints the
-//! result, as readable text by default or as JSON with `--format json`. Invalid input of any
-//! kind is a [`UsageError`]: one line on stderr and exit status 2.
+//! A thin front over [`grid_core`]: it parses the arguments (clap, see [`command`]), calls the
+//! library and prints the result, as readable text by default or as JSON with `--format json`.
+//! Invalid input of any kind is a [`UsageError`]: one line on stderr and exit status 2.
+//! `grid completions bash|zsh|fish` prints a shell completion script.
 //!
 //! ```
 //! let mut out = Vec::new();
@@ -16,15 +17,16 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
-mod args;
-mod comm_grid;
+mod cli;
 mod commands;
+mod error;
 mod out;
+mod values;
 
-use args::usage;
+pub use error::UsageError;
 
-pub use args::UsageError;
-
+use cli::{Command, Parsed};
+use commands::{comm_grid, completions, enumerate, hierarchical, layout, pipeline, rank_generator};
 use std::io::{self, Write};
 
 /// Why a command did not complete: invalid input (exit status 2) or an output error.
@@ -59,28 +61,17 @@ impl From<grid_core::Error> for Failure {
     }
 }
 
-/// Top-level help (`grid --help`).
+/// The clap definition of the `grid` command: its subcommands, options and help texts, as the
+/// parser and the completion scripts (`grid completions`) see them.
 ///
 /// ```
-/// assert!(grid_cli::HELP.contains("grid layout --world-size W"));
+/// let cmd = grid_cli::command();
+/// assert_eq!(cmd.get_name(), "grid");
+/// assert!(cmd.get_subcommands().any(|s| s.get_name() == "layout"));
 /// ```
-pub const HELP: &str = "grid: every process group of a Megatron-Core compatible parallel layout
-
-usage:
-  grid layout --world-size W [--tp N] [--pp N] [--cp N] [--ep N] [--etp N] [--order ORDER]
-              [--dist-opt-instances N] [--hcp A,B,...] [--rank-offset O] [--vpp N] [--dp N]
-              [--rank R] [--format text|json]
-  grid enum --shape S1,S2,... --dims D1,D2,... --group Dx,Dy [--rank-offset O] [--raw]
-            [--world-size W] [--rank R] [--format text|json]
-  grid hierarchical --ranks R1,R2,... --sizes A,B,... [--rank R] [--format text|json]
-  grid rank-generator --order ORDER [--tp N] [--ep N] [--dp N] [--pp N] [--cp N]
-                      [--rank-offset O] [--tokens T1,T2,...] [--format text|json]
-  grid pipeline SPEC [--format text|json]
-  grid comm-grid --shape S1,S2,... --dims D1,D2,... [--rank-offset O] [--world-size W]
-                 [--rank R] --queries FILE|- [--format text|json]
-  grid help [COMMAND]      grid --version
-
-Run `grid COMMAND --help` for the details of one command. Invalid input exits with status 2.";
+pub fn command() -> clap::Command {
+    cli::command()
+}
 
 /// Runs the command line `args` (without the program name), writing the output to `w`.
 ///
@@ -104,37 +95,17 @@ Run `grid COMMAND --help` for the details of one command. Invalid input exits wi
 /// ```
 pub fn run(args: &[String], w: &mut dyn Write) -> Result<(), Failure> {
     let mut out = out::Out::new(w);
-    let Some(cmd) = args.first() else {
-        return Err(usage!("missing command: expected layout, enum, hierarchical, rank-generator, pipeline or comm-grid (see grid --help)").into());
-    };
-    let rest = &args[1..];
-    match cmd.as_str() {
-        "layout" => commands::layout(rest, &mut out)?,
-        "enum" => commands::enumerate(rest, &mut out)?,
-        "hierarchical" => commands::hierarchical(rest, &mut out)?,
-        "rank-generator" => commands::rank_generator(rest, &mut out)?,
-        "pipeline" => commands::pipeline(rest, &mut out)?,
-        "comm-grid" => comm_grid::comm_grid(rest, &mut out)?,
-        "-h" | "--help" => out.line(HELP)?,
-        "help" => match rest.first().map(String::as_str) {
-            None => out.line(HELP)?,
-            Some(c) => match commands::help_of(c) {
-                Some(h) => out.line(h)?,
-                None => {
-                    return Err(usage!(
-                        "help: unknown command '{c}': expected layout, enum, hierarchical, rank-generator, pipeline or comm-grid"
-                    )
-                    .into())
-                }
-            },
+    match cli::parse(args)? {
+        Parsed::Print(text) => out.raw(&text)?,
+        Parsed::Run(cmd) => match &cmd {
+            Command::Layout(a) => layout::run(a, &mut out)?,
+            Command::Enum(a) => enumerate::run(a, &mut out)?,
+            Command::Hierarchical(a) => hierarchical::run(a, &mut out)?,
+            Command::RankGenerator(a) => rank_generator::run(a, &mut out)?,
+            Command::Pipeline(a) => pipeline::run(a, &mut out)?,
+            Command::CommGrid(a) => comm_grid::run(a, &mut out)?,
+            Command::Completions(a) => completions::run(a, &mut out)?,
         },
-        "-V" | "--version" => out.line(concat!("grid ", env!("CARGO_PKG_VERSION")))?,
-        other => {
-            return Err(usage!(
-                "unknown command '{other}': expected layout, enum, hierarchical, rank-generator, pipeline or comm-grid (see grid --help)"
-            )
-            .into())
-        }
     }
     out.finish()?;
     Ok(())

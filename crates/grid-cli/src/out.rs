@@ -1,7 +1,50 @@
-//! Buffered output with a fast JSON writer for rank lists (a million-member group is written in
-//! a few milliseconds) and helpers for human-readable text.
+//! Output shared by every subcommand: a buffered writer with a fast JSON writer for rank lists
+//! (a million-member group is written in a few milliseconds), text tables, group formatting and
+//! the size limits of what the command prints.
 
+use crate::error::Result;
+use grid_core::Group;
 use std::io::{self, Write};
+
+/// The largest number of ranks whose every group a command will enumerate (about 150 MB of
+/// JSON per family). Larger layouts can still be inspected one rank at a time (`--rank R`).
+pub const MAX_ENUMERATED: usize = 1 << 24;
+
+/// A group as text: `[0, 1, 4, 5]`, or abbreviated when long.
+pub fn show_group(g: &Group) -> String {
+    g.to_string()
+}
+
+/// A list of ranks as text, like [`show_group`].
+pub fn show_list(v: &[usize]) -> String {
+    Group::from_list(v.to_vec()).to_string()
+}
+
+/// The first groups of a family that fit in about `budget` characters (at least one), with
+/// ` ...` when some are left out.
+pub fn first_groups(
+    n: usize,
+    budget: usize,
+    group: impl Fn(usize) -> Result<Group>,
+) -> Result<String> {
+    let mut s = String::new();
+    let mut shown = 0;
+    while shown < n {
+        let g = show_group(&group(shown)?);
+        if shown > 0 && s.len() + 1 + g.len() > budget {
+            break;
+        }
+        if shown > 0 {
+            s.push(' ');
+        }
+        s.push_str(&g);
+        shown += 1;
+    }
+    if shown < n {
+        s.push_str(" ...");
+    }
+    Ok(s)
+}
 
 /// Output is collected in a buffer and handed to the underlying writer in large chunks.
 pub struct Out<'w> {

@@ -1265,3 +1265,283 @@ fn comm_grid_invalid_input_exits_2_with_one_line() {
     assert_eq!(v[1]["ok"], json!(true));
     assert_eq!(v[2]["error"]["type"], json!("KeyError"));
 }
+
+/// Options in any order, `--name=value` and `--name value`, blanks around numbers: one output.
+#[test]
+fn option_spellings_give_the_same_output() {
+    let want = run(&[
+        "layout",
+        "--world-size",
+        "8",
+        "--tp",
+        "2",
+        "--rank",
+        "3",
+        "--format",
+        "json",
+    ]);
+    assert_eq!(want.0, 0);
+    for args in [
+        &[
+            "layout",
+            "--world-size=8",
+            "--tp=2",
+            "--rank=3",
+            "--format=json",
+        ][..],
+        &[
+            "layout",
+            "--format",
+            "json",
+            "--rank",
+            "3",
+            "--tp",
+            "2",
+            "--world-size",
+            "8",
+        ],
+        &[
+            "layout",
+            "--world-size",
+            " 8 ",
+            "--tp",
+            "2",
+            "--rank",
+            "3",
+            "--format",
+            "json",
+        ],
+    ] {
+        assert_eq!(run(args), want, "grid {args:?}");
+    }
+}
+
+/// Every kind of argument error clap can report becomes one line naming the command, the
+/// option or value, and what is valid; exit status 2, nothing on stdout.
+#[test]
+fn argument_errors_exit_2_with_one_line() {
+    let layout_options = "valid: --world-size, --tp, --pp, --cp, --ep, --etp, --order, \
+                          --dist-opt-instances, --hcp, --rank-offset, --vpp, --dp, --rank, --format";
+    let cases: &[(&[&str], &str)] = &[
+        (
+            &[],
+            "grid: error: missing command: expected layout, enum, hierarchical, rank-generator, \
+             pipeline, comm-grid or completions (see grid --help)",
+        ),
+        (&["--frob"], "grid: error: unknown command '--frob': expected layout"),
+        (&["help", "nope"], "grid: error: help: unknown command 'nope'"),
+        (
+            &["layout"],
+            "grid: error: grid layout: --world-size is required (number of ranks the layout covers)",
+        ),
+        (
+            &["layout", "--world-size", "8", "--tp", "-0"],
+            "grid: error: grid layout: invalid value '-0' for --tp: expected a non-negative integer",
+        ),
+        (
+            &["layout", "--world-size", "8", "--pp", "+2"],
+            "grid: error: grid layout: invalid value '+2' for --pp: expected an integer",
+        ),
+        (
+            &["layout", "--world-size", "8", "--cp", "1.5"],
+            "grid: error: grid layout: invalid value '1.5' for --cp: expected an integer",
+        ),
+        (
+            &["layout", "--world-size", ""],
+            "grid: error: grid layout: --world-size needs a value, got an empty string",
+        ),
+        (
+            &["layout", "--world-size", "8", "--rank", "18446744073709551616"],
+            "grid: error: grid layout: value '18446744073709551616' for --rank is too large (at most 18446744073709551615)",
+        ),
+        (
+            &["layout", "--world-size", "8", "--tp", "2", "--tp=4"],
+            "grid: error: grid layout: --tp given more than once",
+        ),
+        (
+            &["layout", "--world-size", "8", "--format"],
+            "grid: error: grid layout: --format needs a value (text or json)",
+        ),
+        (
+            &["layout", "--world-size", "8", "--format", "JSON"],
+            "grid: error: grid layout: unknown format 'JSON': valid formats are text and json",
+        ),
+        (
+            &["layout", "--world-size", "8", "--bogus=1"],
+            "grid: error: grid layout: unknown option '--bogus' (valid: --world-size",
+        ),
+        (
+            &["layout", "--world-size", "8", "-t", "2"],
+            "grid: error: grid layout: unexpected argument '-t' (options start with --;",
+        ),
+        (&["layout", "--world-size", "8", "--"], layout_options),
+        (&["layout", "--world-size", "8", "--", "--tp", "2"], "unexpected argument '--'"),
+        (
+            &["layout", "--world-size", "8", "--tp", "--pp"],
+            "grid: error: grid layout: invalid value '--pp' for --tp: expected a non-negative integer",
+        ),
+        (
+            &["layout", "--world-size", "8", "--version"],
+            "grid: error: grid layout: unknown option '--version'",
+        ),
+        (
+            &["layout", "--world-size", "16", "--cp", "4", "--hcp", "2,,4"],
+            "grid: error: grid layout: --hcp needs a value, got an empty string",
+        ),
+        (
+            &["layout", "--world-size", "16", "--cp", "4", "--hcp", ""],
+            "grid: error: grid layout: --hcp needs a comma-separated list of integers, got an empty string",
+        ),
+        (
+            &["enum"],
+            "grid: error: grid enum: --shape, --dims and --group are required",
+        ),
+        (
+            &["enum", "--shape", "2,4", "--dims", "a,b", "--group", "a", "--raw", "--raw"],
+            "grid: error: grid enum: --raw given more than once",
+        ),
+        (
+            &["enum", "--shape", "2,4", "--dims", "a,b", "--group", "a", "--raw=1"],
+            "grid: error: grid enum: --raw takes no value, got '1'",
+        ),
+        (
+            &["enum", "--shape", "2,0", "--dims", "a,b", "--group", "a"],
+            "grid: error: grid enum: every entry of --shape must be a positive integer, got 2,0",
+        ),
+        (
+            &["rank-generator", "--order", "tp-dp", "--tokens", "tp,"],
+            "grid: error: grid rank-generator: --tokens needs a comma-separated list of names without empty entries, got 'tp,'",
+        ),
+        (
+            &["hierarchical", "--ranks", "0,-1", "--sizes", "2"],
+            "grid: error: grid hierarchical: invalid value '-1' for --ranks: expected a non-negative integer",
+        ),
+        (&["pipeline"], "grid: error: grid pipeline: SPEC is required"),
+        (
+            &["pipeline", "a.json", "--bogus"],
+            "grid: error: grid pipeline: unknown option '--bogus' (valid: --format)",
+        ),
+        (
+            &["comm-grid", "--shape", "2,2,2", "--dims", "a,b,c"],
+            "grid: error: grid comm-grid: --queries is required",
+        ),
+        (
+            &["completions"],
+            "grid: error: grid completions: SHELL is required (the shell: bash, zsh or fish)",
+        ),
+        (
+            &["completions", "tcsh"],
+            "grid: error: grid completions: unknown shell 'tcsh': valid shells are bash, zsh and fish",
+        ),
+        (
+            &["completions", "bash", "zsh"],
+            "grid: error: grid completions: unexpected argument 'zsh'",
+        ),
+    ];
+    for (args, needle) in cases {
+        let (code, out, err) = run(args);
+        assert_eq!(code, 2, "grid {args:?}: status {code}, stderr {err}");
+        assert_eq!(err.lines().count(), 1, "grid {args:?}: stderr {err:?}");
+        assert!(err.starts_with("grid: error: "), "grid {args:?}: {err}");
+        assert!(
+            err.contains(needle),
+            "grid {args:?}: '{err}' lacks '{needle}'"
+        );
+        assert_eq!(out, "", "grid {args:?}: printed {out}");
+    }
+}
+
+/// `grid --help` names every command; each command's help names each of its options.
+#[test]
+fn help_lists_commands_and_options() {
+    let (code, out, err) = run(&["--help"]);
+    assert_eq!((code, err.as_str()), (0, ""));
+    for c in [
+        "layout",
+        "enum",
+        "hierarchical",
+        "rank-generator",
+        "pipeline",
+        "comm-grid",
+        "completions",
+    ] {
+        assert!(
+            out.contains(&format!("\n  {c} ")),
+            "grid --help lacks {c}: {out}"
+        );
+        let (code, help, err) = run(&[c, "--help"]);
+        assert_eq!((code, err.as_str()), (0, ""), "grid {c} --help");
+        assert!(
+            help.starts_with(&format!(
+                "{}\n\nusage: grid {c} ",
+                help.lines().next().unwrap_or_default()
+            )),
+            "{help}"
+        );
+        assert_eq!(run(&["help", c]), (0, help.clone(), String::new()));
+        assert_eq!(run(&[c, "-h"]), (0, help, String::new()));
+    }
+    let (_, help, _) = run(&["layout", "--help"]);
+    for o in [
+        "--world-size <W>",
+        "--tp <N>",
+        "--pp <N>",
+        "--cp <N>",
+        "--ep <N>",
+        "--etp <N>",
+        "--order <ORDER>",
+        "--dist-opt-instances <N>",
+        "--hcp <A,B,...>",
+        "--rank-offset <O>",
+        "--vpp <N>",
+        "--dp <N>",
+        "--rank <R>",
+        "--format <FORMAT>",
+    ] {
+        assert!(help.contains(o), "grid layout --help lacks {o}: {help}");
+    }
+    // The library entry point prints the same help.
+    let mut buf = Vec::new();
+    grid_cli::run(&["--help".to_string()], &mut buf).expect("help succeeds");
+    assert_eq!(String::from_utf8_lossy(&buf), out);
+}
+
+/// `grid completions SHELL` prints a script for that shell; the bash one completes.
+#[test]
+fn completions_for_bash_zsh_and_fish() {
+    for (shell, marker) in [
+        ("bash", "complete -F _grid"),
+        ("zsh", "#compdef grid"),
+        ("fish", "complete -c grid"),
+    ] {
+        let (code, out, err) = run(&["completions", shell]);
+        assert_eq!((code, err.as_str()), (0, ""), "grid completions {shell}");
+        assert!(out.contains(marker), "{shell}: no '{marker}' in {out}");
+        for c in ["layout", "rank-generator", "comm-grid", "completions"] {
+            assert!(out.contains(c), "{shell} script lacks {c}");
+        }
+    }
+    // Run the bash script: completing `grid lay`, `grid layout --format ` and `grid completions `.
+    let (_, script, _) = run(&["completions", "bash"]);
+    let probe = r#"
+        eval "$SCRIPT"
+        complete_words() { COMP_WORDS=("$@"); COMP_CWORD=$(($# - 1)); _grid grid "${COMP_WORDS[COMP_CWORD]}" "${COMP_WORDS[COMP_CWORD-1]}"; echo "${COMPREPLY[*]}"; }
+        complete_words grid lay
+        complete_words grid layout --format ''
+        complete_words grid completions ''
+    "#;
+    let out = Command::new("bash")
+        .args(["--norc", "--noprofile", "-c", probe])
+        .env("SCRIPT", &script)
+        .output()
+        .expect("bash runs");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "layout\ntext json\n-h --help bash zsh fish\n"
+    );
+}

@@ -1,48 +1,18 @@
 //! `grid comm-grid`: replays a list of Megatron `HyperCommGrid` queries on one
 //! [`grid_core::CommGrid`] (the reference vectors' `queries` format) and prints every result.
 
-use crate::args::usage;
-use crate::args::{Result, Spec};
-use crate::commands::{first_groups, format_of, Format, MAX_ENUMERATED};
-use crate::out::Out;
+use crate::error::{usage, Result};
+use crate::out::{first_groups, Out, MAX_ENUMERATED};
+use crate::values::{name_list, positive, positive_list, uint, Format, FormatArg};
 use crate::Failure;
 use grid_core::{CommGrid, CreatedGroup, Group, GroupList, HyperGrid};
 use serde_json::Value;
 use std::io::Read;
 
-const SPEC: Spec = Spec {
-    command: "grid comm-grid",
-    values: &[
-        "shape",
-        "dims",
-        "rank-offset",
-        "world-size",
-        "rank",
-        "queries",
-        "format",
-    ],
-    flags: &[],
-    positionals: &[],
-};
-
 /// The largest total number of group members the enumerating queries of one run may print.
 pub const MAX_PRINTED_MEMBERS: usize = 1 << 26;
 
-/// `grid comm-grid --help`.
-pub const HELP: &str = "grid comm-grid: replay Megatron HyperCommGrid queries on one grid
-
-usage: grid comm-grid --shape S1,S2,... --dims D1,D2,... [--rank-offset O] [--world-size W]
-                      [--rank R] --queries FILE|- [--format text|json]
-
-  --shape S1,S2,...     size of each dimension, the first varying fastest (required)
-  --dims D1,D2,...      one name per dimension (required)
-  --rank-offset O       first rank of the grid (default 0)
-  --world-size W        the world size; the grid must fit (default: offset + grid size)
-  --rank R              the current rank, below W (default 0)
-  --queries FILE|-      the queries, a JSON file or - for stdin (required)
-  --format text|json    one line per query (default) or JSON
-
-The queries run in order on one grid, so created groups and registered views persist between
+const AFTER_HELP: &str = "The queries run in order on one grid, so created groups and registered views persist between
 them. The file holds a JSON list (or an object with a \"queries\" list) of
   {\"fn\": \"gen_rank_enum\", \"dims\": D}       Megatron's raw _gen_rank_enum, dims taken literally
   {\"fn\": \"order_dims\", \"dims\": D}          {\"ordered_dims\", \"key\"}: slowest first, '-'-joined
@@ -58,6 +28,32 @@ RuntimeError, AssertionError), or null where it has none. A query that fails is 
 a failure of the command: the exit status is 0. A malformed query file or an invalid grid exits
 with status 2, and so do enumerating queries (gen_rank_enum, get_rank_enum, create_pg,
 register_view with shared_dims) on a grid of more than 16,777,216 ranks.";
+
+/// Options of `grid comm-grid`.
+#[derive(Debug, clap::Args)]
+#[command(after_help = AFTER_HELP)]
+pub struct Args {
+    /// Size of each dimension, the first varying fastest
+    #[arg(long, value_name = "S1,S2,...", value_parser = positive_list)]
+    shape: std::vec::Vec<usize>,
+    /// One name per dimension
+    #[arg(long, value_name = "D1,D2,...", value_parser = name_list)]
+    dims: std::vec::Vec<String>,
+    /// First rank of the grid (default 0)
+    #[arg(long, value_name = "O", value_parser = uint)]
+    rank_offset: Option<usize>,
+    /// The world size; the grid must fit (default: offset + grid size)
+    #[arg(long, value_name = "W", value_parser = positive)]
+    world_size: Option<usize>,
+    /// The current rank, below W (default 0)
+    #[arg(long, value_name = "R", value_parser = uint)]
+    rank: Option<usize>,
+    /// The queries, a JSON file or - for stdin
+    #[arg(long, value_name = "FILE|-", value_hint = clap::ValueHint::FilePath)]
+    queries: String,
+    #[command(flatten)]
+    format: FormatArg,
+}
 
 /// A query's `dims`: one name (kept as is by `order_dims`) or a list.
 #[derive(Debug)]
@@ -452,36 +448,25 @@ fn text_line(rank: usize, op: &Op, r: &grid_core::Result<Answer>) -> Result<Stri
 }
 
 /// `grid comm-grid`.
-pub fn comm_grid(args: &[String], out: &mut Out<'_>) -> std::result::Result<(), Failure> {
-    let p = SPEC.parse(args)?;
-    if p.help {
-        out.line(HELP)?;
-        return Ok(());
-    }
-    let format = format_of(&p, SPEC.command)?;
-    let shape = p
-        .positive_list("shape")?
-        .ok_or_else(|| usage!("grid comm-grid: --shape is required (e.g. --shape 2,2,2)"))?;
-    let dims = p
-        .name_list("dims")?
-        .ok_or_else(|| usage!("grid comm-grid: --dims is required (e.g. --dims tp,dp,pp)"))?;
-    let offset = p.uint("rank-offset")?.unwrap_or(0);
-    let queries_arg = p.required("queries")?;
-    let world = match p.positive("world-size")? {
+pub fn run(a: &Args, out: &mut Out<'_>) -> std::result::Result<(), Failure> {
+    let (shape, dims) = (a.shape.clone(), &a.dims);
+    let offset = a.rank_offset.unwrap_or(0);
+    let queries_arg = a.queries.as_str();
+    let world = match a.world_size {
         Some(w) => w,
         None => {
-            let g = HyperGrid::new(shape.clone(), &dims, offset)?;
+            let g = HyperGrid::new(shape.clone(), dims, offset)?;
             g.offset() + g.size()
         }
     };
-    let rank = p.uint("rank")?.unwrap_or(0);
+    let rank = a.rank.unwrap_or(0);
     if rank >= world {
         return Err(usage!(
             "grid comm-grid: rank {rank} is outside the world of {world} ranks (0..{world})"
         )
         .into());
     }
-    let mut grid = CommGrid::new(shape, &dims, offset, world, rank)?;
+    let mut grid = CommGrid::new(shape, dims, offset, world, rank)?;
     let (text, source) = read_queries(queries_arg)?;
     let ops = parse_queries(&text, &source)?;
     let size = grid.base().size();
@@ -499,7 +484,7 @@ pub fn comm_grid(args: &[String], out: &mut Out<'_>) -> std::result::Result<(), 
         )
         .into());
     }
-    match format {
+    match a.format.format {
         Format::Json => {
             out.raw("[")?;
             for (i, op) in ops.iter().enumerate() {

@@ -1,0 +1,9 @@
+//! The subcommands, one module each: its clap options (`Args`) and its `run`.
+
+pub mod comm_grid;
+pub mod completions;
+pub mod enumerate;
+pub mod hierarchical;
+pub mod layout;
+pub mod pipeline;
+pub mod rank_generator;
