@@ -153,7 +153,7 @@ fn rank_view_json_exact() {
             "coords": {"tp": 1, "cp": 0, "dp": 0, "pp": 1, "ep": 0, "expt_tp": 1, "expt_dp": 0},
             "groups": {
                 "tp": [4, 5], "pp": [1, 5], "mp": [0, 1, 4, 5], "embd": [1, 5], "pos_embd": null,
-                "cp": [5], "tp_cp": [4, 5], "hcp": null, "ep": [5], "expt_tp": [4, 5],
+                "cp": [5], "tp_cp": [4, 5], "ep": [5], "expt_tp": [4, 5],
                 "tp_ep": [4, 5], "tp_ep_pp": [0, 1, 4, 5], "tp_dp": [4, 5, 6, 7],
                 "tp_dp_cp": [4, 5, 6, 7], "dp": [5, 7], "dp_cp": [5, 7], "expt_dp": [5, 7],
                 "intra_dp_cp": [5, 7], "intra_expt_dp": [5, 7], "inter_dist_opt": null,
@@ -1264,6 +1264,68 @@ fn comm_grid_invalid_input_exits_2_with_one_line() {
     );
     assert_eq!(v[1]["ok"], json!(true));
     assert_eq!(v[2]["error"]["type"], json!("KeyError"));
+}
+
+/// The `hcp` contract: without `--hcp` no `hcp` key or row anywhere in `grid layout` output
+/// (text or JSON, with or without `--rank`); with `--hcp`, a list of levels.
+#[test]
+fn hcp_appears_only_with_hcp() {
+    let base = ["layout", "--world-size", "16", "--tp", "2", "--pp", "2"];
+    for extra in [
+        &["--rank", "0", "--format", "json"][..],
+        &["--format", "json"],
+        &["--rank", "0"],
+        &[],
+    ] {
+        let args: Vec<&str> = base.iter().chain(extra).copied().collect();
+        let (code, out, err) = run(&args);
+        assert_eq!((code, err.as_str()), (0, ""), "grid {args:?}");
+        assert!(!out.contains("hcp"), "grid {args:?} mentions hcp: {out}");
+    }
+    let v = json(&[
+        "layout",
+        "--world-size",
+        "16",
+        "--tp",
+        "2",
+        "--pp",
+        "2",
+        "--rank",
+        "0",
+        "--format",
+        "json",
+    ]);
+    let groups = v["groups"].as_object().expect("groups");
+    assert!(!groups.contains_key("hcp"));
+    assert_eq!(groups.len(), 20, "every family but hcp: {groups:?}");
+
+    // With --hcp: levels in the JSON of one rank and of the layout, rows in the text.
+    let hcp = [
+        "layout",
+        "--world-size",
+        "32",
+        "--cp",
+        "8",
+        "--pp",
+        "2",
+        "--hcp",
+        "2,4",
+    ];
+    let mut args = hcp.to_vec();
+    args.extend(["--rank", "13", "--format", "json"]);
+    let v = json(&args);
+    assert_eq!(v["groups"]["hcp"], json!([[12, 13], [9, 11, 13, 15]]));
+    assert_eq!(v["groups"].as_object().map(|g| g.len()), Some(21));
+    let mut args = hcp.to_vec();
+    args.extend(["--rank", "13"]);
+    let (code, out, _) = run(&args);
+    assert_eq!(code, 0);
+    assert!(out.contains("\nhcp[0]  "), "{out}");
+    assert!(out.contains("\nhcp[1]  "), "{out}");
+    let (code, out, _) = run(&hcp);
+    assert_eq!(code, 0);
+    assert!(out.contains("hierarchical cp [2, 4]"), "{out}");
+    assert!(out.contains("\nhcp[1]  "), "{out}");
 }
 
 /// Options in any order, `--name=value` and `--name value`, blanks around numbers: one output.

@@ -15,7 +15,8 @@ JSON without --rank: {\"world_size\", \"dp\", \"expert_tp\", \"expert_dp\", \"fa
 JSON with --rank:    {\"world_size\", \"dp\", \"expert_tp\", \"expert_dp\", \"rank\", \"coords\", \"groups\": {NAME: [ranks] or null},
                       \"pp_next\", \"pp_prev\", \"is_first_stage\", \"is_last_stage\"}
 Families: tp pp mp embd pos_embd cp tp_cp hcp ep expt_tp tp_ep tp_ep_pp tp_dp tp_dp_cp dp dp_cp
-          expt_dp intra_dp_cp intra_expt_dp inter_dist_opt intra_dist_opt";
+          expt_dp intra_dp_cp intra_expt_dp inter_dist_opt intra_dist_opt
+The hcp family (a list of levels) appears only with --hcp, in the text and in the JSON.";
 
 /// Options of `grid layout`.
 #[derive(Debug, clap::Args)]
@@ -320,24 +321,23 @@ fn rank_view_json(
     out.raw("{")?;
     let mut buf = Vec::new();
     for (i, f) in Family::ALL.into_iter().enumerate() {
-        out.key(f.name(), i == 0)?;
         if f == Family::Hcp {
-            match v.hcp() {
-                Some(levels) => {
-                    out.raw("[")?;
-                    for (j, g) in levels.iter().enumerate() {
-                        if j > 0 {
-                            out.raw(",")?;
-                        }
-                        buf.clear();
-                        g.extend_into(&mut buf);
-                        out.ranks(&buf)?;
+            // Only with --hcp: no `hcp` key at all otherwise, as in the full layout.
+            if let Some(levels) = v.hcp() {
+                out.key(f.name(), i == 0)?;
+                out.raw("[")?;
+                for (j, g) in levels.iter().enumerate() {
+                    if j > 0 {
+                        out.raw(",")?;
                     }
-                    out.raw("]")?;
+                    buf.clear();
+                    g.extend_into(&mut buf);
+                    out.ranks(&buf)?;
                 }
-                None => out.raw("null")?,
+                out.raw("]")?;
             }
         } else {
+            out.key(f.name(), i == 0)?;
             match v.group(f) {
                 Some(g) => {
                     buf.clear();
