@@ -134,10 +134,15 @@ fn reject_double_dash(cmd: &clap::Command, args: &[String]) -> Result<(), UsageE
     while i < args.len() {
         let a = args[i].as_str();
         if a == "--" {
+            let valid = option_names(sub);
+            let hint = if valid.is_empty() {
+                "it takes no options".to_string()
+            } else {
+                format!("valid: {valid}")
+            };
             return Err(UsageError(format!(
-                "grid {}: unexpected argument '--' (valid: {})",
-                sub.get_name(),
-                option_names(sub)
+                "grid {}: unexpected argument '--' ({hint})",
+                sub.get_name()
             )));
         }
         if let Some(long) = a.strip_prefix("--") {

@@ -1496,6 +1496,10 @@ fn argument_errors_exit_2_with_one_line() {
             "grid: error: grid completions: unknown shell 'tcsh': valid shells are bash, zsh and fish",
         ),
         (
+            &["completions", "--", "bash"],
+            "grid: error: grid completions: unexpected argument '--' (it takes no options)",
+        ),
+        (
             &["completions", "bash", "zsh"],
             "grid: error: grid completions: unexpected argument 'zsh'",
         ),
