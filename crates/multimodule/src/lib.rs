@@ -20,9 +20,7 @@ pub use bridge::{BridgeCommunicator, Crossing, GroupCache, TAGS_PER_BRIDGE};
 pub use error::{Error, Result};
 pub use ordered::OrderedMap;
 pub use pipeline::{ModuleInputs, MultiModulePipelineCommunicator};
-pub use plan::{
-    bridge_plans, BridgeSummary, ModuleStage, PipelinePlan, RankModuleInfo, RankPlan, Role, Route,
-};
+pub use plan::{BridgeSummary, ModuleStage, PipelinePlan, RankModuleInfo, RankPlan, Role, Route};
 pub use routing::{BridgeEnd, BridgePlan, PartRoute, Side};
 pub use spec::{DimMapping, ModuleSpec, PipelineSpec};
 pub use stages::StageTable;
