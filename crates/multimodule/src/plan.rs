@@ -283,13 +283,15 @@ impl PipelinePlan {
                 doc.total_stages, plan.total_stages
             ));
         }
-        let doc_ranks: Vec<usize> = doc.ranks.keys().copied().collect();
-        let plan_ranks: Vec<usize> = plan.ranks.keys().copied().collect();
-        if doc_ranks != plan_ranks {
+        if let Some((r, rp)) = plan.ranks.iter().find(|(r, _)| !doc.ranks.contains_key(r)) {
             return mismatch(format!(
-                "the document has ranks {}, its spec {}",
-                compact(&doc_ranks),
-                compact(&plan_ranks)
+                "rank {r} is missing from the document, but its spec has it in modules {:?}",
+                rp.modules.keys().collect::<Vec<_>>()
+            ));
+        }
+        if let Some(r) = doc.ranks.keys().find(|r| !plan.ranks.contains_key(r)) {
+            return mismatch(format!(
+                "the document lists rank {r}, which is in no module of its spec"
             ));
         }
         for ((r, ours), theirs) in plan.ranks.iter().zip(doc.ranks.values()) {

@@ -170,7 +170,11 @@ fn stale_or_edited_plans_are_refused() {
         edit(&|v| {
             v["ranks"].as_object_mut().unwrap().remove("7");
         }),
-        "the document has ranks [0,1,2,3,4,5,6], its spec [0,1,2,3,4,5,6,7]",
+        "rank 7 is missing from the document, but its spec has it in modules [\"generator\"]",
+    );
+    mismatch(
+        edit(&|v| v["ranks"]["8"] = v["ranks"]["7"].clone()),
+        "the document lists rank 8, which is in no module of its spec",
     );
     mismatch(
         edit(&|v| v["bridges"][0]["routes"]["1"]["peers"] = json!([4])),
