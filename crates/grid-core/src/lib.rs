@@ -68,8 +68,7 @@ mod plan;
 mod view;
 
 pub use collection::{
-    build_collection, BuiltCollection, FamilyBuildStat, MultiModuleProcessGroupCollection, PgEntry,
-    ProcessGroupCollection,
+    build_collection, BuiltCollection, FamilyBuildStat, PgEntry, ProcessGroupCollection,
 };
 pub use hierarchical::{hierarchical_groups, hierarchical_groups_of};
 pub use plan::{

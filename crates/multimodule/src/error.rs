@@ -92,6 +92,12 @@ pub enum Error {
     #[error("dim_mapping {{s: {s}, b: {b}, h: {h}}} is invalid: s, b and h must be 0, 1 and 2 in some order")]
     BadDimMapping { s: usize, b: usize, h: usize },
 
+    // ----- reading a plan ----------------------------------------------------------------------
+    /// A plan document ([`crate::PipelinePlan::from_json_str`]) whose stages or bridges are not
+    /// the plan of the spec it contains (stale or edited by hand).
+    #[error("the pipeline plan does not match its spec: {what}; regenerate the plan from the spec (grid pipeline SPEC --format json)")]
+    PlanMismatch { what: String },
+
     // ----- stage queries -----------------------------------------------------------------------
     /// A rank that the named module's grid does not contain.
     #[error("rank {rank} is not in module '{module}', which covers ranks {first}..{end}")]

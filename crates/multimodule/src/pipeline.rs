@@ -5,9 +5,8 @@
 use crate::bridge::{BridgeCommunicator, GroupCache, TAGS_PER_BRIDGE};
 use crate::error::{Error, Result};
 use crate::ordered::OrderedMap;
-use crate::plan::{bridge_plans, RankModuleInfo};
+use crate::plan::{PipelinePlan, RankModuleInfo, RankPlan};
 use crate::spec::PipelineSpec;
-use crate::stages::StageTable;
 use crate::tensor::Activation;
 use crate::wire::{BufferPool, In, Meta, Out, OutData, ShapeCache, ShapeMode, Wire};
 use grid_core::{Communicator, GroupFactory};
@@ -31,15 +30,19 @@ pub type ModuleInputs = OrderedMap<Activation>;
 
 /// A rank's communicator for a multi-module pipeline.
 ///
-/// Build it on every rank of `parent` (collective: it creates each bridge's broadcast groups),
-/// then call the forward and backward methods with the name of the module whose step runs:
+/// Built from a [`PipelinePlan`] (the same plan on every rank) on every rank of `parent`
+/// (collective: it creates each bridge's broadcast groups), then called with the name of the
+/// module whose step runs. Everything it knows about stages and bridges is the plan's: its
+/// stage numbers are the plan's entry for this rank and each bridge runs the plan's
+/// [`crate::BridgePlan`], so `grid pipeline` shows what it does.
 ///
 /// ```no_run
 /// # use std::sync::Arc;
 /// # use grid_core::GroupFactory;
-/// # use multimodule::{Activation, MultiModulePipelineCommunicator, PipelineSpec};
-/// # fn f<F: GroupFactory>(factory: &F, world: Arc<F::Comm>, spec: &PipelineSpec) -> multimodule::Result<()> {
-/// let mm = MultiModulePipelineCommunicator::new(factory, world, spec, 0)?;
+/// # use multimodule::{Activation, MultiModulePipelineCommunicator, PipelinePlan};
+/// # fn f<F: GroupFactory>(factory: &F, world: Arc<F::Comm>) -> multimodule::Result<()> {
+/// let plan = PipelinePlan::from_spec_file("pipeline.json")?;   // what `grid pipeline` prints
+/// let mm = MultiModulePipelineCommunicator::new(factory, world, &plan, 0)?;
 /// for m in mm.modules().to_vec() {
 ///     let inputs = mm.recv_forward(&m.name)?;            // {"image_encoder": .., "audio_encoder": ..}
 ///     let out = Activation::from_vec(vec![2, 4, 8], vec![0f32; 64])?; // the module's forward step
@@ -51,10 +54,12 @@ pub type ModuleInputs = OrderedMap<Activation>;
 /// ```
 pub struct MultiModulePipelineCommunicator<C: Communicator> {
     spec: PipelineSpec,
-    stages: StageTable,
+    total_stages: usize,
+    /// The plan's entry for this rank (`None`: the rank is in no module).
+    rank_plan: Option<RankPlan>,
     me: usize,
     parent: Arc<C>,
-    edges: Vec<(usize, usize)>,
+    /// One per plan bridge, in the plan's order.
     bridges: Vec<BridgeCommunicator<C>>,
     modules: Vec<RankModuleInfo>,
     records: Vec<Mutex<P2pRecords>>,
@@ -67,13 +72,13 @@ pub struct MultiModulePipelineCommunicator<C: Communicator> {
 }
 
 impl<C: Communicator> MultiModulePipelineCommunicator<C> {
-    /// Builds the communicator on this rank. Collective over `parent`, which must contain every
-    /// module's ranks. Tags `tag_base ..` are used: [`TAGS_PER_BRIDGE`] per edge, then 4 per
-    /// module.
+    /// Builds the communicator of this rank from `plan`. Collective over `parent`, which must
+    /// contain every module's ranks; every rank must pass the same plan. Tags `tag_base ..` are
+    /// used: [`TAGS_PER_BRIDGE`] per bridge, then 4 per module.
     pub fn new<F: GroupFactory<Comm = C>>(
         factory: &F,
         parent: Arc<C>,
-        spec: &PipelineSpec,
+        plan: &PipelinePlan,
         tag_base: u32,
     ) -> Result<Self> {
         let me = *parent
@@ -83,15 +88,14 @@ impl<C: Communicator> MultiModulePipelineCommunicator<C> {
                 op: "MultiModulePipelineCommunicator::new",
                 message: "the parent communicator has no world rank for this process".into(),
             })?;
-        let stages = StageTable::new(spec);
         let mut cache = GroupCache::new();
         let mut bridges = Vec::new();
-        for (k, plan) in bridge_plans(spec)?.into_iter().enumerate() {
+        for (k, bridge) in plan.bridge_plans().iter().enumerate() {
             let tag = tag_base + k as u32 * TAGS_PER_BRIDGE;
             bridges.push(BridgeCommunicator::with_cache(
                 factory,
                 parent.clone(),
-                plan,
+                bridge.clone(),
                 tag,
                 &mut cache,
             )?);
@@ -101,17 +105,18 @@ impl<C: Communicator> MultiModulePipelineCommunicator<C> {
             b.set_pool(pool.clone());
         }
         let module_tag = tag_base + bridges.len() as u32 * TAGS_PER_BRIDGE;
-        let modules = RankModuleInfo::for_rank(spec, &stages, me);
+        let modules = plan.rank_modules(me)?;
         let records = modules
             .iter()
             .map(|_| Mutex::new(P2pRecords::default()))
             .collect();
+        let spec = plan.spec();
         Ok(MultiModulePipelineCommunicator {
             spec: spec.clone(),
-            stages,
+            total_stages: plan.total_stages(),
+            rank_plan: plan.rank(me).cloned(),
             me,
             parent,
-            edges: spec.edges(),
             bridges,
             modules,
             records,
@@ -122,9 +127,13 @@ impl<C: Communicator> MultiModulePipelineCommunicator<C> {
         })
     }
 
-    /// The spec.
+    /// The spec of the plan it was built from.
     pub fn spec(&self) -> &PipelineSpec {
         &self.spec
+    }
+    /// The plan's entry for this rank ([`PipelinePlan::rank`]; `None` for a rank in no module).
+    pub fn rank_plan(&self) -> Option<&RankPlan> {
+        self.rank_plan.as_ref()
     }
     /// This rank (world rank).
     pub fn rank(&self) -> usize {
@@ -134,21 +143,25 @@ impl<C: Communicator> MultiModulePipelineCommunicator<C> {
     pub fn modules(&self) -> &[RankModuleInfo] {
         &self.modules
     }
-    /// Total number of pipeline stages.
+    /// Total number of pipeline stages (the plan's).
     pub fn total_stages(&self) -> usize {
-        self.stages.total_stages()
+        self.total_stages
     }
-    /// This rank's 0-based stage (the maximum over its modules).
+    /// This rank's 0-based stage (the maximum over its modules); [`Error::RankInNoModule`] for
+    /// a rank in no module.
     pub fn current_stage(&self) -> Result<usize> {
-        self.stages.current_stage(&self.spec, self.me)
+        self.rank_plan
+            .as_ref()
+            .map(|p| p.current_stage)
+            .ok_or(Error::RankInNoModule { rank: self.me })
     }
     /// Some module of this rank is a source module at its first stage.
     pub fn is_first_stage(&self) -> bool {
-        self.stages.is_first_stage(&self.spec, self.me)
+        self.rank_plan.as_ref().is_some_and(|p| p.is_first_stage)
     }
     /// Some module of this rank is a sink module at its last stage.
     pub fn is_last_stage(&self) -> bool {
-        self.stages.is_last_stage(&self.spec, self.me)
+        self.rank_plan.as_ref().is_some_and(|p| p.is_last_stage)
     }
     /// The rank is at `module`'s first pipeline stage.
     pub fn is_module_first_stage(&self, module: &str) -> Result<bool> {
@@ -161,12 +174,9 @@ impl<C: Communicator> MultiModulePipelineCommunicator<C> {
     }
     /// The bridge of edge `src -> dst`.
     pub fn bridge(&self, src: &str, dst: &str) -> Option<&BridgeCommunicator<C>> {
-        let (a, b) = (
-            self.spec.module_index(src).ok()?,
-            self.spec.module_index(dst).ok()?,
-        );
-        let k = self.edges.iter().position(|&e| e == (a, b))?;
-        self.bridges.get(k)
+        self.bridges
+            .iter()
+            .find(|b| b.plan().src_name() == src && b.plan().dst_name() == dst)
     }
     /// Hands a tensor (any tensor) to this communicator's pool for reuse as a receive buffer.
     /// Activations and gradients this communicator returned go back on their own when dropped,
@@ -203,9 +213,9 @@ impl<C: Communicator> MultiModulePipelineCommunicator<C> {
                 });
             }
         }
-        for (k, &(a, _)) in self.edges.iter().enumerate() {
-            if a == idx {
-                self.bridges[k].set_shape_mode(mode.clone())?;
+        for b in &self.bridges {
+            if b.plan().src_name() == module {
+                b.set_shape_mode(mode.clone())?;
             }
         }
         let tag = self.module_tag + idx as u32 * TAGS_PER_MODULE;
@@ -232,7 +242,7 @@ impl<C: Communicator> MultiModulePipelineCommunicator<C> {
         &self.pool
     }
 
-    /// Every bridge, in edge order.
+    /// Every bridge, in the plan's order (bridge `k` runs [`PipelinePlan::bridge_plans`]`()[k]`).
     pub fn bridges(&self) -> &[BridgeCommunicator<C>] {
         &self.bridges
     }
@@ -250,8 +260,11 @@ impl<C: Communicator> MultiModulePipelineCommunicator<C> {
             })
     }
 
-    fn src_name(&self, edge: usize) -> &str {
-        &self.spec.modules()[self.edges[edge].0].name
+    fn src_name(&self, bridge: usize) -> &str {
+        self.bridges
+            .get(bridge)
+            .map(|b| b.plan().src_name())
+            .unwrap_or_default()
     }
 
     /// (previous, next) stage ranks of this rank in module `m`.

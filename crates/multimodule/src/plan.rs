@@ -1,18 +1,20 @@
 //! [`PipelinePlan`]: the whole pipeline's stage and bridge plan as one serializable value, the
-//! output of `grid pipeline SPEC [--format json]`.
+//! output of `grid pipeline SPEC [--format json]` and the one input of
+//! [`crate::MultiModulePipelineCommunicator`].
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::ordered::OrderedMap;
 use crate::routing::BridgePlan;
 use crate::spec::PipelineSpec;
 use crate::stages::StageTable;
-use serde::Serialize;
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use std::collections::BTreeMap;
 use std::fmt::Write;
 use std::path::Path;
 
 /// A rank's place in one module.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct ModuleStage {
     /// The rank's pipeline coordinate in the module.
     pub pp_rank: usize,
@@ -22,8 +24,9 @@ pub struct ModuleStage {
     pub stages_through: usize,
 }
 
-/// One rank's stage information.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+/// One rank's stage information (its entry under `"ranks"` in [`PipelinePlan`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct RankPlan {
     /// The modules the rank belongs to, in spec order.
     pub modules: OrderedMap<ModuleStage>,
@@ -36,7 +39,7 @@ pub struct RankPlan {
 }
 
 /// A leader's role in one bridge.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Role {
     /// A source leader: sends activations, receives gradients.
@@ -48,19 +51,21 @@ pub enum Role {
 }
 
 /// A leader's route in one bridge.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Route {
     /// Sender or receiver (or both, for colocated modules).
     pub role: Role,
     /// The peers in message order: destinations of a sender, sources of a receiver.
     pub peers: Vec<usize>,
     /// For [`Role::SenderReceiver`] only: the sources it receives from.
-    #[serde(skip_serializing_if = "Option::is_none")]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub recv_peers: Option<Vec<usize>>,
 }
 
-/// One bridge's summary.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+/// One bridge's summary: what `grid pipeline` prints of a [`BridgePlan`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct BridgeSummary {
     /// Upstream module.
     pub src: String,
@@ -123,14 +128,25 @@ impl BridgeSummary {
     }
 }
 
-/// The plan of a whole pipeline: total stages, every rank's stages and every bridge's routing.
-/// Pure: the same value on every rank, computed without any communicator.
+/// The plan of a whole pipeline: total stages, every rank's stages and every bridge's routing,
+/// computed once from a validated [`PipelineSpec`]. Pure: the same value on every rank, computed
+/// without any communicator.
+///
+/// It is the one input of [`crate::MultiModulePipelineCommunicator::new`]: the communicator takes
+/// its stage numbers, its modules and every bridge's [`BridgePlan`] from it and recomputes
+/// nothing, so what `grid pipeline` prints for a spec is what runs on every rank. A plan can only
+/// be made by [`PipelinePlan::new`] (or [`PipelinePlan::from_spec_file`]) or read back from its
+/// own JSON ([`PipelinePlan::from_json_str`], serde), so its parts always agree with each other.
 ///
 /// Serialized (JSON) as
 /// `{"total_stages", "ranks": {"<rank>": {"modules": {"<module>": {"pp_rank", "pp_size",
 /// "stages_through"}}, "current_stage", "is_first_stage", "is_last_stage"}}, "bridges": [{"src",
 /// "dst", "src_leaders", "dst_leaders", "routes": {"<rank>": {"role", "peers"}},
-/// "src_broadcast_groups", "dst_broadcast_groups"}]}`.
+/// "src_broadcast_groups", "dst_broadcast_groups"}], "spec"}`, where `spec` is the spec in its
+/// canonical form ([`PipelineSpec::to_json`]). Reading a plan back validates the spec and checks
+/// that every other field is exactly the spec's plan, so a stale or hand-edited document is an
+/// [`Error::PlanMismatch`] naming the first difference, never a plan that says one thing and
+/// runs another.
 ///
 /// # For the `grid pipeline SPEC [--format json|text]` command
 /// ```no_run
@@ -148,19 +164,42 @@ impl BridgeSummary {
 /// let spec = PipelineSpec::from_json_str(r#"{"modules": {"enc": {"dp": 2}, "llm": {"tp": 2, "offset": 2}},
 ///                                          "topology": {"enc": ["llm"]}}"#).unwrap();
 /// let plan = PipelinePlan::new(&spec).unwrap();
-/// assert_eq!(plan.total_stages, 2);
-/// assert_eq!(plan.bridges[0].routes[&2].peers, vec![0, 1]);
+/// assert_eq!(plan.total_stages(), 2);
+/// assert_eq!(plan.bridges()[0].routes[&2].peers, vec![0, 1]);
+/// assert_eq!(plan.rank(3).unwrap().current_stage, 1);
 /// let json: serde_json::Value = serde_json::from_str(&plan.to_json()).unwrap();
 /// assert_eq!(json["ranks"]["3"]["current_stage"], 1);
+/// // The JSON is the plan: reading it back gives the same value.
+/// assert_eq!(PipelinePlan::from_json_str(&plan.to_json()).unwrap(), plan);
 /// ```
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PipelinePlan {
-    /// Total number of stages.
-    pub total_stages: usize,
-    /// Every rank of every module.
-    pub ranks: BTreeMap<usize, RankPlan>,
-    /// One entry per edge, in spec order.
-    pub bridges: Vec<BridgeSummary>,
+    spec: PipelineSpec,
+    total_stages: usize,
+    ranks: BTreeMap<usize, RankPlan>,
+    /// The routing of every edge, in spec order ([`PipelineSpec::edges`]).
+    bridge_plans: Vec<BridgePlan>,
+    /// `BridgeSummary::from_plan` of each entry of `bridge_plans`.
+    bridges: Vec<BridgeSummary>,
+}
+
+/// The serialized form (borrowed, for writing).
+#[derive(Serialize)]
+struct PlanOut<'a> {
+    total_stages: usize,
+    ranks: &'a BTreeMap<usize, RankPlan>,
+    bridges: &'a [BridgeSummary],
+    spec: &'a PipelineSpec,
+}
+
+/// The serialized form (owned, for reading; checked against the spec before it becomes a plan).
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PlanIn {
+    total_stages: usize,
+    ranks: BTreeMap<usize, RankPlan>,
+    bridges: Vec<BridgeSummary>,
+    spec: PipelineSpec,
 }
 
 impl PipelinePlan {
@@ -198,13 +237,13 @@ impl PipelinePlan {
                 );
             }
         }
-        let bridges = bridge_plans(spec)?
-            .iter()
-            .map(BridgeSummary::from_plan)
-            .collect();
+        let bridge_plans = bridge_plans(spec)?;
+        let bridges = bridge_plans.iter().map(BridgeSummary::from_plan).collect();
         Ok(PipelinePlan {
+            spec: spec.clone(),
             total_stages: st.total_stages(),
             ranks,
+            bridge_plans,
             bridges,
         })
     }
@@ -214,7 +253,149 @@ impl PipelinePlan {
         PipelinePlan::new(&PipelineSpec::from_file(path)?)
     }
 
-    /// Pretty JSON.
+    /// Reads a plan from its JSON ([`PipelinePlan::to_json`]). The embedded spec is validated
+    /// and every other field must be exactly that spec's plan; otherwise the error is
+    /// [`Error::Parse`] (not a plan document, or an invalid spec in it) or
+    /// [`Error::PlanMismatch`] (naming the first field that differs).
+    ///
+    /// ```
+    /// use multimodule::{Error, PipelinePlan, PipelineSpec};
+    /// let spec = PipelineSpec::from_json_str(r#"{"modules": {"a": {}, "b": {"offset": 1}}, "topology": {"a": ["b"]}}"#).unwrap();
+    /// let json = PipelinePlan::new(&spec).unwrap().to_json();
+    /// let edited = json.replacen("\"total_stages\": 2", "\"total_stages\": 3", 1);
+    /// assert!(matches!(PipelinePlan::from_json_str(&edited), Err(Error::PlanMismatch { .. })));
+    /// ```
+    pub fn from_json_str(text: &str) -> Result<PipelinePlan> {
+        let doc: PlanIn = serde_json::from_str(text).map_err(|e| Error::Parse {
+            format: "JSON",
+            message: format!("pipeline plan: {e}"),
+        })?;
+        PipelinePlan::from_document(doc)
+    }
+
+    /// The plan of `doc.spec`, if the rest of `doc` is exactly that plan.
+    fn from_document(doc: PlanIn) -> Result<PipelinePlan> {
+        let plan = PipelinePlan::new(&doc.spec)?;
+        let mismatch = |what: String| Err(Error::PlanMismatch { what });
+        if doc.total_stages != plan.total_stages {
+            return mismatch(format!(
+                "total_stages is {} in the document, {} by its spec",
+                doc.total_stages, plan.total_stages
+            ));
+        }
+        if let Some((r, rp)) = plan.ranks.iter().find(|(r, _)| !doc.ranks.contains_key(r)) {
+            return mismatch(format!(
+                "rank {r} is missing from the document, but its spec has it in modules {:?}",
+                rp.modules.keys().collect::<Vec<_>>()
+            ));
+        }
+        if let Some(r) = doc.ranks.keys().find(|r| !plan.ranks.contains_key(r)) {
+            return mismatch(format!(
+                "the document lists rank {r}, which is in no module of its spec"
+            ));
+        }
+        for ((r, ours), theirs) in plan.ranks.iter().zip(doc.ranks.values()) {
+            if ours != theirs {
+                return mismatch(format!(
+                    "rank {r} is {} in the document, {} by its spec",
+                    compact(theirs),
+                    compact(ours)
+                ));
+            }
+        }
+        if doc.bridges.len() != plan.bridges.len() {
+            return mismatch(format!(
+                "the document has {} bridges, its spec {}",
+                doc.bridges.len(),
+                plan.bridges.len()
+            ));
+        }
+        for (ours, theirs) in plan.bridges.iter().zip(&doc.bridges) {
+            if ours != theirs {
+                return mismatch(format!(
+                    "bridge {} -> {} is {} in the document, {} by its spec",
+                    ours.src,
+                    ours.dst,
+                    compact(theirs),
+                    compact(ours)
+                ));
+            }
+        }
+        Ok(plan)
+    }
+
+    /// The spec the plan was made from.
+    pub fn spec(&self) -> &PipelineSpec {
+        &self.spec
+    }
+    /// Total number of stages (the heaviest path, each module weighing its pp size).
+    pub fn total_stages(&self) -> usize {
+        self.total_stages
+    }
+    /// Every rank of every module, ascending.
+    pub fn ranks(&self) -> &BTreeMap<usize, RankPlan> {
+        &self.ranks
+    }
+    /// One rank's stage information (`None` for a rank in no module).
+    pub fn rank(&self, rank: usize) -> Option<&RankPlan> {
+        self.ranks.get(&rank)
+    }
+    /// Every bridge's summary (what `grid pipeline` prints), one per edge in spec order.
+    pub fn bridges(&self) -> &[BridgeSummary] {
+        &self.bridges
+    }
+    /// Every bridge's routing, one per edge in spec order: what the bridge communicators run.
+    /// Entry `k` is the plan that [`PipelinePlan::bridges`]`()[k]` summarizes.
+    pub fn bridge_plans(&self) -> &[BridgePlan] {
+        &self.bridge_plans
+    }
+
+    /// What `rank` does in each of its modules, in spec order (empty for a rank in no module):
+    /// the stage numbers of [`PipelinePlan::rank`] plus the bridges (indices into
+    /// [`PipelinePlan::bridge_plans`]) it serves at a module boundary.
+    ///
+    /// ```
+    /// use multimodule::{PipelinePlan, PipelineSpec};
+    /// let spec = PipelineSpec::from_json_str(r#"{"modules": {"a": {"pp": 2}, "b": {"offset": 2}},
+    ///                                          "topology": {"a": ["b"]}}"#).unwrap();
+    /// let plan = PipelinePlan::new(&spec).unwrap();
+    /// let info = plan.rank_modules(1).unwrap();
+    /// assert_eq!((info[0].pp_rank, info[0].bridges_as_src.clone()), (1, vec![0]));
+    /// assert!(plan.rank_modules(0).unwrap()[0].bridges_as_src.is_empty());
+    /// assert!(plan.rank_modules(9).unwrap().is_empty());
+    /// ```
+    pub fn rank_modules(&self, rank: usize) -> Result<Vec<RankModuleInfo>> {
+        let Some(rp) = self.ranks.get(&rank) else {
+            return Ok(Vec::new());
+        };
+        let serving = |want: bool, end: &dyn Fn(&BridgePlan) -> &str, name: &str| -> Vec<usize> {
+            if !want {
+                return Vec::new();
+            }
+            self.bridge_plans
+                .iter()
+                .enumerate()
+                .filter(|(_, b)| end(b) == name)
+                .map(|(k, _)| k)
+                .collect()
+        };
+        rp.modules
+            .iter()
+            .map(|(name, ms)| {
+                Ok(RankModuleInfo {
+                    name: name.to_string(),
+                    index: self.spec.module_index(name)?,
+                    pp_rank: ms.pp_rank,
+                    pp_size: ms.pp_size,
+                    stages_through: ms.stages_through,
+                    bridges_as_src: serving(ms.pp_rank + 1 == ms.pp_size, &|b| b.src_name(), name),
+                    bridges_as_dest: serving(ms.pp_rank == 0, &|b| b.dst_name(), name),
+                })
+            })
+            .collect()
+    }
+
+    /// Pretty JSON (the form [`PipelinePlan::from_json_str`] reads).
     pub fn to_json(&self) -> String {
         serde_json::to_string_pretty(self).unwrap_or_else(|e| format!("{{\"error\": \"{e}\"}}"))
     }
@@ -272,7 +453,34 @@ impl PipelinePlan {
     }
 }
 
-/// What one rank does in one module: Megatron's `RankModuleInfo`, plus the stage count.
+impl Serialize for PipelinePlan {
+    fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        PlanOut {
+            total_stages: self.total_stages,
+            ranks: &self.ranks,
+            bridges: &self.bridges,
+            spec: &self.spec,
+        }
+        .serialize(s)
+    }
+}
+
+impl<'de> Deserialize<'de> for PipelinePlan {
+    /// Validates the embedded spec and checks the rest against it (see
+    /// [`PipelinePlan::from_json_str`]).
+    fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        let doc = PlanIn::deserialize(d)?;
+        PipelinePlan::from_document(doc).map_err(serde::de::Error::custom)
+    }
+}
+
+/// Compact JSON of a value a mismatch message shows.
+fn compact<T: Serialize>(v: &T) -> String {
+    serde_json::to_string(v).unwrap_or_else(|e| format!("<{e}>"))
+}
+
+/// What one rank does in one module: Megatron's `RankModuleInfo`, plus the stage count
+/// ([`PipelinePlan::rank_modules`]).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct RankModuleInfo {
     /// Module name.
@@ -285,61 +493,16 @@ pub struct RankModuleInfo {
     pub pp_size: usize,
     /// Stages up to and including this rank's stage of the module.
     pub stages_through: usize,
-    /// Edges (indices into [`PipelineSpec::edges`]) leaving the module, if the rank is at the
+    /// Bridges (indices into [`PipelinePlan::bridge_plans`], i.e. [`PipelineSpec::edges`]) leaving the module, if the rank is at the
     /// module's last stage.
     pub bridges_as_src: Vec<usize>,
     /// Edges entering the module, if the rank is at the module's first stage.
     pub bridges_as_dest: Vec<usize>,
 }
 
-impl RankModuleInfo {
-    /// Every module `rank` belongs to, in spec order.
-    ///
-    /// ```
-    /// use multimodule::{PipelineSpec, RankModuleInfo, StageTable};
-    /// let spec = PipelineSpec::from_json_str(r#"{"modules": {"a": {"pp": 2}, "b": {"offset": 2}},
-    ///                                          "topology": {"a": ["b"]}}"#).unwrap();
-    /// let st = StageTable::new(&spec);
-    /// let info = RankModuleInfo::for_rank(&spec, &st, 1);
-    /// assert_eq!((info[0].pp_rank, info[0].bridges_as_src.clone()), (1, vec![0]));
-    /// assert!(RankModuleInfo::for_rank(&spec, &st, 0)[0].bridges_as_src.is_empty());
-    /// ```
-    pub fn for_rank(spec: &PipelineSpec, st: &StageTable, rank: usize) -> Vec<RankModuleInfo> {
-        let edges = spec.edges();
-        spec.modules_of_rank(rank)
-            .into_iter()
-            .map(|i| {
-                let m = &spec.modules()[i];
-                let pp_rank = m.pp_rank(rank).unwrap_or(0);
-                let pp_size = m.pp_size();
-                let pick = |want: bool, f: &dyn Fn(&(usize, usize)) -> bool| -> Vec<usize> {
-                    if want {
-                        edges
-                            .iter()
-                            .enumerate()
-                            .filter(|(_, e)| f(e))
-                            .map(|(k, _)| k)
-                            .collect()
-                    } else {
-                        Vec::new()
-                    }
-                };
-                RankModuleInfo {
-                    name: m.name.clone(),
-                    index: i,
-                    pp_rank,
-                    pp_size,
-                    stages_through: st.stages_before(i) + pp_rank + 1,
-                    bridges_as_src: pick(pp_rank + 1 == pp_size, &|e| e.0 == i),
-                    bridges_as_dest: pick(pp_rank == 0, &|e| e.1 == i),
-                }
-            })
-            .collect()
-    }
-}
-
-/// The bridge plans of every edge of a spec, in Megatron's creation order.
-pub fn bridge_plans(spec: &PipelineSpec) -> Result<Vec<BridgePlan>> {
+/// The bridge plans of every edge of a spec, in Megatron's creation order (computed once, by
+/// [`PipelinePlan::new`]).
+fn bridge_plans(spec: &PipelineSpec) -> Result<Vec<BridgePlan>> {
     spec.edges()
         .into_iter()
         .map(|(a, b)| {

@@ -10,7 +10,7 @@ use common::threads::{run_world, ThreadComm, ThreadFactory};
 use grid_core::DType;
 use multimodule::{
     Activation, BridgeCommunicator, BridgePlan, BufferPool, DimMapping,
-    MultiModulePipelineCommunicator, ShapeMode,
+    MultiModulePipelineCommunicator, PipelinePlan, ShapeMode,
 };
 use std::sync::Arc;
 
@@ -93,8 +93,9 @@ fn dropped_outputs_come_back_and_are_reused() {
 #[test]
 fn pipeline_outputs_come_back_to_the_shared_pool() {
     let spec = two_encoders_spec();
+    let plan = PipelinePlan::new(&spec).unwrap();
     let (res, _) = run_world(8, false, |rank, comm: Arc<ThreadComm>| -> usize {
-        let mm = MultiModulePipelineCommunicator::new(&ThreadFactory, comm, &spec, 0).unwrap();
+        let mm = MultiModulePipelineCommunicator::new(&ThreadFactory, comm, &plan, 0).unwrap();
         let module = mm.modules()[0].name.clone();
         let mut ptrs = Vec::new();
         for mb in 0..3 {

@@ -6,7 +6,7 @@ use common::check::l3;
 use common::check::{grid, plan_of, run_rank, world_of, Case, Layout};
 use common::scenarios::{two_encoders_rank, two_encoders_spec, TWO_ENCODERS_PER_MB};
 use grid_core::Communicator;
-use multimodule::{BridgeCommunicator, DimMapping};
+use multimodule::{BridgeCommunicator, DimMapping, PipelinePlan};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -160,10 +160,11 @@ fn gloo_bridges() {
 #[test]
 fn gloo_two_encoders_llm_generator() {
     let spec = two_encoders_spec();
+    let plan = PipelinePlan::new(&spec).unwrap();
     let n = 4;
     let res = run_ranks(8, &cfg("mm-two-enc"), |f, w| {
         let rank = w.rank();
-        Ok(two_encoders_rank(f, Arc::new(w), &spec, rank, n))
+        Ok(two_encoders_rank(f, Arc::new(w), &plan, rank, n))
     })
     .unwrap();
     let total: usize = res

@@ -7,7 +7,7 @@ use common::check::l3;
 use common::check::{grid, plan_of, run_rank, Case, Layout};
 use common::scenarios::{two_encoders_rank, two_encoders_spec, TWO_ENCODERS_PER_MB};
 use grid_core::{Communicator, CommunicatorExt, GroupFactory, ReduceOp};
-use multimodule::{BridgeCommunicator, DimMapping};
+use multimodule::{BridgeCommunicator, DimMapping, PipelinePlan};
 use std::sync::Arc;
 
 /// An owned world communicator (a split of the runtime's world with one colour).
@@ -31,8 +31,9 @@ mpi_test!(
         let w = world(rt, &f)?;
         let rank = w.rank();
         let spec = two_encoders_spec();
+        let plan = PipelinePlan::new(&spec).unwrap();
         let n = 4;
-        let mine = two_encoders_rank(&f, w.clone(), &spec, rank, n) as i64;
+        let mine = two_encoders_rank(&f, w.clone(), &plan, rank, n) as i64;
         let mut total = [0i64];
         w.all_reduce_into(&[mine][..], &mut total[..], ReduceOp::Sum)
             .map_err(|e| e.to_string())?;

@@ -10,7 +10,7 @@ use common::scenarios::{
     two_encoders_rank_with, two_encoders_spec, two_encoders_static_modes, TWO_ENCODERS_PER_MB,
 };
 use grid_core::{Communicator, CommunicatorExt, DType, GroupFactory, ReduceOp};
-use multimodule::{BridgeCommunicator, Error, ShapeMode};
+use multimodule::{BridgeCommunicator, Error, PipelinePlan, ShapeMode};
 use std::sync::Arc;
 
 fn world(
@@ -123,7 +123,7 @@ mpi_test!(mpi_static_shapes, np = 8, timeout = 180, |rt| {
     let mine = two_encoders_rank_with(
         &f,
         w.clone(),
-        &two_encoders_spec(),
+        &PipelinePlan::new(&two_encoders_spec()).unwrap(),
         rank,
         n,
         &two_encoders_static_modes(),

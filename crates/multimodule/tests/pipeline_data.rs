@@ -4,16 +4,17 @@ mod common;
 use common::check::{grad_of, value};
 use common::scenarios::{map, one, two_encoders_rank, two_encoders_spec, LAY, TWO_ENCODERS_PER_MB};
 use common::threads::{run_world, ThreadComm, ThreadFactory};
-use multimodule::{Activation, Error, MultiModulePipelineCommunicator, PipelineSpec};
+use multimodule::{Activation, Error, MultiModulePipelineCommunicator, PipelinePlan, PipelineSpec};
 use std::sync::Arc;
 
 /// Two encoders -> LLM (tp2 pp2) -> generator, 4 micro-batches forward then backward; every
 /// element checked on every rank.
 fn two_encoders_into_llm(rendezvous: bool) {
     let spec = two_encoders_spec();
+    let plan = PipelinePlan::new(&spec).unwrap();
     let n = 4;
     let (res, _) = run_world(8, rendezvous, |rank, comm: Arc<ThreadComm>| -> usize {
-        two_encoders_rank(&ThreadFactory, comm, &spec, rank, n)
+        two_encoders_rank(&ThreadFactory, comm, &plan, rank, n)
     });
     assert_eq!(res.iter().sum::<usize>(), n * TWO_ENCODERS_PER_MB);
 }
@@ -37,8 +38,9 @@ fn fan_out_gradients_are_summed() {
             "topology": {"A": ["B", "C"]}}"#,
     )
     .unwrap();
+    let plan = PipelinePlan::new(&spec).unwrap();
     let (res, _) = run_world(5, true, |rank, comm| {
-        let mm = MultiModulePipelineCommunicator::new(&ThreadFactory, comm, &spec, 0).unwrap();
+        let mm = MultiModulePipelineCommunicator::new(&ThreadFactory, comm, &plan, 0).unwrap();
         let module = mm.modules()[0].name.clone();
         let x = LAY.build(4, 2, |b, s, h| value(0, 0, b, s, h));
         match module.as_str() {
@@ -78,8 +80,9 @@ fn colocated_modules() {
             "topology": {"enc": ["llm"]}, "colocated": [["enc", "llm"]]}"#,
     )
     .unwrap();
+    let plan = PipelinePlan::new(&spec).unwrap();
     let (res, _) = run_world(4, true, |rank, comm| {
-        let mm = MultiModulePipelineCommunicator::new(&ThreadFactory, comm, &spec, 0).unwrap();
+        let mm = MultiModulePipelineCommunicator::new(&ThreadFactory, comm, &plan, 0).unwrap();
         assert_eq!(mm.modules().len(), 2);
         assert_eq!(mm.current_stage().unwrap(), 1);
         let lane = rank / 2;
@@ -116,9 +119,10 @@ fn fused_chain_one_f_one_b() {
         r#"{"modules": {"A": {"pp": 2}, "B": {"pp": 2, "offset": 2}}, "topology": {"A": ["B"]}}"#,
     )
     .unwrap();
+    let plan = PipelinePlan::new(&spec).unwrap();
     let n = 5;
     let (res, _) = run_world(4, true, |rank, comm| {
-        let mm = MultiModulePipelineCommunicator::new(&ThreadFactory, comm, &spec, 0).unwrap();
+        let mm = MultiModulePipelineCommunicator::new(&ThreadFactory, comm, &plan, 0).unwrap();
         let m = mm.modules()[0].clone();
         let name = m.name.as_str();
         // Every stage adds 1; the last stage's gradient is grad_of(its output) and it passes
@@ -201,8 +205,9 @@ fn fused_chain_one_f_one_b() {
 #[test]
 fn p2p_gradient_mismatch_fails_both_stages() {
     let spec = PipelineSpec::from_json_str(r#"{"modules": {"A": {"pp": 2}}}"#).unwrap();
+    let plan = PipelinePlan::new(&spec).unwrap();
     let (res, _) = run_world(2, true, |rank, comm| {
-        let mm = MultiModulePipelineCommunicator::new(&ThreadFactory, comm, &spec, 0).unwrap();
+        let mm = MultiModulePipelineCommunicator::new(&ThreadFactory, comm, &plan, 0).unwrap();
         let x = Activation::zeros(grid_core::DType::F32, vec![2, 2, 2]).unwrap();
         if rank == 0 {
             mm.send_forward("A", &x).unwrap();
@@ -228,8 +233,9 @@ fn p2p_gradient_mismatch_fails_both_stages() {
 #[test]
 fn unknown_module_and_missing_gradient_key() {
     let spec = two_encoders_spec();
+    let plan = PipelinePlan::new(&spec).unwrap();
     let (res, _) = run_world(8, false, |rank, comm| {
-        let mm = MultiModulePipelineCommunicator::new(&ThreadFactory, comm, &spec, 0).unwrap();
+        let mm = MultiModulePipelineCommunicator::new(&ThreadFactory, comm, &plan, 0).unwrap();
         if rank == 7 {
             let e1 = mm.recv_forward("llm").unwrap_err();
             assert!(matches!(e1, Error::ModuleNotOnRank { .. }), "{e1}");

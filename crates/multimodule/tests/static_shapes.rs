@@ -14,7 +14,7 @@ use common::threads::{run_world, ThreadComm, ThreadFactory};
 use grid_core::{Communicator, DType};
 use multimodule::{
     Activation, BridgeCommunicator, DimMapping, Error, MultiModulePipelineCommunicator,
-    PipelineSpec, ShapeMode,
+    PipelinePlan, PipelineSpec, ShapeMode,
 };
 use std::sync::Arc;
 use std::time::Duration;
@@ -503,6 +503,7 @@ fn pipeline_static_and_learned_shapes() {
     // Two encoders -> LLM (tp 2, pp 2) -> generator, every element checked, with every module
     // static, then every module learned.
     let spec = two_encoders_spec();
+    let plan = PipelinePlan::new(&spec).unwrap();
     let n = 4;
     let learned: Vec<(&str, ShapeMode)> = two_encoders_static_modes()
         .into_iter()
@@ -511,7 +512,7 @@ fn pipeline_static_and_learned_shapes() {
     for modes in [two_encoders_static_modes(), learned] {
         for rendezvous in [false, true] {
             let (res, _) = run_world(8, rendezvous, |rank, comm: Arc<ThreadComm>| {
-                two_encoders_rank_with(&ThreadFactory, comm, &spec, rank, n, &modes)
+                two_encoders_rank_with(&ThreadFactory, comm, &plan, rank, n, &modes)
             });
             assert_eq!(res.iter().sum::<usize>(), n * TWO_ENCODERS_PER_MB);
         }
@@ -523,12 +524,13 @@ fn pipeline_static_shape_mismatch() {
     // enc (pp 2) -> dec: a wrong tensor between enc's stages, then one over the bridge; each
     // fails on its sender and on its receiver, and the next transfer is exact.
     let spec = three_stage_spec();
+    let plan = PipelinePlan::new(&spec).unwrap();
     let mode = ShapeMode::Static {
         shape: LAY.shape(2, 2),
         dtype: DType::F64,
     };
     let (res, _) = run_world(3, true, |rank, comm: Arc<ThreadComm>| -> usize {
-        let mm = MultiModulePipelineCommunicator::new(&ThreadFactory, comm, &spec, 0).unwrap();
+        let mm = MultiModulePipelineCommunicator::new(&ThreadFactory, comm, &plan, 0).unwrap();
         assert!(matches!(
             mm.set_shape_mode(
                 "enc",
@@ -670,12 +672,13 @@ fn gloo_static_shape_mismatch_and_pipeline() {
     assert_eq!(n, 24);
     // The two-encoder pipeline with static shapes on Gloo.
     let spec = two_encoders_spec();
+    let plan = PipelinePlan::new(&spec).unwrap();
     let res = run_ranks(8, &cfg("mm-static-two-enc"), |f, w| {
         let rank = w.rank();
         Ok(two_encoders_rank_with(
             f,
             Arc::new(w),
-            &spec,
+            &plan,
             rank,
             4,
             &two_encoders_static_modes(),

@@ -6,7 +6,7 @@ mod common;
 use common::vectors::{self, batch_ids, grid, spec_json, tagged};
 use multimodule::{
     split_at_batch_dim, Activation, BridgePlan, DimMapping, Error, PipelinePlan, PipelineSpec,
-    RankModuleInfo, Role, StageTable,
+    Role, StageTable,
 };
 use serde_json::Value;
 
@@ -240,14 +240,13 @@ fn multimodule() {
         let exp = &doc["expected"];
         let spec = PipelineSpec::from_json_value(spec_json(input))
             .unwrap_or_else(|e| panic!("{name}: {e}"));
-        let st = StageTable::new(&spec);
         let plan = PipelinePlan::new(&spec).unwrap();
         if name == "multimodule_err_missing_topology_entry" {
             // Megatron's constructor raises KeyError; a module without a topology key is a sink here.
             assert_eq!(exp["error"]["type"], "KeyError");
             assert_eq!(spec.sinks(), vec!["B"]);
-            assert_eq!(plan.total_stages, 2);
-            assert!(plan.ranks[&1].is_last_stage);
+            assert_eq!(plan.total_stages(), 2);
+            assert!(plan.ranks()[&1].is_last_stage);
             continue;
         }
         let edges: Vec<[String; 2]> = spec
@@ -264,7 +263,7 @@ fn multimodule() {
         assert_eq!(edges, exp_edges, "{name}");
         for (rank, pr) in exp["per_rank"].as_object().unwrap() {
             let r: usize = rank.parse().unwrap();
-            let infos = RankModuleInfo::for_rank(&spec, &st, r);
+            let infos = plan.rank_modules(r).unwrap();
             let em = pr["modules"].as_object().unwrap();
             assert_eq!(
                 infos.iter().map(|i| i.name.clone()).collect::<Vec<_>>(),
@@ -290,9 +289,9 @@ fn multimodule() {
                 assert_eq!(names(&info.bridges_as_src), s, "{name} {r}");
                 assert_eq!(names(&info.bridges_as_dest), d, "{name} {r}");
             }
-            let rp = &plan.ranks[&r];
+            let rp = &plan.ranks()[&r];
             assert_eq!(
-                plan.total_stages as u64,
+                plan.total_stages() as u64,
                 pr["total_stages"].as_u64().unwrap(),
                 "{name}"
             );

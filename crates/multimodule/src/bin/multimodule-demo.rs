@@ -179,7 +179,7 @@ fn main() -> ExitCode {
     let cfg = GlooConfig::new("multimodule-demo").with_timeout(Duration::from_secs(60));
     let started = std::time::Instant::now();
     let results = run_ranks(8, &cfg, |f, w| {
-        let mm = MultiModulePipelineCommunicator::new(f, Arc::new(w), &spec, 0)
+        let mm = MultiModulePipelineCommunicator::new(f, Arc::new(w), &plan, 0)
             .map_err(|e| grid_core::Error::Invalid(e.to_string()))?;
         let stage = mm
             .current_stage()

@@ -5,7 +5,7 @@ use super::check::{grad_of, value, Layout};
 use grid_core::GroupFactory;
 use multimodule::{
     Activation, DimMapping, ModuleInputs, MultiModulePipelineCommunicator, OrderedMap,
-    PipelineSpec, ShapeMode,
+    PipelinePlan, PipelineSpec, ShapeMode,
 };
 use std::sync::Arc;
 
@@ -62,11 +62,11 @@ pub fn two_encoders_spec() -> PipelineSpec {
 pub fn two_encoders_rank<F: GroupFactory>(
     factory: &F,
     comm: Arc<F::Comm>,
-    spec: &PipelineSpec,
+    plan: &PipelinePlan,
     rank: usize,
     n: usize,
 ) -> usize {
-    two_encoders_rank_with(factory, comm, spec, rank, n, &[])
+    two_encoders_rank_with(factory, comm, plan, rank, n, &[])
 }
 
 /// Every module's static output shape in the two-encoder scenario (f64).
@@ -87,13 +87,13 @@ pub fn two_encoders_static_modes() -> Vec<(&'static str, ShapeMode)> {
 pub fn two_encoders_rank_with<F: GroupFactory>(
     factory: &F,
     comm: Arc<F::Comm>,
-    spec: &PipelineSpec,
+    plan: &PipelinePlan,
     rank: usize,
     n: usize,
     modes: &[(&str, ShapeMode)],
 ) -> usize {
     {
-        let mm = MultiModulePipelineCommunicator::new(factory, comm, spec, 0).unwrap();
+        let mm = MultiModulePipelineCommunicator::new(factory, comm, plan, 0).unwrap();
         for (m, mode) in modes {
             mm.set_shape_mode(m, mode.clone()).unwrap();
             assert_eq!(&mm.shape_mode(m).unwrap(), mode);
