@@ -10,9 +10,11 @@ JSON: {\"total_stages\", \"ranks\": {RANK: {\"modules\": {MODULE: {\"pp_rank\", 
        \"stages_through\"}}, \"current_stage\", \"is_first_stage\", \"is_last_stage\"}},
        \"bridges\": [{\"src\", \"dst\", \"src_leaders\", \"dst_leaders\",
        \"routes\": {RANK: {\"role\": \"sender\"|\"receiver\"|\"sender_receiver\", \"peers\", \"recv_peers\"?}},
-       \"src_broadcast_groups\", \"dst_broadcast_groups\"}]}
-Every rank of every module appears under \"ranks\"; stages_through is Megatron's
-compute_total_pipeline_stages(rank, module) and current_stage the largest of them minus one.
+       \"src_broadcast_groups\", \"dst_broadcast_groups\"}], \"spec\"}
+\"spec\" is the canonical spec the plan was made from, so the JSON reads back as the same plan
+(multimodule's PipelinePlan::from_json_str). Every rank of every module appears under
+\"ranks\"; stages_through is Megatron's compute_total_pipeline_stages(rank, module) and
+current_stage the largest of them minus one.
 The bridges are in Megatron's creation order: leaders, routes (peers in message order) and
 broadcast groups as its BridgeCommunicator plans them. Where Megatron is defective this
 command differs on purpose (any cycle is an error, a module without a topology key is a sink,
