@@ -222,8 +222,12 @@ const MEGATRON_SECTION: &str = "## Megatron-Core reference timings";
 /// file, section or table is an error naming the file: the figures are part of the repository.
 fn megatron_figures() -> Result<HashMap<(usize, String), (String, String)>, String> {
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs/performance.md");
-    let text = std::fs::read_to_string(&path)
-        .map_err(|e| format!("cannot read Megatron's reference timings {}: {e}", path.display()))?;
+    let text = std::fs::read_to_string(&path).map_err(|e| {
+        format!(
+            "cannot read Megatron's reference timings {}: {e}",
+            path.display()
+        )
+    })?;
     let Some(start) = text.find(MEGATRON_SECTION) else {
         return Err(format!(
             "{} has no section \"{MEGATRON_SECTION}\" (Megatron's reference timings)",
