@@ -217,10 +217,13 @@ fn process(args: &[String], runs: usize) -> (Duration, i64, usize) {
 /// The heading of the section of `docs/performance.md` that holds Megatron-Core's figures.
 const MEGATRON_SECTION: &str = "## Megatron-Core reference timings";
 
+/// Megatron's figures: (world, row key) -> (seconds, max RSS MB), both as printed.
+type MegatronFigures = HashMap<(usize, String), (String, String)>;
+
 /// Megatron's figures from `docs/performance.md` § "Megatron-Core reference timings":
 /// (world, row key) -> (seconds, max RSS MB). Only the rows of that section are read. A missing
 /// file, section or table is an error naming the file: the figures are part of the repository.
-fn megatron_figures() -> Result<HashMap<(usize, String), (String, String)>, String> {
+fn megatron_figures() -> Result<MegatronFigures, String> {
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs/performance.md");
     let text = std::fs::read_to_string(&path).map_err(|e| {
         format!(
