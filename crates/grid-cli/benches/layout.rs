@@ -4,7 +4,8 @@
 //!   library time, and the whole `grid layout --rank R --format json` process;
 //! * every family of that world (library time);
 //! * the per-rank view's memory at 1k, 16k, 128k and 1M ranks (heap bytes, process max RSS);
-//! * the per-token rows of `../shared/REFERENCE-TIMINGS.md` (Megatron-Core's Python), side by side.
+//! * the per-token rows of `docs/performance.md` § "Megatron-Core reference timings"
+//!   (Megatron-Core's Python), side by side.
 //!
 //! Every figure is the median of several runs. Run with `--quick` for a fast smoke run.
 
@@ -213,18 +214,33 @@ fn process(args: &[String], runs: usize) -> (Duration, i64, usize) {
     (median(times), rss, bytes)
 }
 
-/// Megatron's figures from REFERENCE-TIMINGS.md: (world, row key) -> (seconds, max RSS MB).
-fn megatron_figures() -> HashMap<(usize, String), (String, String)> {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/REFERENCE-TIMINGS.md");
-    let mut out = HashMap::new();
-    let Ok(text) = std::fs::read_to_string(&path) else {
-        eprintln!(
-            "note: {} not found; Megatron's column will be empty",
+/// The heading of the section of `docs/performance.md` that holds Megatron-Core's figures.
+const MEGATRON_SECTION: &str = "## Megatron-Core reference timings";
+
+/// Megatron's figures: (world, row key) -> (seconds, max RSS MB), both as printed.
+type MegatronFigures = HashMap<(usize, String), (String, String)>;
+
+/// Megatron's figures from `docs/performance.md` § "Megatron-Core reference timings":
+/// (world, row key) -> (seconds, max RSS MB). Only the rows of that section are read. A missing
+/// file, section or table is an error naming the file: the figures are part of the repository.
+fn megatron_figures() -> Result<MegatronFigures, String> {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs/performance.md");
+    let text = std::fs::read_to_string(&path).map_err(|e| {
+        format!(
+            "cannot read Megatron's reference timings {}: {e}",
             path.display()
-        );
-        return out;
+        )
+    })?;
+    let Some(start) = text.find(MEGATRON_SECTION) else {
+        return Err(format!(
+            "{} has no section \"{MEGATRON_SECTION}\" (Megatron's reference timings)",
+            path.display()
+        ));
     };
-    for line in text.lines() {
+    let section = &text[start + MEGATRON_SECTION.len()..];
+    let section = section.find("\n## ").map_or(section, |end| &section[..end]);
+    let mut out = HashMap::new();
+    for line in section.lines() {
         let cells: Vec<&str> = line.split('|').map(str::trim).collect();
         if cells.len() < 6 {
             continue;
@@ -249,7 +265,14 @@ fn megatron_figures() -> HashMap<(usize, String), (String, String)> {
             (cells[3].to_string(), cells[5].to_string()),
         );
     }
-    out
+    if out.is_empty() {
+        return Err(format!(
+            "the section \"{MEGATRON_SECTION}\" of {} has no table rows \
+             (| world | grouping | seconds | #groups x size | max RSS MB |)",
+            path.display()
+        ));
+    }
+    Ok(out)
 }
 
 /// The 1-minute load average, from /proc/loadavg.
@@ -262,6 +285,14 @@ fn load_average() -> String {
 
 fn main() {
     let quick = std::env::args().any(|a| a == "--quick");
+    // Read Megatron's figures first, so that a broken docs/performance.md fails at once.
+    let mega = match megatron_figures() {
+        Ok(m) => m,
+        Err(e) => {
+            eprintln!("error: {e}");
+            std::process::exit(1);
+        }
+    };
     let runs = |world: usize| -> usize {
         match (quick, world) {
             (true, _) => 3,
@@ -331,8 +362,7 @@ fn main() {
         process(&a, if quick { 1 } else { 3 })
     };
 
-    // ---- 3. the per-token rows of REFERENCE-TIMINGS.md ----------------------------------------
-    let mega = megatron_figures();
+    // ---- 3. the per-token rows of docs/performance.md (Megatron-Core reference timings) -----
     let mut token_rows = Vec::new();
     for &w in &WORLDS {
         let n = runs(w);
@@ -515,7 +545,7 @@ fn main() {
     for r in &view_rows {
         println!("{r}");
     }
-    println!("\n### Per-token enumeration beside Megatron-Core (REFERENCE-TIMINGS.md)\n");
+    println!("\n### Per-token enumeration beside Megatron-Core (docs/performance.md)\n");
     println!("grid-core materializes every group (flat `GroupList`); Megatron's figures are its pure-Python");
     println!("`generate_masked_orthogonal_rank_groups` (best of 1-5 runs) and numpy `HyperCommGrid`. Orders as");
     println!("Megatron builds them: dense `tp-gtp_remat-cp-ep-dp-pp`, expert `tp-cp-ep-gtp_remat-dp-pp`.");

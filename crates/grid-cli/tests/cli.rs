@@ -860,7 +860,7 @@ fn huge_world_rank_view_text() {
     assert!(out.contains("intra_dist_opt                    1  4611686018427387904  [0, 1, 2, …, 4611686018427387903] (4611686018427387904 ranks)"), "{out}");
 }
 
-/// `grid pipeline SPEC`: Megatron's unit-test topology (SEMANTICS.md §6.3): two one-rank encoders
+/// `grid pipeline SPEC`: Megatron's unit-test topology (docs/semantics.md §6.3): two one-rank encoders
 /// feed a tp 2 × pp 2 language model, which feeds a generator; 4 stages in all.
 #[test]
 fn pipeline_spec_file() {

@@ -1,5 +1,5 @@
 //! Megatron-Core's `pipeline_stages`, `bridge` and `multimodule` reference vectors
-//! (`../shared/vectors/`), checked through `grid pipeline SPEC --format json`.
+//! (`testdata/vectors/`), checked through `grid pipeline SPEC --format json`.
 //!
 //! For every vector a spec file equivalent to its input is written (the modules with their grids
 //! in the vectors' own short or full form, the topology, `module_output_ndim`, `dim_mapping`; a

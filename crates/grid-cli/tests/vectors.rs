@@ -1,4 +1,4 @@
-//! Megatron-Core's reference vectors (`../shared/vectors/`), checked through the `grid` binary.
+//! Megatron-Core's reference vectors (`testdata/vectors/`), checked through the `grid` binary.
 //!
 //! Every vector of the kinds `initialize_model_parallel`, `rank_generator`, `masked_orthogonal`,
 //! `hierarchical`, `hyper_comm_grid` and `picotron` is run through `grid ... --format json` and

@@ -1,4 +1,4 @@
-//! `ProcessGroupCollection` (SEMANTICS.md §4), generic over the group handle, and
+//! `ProcessGroupCollection` (docs/semantics.md §4), generic over the group handle, and
 //! [`build_collection`], which fills one with live communicators.
 
 use crate::comm::{Communicator, CommunicatorExt, GroupFactory};

@@ -1,4 +1,4 @@
-//! Hierarchical sub-groups (Megatron's `create_hierarchical_groups`, SEMANTICS.md §3.7).
+//! Hierarchical sub-groups (Megatron's `create_hierarchical_groups`, docs/semantics.md §3.7).
 
 use crate::error::{Error, Result};
 use crate::grid::checked_product;

@@ -1,5 +1,5 @@
 //! [`CommGrid`]: Megatron's `HyperCommGrid` API (views, keys, create/get of groups) as pure
-//! bookkeeping over [`HyperGrid`] arithmetic (SEMANTICS.md §2.5).
+//! bookkeeping over [`HyperGrid`] arithmetic (docs/semantics.md §2.5).
 
 use crate::error::{Error, Result};
 use crate::grid::{GroupList, HyperGrid};

@@ -1,5 +1,5 @@
 //! The whole model-parallel plan that Megatron-Core's `initialize_model_parallel` builds
-//! (SEMANTICS.md §3): the dense ("decoder") and expert grids, every group family with
+//! (docs/semantics.md §3): the dense ("decoder") and expert grids, every group family with
 //! Megatron's exact group lists and member order, distributed-optimizer instances,
 //! hierarchical context parallelism and the embedding groups.
 

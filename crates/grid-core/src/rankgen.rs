@@ -1,5 +1,5 @@
 //! Order-string layouts with the semantics of Megatron-Core's `RankGenerator` and
-//! `generate_masked_orthogonal_rank_groups` (SEMANTICS.md §1).
+//! `generate_masked_orthogonal_rank_groups` (docs/semantics.md §1).
 
 use crate::error::{Error, Result};
 use crate::grid::{checked_product, GroupList, HyperGrid};

@@ -1,4 +1,4 @@
-//! Megatron-Core's reference vectors (`../shared/vectors/`), checked through the library.
+//! Megatron-Core's reference vectors (`testdata/vectors/`), checked through the library.
 //!
 //! Every vector of the kinds `initialize_model_parallel`, `rank_generator`, `masked_orthogonal`,
 //! `hierarchical`, `hyper_comm_grid` and `picotron` is checked; inputs that use features outside
@@ -11,32 +11,52 @@ use serde_json::{json, Value};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
+/// The reference vectors: `<workspace root>/testdata/vectors` (see `testdata/README.md`), or the
+/// folder named by `GRID_VECTORS_DIR`. A missing folder fails the test; it never skips it.
 fn vectors_dir() -> PathBuf {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/vectors");
+    let dir = std::env::var_os("GRID_VECTORS_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../testdata/vectors")
+        });
     assert!(
-        dir.join("INDEX.json").exists(),
-        "reference vectors not found at {}: the repository must be cloned with shared/ beside it",
+        dir.join("INDEX.json").is_file(),
+        "reference vectors not found at {} (no INDEX.json): they live in the repository's \
+         testdata/vectors; restore that folder, or point GRID_VECTORS_DIR at a copy",
         dir.display()
     );
     dir
 }
 
+fn read_json(path: &std::path::Path) -> Value {
+    let text = std::fs::read_to_string(path)
+        .unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()));
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{} is not JSON: {e}", path.display()))
+}
+
+/// Every vector of `op`, as (name, document), in INDEX.json order. Fails without any.
 fn load(op: &str) -> Vec<(String, Value)> {
     let dir = vectors_dir();
-    let index: Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("INDEX.json")).unwrap()).unwrap();
+    let index = read_json(&dir.join("INDEX.json"));
+    let entries = index
+        .as_array()
+        .unwrap_or_else(|| panic!("{}/INDEX.json is not a list", dir.display()));
     let mut out = Vec::new();
-    for e in index.as_array().unwrap() {
+    for e in entries {
         if e["op"] == op {
-            let name = e["name"].as_str().unwrap().to_string();
-            let v: Value = serde_json::from_str(
-                &std::fs::read_to_string(dir.join(format!("{name}.json"))).unwrap(),
-            )
-            .unwrap();
+            let name = e["name"]
+                .as_str()
+                .unwrap_or_else(|| panic!("INDEX.json entry without a name: {e}"))
+                .to_string();
+            let v = read_json(&dir.join(format!("{name}.json")));
             out.push((name, v));
         }
     }
-    assert!(!out.is_empty(), "no vectors of op {op}");
+    assert!(
+        !out.is_empty(),
+        "no vectors of op {op} in {}",
+        dir.display()
+    );
     out
 }
 

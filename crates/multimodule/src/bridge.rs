@@ -1,5 +1,5 @@
 //! [`BridgeCommunicator`]: moves activations forward and gradients backward between two modules
-//! with different grids (SEMANTICS.md §5), generic over the `grid-core` communicator traits.
+//! with different grids (docs/semantics.md §5), generic over the `grid-core` communicator traits.
 //!
 //! # What every call does
 //! Each call runs up to three phases, in this order on every rank, so that no combination of

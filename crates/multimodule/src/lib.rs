@@ -1,7 +1,7 @@
 //! # multimodule
 //!
 //! Stage accounting, bridge communicators and the multi-module pipeline communicator for models
-//! built from several modules with different parallel layouts (SEMANTICS.md §5–6).
+//! built from several modules with different parallel layouts (docs/semantics.md §5–6).
 //!
 //! # From a spec to running communicators
 //! Data flows one way, and nothing downstream recomputes what upstream decided:

@@ -1,5 +1,5 @@
 //! [`MultiModulePipelineCommunicator`]: one communicator per rank that sends and receives by
-//! module name (SEMANTICS.md §6.4): point-to-point along each module's pipeline, bridges at the
+//! module name (docs/semantics.md §6.4): point-to-point along each module's pipeline, bridges at the
 //! module boundaries.
 
 use crate::bridge::{BridgeCommunicator, GroupCache, TAGS_PER_BRIDGE};

@@ -1,4 +1,4 @@
-//! The static plan of one bridge (SEMANTICS.md §5.2–5.5): data-lane leaders, broadcast groups at
+//! The static plan of one bridge (docs/semantics.md §5.2–5.5): data-lane leaders, broadcast groups at
 //! the boundary stages and the routing between leaders. Pure arithmetic, the same on every rank.
 //!
 //! # Routing by parts
@@ -435,7 +435,7 @@ mod tests {
 
     #[test]
     fn leaders_table() {
-        // SEMANTICS.md §5.2 table.
+        // docs/semantics.md §5.2, the leaders table.
         for (tp, pp, dp, s, d) in [
             (2, 2, 2, vec![3, 7], vec![0, 4]),
             (4, 2, 1, vec![7], vec![0]),

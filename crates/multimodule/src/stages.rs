@@ -1,4 +1,4 @@
-//! Pipeline stage accounting over the module DAG (SEMANTICS.md §6.2–6.3), in linear time.
+//! Pipeline stage accounting over the module DAG (docs/semantics.md §6.2–6.3), in linear time.
 //!
 //! A module weighs its pipeline size. The total number of stages is the heaviest path through
 //! the DAG; the stage count of a rank in module `m` is the heaviest path *into* `m` plus the

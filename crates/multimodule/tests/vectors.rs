@@ -171,7 +171,7 @@ fn bridge() {
                         "{name} rank {r}"
                     )
                 }
-                // Megatron's defect (§5.8): the receiver entry overwrote the sender entry.
+                // Megatron's defect (docs/semantics.md §5.8): the receiver entry overwrote the sender entry.
                 ("RECEIVER", Some(route)) if route.role == Role::SenderReceiver => {
                     assert_eq!(
                         route.recv_peers.as_ref(),

@@ -1,4 +1,4 @@
-//! Shared by the vector tests: loading `../shared/vectors` and running the built `grid` binary.
+//! Shared by the vector tests: loading `testdata/vectors` and running the built `grid` binary.
 #![allow(dead_code)]
 
 use serde_json::Value;
@@ -6,18 +6,18 @@ use std::io::Write;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
 
-/// The vectors beside the repository (`<workspace>/../shared/vectors`), or `GRID_VECTORS_DIR`.
-/// Missing vectors fail the test.
+/// The reference vectors: `<workspace root>/testdata/vectors` (see `testdata/README.md`), or the
+/// folder named by `GRID_VECTORS_DIR`. Missing vectors fail the test; they never skip it.
 pub fn vectors_dir() -> PathBuf {
     let dir = std::env::var_os("GRID_VECTORS_DIR")
         .map(PathBuf::from)
         .unwrap_or_else(|| {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/vectors")
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../testdata/vectors")
         });
     assert!(
         dir.join("INDEX.json").is_file(),
-        "reference vectors not found at {} (no INDEX.json): clone the repository with shared/ beside it, \
-         or point GRID_VECTORS_DIR at the vectors",
+        "reference vectors not found at {} (no INDEX.json): they live in the repository's \
+         testdata/vectors; restore that folder, or point GRID_VECTORS_DIR at a copy",
         dir.display()
     );
     dir

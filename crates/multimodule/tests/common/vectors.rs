@@ -1,36 +1,51 @@
-//! Loading the reference vectors of `<workspace root>/../shared/vectors`.
+//! Loading the reference vectors of `<workspace root>/testdata/vectors` (see `testdata/README.md`).
 #![allow(dead_code)]
 
 use serde_json::{json, Value};
 use std::path::PathBuf;
 
-/// The vectors directory; panics (failing the test) with a clear message when it is missing.
+/// The vectors directory: `<workspace root>/testdata/vectors`, or the folder named by
+/// `GRID_VECTORS_DIR`. Panics (failing the test, never skipping it) with a clear message when it
+/// is missing.
 pub fn dir() -> PathBuf {
-    let d = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/vectors");
+    let d = std::env::var_os("GRID_VECTORS_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../testdata/vectors")
+        });
     assert!(
         d.join("INDEX.json").is_file(),
-        "reference vectors not found at {} (expected <workspace root>/../shared/vectors/INDEX.json): \
-         the multimodule vector tests need them",
+        "reference vectors not found at {} (no INDEX.json): they live in the repository's \
+         testdata/vectors; restore that folder, or point GRID_VECTORS_DIR at a copy",
         d.display()
     );
     d
 }
 
-/// Every vector of one op, as (name, document).
+/// Every vector of one op, as (name, document), in INDEX.json order. Fails without any.
 pub fn of_op(op: &str) -> Vec<(String, Value)> {
     let d = dir();
-    let index: Value =
-        serde_json::from_str(&std::fs::read_to_string(d.join("INDEX.json")).unwrap()).unwrap();
+    let read = |p: PathBuf| -> Value {
+        let text = std::fs::read_to_string(&p)
+            .unwrap_or_else(|e| panic!("cannot read {}: {e}", p.display()));
+        serde_json::from_str(&text).unwrap_or_else(|e| panic!("{} is not JSON: {e}", p.display()))
+    };
+    let index = read(d.join("INDEX.json"));
+    let entries = index
+        .as_array()
+        .unwrap_or_else(|| panic!("{}/INDEX.json is not a list", d.display()));
     let mut out = Vec::new();
-    for e in index.as_array().unwrap() {
+    for e in entries {
         if e["op"] == op {
-            let name = e["name"].as_str().unwrap().to_string();
-            let text = std::fs::read_to_string(d.join(format!("{name}.json")))
-                .unwrap_or_else(|err| panic!("vector {name}: {err}"));
-            out.push((name, serde_json::from_str(&text).unwrap()));
+            let name = e["name"]
+                .as_str()
+                .unwrap_or_else(|| panic!("INDEX.json entry without a name: {e}"))
+                .to_string();
+            let v = read(d.join(format!("{name}.json")));
+            out.push((name, v));
         }
     }
-    assert!(!out.is_empty(), "no vector of op {op} in INDEX.json");
+    assert!(!out.is_empty(), "no vector of op {op} in {}", d.display());
     out
 }
 
