@@ -1,20 +1,10 @@
 //! `cargo xtask test`: system packages, formatting, lints, every test.
 
+use crate::packages::{ensure_packages, DEBIAN_PACKAGES};
 use crate::util::{self, cargo, color_args, run, run_capture, secs, timed, MPI_ENV};
 use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
-
-/// The Debian packages the workspace needs to build and test (the MPI, Gloo and bindgen
-/// dependencies of the backend crates, and a Redis server for Gloo's rendezvous store).
-/// This list is the one place they are named; the README points here.
-pub const DEBIAN_PACKAGES: &[&str] = &[
-    "libopenmpi-dev",
-    "openmpi-bin",
-    "libclang-dev",
-    "libgloo-dev",
-    "redis-server",
-];
 
 /// Outcome of one step.
 struct Step {
@@ -50,7 +40,7 @@ pub fn main(args: &[String]) -> i32 {
     }
 
     // (1) System packages: a failure here stops everything (nothing else can build).
-    let (pk, t) = timed(ensure_packages);
+    let (pk, t) = timed(|| ensure_packages("test"));
     if let Err(code) = pk {
         return code;
     }
@@ -167,89 +157,6 @@ fn has_nextest() -> bool {
         .stderr(std::process::Stdio::null())
         .status()
         .is_ok_and(|s| s.success())
-}
-
-/// Checks the Debian packages; installs the missing ones as root. `Err(exit code)` stops.
-fn ensure_packages() -> Result<(), i32> {
-    if !util::on_path("dpkg-query") {
-        eprintln!(
-            "xtask: dpkg-query not found (not a Debian system?); cannot check for the packages {}. \
-             Continuing: install their equivalents if the build fails.",
-            DEBIAN_PACKAGES.join(" ")
-        );
-        return Ok(());
-    }
-    let missing = missing_packages();
-    if missing.is_empty() {
-        eprintln!(
-            "xtask: system packages present: {}",
-            DEBIAN_PACKAGES.join(" ")
-        );
-        return Ok(());
-    }
-    let list = missing.join(" ");
-    if !is_root() {
-        eprintln!("xtask: missing Debian packages: {list}");
-        eprintln!("xtask: install them as root, then run `cargo xtask test` again:");
-        eprintln!(
-            "  sudo apt-get update && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends {list}"
-        );
-        return Err(1);
-    }
-    eprintln!("xtask: installing missing Debian packages: {list}");
-    if !run(Command::new("apt-get").arg("update").arg("-qq")) {
-        eprintln!("xtask: apt-get update failed");
-        return Err(1);
-    }
-    let ok = run(Command::new("apt-get")
-        .env("DEBIAN_FRONTEND", "noninteractive")
-        .args(["install", "-y", "-qq", "--no-install-recommends"])
-        .args(&missing));
-    let still = missing_packages();
-    if !ok || !still.is_empty() {
-        eprintln!(
-            "xtask: apt-get install failed; still missing: {}",
-            still.join(" ")
-        );
-        return Err(1);
-    }
-    Ok(())
-}
-
-fn missing_packages() -> Vec<&'static str> {
-    DEBIAN_PACKAGES
-        .iter()
-        .copied()
-        .filter(|p| {
-            let out = Command::new("dpkg-query")
-                .args(["-W", "-f=${Status}", p])
-                .output();
-            match out {
-                Ok(o) => {
-                    !(o.status.success()
-                        && String::from_utf8_lossy(&o.stdout).trim() == "install ok installed")
-                }
-                Err(_) => true,
-            }
-        })
-        .collect()
-}
-
-/// Effective user id 0, read from /proc (no libc), else from `id -u`.
-fn is_root() -> bool {
-    if let Ok(status) = std::fs::read_to_string("/proc/self/status") {
-        if let Some(line) = status.lines().find(|l| l.starts_with("Uid:")) {
-            let mut f = line.split_whitespace().skip(1);
-            let _real = f.next();
-            if let Some(euid) = f.next() {
-                return euid == "0";
-            }
-        }
-    }
-    Command::new("id")
-        .arg("-u")
-        .output()
-        .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
 }
 
 /// `crates/backend-nccl` with a `gpu-tests` feature, if that exists.
