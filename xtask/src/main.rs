@@ -10,6 +10,7 @@
 mod bench;
 mod compare;
 mod demo;
+mod examples;
 mod external;
 mod packages;
 mod test;

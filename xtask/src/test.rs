@@ -1,5 +1,6 @@
 //! `cargo xtask test`: system packages, formatting, lints, every test.
 
+use crate::examples;
 use crate::packages::{ensure_packages, DEBIAN_PACKAGES};
 use crate::util::{self, cargo, color_args, run, run_capture, secs, timed, MPI_ENV};
 use std::path::Path;
@@ -8,7 +9,7 @@ use std::time::Duration;
 
 /// Outcome of one step.
 struct Step {
-    name: &'static str,
+    name: String,
     ok: bool,
     time: Duration,
     note: String,
@@ -45,7 +46,7 @@ pub fn main(args: &[String]) -> i32 {
         return code;
     }
     let mut steps = vec![Step {
-        name: "system packages",
+        name: "system packages".into(),
         ok: true,
         time: t,
         note: DEBIAN_PACKAGES.join(" "),
@@ -55,7 +56,7 @@ pub fn main(args: &[String]) -> i32 {
     // (2) Formatting.
     let (ok, t) = timed(|| run(cargo().args(["fmt", "--all", "--check"])));
     steps.push(Step {
-        name: "cargo fmt --check",
+        name: "cargo fmt --check".into(),
         ok,
         time: t,
         note: if ok {
@@ -73,7 +74,7 @@ pub fn main(args: &[String]) -> i32 {
             .args(["--", "-D", "warnings"]))
     });
     steps.push(Step {
-        name: "cargo clippy -D warnings",
+        name: "cargo clippy -D warnings".into(),
         ok,
         time: t,
         note: String::new(),
@@ -90,7 +91,7 @@ pub fn main(args: &[String]) -> i32 {
         status.is_some_and(|s| s.success())
     });
     steps.push(Step {
-        name: "doc tests",
+        name: "doc tests".into(),
         ok,
         time: t,
         note: String::new(),
@@ -116,9 +117,9 @@ pub fn main(args: &[String]) -> i32 {
     });
     steps.push(Step {
         name: if nextest {
-            "tests (cargo nextest)"
+            "tests (cargo nextest)".into()
         } else {
-            "tests (cargo test)"
+            "tests (cargo test)".into()
         },
         ok,
         time: t,
@@ -129,7 +130,10 @@ pub fn main(args: &[String]) -> i32 {
         },
     });
 
-    // (5) The GPU suite, when asked for.
+    // (5) The examples of the library crates, each run with the command its documentation gives.
+    steps.extend(example_steps(&mut counts));
+
+    // (6) The GPU suite, when asked for.
     if gpu {
         steps.push(gpu_suite(&mut counts));
     }
@@ -137,11 +141,54 @@ pub fn main(args: &[String]) -> i32 {
     summary(&steps, &counts)
 }
 
+/// Builds every example of the workspace, then runs each library crate's example with its
+/// documented command; one step (and one test count) per example.
+fn example_steps(counts: &mut Counts) -> Vec<Step> {
+    let mut steps = Vec::new();
+    let (ok, t) = timed(|| {
+        let mut c = cargo();
+        c.args(["build", "--workspace", "--examples"])
+            .args(color_args());
+        run(&mut c)
+    });
+    steps.push(Step {
+        name: "build examples".into(),
+        ok,
+        time: t,
+        note: String::new(),
+    });
+    for ex in examples::find_examples() {
+        let name = format!("example {}/{}", ex.package, ex.name);
+        let (result, t) = timed(|| {
+            ex.command
+                .clone()
+                .and_then(|c| examples::run_documented(&c, examples::EXAMPLE_TIMEOUT))
+        });
+        counts.seen = true;
+        match &result {
+            Ok(()) => counts.passed += 1,
+            Err(e) => {
+                counts.failed += 1;
+                eprintln!("xtask: {name}: {e}");
+            }
+        }
+        steps.push(Step {
+            name,
+            ok: result.is_ok(),
+            time: t,
+            note: result.err().unwrap_or_default(),
+        });
+    }
+    steps
+}
+
 const HELP: &str = "usage: cargo xtask test [--gpu]
 
 Checks the Debian packages (installs them when running as root), then runs
 cargo fmt --check, cargo clippy -D warnings, the doc tests and every test of
-the workspace (cargo nextest when installed, else cargo test).
+the workspace (cargo nextest when installed, else cargo test), then builds the
+examples and runs each library crate's example with the command its
+documentation gives (`//! Run: `...``).
   --gpu   also run the NCCL suite (crates/backend-nccl with feature gpu-tests)";
 
 fn with_test_env(c: &mut Command) {
@@ -167,7 +214,7 @@ fn gpu_suite(counts: &mut Counts) -> Step {
             "xtask: --gpu: no GPU suite exists yet (crates/backend-nccl with a `gpu-tests` feature); nothing to run"
         );
         return Step {
-            name: "GPU suite",
+            name: "GPU suite".into(),
             ok: true,
             time: Duration::ZERO,
             note: "no GPU suite exists yet".into(),
@@ -190,7 +237,7 @@ fn gpu_suite(counts: &mut Counts) -> Step {
         status.is_some_and(|s| s.success())
     });
     Step {
-        name: "GPU suite (backend-nccl, gpu-tests)",
+        name: "GPU suite (backend-nccl, gpu-tests)".into(),
         ok,
         time: t,
         note: String::new(),
@@ -273,7 +320,11 @@ fn read_cargo_test_counts(lines: &[String], c: &mut Counts) {
 }
 
 fn summary(steps: &[Step], counts: &Counts) -> i32 {
-    let failed: Vec<&str> = steps.iter().filter(|s| !s.ok).map(|s| s.name).collect();
+    let failed: Vec<&str> = steps
+        .iter()
+        .filter(|s| !s.ok)
+        .map(|s| s.name.as_str())
+        .collect();
     let width = steps.iter().map(|s| s.name.len()).max().unwrap_or(0);
     println!();
     println!("==== cargo xtask test: summary ====");
