@@ -10,7 +10,7 @@
 
 use backend_gloo::{run_ranks_with, GlooConfig, Rendezvous};
 use grid_core::{build_collection, Communicator, LayoutPlan};
-use grid_programs::demo::{all_reduce_every_family, config, FamilyRow};
+use grid_programs::demo::{all_reduce_every_family, config, describe, FamilyRow};
 use grid_programs::table::header;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
@@ -108,20 +108,11 @@ fn run(store: Option<Rendezvous>) -> Result<(), String> {
         ranks.push(res.map_err(|err| format!("rank {r}: {err}"))?);
     }
 
-    let c = plan.config();
     let fls = plan.family_levels();
     println!(
         "Gloo demo: {n} ranks as threads of one process (Gloo over loopback TCP, rendezvous through {where_}; \
-         chosen because it needs no MPI launcher)\nlayout: world {n}, tp {} pp {} cp {} dp {}, expert: ep {} etp {} edp {}, order {} ({} families)\n",
-        c.tp,
-        c.pp,
-        c.cp,
-        plan.dp(),
-        c.ep,
-        plan.expert_tp(),
-        plan.expert_dp(),
-        c.order,
-        fls.len()
+         chosen because it needs no MPI launcher)\nlayout: {}\n",
+        describe(&plan)
     );
     println!(
         "{}",

@@ -12,7 +12,7 @@
 
 use backend_mpi::{testing, MpiFactory, MpiRuntime};
 use grid_core::{build_collection, Communicator, CommunicatorExt, LayoutPlan, ReduceOp};
-use grid_programs::demo::{all_reduce_every_family, config};
+use grid_programs::demo::{all_reduce_every_family, config, describe};
 use grid_programs::table::header;
 use std::process::ExitCode;
 use std::time::Instant;
@@ -119,19 +119,7 @@ fn run() -> Result<(), String> {
     }
 
     if me == 0 {
-        let c = plan.config();
-        println!(
-            "MPI demo: world {n}, tp {} pp {} cp {} dp {}, expert: ep {} etp {} edp {}, order {} ({} families)\n",
-            c.tp,
-            c.pp,
-            c.cp,
-            plan.dp(),
-            c.ep,
-            plan.expert_tp(),
-            plan.expert_dp(),
-            c.order,
-            fls.len()
-        );
+        println!("MPI demo: {}\n", describe(&plan));
         println!(
             "{}",
             header(&[

@@ -30,6 +30,33 @@ pub fn config() -> LayoutConfig {
     c
 }
 
+/// The layout in one line, as the demos print it: `world 8, tp 2 pp 2 cp 2 dp 1, expert: ep 4
+/// etp 1 edp 1, order tp-cp-ep-dp-pp (19 families)`.
+///
+/// ```
+/// let plan = grid_core::LayoutPlan::new(grid_programs::demo::config()).unwrap();
+/// assert_eq!(
+///     grid_programs::demo::describe(&plan),
+///     "world 8, tp 2 pp 2 cp 2 dp 1, expert: ep 4 etp 1 edp 1, order tp-cp-ep-dp-pp (19 families)"
+/// );
+/// ```
+pub fn describe(plan: &LayoutPlan) -> String {
+    let c = plan.config();
+    format!(
+        "world {}, tp {} pp {} cp {} dp {}, expert: ep {} etp {} edp {}, order {} ({} families)",
+        plan.world_size(),
+        c.tp,
+        c.pp,
+        c.cp,
+        plan.dp(),
+        c.ep,
+        plan.expert_tp(),
+        plan.expert_dp(),
+        c.order,
+        plan.family_levels().len()
+    )
+}
+
 /// The communicator of family level `fl` in a built collection (`hcp` levels included), or
 /// `None` where this rank is not a member.
 pub fn comm_of<G>(c: &ProcessGroupCollection<Arc<G>>, fl: FamilyLevel) -> Option<&G> {
