@@ -7,7 +7,9 @@ use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 /// The Debian packages the workspace needs to build and test (the MPI, Gloo and bindgen
-/// dependencies of the backend crates, and a Redis server for Gloo's rendezvous store).
+/// dependencies of the backend crates, a Redis server for Gloo's rendezvous store, and the C++
+/// compiler that builds backend-gloo's shim: a machine with Rust has a C compiler, not
+/// necessarily a C++ one).
 /// This list is the one place they are named; the README points here.
 pub const DEBIAN_PACKAGES: &[&str] = &[
     "libopenmpi-dev",
@@ -15,6 +17,7 @@ pub const DEBIAN_PACKAGES: &[&str] = &[
     "libclang-dev",
     "libgloo-dev",
     "redis-server",
+    "g++",
 ];
 
 /// Checks the Debian packages before anything is built: present, it says so; missing and root, it

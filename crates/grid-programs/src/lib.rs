@@ -11,6 +11,8 @@
 //! * [`table`]: byte and duration labels, Markdown table headers;
 //! * [`demo`]: the 8-rank demo layout and an all-reduce checked on every family of it.
 
+#![warn(missing_docs)]
+
 pub mod collectives;
 pub mod demo;
 pub mod stats;
