@@ -98,8 +98,8 @@ pub fn bandwidth(op: Op, bytes: usize, secs: f64, n: usize) -> (f64, f64) {
     }
 }
 
-/// Nominal sizes: 8 B, then ×4 up to `max_bytes`, then 64 MiB when `max_bytes` reaches it
-/// (8 B to 32 MiB in powers of 4, then 64 MiB, for `max_bytes` = 64 MiB).
+/// Nominal sizes, ascending: 8 B, then ×4 up to `max_bytes`, plus 64 MiB when `max_bytes` reaches
+/// it (8 B to 32 MiB in powers of 4, then 64 MiB, for `max_bytes` = 64 MiB).
 ///
 /// ```
 /// let s = grid_programs::collectives::sizes(64 << 20);
@@ -112,6 +112,7 @@ pub fn sizes(max_bytes: usize) -> Vec<usize> {
         .collect();
     if max_bytes >= 64 << 20 && !s.contains(&(64 << 20)) {
         s.push(64 << 20);
+        s.sort_unstable();
     }
     s
 }
@@ -138,6 +139,9 @@ mod tests {
     fn size_lists() {
         assert_eq!(sizes(7), Vec::<usize>::new());
         assert_eq!(sizes(8), vec![8]);
-        assert_eq!(sizes(usize::MAX).last(), Some(&(8usize << 60)));
+        let all = sizes(usize::MAX);
+        assert_eq!(all.last(), Some(&(8usize << 60)));
+        assert!(all.windows(2).all(|w| w[0] < w[1]));
+        assert!(all.contains(&(64 << 20)));
     }
 }

@@ -5,8 +5,8 @@ use std::time::{Duration, Instant};
 /// The median of `values`: the upper median (`sorted[len / 2]`) for an even count, so the value
 /// reported is always one that was measured. `None` for an empty slice.
 ///
-/// Works for any totally or partially ordered sample type (`f64` seconds, `Duration`); a value
-/// that does not compare (NaN) sorts as equal to its neighbour.
+/// Works for any ordered sample type (`f64` seconds, `Duration`); a value that does not compare
+/// with itself (NaN) is not a measurement and is left out.
 ///
 /// ```
 /// use grid_programs::stats::median;
@@ -14,10 +14,15 @@ use std::time::{Duration, Instant};
 /// assert_eq!(median(&[3.0, 1.0, 2.0]), Some(2.0));
 /// assert_eq!(median(&[4.0, 1.0, 3.0, 2.0]), Some(3.0));
 /// assert_eq!(median(&[Duration::from_millis(5), Duration::from_millis(1)]), Some(Duration::from_millis(5)));
+/// assert_eq!(median(&[f64::NAN, 1.0]), Some(1.0));
 /// assert_eq!(median::<f64>(&[]), None);
 /// ```
 pub fn median<T: Copy + PartialOrd>(values: &[T]) -> Option<T> {
-    let mut v = values.to_vec();
+    let mut v: Vec<T> = values
+        .iter()
+        .copied()
+        .filter(|x| x.partial_cmp(x).is_some())
+        .collect();
     v.sort_by(|a, b| a.partial_cmp(b).unwrap_or(std::cmp::Ordering::Equal));
     v.get(v.len() / 2).copied()
 }
