@@ -7,7 +7,7 @@ const HELP: &str = "usage: cargo xtask bench layout [--quick]   topology benchma
                                             memory, the grid process, Megatron's per-token rows
        cargo xtask bench gloo [--quick]     Gloo (trait and direct) and MPI in one run, side by side
        cargo xtask bench mpi|bridge|nccl [--np N] [-- ARGS]
-                                            backend benchmarks (binaries of the backend crates)";
+                                            backend benchmarks (examples of crates/grid-programs)";
 
 pub fn main(args: &[String]) -> i32 {
     match args.first().map(String::as_str) {

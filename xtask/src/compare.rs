@@ -66,7 +66,16 @@ fn mpi_rows(text: &str) -> Rows {
 }
 
 pub fn main(args: &[String]) -> i32 {
-    let quick = args.iter().any(|a| a == "--quick");
+    let mut quick = false;
+    for a in args {
+        match a.as_str() {
+            "--quick" => quick = true,
+            other => {
+                eprintln!("xtask bench gloo: unknown argument '{other}' (usage: cargo xtask bench gloo [--quick])");
+                return 2;
+            }
+        }
+    }
     let gloo = BENCHES.iter().find(|(n, _)| *n == "gloo").map(|(_, e)| e);
     let mpi = BENCHES.iter().find(|(n, _)| *n == "mpi").map(|(_, e)| e);
     let (Some(gloo), Some(mpi)) = (gloo, mpi) else {

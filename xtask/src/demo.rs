@@ -2,7 +2,8 @@
 //! command, then its communicators on real ranks (MPI when it is installed, else Gloo with ranks
 //! as threads), then a multi-module pipeline running forward and backward.
 
-use crate::external::{dispatch, run_external, DEMOS};
+use crate::external::{dispatch, find, run_external, DEMOS};
+use crate::packages::ensure_packages;
 use crate::util::{cargo, on_path, run, target_dir, workspace_root};
 use std::process::Command;
 
@@ -39,21 +40,12 @@ pub fn main(args: &[String]) -> i32 {
                 "usage: cargo xtask demo                    the whole demo: layout, communicators, multi-module pipeline
        cargo xtask demo layout             only the layout of a realistic configuration
        cargo xtask demo mpi|gloo|multimodule [--np N] [-- ARGS]
-                                            one backend demo (binaries of the backend crates)"
+                                            one backend demo (examples of crates/grid-programs)"
             );
             0
         }
         Some(name) => dispatch(DEMOS, name, &args[1..]),
     }
-}
-
-/// The demo table entry named `name`.
-fn demo(name: &str) -> &'static crate::external::External {
-    &DEMOS
-        .iter()
-        .find(|(n, _)| *n == name)
-        .expect("DEMOS names mpi, gloo and multimodule")
-        .1
 }
 
 fn banner(title: &str) {
@@ -63,6 +55,19 @@ fn banner(title: &str) {
 
 /// Layout, then communicators on real ranks, then the multi-module pipeline.
 fn full_demo() -> i32 {
+    // Steps 2 and 3 need the backends' system packages: check (as root, install) them before
+    // anything is built, so a missing package stops the demo at once with the command to run.
+    if let Err(code) = ensure_packages("demo") {
+        return code;
+    }
+    let (Ok(mpi), Ok(gloo), Ok(multimodule)) = (
+        find(DEMOS, "mpi"),
+        find(DEMOS, "gloo"),
+        find(DEMOS, "multimodule"),
+    ) else {
+        eprintln!("xtask: the demo table lacks mpi, gloo or multimodule");
+        return 1;
+    };
     banner("1/3 the layout (pure topology, the grid command)");
     let code = layout_demo();
     if code != 0 {
@@ -72,23 +77,23 @@ fn full_demo() -> i32 {
     let backend = match on_path("mpirun") {
         true => {
             banner("2/3 every communicator of an 8-rank layout over MPI (Open MPI's mpirun is on PATH; 8 processes)");
-            "mpi"
+            mpi
         }
         false => {
             banner(
                 "2/3 every communicator of an 8-rank layout over Gloo \
                  (MPI is not installed: no mpirun on PATH; 8 ranks as threads of one process)",
             );
-            "gloo"
+            gloo
         }
     };
-    let code = run_external(demo(backend), None, &[]);
+    let code = run_external(backend, None, &[]);
     if code != 0 {
         return code;
     }
     println!();
     banner("3/3 a multi-module pipeline: two encoders -> language model -> generator (8 Gloo ranks as threads)");
-    run_external(demo("multimodule"), None, &[])
+    run_external(multimodule, None, &[])
 }
 
 fn layout_demo() -> i32 {

@@ -1,88 +1,78 @@
-//! Extension points: demos and benchmarks that live in other crates as binaries.
+//! The demos and benchmarks that are programs: the `examples/` targets of `crates/grid-programs`.
 //!
-//! Each entry names the crate that provides the binary and how it is launched. When a crate
-//! lands, its owner only needs to provide the binary named here (or adjust its entry):
-//! `cargo xtask demo mpi` then builds it in release mode and runs it.
+//! Each entry names the example and how it is launched: `cargo xtask demo mpi` checks the Debian
+//! packages, builds the example in release mode (`target/release/examples/<name>`) and runs it.
 
+use crate::packages::ensure_packages;
 use crate::util::{cargo, run, target_dir, workspace_root, MPI_ENV};
+use std::path::PathBuf;
 use std::process::Command;
 
-/// How an external binary is started.
+/// The crate whose examples are the demos and benchmarks.
+pub const PROGRAMS: &str = "grid-programs";
+
+/// How an external program is started.
 #[derive(Clone, Copy)]
 pub enum Launch {
-    /// `mpirun -np N <binary> ARGS` with the MPI environment of the tests.
+    /// `mpirun -np N <program> ARGS` with the MPI environment of the tests.
     Mpirun { np: usize },
-    /// `<binary> ARGS` (the binary starts its own ranks, e.g. as threads or child processes).
+    /// `<program> ARGS` (the program starts its own ranks, e.g. as threads or child processes).
     Direct,
 }
 
-/// A demo or benchmark provided by another crate.
+/// A demo or benchmark program (an example of [`PROGRAMS`]).
 pub struct External {
     /// What `cargo xtask` calls it (`demo mpi`, `bench gloo`, ...).
     pub what: &'static str,
-    /// The package that provides the binary.
-    pub package: &'static str,
-    /// The binary's name (`[[bin]] name` or `src/bin/<name>.rs`).
-    pub bin: &'static str,
-    /// Cargo features the binary needs.
-    pub features: &'static [&'static str],
+    /// The example's name (`crates/grid-programs/examples/<name>.rs`).
+    pub example: &'static str,
     /// How it is started.
     pub launch: Launch,
 }
 
-// ---- EXTENSION POINT: demos --------------------------------------------------------------------
+// ---- demos -------------------------------------------------------------------------------------
 /// `cargo xtask demo mpi|gloo|multimodule`.
 pub const DEMOS: &[(&str, External)] = &[
-    // crates/backend-mpi/src/bin/mpi-demo.rs: builds the demo layout's process groups over MPI
-    // and checks a collective on each.
+    // mpi-demo: builds the demo layout's process groups over MPI and checks a collective on each.
     (
         "mpi",
         External {
             what: "demo mpi",
-            package: "backend-mpi",
-            bin: "mpi-demo",
-            features: &[],
+            example: "mpi-demo",
             launch: Launch::Mpirun { np: 8 },
         },
     ),
-    // crates/backend-gloo/src/bin/gloo-demo.rs: the same without MPI (the fallback), 8 ranks as
-    // threads of one process.
+    // gloo-demo: the same without MPI (the fallback), 8 ranks as threads.
     (
         "gloo",
         External {
             what: "demo gloo",
-            package: "backend-gloo",
-            bin: "gloo-demo",
-            features: &[],
+            example: "gloo-demo",
             launch: Launch::Direct,
         },
     ),
-    // crates/multimodule/src/bin/multimodule-demo.rs: two encoders -> language model ->
-    // generator, with bridge communicators, 8 Gloo ranks as threads.
+    // multimodule-demo: two encoders -> language model -> generator, with bridge communicators,
+    // 8 Gloo ranks as threads.
     (
         "multimodule",
         External {
             what: "demo multimodule",
-            package: "multimodule",
-            bin: "multimodule-demo",
-            features: &["gloo"],
+            example: "multimodule-demo",
             launch: Launch::Direct,
         },
     ),
 ];
 
-// ---- EXTENSION POINT: benchmarks ---------------------------------------------------------------
+// ---- benchmarks --------------------------------------------------------------------------------
 /// `cargo xtask bench mpi|gloo|bridge|nccl` (`bench layout` is built in, see bench.rs). Each
-/// binary starts its own ranks (re-launching itself under mpirun where needed) and prints a
+/// program starts its own ranks (re-launching itself under mpirun where needed) and prints a
 /// Markdown report.
 pub const BENCHES: &[(&str, External)] = &[
     (
         "mpi",
         External {
             what: "bench mpi",
-            package: "backend-mpi",
-            bin: "mpi-bench",
-            features: &[],
+            example: "mpi-bench",
             launch: Launch::Direct,
         },
     ),
@@ -90,9 +80,7 @@ pub const BENCHES: &[(&str, External)] = &[
         "gloo",
         External {
             what: "bench gloo",
-            package: "backend-gloo",
-            bin: "gloo-bench",
-            features: &[],
+            example: "gloo-bench",
             launch: Launch::Direct,
         },
     ),
@@ -100,9 +88,7 @@ pub const BENCHES: &[(&str, External)] = &[
         "bridge",
         External {
             what: "bench bridge",
-            package: "multimodule",
-            bin: "bridge-bench",
-            features: &["gloo"],
+            example: "bridge-bench",
             launch: Launch::Direct,
         },
     ),
@@ -111,48 +97,60 @@ pub const BENCHES: &[(&str, External)] = &[
         "nccl",
         External {
             what: "bench nccl",
-            package: "backend-nccl",
-            bin: "nccl-bench",
-            features: &[],
+            example: "nccl-bench",
             launch: Launch::Direct,
         },
     ),
 ];
 
-/// Whether the package's directory declares the binary (`src/bin/<bin>.rs`,
-/// `src/bin/<bin>/main.rs`, or a `name = "<bin>"` line in its manifest).
-fn provides(package: &str, bin: &str) -> bool {
-    let dir = workspace_root().join("crates").join(package);
-    if dir.join("src/bin").join(format!("{bin}.rs")).is_file()
-        || dir.join("src/bin").join(bin).join("main.rs").is_file()
-    {
-        return true;
-    }
-    std::fs::read_to_string(dir.join("Cargo.toml")).is_ok_and(|m| {
-        m.lines()
-            .any(|l| l.replace(' ', "") == format!("name=\"{bin}\""))
-    })
+/// The table entry named `name`, or a message listing the valid names.
+pub fn find<'a>(table: &'a [(&str, External)], name: &str) -> Result<&'a External, String> {
+    table
+        .iter()
+        .find(|(n, _)| *n == name)
+        .map(|(_, e)| e)
+        .ok_or_else(|| {
+            let names: Vec<&str> = table.iter().map(|(n, _)| *n).collect();
+            format!("unknown target '{name}': valid are {}", names.join(", "))
+        })
 }
 
-/// Builds and runs an external binary. Exit code 1 when it does not exist yet.
-pub fn run_external(e: &External, np_override: Option<usize>, extra: &[String]) -> i32 {
-    if !provides(e.package, e.bin) {
+/// Checks the packages, builds the example in release mode and returns its path, relative to the
+/// workspace root when it lies inside it (the commands run there, and the echo reads better).
+fn build(e: &External) -> Option<PathBuf> {
+    let source = workspace_root()
+        .join("crates")
+        .join(PROGRAMS)
+        .join("examples")
+        .join(format!("{}.rs", e.example));
+    if !source.is_file() {
         eprintln!(
-            "xtask: `cargo xtask {}` is not available yet: crates/{} does not provide the binary `{}`",
-            e.what, e.package, e.bin
+            "xtask: `cargo xtask {}` needs {}, which does not exist",
+            e.what,
+            source.display()
         );
+        return None;
+    }
+    if ensure_packages(e.what).is_err() {
+        return None;
+    }
+    if !run(cargo().args(["build", "--release", "-p", PROGRAMS, "--example", e.example])) {
+        eprintln!("xtask: building {} failed", e.example);
+        return None;
+    }
+    let exe = target_dir().join("release/examples").join(e.example);
+    Some(
+        exe.strip_prefix(workspace_root())
+            .map(PathBuf::from)
+            .unwrap_or(exe),
+    )
+}
+
+/// Builds and runs an external program. Exit code 1 when it cannot be built or fails.
+pub fn run_external(e: &External, np_override: Option<usize>, extra: &[String]) -> i32 {
+    let Some(exe) = build(e) else {
         return 1;
-    }
-    let mut build = cargo();
-    build.args(["build", "--release", "-p", e.package, "--bin", e.bin]);
-    if !e.features.is_empty() {
-        build.args(["--features", &e.features.join(",")]);
-    }
-    if !run(&mut build) {
-        eprintln!("xtask: building {} failed", e.bin);
-        return 1;
-    }
-    let exe = target_dir().join("release").join(e.bin);
+    };
     let mut cmd = match e.launch {
         Launch::Mpirun { np } => {
             let mut c = Command::new("mpirun");
@@ -169,7 +167,7 @@ pub fn run_external(e: &External, np_override: Option<usize>, extra: &[String]) 
             if np_override.is_some() {
                 eprintln!(
                     "xtask: --np does not apply to `cargo xtask {}`: {} starts its own ranks",
-                    e.what, e.bin
+                    e.what, e.example
                 );
                 return 2;
             }
@@ -187,26 +185,10 @@ pub fn run_external(e: &External, np_override: Option<usize>, extra: &[String]) 
     }
 }
 
-/// Builds an external binary that starts its own ranks and runs it with `extra`, returning its
+/// Builds an external program that starts its own ranks and runs it with `extra`, returning its
 /// standard output (also on failure, after reporting it), or `None` when it could not run.
 pub fn run_external_capture(e: &External, extra: &[String]) -> Option<String> {
-    if !provides(e.package, e.bin) {
-        eprintln!(
-            "xtask: crates/{} does not provide the binary `{}`",
-            e.package, e.bin
-        );
-        return None;
-    }
-    let mut build = cargo();
-    build.args(["build", "--release", "-p", e.package, "--bin", e.bin]);
-    if !e.features.is_empty() {
-        build.args(["--features", &e.features.join(",")]);
-    }
-    if !run(&mut build) {
-        eprintln!("xtask: building {} failed", e.bin);
-        return None;
-    }
-    let exe = target_dir().join("release").join(e.bin);
+    let exe = build(e)?;
     let mut cmd = Command::new(&exe);
     cmd.args(extra).current_dir(workspace_root());
     for (k, v) in MPI_ENV {
@@ -217,7 +199,7 @@ pub fn run_external_capture(e: &External, extra: &[String]) -> Option<String> {
         Ok(o) if o.status.success() => Some(String::from_utf8_lossy(&o.stdout).into_owned()),
         Ok(o) => {
             print!("{}", String::from_utf8_lossy(&o.stdout));
-            eprintln!("xtask: {} failed with {}", e.bin, o.status);
+            eprintln!("xtask: {} failed with {}", e.example, o.status);
             None
         }
         Err(err) => {
@@ -229,13 +211,12 @@ pub fn run_external_capture(e: &External, extra: &[String]) -> Option<String> {
 
 /// Looks `name` up in `table` and runs it; parses `--np N` and passes `-- ARGS` through.
 pub fn dispatch(table: &[(&str, External)], name: &str, args: &[String]) -> i32 {
-    let Some((_, e)) = table.iter().find(|(n, _)| *n == name) else {
-        let names: Vec<&str> = table.iter().map(|(n, _)| *n).collect();
-        eprintln!(
-            "xtask: unknown target '{name}': valid are {}",
-            names.join(", ")
-        );
-        return 2;
+    let e = match find(table, name) {
+        Ok(e) => e,
+        Err(msg) => {
+            eprintln!("xtask: {msg}");
+            return 2;
+        }
     };
     let mut np = None;
     let mut extra = Vec::new();

@@ -1,7 +1,8 @@
 //! `cargo xtask`: the project's own automation.
 //!
 //! * `cargo xtask test [--gpu]`: system packages, `cargo fmt --check`, clippy, every test.
-//! * `cargo xtask demo [mpi|gloo|multimodule]`: the layout of a realistic configuration.
+//! * `cargo xtask demo [layout|mpi|gloo|multimodule]`: the main job (layout, communicators,
+//!   multi-module pipeline), or one of its steps.
 //! * `cargo xtask bench layout|mpi|gloo|bridge|nccl`: benchmarks.
 //!
 //! The alias lives in `.cargo/config.toml` (`xtask = "run --quiet --package xtask --"`).
@@ -9,7 +10,9 @@
 mod bench;
 mod compare;
 mod demo;
+mod examples;
 mod external;
+mod packages;
 mod test;
 mod util;
 
@@ -17,10 +20,11 @@ const HELP: &str = "usage: cargo xtask <command> [args]
 
 commands:
   test [--gpu]                     check system packages, fmt, clippy, run every test
-  demo                             the layout of a realistic configuration (grid command)
-  demo mpi|gloo|multimodule        the backend demos (binaries of the backend crates)
+  demo                             the main job: layout, communicators on real ranks, pipeline
+  demo layout                      only the layout of a realistic configuration (grid command)
+  demo mpi|gloo|multimodule        the backend demos (examples of crates/grid-programs)
   bench layout [--quick]           topology benchmarks (library and grid command)
-  bench mpi|gloo|bridge|nccl [-- ARGS]  backend benchmarks (binaries of the backend crates)";
+  bench mpi|gloo|bridge|nccl [-- ARGS]  backend benchmarks (examples of crates/grid-programs)";
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();

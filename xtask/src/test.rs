@@ -1,24 +1,15 @@
 //! `cargo xtask test`: system packages, formatting, lints, every test.
 
+use crate::examples;
+use crate::packages::{ensure_packages, DEBIAN_PACKAGES};
 use crate::util::{self, cargo, color_args, run, run_capture, secs, timed, MPI_ENV};
 use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
-/// The Debian packages the workspace needs to build and test (the MPI, Gloo and bindgen
-/// dependencies of the backend crates, and a Redis server for Gloo's rendezvous store).
-/// This list is the one place they are named; the README points here.
-pub const DEBIAN_PACKAGES: &[&str] = &[
-    "libopenmpi-dev",
-    "openmpi-bin",
-    "libclang-dev",
-    "libgloo-dev",
-    "redis-server",
-];
-
 /// Outcome of one step.
 struct Step {
-    name: &'static str,
+    name: String,
     ok: bool,
     time: Duration,
     note: String,
@@ -50,12 +41,12 @@ pub fn main(args: &[String]) -> i32 {
     }
 
     // (1) System packages: a failure here stops everything (nothing else can build).
-    let (pk, t) = timed(ensure_packages);
+    let (pk, t) = timed(|| ensure_packages("test"));
     if let Err(code) = pk {
         return code;
     }
     let mut steps = vec![Step {
-        name: "system packages",
+        name: "system packages".into(),
         ok: true,
         time: t,
         note: DEBIAN_PACKAGES.join(" "),
@@ -65,7 +56,7 @@ pub fn main(args: &[String]) -> i32 {
     // (2) Formatting.
     let (ok, t) = timed(|| run(cargo().args(["fmt", "--all", "--check"])));
     steps.push(Step {
-        name: "cargo fmt --check",
+        name: "cargo fmt --check".into(),
         ok,
         time: t,
         note: if ok {
@@ -83,7 +74,7 @@ pub fn main(args: &[String]) -> i32 {
             .args(["--", "-D", "warnings"]))
     });
     steps.push(Step {
-        name: "cargo clippy -D warnings",
+        name: "cargo clippy -D warnings".into(),
         ok,
         time: t,
         note: String::new(),
@@ -100,7 +91,7 @@ pub fn main(args: &[String]) -> i32 {
         status.is_some_and(|s| s.success())
     });
     steps.push(Step {
-        name: "doc tests",
+        name: "doc tests".into(),
         ok,
         time: t,
         note: String::new(),
@@ -126,9 +117,9 @@ pub fn main(args: &[String]) -> i32 {
     });
     steps.push(Step {
         name: if nextest {
-            "tests (cargo nextest)"
+            "tests (cargo nextest)".into()
         } else {
-            "tests (cargo test)"
+            "tests (cargo test)".into()
         },
         ok,
         time: t,
@@ -139,7 +130,10 @@ pub fn main(args: &[String]) -> i32 {
         },
     });
 
-    // (5) The GPU suite, when asked for.
+    // (5) The examples of the library crates, each run with the command its documentation gives.
+    steps.extend(example_steps(&mut counts));
+
+    // (6) The GPU suite, when asked for.
     if gpu {
         steps.push(gpu_suite(&mut counts));
     }
@@ -147,11 +141,54 @@ pub fn main(args: &[String]) -> i32 {
     summary(&steps, &counts)
 }
 
+/// Builds every example of the workspace, then runs each library crate's example with its
+/// documented command; one step (and one test count) per example.
+fn example_steps(counts: &mut Counts) -> Vec<Step> {
+    let mut steps = Vec::new();
+    let (ok, t) = timed(|| {
+        let mut c = cargo();
+        c.args(["build", "--workspace", "--examples"])
+            .args(color_args());
+        run(&mut c)
+    });
+    steps.push(Step {
+        name: "build examples".into(),
+        ok,
+        time: t,
+        note: String::new(),
+    });
+    for ex in examples::find_examples() {
+        let name = format!("example {}/{}", ex.package, ex.name);
+        let (result, t) = timed(|| {
+            ex.command
+                .clone()
+                .and_then(|c| examples::run_documented(&c, examples::EXAMPLE_TIMEOUT))
+        });
+        counts.seen = true;
+        match &result {
+            Ok(()) => counts.passed += 1,
+            Err(e) => {
+                counts.failed += 1;
+                eprintln!("xtask: {name}: {e}");
+            }
+        }
+        steps.push(Step {
+            name,
+            ok: result.is_ok(),
+            time: t,
+            note: result.err().unwrap_or_default(),
+        });
+    }
+    steps
+}
+
 const HELP: &str = "usage: cargo xtask test [--gpu]
 
 Checks the Debian packages (installs them when running as root), then runs
 cargo fmt --check, cargo clippy -D warnings, the doc tests and every test of
-the workspace (cargo nextest when installed, else cargo test).
+the workspace (cargo nextest when installed, else cargo test), then builds the
+examples and runs each library crate's example with the command its
+documentation gives (`//! Run: `...``).
   --gpu   also run the NCCL suite (crates/backend-nccl with feature gpu-tests)";
 
 fn with_test_env(c: &mut Command) {
@@ -169,89 +206,6 @@ fn has_nextest() -> bool {
         .is_ok_and(|s| s.success())
 }
 
-/// Checks the Debian packages; installs the missing ones as root. `Err(exit code)` stops.
-fn ensure_packages() -> Result<(), i32> {
-    if !util::on_path("dpkg-query") {
-        eprintln!(
-            "xtask: dpkg-query not found (not a Debian system?); cannot check for the packages {}. \
-             Continuing: install their equivalents if the build fails.",
-            DEBIAN_PACKAGES.join(" ")
-        );
-        return Ok(());
-    }
-    let missing = missing_packages();
-    if missing.is_empty() {
-        eprintln!(
-            "xtask: system packages present: {}",
-            DEBIAN_PACKAGES.join(" ")
-        );
-        return Ok(());
-    }
-    let list = missing.join(" ");
-    if !is_root() {
-        eprintln!("xtask: missing Debian packages: {list}");
-        eprintln!("xtask: install them as root, then run `cargo xtask test` again:");
-        eprintln!(
-            "  sudo apt-get update && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends {list}"
-        );
-        return Err(1);
-    }
-    eprintln!("xtask: installing missing Debian packages: {list}");
-    if !run(Command::new("apt-get").arg("update").arg("-qq")) {
-        eprintln!("xtask: apt-get update failed");
-        return Err(1);
-    }
-    let ok = run(Command::new("apt-get")
-        .env("DEBIAN_FRONTEND", "noninteractive")
-        .args(["install", "-y", "-qq", "--no-install-recommends"])
-        .args(&missing));
-    let still = missing_packages();
-    if !ok || !still.is_empty() {
-        eprintln!(
-            "xtask: apt-get install failed; still missing: {}",
-            still.join(" ")
-        );
-        return Err(1);
-    }
-    Ok(())
-}
-
-fn missing_packages() -> Vec<&'static str> {
-    DEBIAN_PACKAGES
-        .iter()
-        .copied()
-        .filter(|p| {
-            let out = Command::new("dpkg-query")
-                .args(["-W", "-f=${Status}", p])
-                .output();
-            match out {
-                Ok(o) => {
-                    !(o.status.success()
-                        && String::from_utf8_lossy(&o.stdout).trim() == "install ok installed")
-                }
-                Err(_) => true,
-            }
-        })
-        .collect()
-}
-
-/// Effective user id 0, read from /proc (no libc), else from `id -u`.
-fn is_root() -> bool {
-    if let Ok(status) = std::fs::read_to_string("/proc/self/status") {
-        if let Some(line) = status.lines().find(|l| l.starts_with("Uid:")) {
-            let mut f = line.split_whitespace().skip(1);
-            let _real = f.next();
-            if let Some(euid) = f.next() {
-                return euid == "0";
-            }
-        }
-    }
-    Command::new("id")
-        .arg("-u")
-        .output()
-        .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
-}
-
 /// `crates/backend-nccl` with a `gpu-tests` feature, if that exists.
 fn gpu_suite(counts: &mut Counts) -> Step {
     let manifest = util::workspace_root().join("crates/backend-nccl/Cargo.toml");
@@ -260,7 +214,7 @@ fn gpu_suite(counts: &mut Counts) -> Step {
             "xtask: --gpu: no GPU suite exists yet (crates/backend-nccl with a `gpu-tests` feature); nothing to run"
         );
         return Step {
-            name: "GPU suite",
+            name: "GPU suite".into(),
             ok: true,
             time: Duration::ZERO,
             note: "no GPU suite exists yet".into(),
@@ -283,7 +237,7 @@ fn gpu_suite(counts: &mut Counts) -> Step {
         status.is_some_and(|s| s.success())
     });
     Step {
-        name: "GPU suite (backend-nccl, gpu-tests)",
+        name: "GPU suite (backend-nccl, gpu-tests)".into(),
         ok,
         time: t,
         note: String::new(),
@@ -366,7 +320,11 @@ fn read_cargo_test_counts(lines: &[String], c: &mut Counts) {
 }
 
 fn summary(steps: &[Step], counts: &Counts) -> i32 {
-    let failed: Vec<&str> = steps.iter().filter(|s| !s.ok).map(|s| s.name).collect();
+    let failed: Vec<&str> = steps
+        .iter()
+        .filter(|s| !s.ok)
+        .map(|s| s.name.as_str())
+        .collect();
     let width = steps.iter().map(|s| s.name.len()).max().unwrap_or(0);
     println!();
     println!("==== cargo xtask test: summary ====");

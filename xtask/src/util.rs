@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// Environment for every process that may launch MPI ranks (tests, demos, benchmarks).
-/// See ../shared/BACKENDS.md §1: root is allowed, oversubscription is allowed (2 cores), and all
+/// See docs/backends.md §1: root is allowed, oversubscription is allowed (2 cores), and all
 /// traffic stays on shared memory and loopback.
 pub const MPI_ENV: &[(&str, &str)] = &[
     ("OMPI_ALLOW_RUN_AS_ROOT", "1"),

@@ -35,7 +35,6 @@
 #![warn(missing_docs)]
 #![deny(unsafe_code)]
 
-pub mod bench;
 pub mod bootstrap;
 mod buffer;
 mod checks;

@@ -10,6 +10,8 @@
 //! Every figure is the median of several runs. Run with `--quick` for a fast smoke run.
 
 use grid_core::{GeneratorSizes, GroupList, HyperGrid, LayoutConfig, LayoutPlan, RankGenerator};
+use grid_programs::stats::{load_average_1min, median, timed_median};
+use grid_programs::table::{duration_label, thousands};
 use std::collections::HashMap;
 use std::hint::black_box;
 use std::path::Path;
@@ -92,23 +94,6 @@ const CP: usize = 2;
 const PP: usize = 16;
 const EP: usize = 8;
 
-fn median(mut v: Vec<Duration>) -> Duration {
-    v.sort();
-    v[v.len() / 2]
-}
-
-fn time<T>(runs: usize, mut f: impl FnMut() -> T) -> Duration {
-    median(
-        (0..runs)
-            .map(|_| {
-                let t = Instant::now();
-                black_box(f());
-                t.elapsed()
-            })
-            .collect(),
-    )
-}
-
 fn plan(world: usize) -> LayoutPlan {
     let cfg = LayoutConfig {
         tp: TP,
@@ -121,27 +106,6 @@ fn plan(world: usize) -> LayoutPlan {
         Ok(p) => p,
         Err(e) => panic!("benchmark layout of {world} ranks is invalid: {e}"),
     }
-}
-
-fn fmt_secs(d: Duration) -> String {
-    let s = d.as_secs_f64();
-    if s >= 1.0 {
-        format!("{s:.2} s")
-    } else if s >= 1e-3 {
-        format!("{:.2} ms", s * 1e3)
-    } else {
-        format!("{:.2} µs", s * 1e6)
-    }
-}
-
-fn thousands(n: usize) -> String {
-    let digits: Vec<char> = n.to_string().chars().rev().collect();
-    let groups: Vec<String> = digits
-        .chunks(3)
-        .map(|c| c.iter().rev().collect())
-        .rev()
-        .collect();
-    groups.join(",")
 }
 
 /// One rank's view: median per call over `calls` ranks spread over the world, `batches` times.
@@ -158,7 +122,7 @@ fn view_time(p: &LayoutPlan, batches: usize, calls: usize) -> Duration {
             t.elapsed() / calls as u32
         })
         .collect();
-    median(per_batch)
+    median(&per_batch).unwrap_or(Duration::ZERO)
 }
 
 fn grid_args(world: usize, rank: usize) -> Vec<String> {
@@ -211,7 +175,7 @@ fn process(args: &[String], runs: usize) -> (Duration, i64, usize) {
         assert_eq!(code, 0, "grid {args:?} exited {code}");
         rss = rss.max(maxrss);
     }
-    (median(times), rss, bytes)
+    (median(&times).unwrap_or(Duration::ZERO), rss, bytes)
 }
 
 /// The heading of the section of `docs/performance.md` that holds Megatron-Core's figures.
@@ -275,14 +239,6 @@ fn megatron_figures() -> Result<MegatronFigures, String> {
     Ok(out)
 }
 
-/// The 1-minute load average, from /proc/loadavg.
-fn load_average() -> String {
-    std::fs::read_to_string("/proc/loadavg")
-        .ok()
-        .and_then(|s| s.split_whitespace().next().map(str::to_string))
-        .unwrap_or_else(|| "unknown".into())
-}
-
 fn main() {
     let quick = std::env::args().any(|a| a == "--quick");
     // Read Megatron's figures first, so that a broken docs/performance.md fails at once.
@@ -305,7 +261,7 @@ fn main() {
         Err(e) => panic!("cannot build a 1-thread pool: {e}"),
     };
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let load_before = load_average();
+    let load_before = load_average_1min().unwrap_or_else(|| "unknown".into());
     eprintln!("benchmarking (medians; {cores} cores; quick = {quick}) ...");
 
     // ---- 1. one rank's view, memory, and the grid process, per world size -------------------
@@ -313,7 +269,7 @@ fn main() {
     let mut view_1m = Duration::ZERO;
     let mut proc_1m = Duration::ZERO;
     for &w in &WORLDS {
-        let build = time(runs(w), || plan(w));
+        let build = timed_median(runs(w), || plan(w));
         let p = plan(w);
         let vt = view_time(
             &p,
@@ -335,12 +291,12 @@ fn main() {
         view_rows.push(format!(
             "| {} | {} | {} | {} B (peak {} B, struct {} B) | {} | {:.1} MB | {} |",
             thousands(w),
-            fmt_secs(build),
-            fmt_secs(vt),
+            duration_label(build),
+            duration_label(vt),
             thousands(total),
             thousands(peak),
             held,
-            fmt_secs(pt),
+            duration_label(pt),
             rss as f64 / 1024.0,
             thousands(bytes),
         ));
@@ -349,8 +305,9 @@ fn main() {
     // ---- 2. every family of the 1M world ------------------------------------------------------
     let p = plan(1 << 20);
     let all_runs = if quick { 1 } else { 5 };
-    let all_2 = time(all_runs, || p.all_groups().map(|v| v.len()).unwrap_or(0));
-    let all_1 = one.install(|| time(all_runs, || p.all_groups().map(|v| v.len()).unwrap_or(0)));
+    let all_2 = timed_median(all_runs, || p.all_groups().map(|v| v.len()).unwrap_or(0));
+    let all_1 =
+        one.install(|| timed_median(all_runs, || p.all_groups().map(|v| v.len()).unwrap_or(0)));
     let members: usize = p
         .all_groups()
         .map(|v| v.iter().map(|(_, g)| g.total_members()).sum())
@@ -454,8 +411,8 @@ fn main() {
             let g = job();
             let (peak, _) = counting_alloc::since(m);
             drop(g);
-            let t1 = one.install(|| time(n, job));
-            let t2 = time(n, job);
+            let t1 = one.install(|| timed_median(n, job));
+            let t2 = timed_median(n, job);
             let (ms, mrss) = mega
                 .get(&(w, key.to_string()))
                 .cloned()
@@ -467,16 +424,17 @@ fn main() {
             token_rows.push(format!(
                 "| {} | {label} | {shape} | {} | {} | {:.1} MB | {ms} s | {mrss} MB | {speedup} |",
                 thousands(w),
-                fmt_secs(t1),
-                fmt_secs(t2),
+                duration_label(t1),
+                duration_label(t2),
                 peak as f64 / 1e6,
             ));
         }
         // Megatron's whole initialize_model_parallel on one rank enumerates every family.
         let p = plan(w);
         let inits = if w >= 1 << 20 && quick { 1 } else { n.min(5) };
-        let t1 = one.install(|| time(inits, || p.all_groups().map(|v| v.len()).unwrap_or(0)));
-        let t2 = time(inits, || p.all_groups().map(|v| v.len()).unwrap_or(0));
+        let t1 =
+            one.install(|| timed_median(inits, || p.all_groups().map(|v| v.len()).unwrap_or(0)));
+        let t2 = timed_median(inits, || p.all_groups().map(|v| v.len()).unwrap_or(0));
         let (ms, mrss) = mega
             .get(&(w, "init".to_string()))
             .cloned()
@@ -489,17 +447,17 @@ fn main() {
             "| {} | every family (`initialize_model_parallel`, 1 rank) | {} families | {} | {} | | {ms} s | {mrss} MB | {speedup} |",
             thousands(w),
             p.family_levels().len(),
-            fmt_secs(t1),
-            fmt_secs(t2),
+            duration_label(t1),
+            duration_label(t2),
         ));
-        let t = time(n, || {
+        let t = timed_median(n, || {
             plan(w).rank_view(w / 3).map(|v| v.pp_next).unwrap_or(0)
         });
         token_rows.push(format!(
             "| {} | plan + one rank's view (what a rank needs) | {} families | {} | | | | | |",
             thousands(w),
             p.family_levels().len(),
-            fmt_secs(t),
+            duration_label(t),
         ));
     }
 
@@ -507,36 +465,36 @@ fn main() {
     let ok = |b: bool| if b { "met" } else { "MISSED" };
     println!(
         "Machine: {cores} cores; load average {load_before} before the run, {} after (other jobs share the machine).\n",
-        load_average()
+        load_average_1min().unwrap_or_else(|| "unknown".into())
     );
     println!("### Targets (world 1,048,576: tp 8, cp 2, pp 16, ep 8; medians)\n");
     println!("| measurement | target | measured | |");
     println!("|---|---:|---:|---|");
     println!(
         "| one rank's complete view (every family), library | < 100 µs | {} | {} |",
-        fmt_secs(view_1m),
+        duration_label(view_1m),
         ok(view_1m < Duration::from_micros(100))
     );
     println!(
         "| `grid layout --rank R --format json`, whole process | < 20 ms | {} | {} |",
-        fmt_secs(proc_1m),
+        duration_label(proc_1m),
         ok(proc_1m < Duration::from_millis(20))
     );
     println!(
         "| every family ({} families, {} members), library, {cores} threads | < 2 s | {} | {} |",
         p.family_levels().len(),
         thousands(members),
-        fmt_secs(all_2),
+        duration_label(all_2),
         ok(all_2 < Duration::from_secs(2))
     );
     println!(
         "| every family, library, 1 thread | | {} | |",
-        fmt_secs(all_1)
+        duration_label(all_1)
     );
     println!(
         "| `grid layout --format json` (every family, {} MB of JSON to /dev/null), whole process | | {} (max RSS {:.0} MB) | |",
         full_bytes / 1_000_000,
-        fmt_secs(full_proc),
+        duration_label(full_proc),
         full_rss as f64 / 1024.0
     );
     println!("\n### One rank's view against the world size\n");

@@ -18,11 +18,13 @@
 //! (`--runs`, default 3) are interleaved over sizes and topologies and the median of the runs is
 //! reported, with the spread of the static ratio. Throughput = bytes / time; ratio = bridge / p2p.
 //!
-//! Run: `cargo run --release -p multimodule --features gloo --bin bridge-bench
+//! Run: `cargo run --release -p grid-programs --example bridge-bench
 //! [-- --runs 3 --max-mib 256 --min-mib 1 --rounds N --topo 1:1|fan-out|fan-in]`
+//! (`cargo xtask bench bridge [-- ARGS]` does the same).
 
 use backend_gloo::{run_ranks, GlooConfig};
 use grid_core::{BufMut, BufRef, Communicator, HyperGrid, P2pOp};
+use grid_programs::stats::{load_average, median};
 use multimodule::{Activation, BridgeCommunicator, BridgePlan, DimMapping, ShapeMode};
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -31,14 +33,27 @@ use std::time::{Duration, Instant};
 /// f32 elements per batch row (512 KiB).
 const ROW: usize = 512 * 256;
 
-fn arg<T: std::str::FromStr>(name: &str, default: T) -> T {
-    let args: Vec<String> = std::env::args().collect();
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
+/// The value after `name` on the command line, parsed; `default` when the option is absent, an
+/// error naming the option and the value when it does not parse or has no value.
+fn arg<T: std::str::FromStr>(
+    args: &[String],
+    name: &str,
+    default: T,
+    what: &str,
+) -> Result<T, String> {
+    match args.iter().position(|a| a == name) {
+        None => Ok(default),
+        Some(i) => {
+            let v = args
+                .get(i + 1)
+                .ok_or_else(|| format!("{name} needs a value ({what})"))?;
+            v.parse()
+                .map_err(|_| format!("{name} {v:?}: expected {what}"))
+        }
+    }
 }
+
+const USAGE: &str = "usage: bridge-bench [--runs N] [--max-mib N] [--min-mib N] [--rounds N] [--topo 1:1|fan-out|fan-in]";
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Topo {
@@ -251,20 +266,6 @@ fn rank_main(
     Ok(out)
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
-}
-
-fn load_average() -> String {
-    std::fs::read_to_string("/proc/loadavg")
-        .unwrap_or_default()
-        .split_whitespace()
-        .take(3)
-        .collect::<Vec<_>>()
-        .join(" ")
-}
-
 /// Rounds per run for a size: many for small transfers (cheap, and the noisiest).
 fn default_rounds(mib: usize) -> usize {
     match mib {
@@ -304,25 +305,64 @@ fn run_once(topo: Topo, mib: usize, rounds: usize, tag: &str) -> Result<RunStats
         })
         .collect();
     Ok(RunStats {
-        secs: per_round.iter().map(|v| median(v.clone())).collect(),
+        secs: per_round
+            .iter()
+            .map(|v| median(v).unwrap_or(f64::NAN))
+            .collect(),
         paired: (0..KINDS.len())
             .map(|k| {
                 median(
-                    (0..rounds)
+                    &(0..rounds)
                         .map(|r| per_round[0][r] / per_round[k][r])
-                        .collect(),
+                        .collect::<Vec<f64>>(),
                 )
+                .unwrap_or(f64::NAN)
             })
             .collect(),
     })
 }
 
 fn main() -> ExitCode {
-    let max_mib: usize = arg("--max-mib", 256);
-    let min_mib: usize = arg("--min-mib", 1);
-    let fixed_rounds: usize = arg("--rounds", 0);
-    let runs: usize = arg("--runs", 3usize).max(1);
-    let only: String = arg("--topo", String::new());
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    if args.iter().any(|a| a == "-h" || a == "--help") {
+        println!("{USAGE}");
+        return ExitCode::SUCCESS;
+    }
+    let known = ["--runs", "--max-mib", "--min-mib", "--rounds", "--topo"];
+    if let Some(bad) = args
+        .iter()
+        .step_by(2)
+        .find(|a| !known.contains(&a.as_str()))
+    {
+        eprintln!("bridge-bench: unknown argument '{bad}'\n{USAGE}");
+        return ExitCode::from(2);
+    }
+    let parsed = (|| -> Result<_, String> {
+        let max_mib: usize = arg(&args, "--max-mib", 256, "a size in MiB")?;
+        let min_mib: usize = arg(&args, "--min-mib", 1, "a size in MiB")?;
+        let rounds: usize = arg(&args, "--rounds", 0, "a number of rounds (0: by size)")?;
+        let runs: usize = arg(&args, "--runs", 3, "a positive number of runs")?;
+        let only: String = arg(&args, "--topo", String::new(), "1:1, fan-out or fan-in")?;
+        if runs == 0 {
+            return Err("--runs 0: expected a positive number of runs".into());
+        }
+        if min_mib == 0 || min_mib > max_mib {
+            return Err(format!(
+                "--min-mib {min_mib} --max-mib {max_mib}: expected 1 <= min <= max"
+            ));
+        }
+        if !["", "1:1", "fan-out", "fan-in"].contains(&only.as_str()) {
+            return Err(format!("--topo {only:?}: expected 1:1, fan-out or fan-in"));
+        }
+        Ok((max_mib, min_mib, rounds, runs, only))
+    })();
+    let (max_mib, min_mib, fixed_rounds, runs, only) = match parsed {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("bridge-bench: {e}\n{USAGE}");
+            return ExitCode::from(2);
+        }
+    };
     let sizes: Vec<usize> = (0..)
         .map(|k| 1usize << k)
         .skip_while(|&m| m < min_mib)
@@ -339,7 +379,7 @@ fn main() -> ExitCode {
         .into_iter()
         .filter(|t| only.is_empty() || t.name().starts_with(only.as_str()))
         .collect();
-    let load_before = load_average();
+    let load_before = load_average().unwrap_or_else(|| "unknown".into());
     println!("bridge-bench: BridgeCommunicator vs plain point-to-point sends of the same bytes between the same ranks");
     println!("backend: Gloo, ranks as threads of this process, TCP loopback; f32 activations [2*MiB, 512, 256] (batch first)");
     println!("columns: p2p      = plain send/recv (fan-out: the two halves of one buffer; fan-in: received into the two halves of one buffer)");
@@ -393,10 +433,21 @@ fn main() -> ExitCode {
         for (si, &mib) in sizes.iter().enumerate() {
             let per_run = &results[ti][si];
             let bytes = (mib << 20) as f64;
-            let gbs = |k: usize| median(per_run.iter().map(|r| bytes / r.secs[k] / 1e9).collect());
+            let gbs = |k: usize| {
+                median(
+                    &per_run
+                        .iter()
+                        .map(|r| bytes / r.secs[k] / 1e9)
+                        .collect::<Vec<f64>>(),
+                )
+                .unwrap_or(f64::NAN)
+            };
             let ratios = |k: usize| -> Vec<f64> { per_run.iter().map(|r| r.paired[k]).collect() };
             let (p, st, va) = (gbs(0), gbs(1), gbs(2));
-            let (rst, rva) = (median(ratios(1)), median(ratios(2)));
+            let (rst, rva) = (
+                median(&ratios(1)).unwrap_or(f64::NAN),
+                median(&ratios(2)).unwrap_or(f64::NAN),
+            );
             let rs = ratios(1);
             let lo = rs.iter().copied().fold(f64::INFINITY, f64::min);
             let hi = rs.iter().copied().fold(0.0, f64::max);
@@ -435,7 +486,7 @@ fn main() -> ExitCode {
     } else {
         println!("static shapes under 90%: {}", misses.join(", "));
     }
-    let load_after = load_average();
+    let load_after = load_average().unwrap_or_else(|| "unknown".into());
     println!("load average after: {load_after}");
     let busy = |l: &str| {
         l.split_whitespace()

@@ -9,47 +9,17 @@
 //! Usage: `gloo-demo [--store file:<dir>|redis://host:port]` (default: in-process store).
 
 use backend_gloo::{run_ranks_with, GlooConfig, Rendezvous};
-use grid_core::{
-    build_collection, Communicator, CommunicatorExt, Family, FamilyLevel, LayoutConfig, LayoutPlan,
-    ProcessGroupCollection, ReduceOp,
-};
+use grid_core::{build_collection, Communicator, LayoutPlan};
+use grid_programs::demo::{all_reduce_every_family, config, describe, FamilyRow};
+use grid_programs::table::header;
 use std::process::ExitCode;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-const WARMUP: usize = 3;
-const ITERS: usize = 30;
-
-fn config() -> LayoutConfig {
-    let mut c = LayoutConfig::new(8);
-    c.tp = 2;
-    c.pp = 2;
-    c.cp = 2;
-    c.ep = 4;
-    c.etp = Some(1);
-    c
-}
-
-fn comm_of<G>(c: &ProcessGroupCollection<Arc<G>>, fl: FamilyLevel) -> Option<&G> {
-    if fl.family == Family::Hcp {
-        return c.hcp.as_ref().and_then(|v| v.get(fl.level)).map(|a| &**a);
-    }
-    c.get(fl.family.name()).ok().flatten().map(|a| &**a)
-}
-
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v.get(v.len() / 2).copied().unwrap_or(0.0)
-}
-
-/// One family level on one rank: (group size, created here, reused from, creation s, latency s).
-type FamilyRow = (Option<usize>, usize, Option<FamilyLevel>, f64, f64);
 
 /// What one rank measured.
 struct RankResult {
     build_s: f64,
     created: usize,
-    /// Per family level: (group size, created here, reused from, creation s, latency s).
+    /// Per family level, in the plan's order.
     rows: Vec<FamilyRow>,
     failures: Vec<String>,
 }
@@ -122,49 +92,7 @@ fn run(store: Option<Rendezvous>) -> Result<(), String> {
         let t0 = Instant::now();
         let built = build_collection(factory, &world, &plan)?;
         let build_s = t0.elapsed().as_secs_f64();
-        let mut rows = Vec::new();
-        let mut failures = Vec::new();
-        for fl in plan.family_levels() {
-            let stat = built.stats.iter().find(|s| s.family == fl);
-            let (size, created, reused, secs) = stat
-                .map(|s| (s.group_size, s.created, s.reused_from, s.seconds))
-                .unwrap_or((None, 0, None, 0.0));
-            let group = plan.group_of(fl, me)?;
-            let comm = comm_of(&built.collection, fl);
-            let (Some(g), Some(c)) = (group.as_ref(), comm) else {
-                if group.is_some() != comm.is_some() {
-                    failures.push(format!(
-                        "{fl}: group present {} but communicator present {}",
-                        group.is_some(),
-                        comm.is_some()
-                    ));
-                }
-                rows.push((size, created, reused, secs, 0.0));
-                continue;
-            };
-            let want: i64 = g.iter().map(|r| r as i64).sum();
-            if c.global_ranks() != g.sorted().as_slice() {
-                failures.push(format!(
-                    "{fl}: global_ranks {:?} != plan group {:?}",
-                    c.global_ranks(),
-                    g.sorted()
-                ));
-            }
-            let mut times = Vec::with_capacity(ITERS);
-            for i in 0..WARMUP + ITERS {
-                let mut out = [0i64];
-                let t = Instant::now();
-                c.all_reduce_into(&[me as i64], &mut out, ReduceOp::Sum)?;
-                let dt = t.elapsed().as_secs_f64();
-                if out[0] != want {
-                    failures.push(format!("{fl}: all_reduce gave {}, expected {want}", out[0]));
-                }
-                if i >= WARMUP {
-                    times.push(dt);
-                }
-            }
-            rows.push((size, created, reused, secs, median(&mut times)));
-        }
+        let (rows, failures) = all_reduce_every_family(&plan, &built, me)?;
         world.barrier()?;
         Ok(RankResult {
             build_s,
@@ -180,29 +108,34 @@ fn run(store: Option<Rendezvous>) -> Result<(), String> {
         ranks.push(res.map_err(|err| format!("rank {r}: {err}"))?);
     }
 
-    let c = plan.config();
     let fls = plan.family_levels();
     println!(
         "Gloo demo: {n} ranks as threads of one process (Gloo over loopback TCP, rendezvous through {where_}; \
-         chosen because it needs no MPI launcher)\nlayout: world {n}, tp {} pp {} cp {} dp {}, expert: ep {} etp {} edp {}, order {} ({} families)\n",
-        c.tp,
-        c.pp,
-        c.cp,
-        plan.dp(),
-        c.ep,
-        plan.expert_tp(),
-        plan.expert_dp(),
-        c.order,
-        fls.len()
+         chosen because it needs no MPI launcher)\nlayout: {}\n",
+        describe(&plan)
     );
-    println!("| family | group size (rank 0) | comms created (all ranks) | reused from | create ms (max over ranks) | all-reduce µs (median, max over ranks) | check |");
-    println!("|---|---:|---:|---|---:|---:|---|");
+    println!(
+        "{}",
+        header(&[
+            "family",
+            ">group size (rank 0)",
+            ">comms created (all ranks)",
+            "reused from",
+            ">create ms (max over ranks)",
+            ">all-reduce µs (median, max over ranks)",
+            "check",
+        ])
+    );
     let mut failed = 0;
     for (i, fl) in fls.iter().enumerate() {
-        let (size, _, reused, _, _) = ranks[0].rows[i];
-        let created: usize = ranks.iter().map(|r| r.rows[i].1).sum();
-        let create_ms = ranks.iter().map(|r| r.rows[i].3).fold(0.0, f64::max) * 1e3;
-        let lat_us = ranks.iter().map(|r| r.rows[i].4).fold(0.0, f64::max) * 1e6;
+        let (size, reused) = (ranks[0].rows[i].group_size, ranks[0].rows[i].reused_from);
+        let created: usize = ranks.iter().map(|r| r.rows[i].created).sum();
+        let create_ms = ranks.iter().map(|r| r.rows[i].create_s).fold(0.0, f64::max) * 1e3;
+        let lat_us = ranks
+            .iter()
+            .map(|r| r.rows[i].latency_s)
+            .fold(0.0, f64::max)
+            * 1e6;
         let bad = ranks
             .iter()
             .flat_map(|r| &r.failures)

@@ -1,7 +1,7 @@
 //! `nccl-bench`: all_reduce, all_gather, reduce_scatter and broadcast of f32 device buffers
 //! from 8 B to 64 MiB through `backend-nccl`, one rank per GPU (threads of this process,
 //! bootstrapped in memory), with nccl-tests' bus-bandwidth conventions (see
-//! `backend_nccl::bench`). Prints a markdown table like `mpi-bench`.
+//! `grid_programs::collectives`). Prints a markdown table like `mpi-bench`.
 //!
 //! ```text
 //! nccl-bench [--quick] [--ranks N] [--host]
@@ -12,10 +12,12 @@
 //!
 //! Without a usable GPU it prints `SKIPPED: <reason>` and exits with status 0.
 
-use backend_nccl::bench::{header, median, plan, row, sizes, Op};
 use backend_nccl::inproc::{InProcess, InProcessComm};
 use backend_nccl::{probe, NcclCommunicator, NcclDeviceBuffer, NcclFactory, NcclOptions};
 use grid_core::{BufMut, BufRef, Communicator, CommunicatorExt, ReduceOp};
+use grid_programs::collectives::{bandwidth, sizes, Op};
+use grid_programs::stats::median;
+use grid_programs::table::header;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
@@ -116,22 +118,30 @@ fn rank(i: usize, boot: &InProcessComm, args: &Args) -> Result<(), String> {
     let (_factory, world) = NcclFactory::init(boot, opts).map_err(e)?;
     let n = world.size();
     if i == 0 {
+        let what = if args.host {
+            "host buffers, staged"
+        } else {
+            "device buffers"
+        };
+        println!("## NCCL collectives, {n} ranks ({what}, f32, sum)\n");
+        println!("Time: median over samples of the slowest rank (µs per call; a sample is the mean of several back-to-back calls followed by one stream synchronisation). algbw = bytes / time, busbw = algbw · factor (nccl-tests conventions).\n");
         println!(
             "{}",
-            header(
-                n,
-                if args.host {
-                    "host buffers, staged"
-                } else {
-                    "device buffers"
-                }
-            )
+            header(&[
+                "op",
+                ">bytes",
+                ">count",
+                ">samples",
+                ">time µs",
+                ">algbw GB/s",
+                ">busbw GB/s",
+            ])
         );
     }
     for op in Op::ALL {
-        for bytes in sizes() {
+        for bytes in sizes(64 << 20) {
             let (send_len, recv_len, counted) = op.shape(bytes, n);
-            let (warm, samples, inner) = plan(bytes, args.quick);
+            let (warm, samples, inner) = samples_per_size(bytes, args.quick);
             let mut times = Vec::with_capacity(samples);
             let mut runner = Runner::new(&world, args.host, send_len, recv_len).map_err(e)?;
             for it in 0..warm + samples {
@@ -149,21 +159,29 @@ fn rank(i: usize, boot: &InProcessComm, args: &Args) -> Result<(), String> {
             boot.all_reduce_into(&times[..], &mut slowest[..], ReduceOp::Max)
                 .map_err(e)?;
             if i == 0 {
+                let secs = median(&slowest).unwrap_or(0.0);
+                let (algbw, busbw) = bandwidth(op, counted, secs, n);
                 println!(
-                    "{}",
-                    row(
-                        op,
-                        counted,
-                        recv_len.max(send_len),
-                        samples,
-                        median(&mut slowest),
-                        n
-                    )
+                    "| {} | {counted} | {} | {samples} | {:.1} | {algbw:.2} | {busbw:.2} |",
+                    op.name(),
+                    recv_len.max(send_len),
+                    secs * 1e6
                 );
             }
         }
     }
     Ok(())
+}
+
+/// `(warm-up samples, timed samples, calls per sample)` for a size: small messages time many
+/// back-to-back calls per sample so the clock does not dominate.
+fn samples_per_size(bytes: usize, quick: bool) -> (usize, usize, usize) {
+    match bytes {
+        b if b <= 64 << 10 => (5, if quick { 10 } else { 40 }, 50),
+        b if b <= 1 << 20 => (3, if quick { 8 } else { 30 }, 10),
+        b if b <= 8 << 20 => (2, if quick { 5 } else { 20 }, 2),
+        _ => (2, if quick { 4 } else { 15 }, 1),
+    }
 }
 
 /// The buffers of one size, device or host.

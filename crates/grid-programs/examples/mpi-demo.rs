@@ -4,29 +4,18 @@
 //! Layout: world 8, tp 2, pp 2, cp 2 (dp 1), experts with ep 4 and expert tp 1 (expert dp 1),
 //! order tp-cp-ep-dp-pp.
 //!
-//! Run: `mpirun -np 8 --oversubscribe target/release/mpi-demo` (with the Open MPI root variables
-//! when root), or just `target/release/mpi-demo`, which re-launches itself under mpirun with the
-//! environment of `backend_mpi::testing::launch_env`. `--np N` changes the world size of the
-//! self-launch (the layout needs 8).
+//! Run: `mpirun -np 8 --oversubscribe target/release/examples/mpi-demo` (with the Open MPI root
+//! variables when root; `cargo xtask demo mpi` does both), or just
+//! `target/release/examples/mpi-demo`, which re-launches itself under mpirun with the environment
+//! of `backend_mpi::testing::launch_env`. `--np N` changes the world size of the self-launch (the
+//! layout needs 8).
 
 use backend_mpi::{testing, MpiFactory, MpiRuntime};
-use grid_core::{
-    build_collection, Communicator, CommunicatorExt, Family, FamilyLevel, LayoutConfig, LayoutPlan,
-    ProcessGroupCollection, ReduceOp,
-};
+use grid_core::{build_collection, Communicator, CommunicatorExt, LayoutPlan, ReduceOp};
+use grid_programs::demo::{all_reduce_every_family, config, describe};
+use grid_programs::table::header;
 use std::process::ExitCode;
-use std::sync::Arc;
 use std::time::Instant;
-
-fn config() -> LayoutConfig {
-    let mut c = LayoutConfig::new(8);
-    c.tp = 2;
-    c.pp = 2;
-    c.cp = 2;
-    c.ep = 4;
-    c.etp = Some(1);
-    c
-}
 
 fn main() -> ExitCode {
     if !testing::under_launcher() {
@@ -73,22 +62,6 @@ fn self_launch() -> ExitCode {
     }
 }
 
-fn comm_of<G>(c: &ProcessGroupCollection<Arc<G>>, fl: FamilyLevel) -> Option<&G> {
-    if fl.family == Family::Hcp {
-        return c.hcp.as_ref().and_then(|v| v.get(fl.level)).map(|a| &**a);
-    }
-    c.get(fl.family.name()).ok().flatten().map(|a| &**a)
-}
-
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    if v.is_empty() {
-        0.0
-    } else {
-        v[v.len() / 2]
-    }
-}
-
 fn run() -> Result<(), String> {
     let rt = MpiRuntime::init().map_err(|e| e.to_string())?;
     let world = rt.world();
@@ -109,54 +82,11 @@ fn run() -> Result<(), String> {
     let built = build_collection(&factory, world, &plan).map_err(e)?;
     let build_s = t0.elapsed().as_secs_f64();
 
-    // One all-reduce per family (every rank walks the families in the same order), timed.
-    const WARMUP: usize = 3;
-    const ITERS: usize = 30;
+    // One all-reduce per family (every rank walks the families in the same order), timed and
+    // checked against the plan's groups.
     let fls = plan.family_levels();
-    let mut failures = Vec::new();
-    let mut lat = Vec::with_capacity(fls.len());
-    for fl in &fls {
-        let group = plan.group_of(*fl, me).map_err(e)?;
-        let comm = comm_of(&built.collection, *fl);
-        let (Some(g), Some(c)) = (group.as_ref(), comm) else {
-            if group.is_some() != comm.is_some() {
-                failures.push(format!(
-                    "{fl}: group {:?} but communicator present: {}",
-                    group.map(|g| g.to_vec()),
-                    comm.is_some()
-                ));
-            }
-            lat.push(0.0);
-            continue;
-        };
-        let want: i64 = g.iter().map(|r| r as i64).sum();
-        let mut times = Vec::with_capacity(ITERS);
-        for it in 0..WARMUP + ITERS {
-            let mut out = [0i64];
-            let t = Instant::now();
-            c.all_reduce_into(&[me as i64][..], &mut out[..], ReduceOp::Sum)
-                .map_err(e)?;
-            let dt = t.elapsed().as_secs_f64();
-            if out[0] != want {
-                failures.push(format!(
-                    "{fl}: all_reduce of global ranks gave {}, expected {want} (members {:?})",
-                    out[0],
-                    g.sorted()
-                ));
-            }
-            if c.global_ranks() != g.sorted().as_slice() {
-                failures.push(format!(
-                    "{fl}: global_ranks {:?} != plan group {:?}",
-                    c.global_ranks(),
-                    g.sorted()
-                ));
-            }
-            if it >= WARMUP {
-                times.push(dt);
-            }
-        }
-        lat.push(median(&mut times));
-    }
+    let (rows, failures) = all_reduce_every_family(&plan, &built, me).map_err(e)?;
+    let lat: Vec<f64> = rows.iter().map(|r| r.latency_s).collect();
 
     // Per family: creation time and latency, max over ranks; failures summed.
     let create: Vec<f64> = built.stats.iter().map(|s| s.seconds).collect();
@@ -189,21 +119,19 @@ fn run() -> Result<(), String> {
     }
 
     if me == 0 {
-        let c = plan.config();
+        println!("MPI demo: {}\n", describe(&plan));
         println!(
-            "MPI demo: world {n}, tp {} pp {} cp {} dp {}, expert: ep {} etp {} edp {}, order {} ({} families)\n",
-            c.tp,
-            c.pp,
-            c.cp,
-            plan.dp(),
-            c.ep,
-            plan.expert_tp(),
-            plan.expert_dp(),
-            c.order,
-            fls.len()
+            "{}",
+            header(&[
+                "family",
+                ">group size",
+                ">comms created (rank 0)",
+                "reused from",
+                ">create ms (max over ranks)",
+                ">all-reduce µs (median, max over ranks)",
+                "check",
+            ])
         );
-        println!("| family | group size | comms created (rank 0) | reused from | create ms (max over ranks) | all-reduce µs (median, max over ranks) | check |");
-        println!("|---|---:|---:|---|---:|---:|---|");
         for (i, fl) in fls.iter().enumerate() {
             let st = built.stats.iter().position(|s| s.family == *fl);
             let (size, created, reused, cms) = match st {

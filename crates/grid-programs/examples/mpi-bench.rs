@@ -18,9 +18,12 @@
 
 use backend_mpi::{testing, MpiFactory, MpiRuntime};
 use grid_core::{
-    build_collection, Communicator, CommunicatorExt, GroupFactory, LayoutConfig, LayoutPlan,
-    ReduceOp,
+    build_collection, Communicator, CommunicatorExt, GroupFactory, LayoutPlan, ReduceOp,
 };
+use grid_programs::collectives::{bandwidth, sizes, Op};
+use grid_programs::demo::config;
+use grid_programs::stats::{load_average, median};
+use grid_programs::table::{bytes_label, header};
 use mpi::collective::{CommunicatorCollectives, Root, SystemOperation};
 use mpi::topology::Communicator as _;
 use std::process::ExitCode;
@@ -61,16 +64,12 @@ fn driver(quick: bool) -> Result<(), String> {
         .into_owned();
     let q = if quick { vec!["--quick"] } else { vec![] };
     println!("# MPI benchmark (backend-mpi vs rsmpi called directly)\n");
-    let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
     println!(
         "Open MPI via rsmpi 0.8, {} cores, load average at start: {}, env: {}\n",
         std::thread::available_parallelism()
             .map(|n| n.get())
             .unwrap_or(0),
-        load.split_whitespace()
-            .take(3)
-            .collect::<Vec<_>>()
-            .join(" "),
+        load_average().unwrap_or_else(|| "unknown".into()),
         testing::launch_env()
             .iter()
             .map(|(k, v)| format!("{k}={v}"))
@@ -98,42 +97,6 @@ fn driver(quick: bool) -> Result<(), String> {
     Ok(())
 }
 
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    if v.is_empty() {
-        0.0
-    } else {
-        v[v.len() / 2]
-    }
-}
-
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-enum Op {
-    AllReduce,
-    AllGather,
-    ReduceScatter,
-    Broadcast,
-}
-
-impl Op {
-    fn name(self) -> &'static str {
-        match self {
-            Op::AllReduce => "all_reduce",
-            Op::AllGather => "all_gather",
-            Op::ReduceScatter => "reduce_scatter",
-            Op::Broadcast => "broadcast",
-        }
-    }
-    fn busbw_factor(self, n: usize) -> f64 {
-        let n = n as f64;
-        match self {
-            Op::AllReduce => 2.0 * (n - 1.0) / n,
-            Op::AllGather | Op::ReduceScatter => (n - 1.0) / n,
-            Op::Broadcast => 1.0,
-        }
-    }
-}
-
 fn collectives(quick: bool) -> Result<(), String> {
     let rt = MpiRuntime::init().map_err(|e| e.to_string())?;
     let ours = rt.world();
@@ -142,38 +105,31 @@ fn collectives(quick: bool) -> Result<(), String> {
     let direct = rt.rsmpi_world().duplicate();
     let e = |e: grid_core::Error| e.to_string();
     let (me, n) = (ours.rank(), ours.size());
-    let mut sizes: Vec<usize> = (0..12).map(|k| 8usize << (2 * k)).collect(); // 8 B .. 32 MiB
-    sizes.push(64 << 20);
+    let sizes = sizes(64 << 20); // 8 B .. 32 MiB in powers of 4, then 64 MiB
     if me == 0 {
         println!("## Collectives, {n} ranks (f32, sum)\n");
         println!("Time: median over samples of the slowest rank (µs per call; up to 64 KiB a sample is the mean of 50 back-to-back calls, up to 1 MiB of 5). Overhead = median over sample pairs of ours / rsmpi, minus 1.\n");
-        println!("| op | bytes | samples | ours µs | rsmpi µs | overhead | ours algbw GB/s | ours busbw GB/s | rsmpi busbw GB/s |");
-        println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|");
+        println!(
+            "{}",
+            header(&[
+                "op",
+                ">bytes",
+                ">samples",
+                ">ours µs",
+                ">rsmpi µs",
+                ">overhead",
+                ">ours algbw GB/s",
+                ">ours busbw GB/s",
+                ">rsmpi busbw GB/s",
+            ])
+        );
     }
     let mut worst: f64 = f64::MIN;
-    for op in [
-        Op::AllReduce,
-        Op::AllGather,
-        Op::ReduceScatter,
-        Op::Broadcast,
-    ] {
+    for op in Op::ALL {
         for &bytes in &sizes {
-            // Element counts: per-rank block for all_gather and reduce_scatter.
-            let elems = (bytes / 4).max(1);
-            let block = match op {
-                Op::AllGather | Op::ReduceScatter => (elems / n).max(1),
-                _ => elems,
-            };
-            let (send_len, recv_len) = match op {
-                Op::AllReduce => (elems, elems),
-                Op::AllGather => (block, block * n),
-                Op::ReduceScatter => (block * n, block),
-                Op::Broadcast => (elems, elems),
-            };
-            let actual_bytes = match op {
-                Op::AllGather => recv_len * 4,
-                _ => send_len * 4,
-            };
+            // Element counts (per-rank blocks for all_gather and reduce_scatter) and the bytes
+            // counted, as nccl-tests counts them.
+            let (send_len, recv_len, actual_bytes) = op.shape(bytes, n);
             // Small messages: each sample times `inner` back-to-back calls (the clock costs
             // about as much as an 8-byte operation), so the sample is the mean per call.
             let (warm, iters, inner) = match bytes {
@@ -244,23 +200,25 @@ fn collectives(quick: bool) -> Result<(), String> {
                 .map_err(e)?;
             // Overhead: median of the paired ratios (the two samples of a pair ran back to
             // back, so machine noise cancels far better than in a ratio of medians).
-            let mut ratios: Vec<f64> = m_ours.iter().zip(&m_direct).map(|(o, d)| o / d).collect();
-            let over = (median(&mut ratios) - 1.0) * 100.0;
-            let (a, b) = (median(&mut m_ours), median(&mut m_direct));
+            let ratios: Vec<f64> = m_ours.iter().zip(&m_direct).map(|(o, d)| o / d).collect();
+            let over = (median(&ratios).unwrap_or(0.0) - 1.0) * 100.0;
+            let (a, b) = (
+                median(&m_ours).unwrap_or(0.0),
+                median(&m_direct).unwrap_or(0.0),
+            );
             worst = worst.max(over);
             if me == 0 {
-                let algbw = actual_bytes as f64 / a / 1e9;
-                let f = op.busbw_factor(n);
+                let (algbw, busbw) = bandwidth(op, actual_bytes, a, n);
                 println!(
                     "| {} | {} | {iters} | {:.3} | {:.3} | {:+.1}% | {:.3} | {:.3} | {:.3} |",
                     op.name(),
-                    human(actual_bytes),
+                    bytes_label(actual_bytes),
                     a * 1e6,
                     b * 1e6,
                     over,
                     algbw,
-                    algbw * f,
-                    actual_bytes as f64 / b / 1e9 * f
+                    busbw,
+                    bandwidth(op, actual_bytes, b, n).1
                 );
             }
         }
@@ -283,14 +241,11 @@ fn overhead(quick: bool) -> Result<(), String> {
     let mut recv = [0f32; 2];
     println!("## Fixed cost per call, 1 rank, 8 bytes (f32)\n");
     println!("MPI only copies locally here, so the difference is this crate's own work per call (argument checks, dispatch). Median of {samples} paired samples of {calls} calls.\n");
-    println!("| op | ours ns/call | rsmpi ns/call | difference ns |");
-    println!("|---|---:|---:|---:|");
-    for op in [
-        Op::AllReduce,
-        Op::AllGather,
-        Op::ReduceScatter,
-        Op::Broadcast,
-    ] {
+    println!(
+        "{}",
+        header(&["op", ">ours ns/call", ">rsmpi ns/call", ">difference ns",])
+    );
+    for op in Op::ALL {
         let mut o = Vec::new();
         let mut d = Vec::new();
         let mut diff = Vec::new();
@@ -331,33 +286,13 @@ fn overhead(quick: bool) -> Result<(), String> {
         println!(
             "| {} | {:.1} | {:.1} | {:+.1} |",
             op.name(),
-            median(&mut o),
-            median(&mut d),
-            median(&mut diff)
+            median(&o).unwrap_or(0.0),
+            median(&d).unwrap_or(0.0),
+            median(&diff).unwrap_or(0.0)
         );
     }
     println!();
     Ok(())
-}
-
-fn human(b: usize) -> String {
-    if b >= 1 << 20 {
-        format!("{} MiB", b >> 20)
-    } else if b >= 1 << 10 {
-        format!("{} KiB", b >> 10)
-    } else {
-        format!("{b} B")
-    }
-}
-
-fn demo_plan(world: usize) -> Result<LayoutPlan, String> {
-    let mut c = LayoutConfig::new(world);
-    c.tp = 2;
-    c.pp = 2;
-    c.cp = 2;
-    c.ep = 4;
-    c.etp = Some(1);
-    LayoutPlan::new(c).map_err(|e| e.to_string())
 }
 
 fn collection(quick: bool) -> Result<(), String> {
@@ -365,7 +300,9 @@ fn collection(quick: bool) -> Result<(), String> {
     let world = rt.world();
     let e = |e: grid_core::Error| e.to_string();
     let (me, n) = (world.rank(), world.size());
-    let plan = demo_plan(n)?;
+    let mut cfg = config();
+    cfg.world_size = n;
+    let plan = LayoutPlan::new(cfg).map_err(e)?;
     let reps = if quick { 3 } else { 7 };
     let mut t_built = Vec::new();
     let mut t_naive = Vec::new();
@@ -428,18 +365,23 @@ fn collection(quick: bool) -> Result<(), String> {
         );
         println!("Median of {reps} repetitions of the slowest rank.\n");
         println!(
-            "| approach | time ms | communicators per rank (max) | collective calls per rank |"
+            "{}",
+            header(&[
+                "approach",
+                ">time ms",
+                ">communicators per rank (max)",
+                ">collective calls per rank",
+            ])
         );
-        println!("|---|---:|---:|---:|");
         println!(
             "| build_collection (split per distinct family) | {:.2} | {} | {} |",
-            median(&mut mb) * 1e3,
+            median(&mb).unwrap_or(0.0) * 1e3,
             counts[0],
             counts[1]
         );
         println!(
             "| naive (MPI_Comm_create over the world for every group of every family) | {:.2} | {} | {} |",
-            median(&mut mn) * 1e3,
+            median(&mn).unwrap_or(0.0) * 1e3,
             counts[2],
             counts[3]
         );

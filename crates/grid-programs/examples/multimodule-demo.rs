@@ -3,7 +3,8 @@
 //! Two micro-batches go forward and backward; the demo prints each rank's stage and every
 //! message that crossed a bridge, and checks every element that arrived.
 //!
-//! Run: `cargo run -p multimodule --features gloo --bin multimodule-demo`
+//! Run: `cargo run --release -p grid-programs --example multimodule-demo` (what `cargo xtask demo
+//! multimodule` runs)
 
 use backend_gloo::{run_ranks, GlooConfig};
 use grid_core::Communicator;

@@ -21,41 +21,11 @@ use backend_gloo::{
     run_ranks, AllreduceAlgorithm, GlooCommunicator, GlooConfig, RawOp, ReduceScatterAlgorithm,
 };
 use grid_core::{Communicator, CommunicatorExt, HostSlice, HostSliceMut, ReduceOp};
+use grid_programs::collectives::{bandwidth, sizes, Op};
+use grid_programs::stats::{median, slowest_per_sample};
+use grid_programs::table::{bytes_label, header};
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Op {
-    AllReduce,
-    AllGather,
-    ReduceScatter,
-    Broadcast,
-}
-
-impl Op {
-    const ALL: [Op; 4] = [
-        Op::AllReduce,
-        Op::AllGather,
-        Op::ReduceScatter,
-        Op::Broadcast,
-    ];
-    fn name(self) -> &'static str {
-        match self {
-            Op::AllReduce => "all_reduce",
-            Op::AllGather => "all_gather",
-            Op::ReduceScatter => "reduce_scatter",
-            Op::Broadcast => "broadcast",
-        }
-    }
-    fn bus_factor(self, n: usize) -> f64 {
-        let n = n as f64;
-        match self {
-            Op::AllReduce => 2.0 * (n - 1.0) / n,
-            Op::AllGather | Op::ReduceScatter => (n - 1.0) / n,
-            Op::Broadcast => 1.0,
-        }
-    }
-}
 
 /// Buffers of one (op, size) on one rank: elements per rank block and the vectors.
 struct Bufs {
@@ -66,29 +36,16 @@ struct Bufs {
 }
 
 fn bufs(op: Op, bytes: usize, n: usize, rank: usize) -> Bufs {
-    let total = (bytes / 4).max(1);
-    match op {
-        Op::AllReduce | Op::Broadcast => Bufs {
-            send: vec![rank as f32 + 1.0; total],
-            recv: vec![0.0; total],
-            bytes: total * 4,
-        },
-        Op::AllGather => {
-            let per = (total / n).max(1);
-            Bufs {
-                send: vec![rank as f32; per],
-                recv: vec![0.0; per * n],
-                bytes: per * n * 4,
-            }
-        }
-        Op::ReduceScatter => {
-            let per = (total / n).max(1);
-            Bufs {
-                send: vec![rank as f32 + 1.0; per * n],
-                recv: vec![0.0; per],
-                bytes: per * n * 4,
-            }
-        }
+    let (send_len, recv_len, bytes) = op.shape(bytes, n);
+    // Every rank sends rank + 1 (its rank for all_gather), so each result is known exactly.
+    let value = match op {
+        Op::AllGather => rank as f32,
+        _ => rank as f32 + 1.0,
+    };
+    Bufs {
+        send: vec![value; send_len],
+        recv: vec![0.0; recv_len],
+        bytes,
     }
 }
 
@@ -211,11 +168,6 @@ fn iterations(bytes: usize, quick: bool) -> (usize, usize) {
     }
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v.get(v.len() / 2).copied().unwrap_or(0.0)
-}
-
 struct Row {
     op: Op,
     ranks: usize,
@@ -281,23 +233,16 @@ fn collectives(n: usize, sizes: &[usize], quick: bool) -> Result<Vec<Row>, Strin
     let mut rows = Vec::new();
     for i in 0..ranks[0].len() {
         let (op, bytes) = (ranks[0][i].0, ranks[0][i].1);
-        let iters = ranks[0][i].2.len();
-        let slowest = |k: usize, direct: bool| {
-            ranks
-                .iter()
-                .map(|r| if direct { r[i].3[k] } else { r[i].2[k] })
-                .fold(0.0, f64::max)
-        };
-        let t: Vec<f64> = (0..iters).map(|k| slowest(k, false)).collect();
-        let d: Vec<f64> = (0..iters).map(|k| slowest(k, true)).collect();
+        let t = slowest_per_sample(&ranks.iter().map(|r| r[i].2.clone()).collect::<Vec<_>>());
+        let d = slowest_per_sample(&ranks.iter().map(|r| r[i].3.clone()).collect::<Vec<_>>());
         rows.push(Row {
             op,
             ranks: n,
             bytes,
             trait_min: t.iter().copied().fold(f64::MAX, f64::min),
             direct_min: d.iter().copied().fold(f64::MAX, f64::min),
-            trait_s: median(t),
-            direct_s: median(d),
+            trait_s: median(&t).unwrap_or(0.0),
+            direct_s: median(&d).unwrap_or(0.0),
         });
     }
     Ok(rows)
@@ -343,16 +288,6 @@ fn overhead(quick: bool) -> Result<(f64, f64), String> {
         .map_err(|e| e.to_string())
 }
 
-fn human(bytes: usize) -> String {
-    if bytes >= 1 << 20 {
-        format!("{} MiB", bytes >> 20)
-    } else if bytes >= 1 << 10 {
-        format!("{} KiB", bytes >> 10)
-    } else {
-        format!("{bytes} B")
-    }
-}
-
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let quick = args.iter().any(|a| a == "--quick");
@@ -389,15 +324,7 @@ fn main() -> ExitCode {
             }
         }
     }
-    let mut sizes = Vec::new();
-    let mut s = 8usize;
-    while s <= max_bytes {
-        sizes.push(s);
-        s *= 4;
-    }
-    if max_bytes >= 64 << 20 && !sizes.contains(&(64 << 20)) {
-        sizes.push(64 << 20);
-    }
+    let sizes = sizes(max_bytes);
 
     println!("# gloo-bench\n");
     println!(
@@ -418,8 +345,20 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     }
-    println!("| op | ranks | bytes | trait µs | direct µs | trait/direct − 1 | same, fastest iterations | algbw | busbw |");
-    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|");
+    println!(
+        "{}",
+        header(&[
+            "op",
+            ">ranks",
+            ">bytes",
+            ">trait µs",
+            ">direct µs",
+            ">trait/direct − 1",
+            ">same, fastest iterations",
+            ">algbw",
+            ">busbw",
+        ])
+    );
     let mut ratios = Vec::new();
     let mut min_ratios = Vec::new();
     for &n in &ranks {
@@ -431,7 +370,7 @@ fn main() -> ExitCode {
             }
         };
         for r in rows {
-            let algbw = r.bytes as f64 / r.trait_s / 1e9;
+            let (algbw, busbw) = bandwidth(r.op, r.bytes, r.trait_s, r.ranks);
             let over = r.trait_s / r.direct_s - 1.0;
             let over_min = r.trait_min / r.direct_min - 1.0;
             ratios.push(over);
@@ -440,21 +379,21 @@ fn main() -> ExitCode {
                 "| {} | {} | {} | {:.1} | {:.1} | {:+.1}% | {:+.1}% | {:.3} | {:.3} |",
                 r.op.name(),
                 r.ranks,
-                human(r.bytes),
+                bytes_label(r.bytes),
                 r.trait_s * 1e6,
                 r.direct_s * 1e6,
                 over * 100.0,
                 over_min * 100.0,
                 algbw,
-                algbw * r.op.bus_factor(r.ranks)
+                busbw
             );
         }
     }
     let n_rows = ratios.len();
     println!(
         "\nmedian over all {n_rows} rows of trait/direct − 1: {:+.2}% (medians), {:+.2}% (fastest iterations)",
-        median(ratios) * 100.0,
-        median(min_ratios) * 100.0
+        median(&ratios).unwrap_or(0.0) * 100.0,
+        median(&min_ratios).unwrap_or(0.0) * 100.0
     );
     ExitCode::SUCCESS
 }
