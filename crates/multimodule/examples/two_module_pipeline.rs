@@ -12,7 +12,9 @@
 //! communicators: only the lines that start the ranks change.
 
 use backend_gloo::{run_ranks, GlooConfig};
-use multimodule::{Activation, ModuleInputs, MultiModulePipelineCommunicator, PipelineSpec};
+use multimodule::{
+    Activation, ModuleInputs, MultiModulePipelineCommunicator, PipelinePlan, PipelineSpec,
+};
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
@@ -121,9 +123,11 @@ fn step(
 }
 
 fn main() -> ExitCode {
-    // 1. Parse and validate the spec (names, grids inside the world, no cycle, ...).
-    let spec = match PipelineSpec::from_json_str(SPEC) {
-        Ok(s) => s,
+    // 1. Parse and validate the spec (names, grids inside the world, no cycle, ...), then plan
+    //    it once: stages and bridge routing, the same value on every rank (what `grid pipeline`
+    //    prints for this spec).
+    let plan = match PipelineSpec::from_json_str(SPEC).and_then(|spec| PipelinePlan::new(&spec)) {
+        Ok(p) => p,
         Err(e) => {
             eprintln!("two_module_pipeline: {e}");
             return ExitCode::FAILURE;
@@ -133,7 +137,7 @@ fn main() -> ExitCode {
     //    the world: it creates the bridge's groups) and runs one step.
     let config = GlooConfig::new("two-module-pipeline").with_timeout(Duration::from_secs(30));
     let results = run_ranks(4, &config, |factory, world| {
-        let mm = MultiModulePipelineCommunicator::new(factory, Arc::new(world), &spec, 0)
+        let mm = MultiModulePipelineCommunicator::new(factory, Arc::new(world), &plan, 0)
             .map_err(|e| grid_core::Error::Invalid(e.to_string()))?;
         step(&mm).map_err(grid_core::Error::Invalid)
     });
