@@ -55,10 +55,12 @@ mod group;
 mod rankgen;
 
 pub use comm::{
-    BufMut, BufRef, Communicator, CommunicatorExt, DType, DeviceBuffer, Element, GroupFactory,
-    HostBuffer, HostSlice, HostSliceMut, Memory, P2pOp, ReduceOp, Request, Tensor, TypedWork, Work,
+    color_key_for, kernels, split_members, Backend, BufMut, BufRef, Comm, Communicator,
+    CommunicatorExt, DType, DeviceBuffer, Element, GroupFactory, HostBuffer, HostSlice,
+    HostSliceMut, Memory, Op, OwnedOp, P2pOp, ReduceOp, Request, SplitEntry, SplitMembers, Tensor,
+    TypedWork, Validated, Work,
 };
-pub use error::{Error, Result};
+pub use error::{Error, LibraryError, Result};
 pub use grid::{GridSpec, GroupList, HyperGrid};
 pub use group::{Group, GroupIter, GroupSize, Term};
 pub use rankgen::{masked_orthogonal_groups, GeneratorSizes, RankGenerator, TOKENS};
