@@ -445,7 +445,8 @@ impl Group {
             .is_some_and(|l| l.consumed.contains(&t.1))
     }
 
-    /// With rendezvous: waits until the receiver took the message of `ticket`.
+    /// With rendezvous: waits until the receiver took the message of `ticket`. A strict wait
+    /// that times out withdraws the message (the failed send delivers nothing).
     pub(crate) fn wait_consumed(
         &self,
         t: &Ticket,
@@ -466,11 +467,18 @@ impl Group {
             let (s, alive) = self.wait(st, deadline);
             st = s;
             if !alive {
-                return if strict {
-                    Err(self.timeout_error(op, Some(t.0 .1)))
-                } else {
-                    Ok(false)
-                };
+                if !strict {
+                    return Ok(false);
+                }
+                // A send that failed delivers nothing: withdraw the message unless the
+                // receiver took it in the meantime.
+                if let Some(l) = st.lanes.get_mut(&t.0) {
+                    if l.consumed.remove(&t.1) {
+                        return Ok(true);
+                    }
+                    l.msgs.remove(&t.1);
+                }
+                return Err(self.timeout_error(op, Some(t.0 .1)));
             }
         }
     }

@@ -456,3 +456,134 @@ impl<B: Backend> Communicator for Comm<B> {
         self.backend.synchronize()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::CommunicatorExt;
+    use std::sync::Mutex;
+
+    /// Records what reaches the backend: (op, sequence number, address of an in-place buffer).
+    struct Recorder {
+        ranks: Vec<usize>,
+        seen: Mutex<Vec<(&'static str, u64, usize)>>,
+    }
+
+    impl Backend for Recorder {
+        fn name(&self) -> &'static str {
+            "recorder"
+        }
+        fn rank(&self) -> usize {
+            0
+        }
+        fn size(&self) -> usize {
+            self.ranks.len()
+        }
+        fn global_ranks(&self) -> &[usize] {
+            &self.ranks
+        }
+        fn accepts(&self, m: Memory) -> bool {
+            m == Memory::Host
+        }
+        fn supports(&self, d: DType, op: Option<ReduceOp>) -> bool {
+            !(d == DType::U8 && op == Some(ReduceOp::Prod))
+        }
+        fn max_tag(&self) -> u32 {
+            100
+        }
+        fn run(&self, v: Validated<Op<'_>>) -> Result<()> {
+            let seq = v.seq();
+            let mut op = v.into_op();
+            let addr = match &mut op {
+                Op::AllReduceInPlace {
+                    buf: BufMut::Host(h),
+                    ..
+                } => h.as_mut_ptr() as usize,
+                _ => 0,
+            };
+            self.seen.lock().unwrap().push((op.name(), seq, addr));
+            Ok(())
+        }
+        fn start(&self, v: Validated<Request>) -> Result<Box<dyn Work>> {
+            self.seen.lock().unwrap().push((v.op().name(), v.seq(), 0));
+            Err(Error::Unsupported {
+                op: "start",
+                backend: "recorder",
+                what: "nonblocking operations".into(),
+            })
+        }
+    }
+
+    #[test]
+    fn validation_happens_before_the_backend_and_numbers_only_issued_ops() {
+        let c = Comm::new(
+            Recorder {
+                ranks: vec![5, 7],
+                seen: Mutex::new(Vec::new()),
+            },
+            "tp",
+        );
+        let mut buf = [1.0f32; 4];
+        let addr = buf.as_mut_ptr() as usize;
+        c.all_reduce_in_place(&mut buf[..], ReduceOp::Sum).unwrap();
+        assert!(matches!(
+            c.send_to(&[1f32][..], 0, 0),
+            Err(Error::SelfPeer {
+                peer: 0,
+                size: 2,
+                ..
+            })
+        ));
+        assert!(matches!(
+            c.send_to(&[1f32][..], 1, 101),
+            Err(Error::TagOutOfRange {
+                tag: 101,
+                max: 100,
+                ..
+            })
+        ));
+        assert!(matches!(
+            c.all_to_all_into(&[1f32; 3][..], &mut [0f32; 3][..]),
+            Err(Error::Indivisible {
+                len: 3,
+                parts: 2,
+                ..
+            })
+        ));
+        assert!(matches!(
+            c.all_reduce_into(&[1u8][..], &mut [0u8][..], ReduceOp::Prod),
+            Err(Error::Unsupported { .. })
+        ));
+        assert!(matches!(
+            c.all_gather_into(&[1i64][..], &mut [0i64; 3][..]),
+            Err(Error::LengthMismatch {
+                expected: 2,
+                actual: 3,
+                ..
+            })
+        ));
+        assert!(matches!(
+            c.iall_reduce_into(vec![1i32], vec![0i32; 2], ReduceOp::Sum),
+            Err(Error::LengthMismatch {
+                expected: 1,
+                actual: 2,
+                ..
+            })
+        ));
+        c.barrier().unwrap();
+        assert!(c.ibarrier().is_err());
+        // The in-place all-reduce reached the backend as the caller's own buffer (no copy);
+        // rejected calls never reached it and took no sequence number.
+        assert_eq!(
+            *c.inner().seen.lock().unwrap(),
+            vec![
+                ("all_reduce", 0, addr),
+                ("barrier", 1, 0),
+                ("barrier", 2, 0)
+            ]
+        );
+        assert_eq!(c.ops_issued(), 3);
+        assert_eq!(Communicator::name(&c), "tp");
+        assert_eq!(c.global_ranks(), &[5, 7]);
+    }
+}
