@@ -92,7 +92,10 @@ pub trait Work: Send {
 ///
 /// Every method validates its arguments (lengths, dtypes, roots and peers, memory kind, state)
 /// before reaching the library and reports problems as [`Error`]s; a backend failure becomes
-/// [`Error::Backend`], [`Error::Timeout`] or [`Error::PeerFailed`], never a panic or an abort.
+/// [`Error::Library`] (or the legacy [`Error::Backend`]), [`Error::Timeout`] or
+/// [`Error::PeerFailed`], never a panic or an abort. Framework code gets a communicator from a
+/// backend as [`Comm`]`<B>` (the front end, where that validation is written once); the
+/// backends not yet behind the front end implement this trait directly.
 pub trait Communicator: Send + Sync {
     /// Backend name (`"mpi"`, `"gloo"`, `"nccl"`, `"local"`).
     fn backend(&self) -> &'static str;
@@ -357,7 +360,8 @@ impl<T: Element> TypedWork<T> {
 }
 
 /// Checks shared by every backend, so that they all reject the same mistakes with the same
-/// messages before reaching their library.
+/// messages before reaching their library. The front end ([`Comm`]) uses them; backends behind
+/// it need not.
 pub mod check {
     use super::*;
 
