@@ -3,7 +3,7 @@
 use super::buffer::{BufMut, BufRef, Tensor};
 use super::dtype::ReduceOp;
 
-/// One operation of a batched point-to-point exchange ([`Communicator::batch_p2p`]).
+/// One operation of a batched point-to-point exchange ([`super::Communicator::batch_p2p`]).
 #[derive(Debug)]
 pub enum P2pOp<'a> {
     /// Send `buf` to communicator rank `peer`.
@@ -26,8 +26,8 @@ pub enum P2pOp<'a> {
     },
 }
 
-/// A nonblocking operation to start ([`Communicator::start`]). Buffers are owned and come back
-/// through [`Work::wait`].
+/// A nonblocking operation to start ([`super::Communicator::start`]). Buffers are owned and come back
+/// through [`super::Work::wait`].
 #[derive(Debug)]
 pub enum Request {
     /// All-reduce `send` into `recv` (out of place; same dtype and length).
