@@ -60,7 +60,10 @@ impl RawError {
         let mut class: c_int = 0;
         // SAFETY: MPI_Error_class may be called with any code; `class` is a valid out pointer.
         let rc = unsafe { ffi::MPI_Error_class(code, &mut class) };
-        let class = (rc == 0).then(|| format!("MPI error class {class}: {}", error_string(class)));
+        let class = (rc == 0).then(|| match error_text(class) {
+            Some(t) => format!("class {class}: {t}"),
+            None => format!("class {class}"),
+        });
         RawError {
             message: error_string(code),
             code: Some(code),
@@ -71,21 +74,30 @@ impl RawError {
 
 type R<T> = Result<T, RawError>;
 
-fn error_string(code: c_int) -> String {
+/// MPI's description of an error code or class, if it has one.
+fn error_text(code: c_int) -> Option<String> {
     let mut buf = vec![0 as c_char; 512]; // MPI_MAX_ERROR_STRING is 256 in Open MPI and MPICH
     let mut len: c_int = 0;
     // SAFETY: `buf` has 512 bytes, more than MPI_MAX_ERROR_STRING, which bounds what MPI writes;
     // `len` is a valid out pointer.
     let rc = unsafe { ffi::MPI_Error_string(code, buf.as_mut_ptr(), &mut len) };
     if rc != 0 {
-        return format!("MPI error code {code}");
+        return None;
     }
     let len = usize::try_from(len).unwrap_or(0).min(buf.len());
     let bytes: Vec<u8> = buf[..len].iter().map(|&c| c as u8).collect();
-    format!(
-        "{} (MPI error code {code})",
-        String::from_utf8_lossy(&bytes).trim_end_matches('\0')
+    Some(
+        String::from_utf8_lossy(&bytes)
+            .trim_end_matches('\0')
+            .to_string(),
     )
+}
+
+fn error_string(code: c_int) -> String {
+    match error_text(code) {
+        Some(t) => format!("{t} (MPI error code {code})"),
+        None => format!("MPI error code {code}"),
+    }
 }
 
 #[inline]
