@@ -5,6 +5,10 @@
 //! `RankGenerator` and `HyperCommGrid` produce, and the communicator traits that the MPI, Gloo
 //! and NCCL backends implement.
 //!
+//! It also holds the communicator **front end** ([`Comm`] over a backend's [`Backend`]):
+//! operations validated once with typed errors, numbered and traced for every backend, plus
+//! the host reduction [`kernels`] and the split arithmetic ([`split_members`]) backends share.
+//!
 //! No I/O, no `unsafe`, no backend dependency. Groups are arithmetic ([`Group`]): the group of
 //! one rank in a million-rank world is computed in time proportional to the number of grid
 //! dimensions, never by enumerating the world.
