@@ -138,7 +138,7 @@ fn statistics_record_messages_and_batches() {
         for c in world.communicators() {
             s.spawn(move || {
                 let peer = 1 - c.rank();
-                let out = vec![c.rank() as u8; 10];
+                let out = [c.rank() as u8; 10];
                 let mut inb = vec![0u8; 10];
                 c.batch_p2p(vec![
                     grid_core::P2pOp::Send {
