@@ -211,6 +211,15 @@ impl Inner {
         let mem = |op, t: &Tensor| t.as_ref().host_only(op, BACKEND).map(|_| ());
         match r {
             Request::AllReduce { buf, .. } => mem("all_reduce", buf),
+            Request::AllReduceInto { send, recv, .. } => {
+                mem("all_reduce", send)?;
+                mem("all_reduce", recv)?;
+                self.check_reduce(
+                    "all_reduce",
+                    (send.dtype(), send.len()),
+                    (recv.dtype(), recv.len()),
+                )
+            }
             Request::Broadcast { buf, root } => {
                 mem("broadcast", buf)?;
                 check::rank("broadcast", "root", *root, self.size())
@@ -367,6 +376,14 @@ impl Inner {
             Request::AllReduce { mut buf, op } => {
                 self.all_reduce(None, h(&mut buf)?, op, tag)?;
                 Ok(buf)
+            }
+            Request::AllReduceInto {
+                mut send,
+                mut recv,
+                op,
+            } => {
+                self.all_reduce(Some(h(&mut send)?.as_slice()), h(&mut recv)?, op, tag)?;
+                Ok(recv)
             }
             Request::Broadcast { mut buf, root } => {
                 self.broadcast(h(&mut buf)?, root, tag)?;

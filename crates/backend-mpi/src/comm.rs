@@ -1,46 +1,43 @@
-//! [`MpiCommunicator`]: the grid-core [`Communicator`] over one MPI communicator.
+//! [`MpiBackend`]: the front end's [`Backend`] over one MPI communicator, and
+//! [`MpiCommunicator`], the communicator users hold (`Comm<MpiBackend>`).
 
 use crate::raw::{self, Immediate, P2p, Pending, RawError};
 use crate::stage::{self, Plan};
-use grid_core::comm::check;
 use grid_core::{
-    BufMut, BufRef, Communicator, DType, Error, HostBuffer, HostSlice, HostSliceMut, Memory, P2pOp,
-    ReduceOp, Request, Result, Tensor, Work,
+    Backend, BufMut, BufRef, Comm, DType, Error, HostBuffer, HostSlice, HostSliceMut, LibraryError,
+    Memory, Op, P2pOp, ReduceOp, Request, Result, Tensor, Validated, Work,
 };
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 const BACKEND: &str = "mpi";
 
-/// A `trace`-level event for one operation. An event rather than a span: a disabled event
-/// costs one static check, while even a disabled span costs a call when dropped, which is a
-/// measurable share of an 8-byte collective.
-macro_rules! trace_op {
-    ($name:literal, $($fields:tt)*) => {
-        tracing::trace!(target: "backend_mpi", op = $name, $($fields)*)
-    };
-}
-
-pub(crate) fn backend_err(op: &'static str, e: RawError) -> Error {
-    Error::Backend {
-        backend: BACKEND,
-        op,
-        message: e.0,
+/// An MPI failure as [`Error::Library`]: the operation, the communicator, MPI's error code and
+/// class and its message.
+pub(crate) fn backend_err(op: &'static str, comm: &str, e: RawError) -> Error {
+    let mut l = LibraryError::new(BACKEND, op, e.message).comm(comm);
+    if let Some(c) = e.code {
+        l = l.code(i64::from(c));
     }
+    if let Some(c) = e.class {
+        l = l.class(c);
+    }
+    l.into()
 }
 
-/// A communicator over one MPI communicator (`MPI_Comm`), created by [`crate::MpiRuntime`]
-/// (the world) or by [`crate::MpiFactory`] (sub-groups). The MPI communicator is freed
+/// A communicator over one MPI communicator (`MPI_Comm`): the front end
+/// ([`grid_core::Comm`]) over [`MpiBackend`]. Created by [`crate::MpiRuntime`] (the world,
+/// named `"world"`) or by [`crate::MpiFactory`] (sub-groups). The MPI communicator is freed
 /// (`MPI_Comm_free`) when this value is dropped.
 ///
-/// Errors come back as [`Error`]s: arguments are validated with [`grid_core::comm::check`]
-/// before MPI sees them, and MPI itself runs with `MPI_ERRORS_RETURN`, so its failures become
-/// [`Error::Backend`] with MPI's message.
+/// Errors come back as [`Error`]s: the front end validates arguments before MPI sees them, and
+/// MPI itself runs with `MPI_ERRORS_RETURN`, so its failures become [`Error::Library`] with
+/// MPI's error code, class and message.
 ///
 /// Ordering: as in MPI, collectives on one communicator must be called in the same order on
-/// every member. Nonblocking operations ([`Communicator::start`]) are MPI immediate operations
-/// issued at the call, so they take their place in that order when they are started, and
-/// blocking and nonblocking calls may be mixed.
+/// every member. Nonblocking operations ([`grid_core::Communicator::start`]) are MPI immediate
+/// operations issued at the call, so they take their place in that order when they are
+/// started, and blocking and nonblocking calls may be mixed.
 ///
 /// ```no_run
 /// use backend_mpi::MpiRuntime;
@@ -49,34 +46,51 @@ pub(crate) fn backend_err(op: &'static str, e: RawError) -> Error {
 /// let world = rt.world();
 /// let mut sum = [0i64];
 /// world.all_reduce_into(&[world.rank() as i64][..], &mut sum[..], ReduceOp::Sum)?;
+/// let mut v = [world.rank() as f32; 4];
+/// world.all_reduce_in_place(&mut v[..], ReduceOp::Max)?; // MPI_IN_PLACE, no copy
 /// # Ok::<(), grid_core::Error>(())
 /// ```
+pub type MpiCommunicator = Comm<MpiBackend>;
+
+/// The MPI backend of one communicator: executes operations that the front end validated.
+/// Reached from an [`MpiCommunicator`] through `Deref` (`comm.finish()`) or `comm.inner()`.
 #[derive(Debug)]
-pub struct MpiCommunicator {
+pub struct MpiBackend {
     raw: raw::Comm,
     rank: usize,
     size: usize,
     global: Vec<usize>,
+    name: String,
     finished: AtomicBool,
 }
 
-impl MpiCommunicator {
-    pub(crate) fn from_raw(raw: raw::Comm, op: &'static str) -> Result<MpiCommunicator> {
-        let rank = raw.rank().map_err(|e| backend_err(op, e))?;
-        let size = raw.size().map_err(|e| backend_err(op, e))?;
-        let global = raw.world_ranks().map_err(|e| backend_err(op, e))?;
-        tracing::debug!(op, rank, size, ?global, "mpi communicator created");
-        Ok(MpiCommunicator {
+impl MpiBackend {
+    pub(crate) fn from_raw(
+        raw: raw::Comm,
+        op: &'static str,
+        name: String,
+    ) -> Result<MpiCommunicator> {
+        let rank = raw.rank().map_err(|e| backend_err(op, &name, e))?;
+        let size = raw.size().map_err(|e| backend_err(op, &name, e))?;
+        let global = raw.world_ranks().map_err(|e| backend_err(op, &name, e))?;
+        tracing::debug!(op, comm = %name, rank, size, ?global, "mpi communicator created");
+        let backend = MpiBackend {
             raw,
             rank,
             size,
             global,
+            name: name.clone(),
             finished: AtomicBool::new(false),
-        })
+        };
+        Ok(Comm::new(backend, name))
     }
 
     pub(crate) fn raw(&self) -> &raw::Comm {
         &self.raw
+    }
+
+    pub(crate) fn err(&self, op: &'static str, e: RawError) -> Error {
+        backend_err(op, &self.name, e)
     }
 
     /// Marks the communicator finished: every later call returns [`Error::Finalized`]. Local,
@@ -97,7 +111,7 @@ impl MpiCommunicator {
         self.finished.store(true, Ordering::Release);
     }
 
-    /// True after [`MpiCommunicator::finish`] or after MPI was finalized.
+    /// True after [`MpiBackend::finish`] or after MPI was finalized.
     ///
     /// ```no_run
     /// # let rt = backend_mpi::MpiRuntime::init()?;
@@ -108,64 +122,40 @@ impl MpiCommunicator {
         self.finished.load(Ordering::Acquire) || raw::FINALIZED.load(Ordering::Acquire)
     }
 
-    #[inline]
-    pub(crate) fn live(&self, op: &'static str) -> Result<()> {
-        if self.finished.load(Ordering::Acquire) {
-            return Err(Error::Finalized {
-                op,
-                state: "finished",
-            });
-        }
-        if raw::FINALIZED.load(Ordering::Acquire) {
-            return Err(Error::Finalized {
-                op,
-                state: "finalized (MPI_Finalize ran)",
-            });
-        }
-        Ok(())
-    }
-
-    fn peer(&self, op: &'static str, peer: usize) -> Result<()> {
-        check::rank(op, "peer", peer, self.size)?;
-        if peer == self.rank {
-            return Err(Error::Invalid(format!(
-                "{op}: peer {peer} is this rank; send and receive need another rank (valid: 0..{} except {peer})",
-                self.size
-            )));
-        }
-        Ok(())
-    }
-
-    fn tag(op: &'static str, tag: u32) -> Result<()> {
-        if tag > i32::MAX as u32 {
-            return Err(Error::Invalid(format!(
-                "{op}: tag {tag} exceeds the MPI tag limit {}",
-                i32::MAX
-            )));
-        }
-        Ok(())
-    }
-}
-
-impl MpiCommunicator {
     /// All-reduce through a wider wire type (halves via f32, integer averages via i64); kept
-    /// out of line so the common path stays small.
+    /// out of line so the common path stays small. `send = None`: in place on `recv`.
     #[cold]
     #[inline(never)]
     fn all_reduce_staged(
         &self,
-        send: HostSlice<'_>,
+        send: Option<HostSlice<'_>>,
         recv: HostSliceMut<'_>,
         plan: Plan,
     ) -> Result<()> {
-        let w = plan.wire.unwrap_or(send.dtype());
-        let s = stage::widen(send, w);
-        let mut r = HostBuffer::zeros(w, s.len());
-        self.raw
-            .all_reduce(s.as_slice(), r.as_mut_slice(), plan.op)
-            .map_err(|e| backend_err("all_reduce", e))?;
-        stage::narrow(r.as_slice(), recv, plan.divide);
+        let input = send.unwrap_or(recv.as_slice());
+        let w = plan.wire.unwrap_or(input.dtype());
+        // MPI has no type for these: the conversion to the wire type is the staging, and the
+        // wire buffer is reduced in place.
+        let mut wide = stage::widen(input, w);
+        self.reduce_in_place(wide.as_mut_slice(), plan.op)?;
+        stage::narrow(wide.as_slice(), recv, plan.divide);
         Ok(())
+    }
+
+    /// `MPI_IN_PLACE` all-reduce; libraries whose `MPI_IN_PLACE` is unknown go through one
+    /// copy of the input.
+    fn reduce_in_place(&self, mut buf: HostSliceMut<'_>, r: raw::Reduce) -> Result<()> {
+        const OP: &str = "all_reduce";
+        if raw::in_place_supported() {
+            return self
+                .raw
+                .all_reduce_in_place(buf, r)
+                .map_err(|e| self.err(OP, e));
+        }
+        let send = buf.as_slice().to_owned_buffer();
+        self.raw
+            .all_reduce(send.as_slice(), buf.reborrow(), r)
+            .map_err(|e| self.err(OP, e))
     }
 }
 
@@ -181,8 +171,8 @@ fn owned(op: &'static str, t: Tensor) -> Result<HostBuffer> {
     t.host_only(op, BACKEND)
 }
 
-impl Communicator for MpiCommunicator {
-    fn backend(&self) -> &'static str {
+impl Backend for MpiBackend {
+    fn name(&self) -> &'static str {
         BACKEND
     }
     fn rank(&self) -> usize {
@@ -202,177 +192,152 @@ impl Communicator for MpiCommunicator {
         // see the `stage` module docs).
         true
     }
-
-    fn all_reduce(&self, send: BufRef<'_>, recv: BufMut<'_>, op: ReduceOp) -> Result<()> {
-        const OP: &str = "all_reduce";
-        self.live(OP)?;
-        let (send, mut recv) = (host(OP, send)?, host_mut(OP, recv)?);
-        check::same_dtype(OP, send.dtype(), recv.dtype())?;
-        check::len(OP, "recv buffer", send.len(), recv.len())?;
-        trace_op!("mpi.all_reduce", n = send.len());
-        let plan = stage::plan(send.dtype(), op, self.size);
-        if plan.wire.is_some() {
-            return self.all_reduce_staged(send, recv, plan);
-        }
-        self.raw
-            .all_reduce(send, recv.reborrow(), plan.op)
-            .map_err(|e| backend_err(OP, e))?;
-        if let Some(n) = plan.divide {
-            stage::divide_in_place(recv, n);
-        }
-        Ok(())
+    /// MPI tags are non-negative C `int`s.
+    fn max_tag(&self) -> u32 {
+        i32::MAX as u32
     }
-
-    fn broadcast(&self, buf: BufMut<'_>, root: usize) -> Result<()> {
-        const OP: &str = "broadcast";
-        self.live(OP)?;
-        let buf = host_mut(OP, buf)?;
-        check::rank(OP, "root", root, self.size)?;
-        trace_op!("mpi.broadcast", n = buf.len());
-        self.raw
-            .broadcast(buf, root)
-            .map_err(|e| backend_err(OP, e))
-    }
-
-    fn all_gather(&self, send: BufRef<'_>, recv: BufMut<'_>) -> Result<()> {
-        const OP: &str = "all_gather";
-        self.live(OP)?;
-        let (send, recv) = (host(OP, send)?, host_mut(OP, recv)?);
-        check::same_dtype(OP, send.dtype(), recv.dtype())?;
-        check::len(OP, "recv buffer", send.len() * self.size, recv.len())?;
-        trace_op!("mpi.all_gather", n = send.len());
-        self.raw
-            .all_gather(send, recv)
-            .map_err(|e| backend_err(OP, e))
-    }
-
-    fn reduce_scatter(&self, send: BufRef<'_>, recv: BufMut<'_>, op: ReduceOp) -> Result<()> {
-        const OP: &str = "reduce_scatter";
-        self.live(OP)?;
-        let (send, mut recv) = (host(OP, send)?, host_mut(OP, recv)?);
-        check::same_dtype(OP, send.dtype(), recv.dtype())?;
-        check::len(OP, "send buffer", recv.len() * self.size, send.len())?;
-        trace_op!("mpi.reduce_scatter", n = recv.len());
-        match stage::plan(send.dtype(), op, self.size) {
-            Plan {
-                wire: None,
+    fn check_live(&self, op: &'static str) -> Result<()> {
+        if self.finished.load(Ordering::Acquire) {
+            return Err(Error::Finalized {
                 op,
-                divide,
-            } => {
-                self.raw
-                    .reduce_scatter(send, recv.reborrow(), op)
-                    .map_err(|e| backend_err(OP, e))?;
-                if let Some(n) = divide {
-                    stage::divide_in_place(recv, n);
-                }
-            }
-            Plan {
-                wire: Some(w),
-                op,
-                divide,
-            } => {
-                let s = stage::widen(send, w);
-                let mut r = HostBuffer::zeros(w, recv.len());
-                self.raw
-                    .reduce_scatter(s.as_slice(), r.as_mut_slice(), op)
-                    .map_err(|e| backend_err(OP, e))?;
-                stage::narrow(r.as_slice(), recv, divide);
-            }
-        }
-        Ok(())
-    }
-
-    fn all_to_all(&self, send: BufRef<'_>, recv: BufMut<'_>) -> Result<()> {
-        const OP: &str = "all_to_all";
-        self.live(OP)?;
-        let (send, recv) = (host(OP, send)?, host_mut(OP, recv)?);
-        check::collective(
-            OP,
-            self.size,
-            Some((send.dtype(), send.len())),
-            (recv.dtype(), recv.len()),
-        )?;
-        trace_op!("mpi.all_to_all", n = send.len());
-        self.raw
-            .all_to_all(send, recv)
-            .map_err(|e| backend_err(OP, e))
-    }
-
-    fn barrier(&self) -> Result<()> {
-        self.live("barrier")?;
-        self.raw.barrier().map_err(|e| backend_err("barrier", e))
-    }
-
-    fn send(&self, buf: BufRef<'_>, peer: usize, tag: u32) -> Result<()> {
-        const OP: &str = "send";
-        self.live(OP)?;
-        let buf = host(OP, buf)?;
-        self.peer(OP, peer)?;
-        Self::tag(OP, tag)?;
-        trace_op!("mpi.send", n = buf.len(), peer);
-        self.raw
-            .send(buf, peer, tag)
-            .map_err(|e| backend_err(OP, e))
-    }
-
-    fn recv(&self, buf: BufMut<'_>, peer: usize, tag: u32) -> Result<()> {
-        const OP: &str = "recv";
-        self.live(OP)?;
-        let buf = host_mut(OP, buf)?;
-        self.peer(OP, peer)?;
-        Self::tag(OP, tag)?;
-        let expected = buf.len();
-        trace_op!("mpi.recv", n = expected, peer);
-        let got = self
-            .raw
-            .recv(buf, peer, tag)
-            .map_err(|e| backend_err(OP, e))?;
-        check::len(OP, "received message", expected, got)
-    }
-
-    fn batch_p2p(&self, ops: Vec<P2pOp<'_>>) -> Result<()> {
-        const OP: &str = "batch_p2p";
-        self.live(OP)?;
-        let mut sends = Vec::new();
-        let mut recvs = Vec::new();
-        for op in ops {
-            match op {
-                P2pOp::Send { buf, peer, tag } => {
-                    check::rank(OP, "peer", peer, self.size)?;
-                    Self::tag(OP, tag)?;
-                    sends.push((host(OP, buf)?, peer, tag));
-                }
-                P2pOp::Recv { buf, peer, tag } => {
-                    check::rank(OP, "peer", peer, self.size)?;
-                    Self::tag(OP, tag)?;
-                    recvs.push((host_mut(OP, buf)?, peer, tag));
-                }
-            }
-        }
-        let mut raw_ops: Vec<P2p<'_, '_>> = Vec::with_capacity(sends.len() + recvs.len());
-        // Receives first: posting them early lets matching sends complete eagerly.
-        for (buf, peer, tag) in recvs.iter_mut() {
-            raw_ops.push(P2p::Recv {
-                buf,
-                peer: *peer,
-                tag: *tag,
+                state: "finished",
             });
         }
-        for (buf, peer, tag) in sends {
-            raw_ops.push(P2p::Send { buf, peer, tag });
+        if raw::FINALIZED.load(Ordering::Acquire) {
+            return Err(Error::Finalized {
+                op,
+                state: "finalized (MPI_Finalize ran)",
+            });
         }
-        self.raw.batch(&mut raw_ops).map_err(|e| backend_err(OP, e))
+        Ok(())
     }
 
-    fn start(&self, request: Request) -> Result<Box<dyn Work>> {
+    fn run(&self, op: Validated<Op<'_>>) -> Result<()> {
+        match op.into_op() {
+            Op::AllReduce { send, recv, op } => {
+                const OP: &str = "all_reduce";
+                let (send, mut recv) = (host(OP, send)?, host_mut(OP, recv)?);
+                let plan = stage::plan(send.dtype(), op, self.size);
+                if plan.wire.is_some() {
+                    return self.all_reduce_staged(Some(send), recv, plan);
+                }
+                self.raw
+                    .all_reduce(send, recv.reborrow(), plan.op)
+                    .map_err(|e| self.err(OP, e))?;
+                if let Some(n) = plan.divide {
+                    grid_core::kernels::divide(recv, n);
+                }
+                Ok(())
+            }
+            Op::AllReduceInPlace { buf, op } => {
+                const OP: &str = "all_reduce";
+                let mut buf = host_mut(OP, buf)?;
+                let plan = stage::plan(buf.dtype(), op, self.size);
+                if plan.wire.is_some() {
+                    return self.all_reduce_staged(None, buf, plan);
+                }
+                self.reduce_in_place(buf.reborrow(), plan.op)?;
+                if let Some(n) = plan.divide {
+                    grid_core::kernels::divide(buf, n);
+                }
+                Ok(())
+            }
+            Op::Broadcast { buf, root } => {
+                const OP: &str = "broadcast";
+                let buf = host_mut(OP, buf)?;
+                self.raw.broadcast(buf, root).map_err(|e| self.err(OP, e))
+            }
+            Op::AllGather { send, recv } => {
+                const OP: &str = "all_gather";
+                let (send, recv) = (host(OP, send)?, host_mut(OP, recv)?);
+                self.raw.all_gather(send, recv).map_err(|e| self.err(OP, e))
+            }
+            Op::ReduceScatter { send, recv, op } => {
+                const OP: &str = "reduce_scatter";
+                let (send, mut recv) = (host(OP, send)?, host_mut(OP, recv)?);
+                let plan = stage::plan(send.dtype(), op, self.size);
+                match plan.wire {
+                    None => {
+                        self.raw
+                            .reduce_scatter(send, recv.reborrow(), plan.op)
+                            .map_err(|e| self.err(OP, e))?;
+                        if let Some(n) = plan.divide {
+                            grid_core::kernels::divide(recv, n);
+                        }
+                    }
+                    Some(w) => {
+                        let s = stage::widen(send, w);
+                        let mut r = HostBuffer::zeros(w, recv.len());
+                        self.raw
+                            .reduce_scatter(s.as_slice(), r.as_mut_slice(), plan.op)
+                            .map_err(|e| self.err(OP, e))?;
+                        stage::narrow(r.as_slice(), recv, plan.divide);
+                    }
+                }
+                Ok(())
+            }
+            Op::AllToAll { send, recv } => {
+                const OP: &str = "all_to_all";
+                let (send, recv) = (host(OP, send)?, host_mut(OP, recv)?);
+                self.raw.all_to_all(send, recv).map_err(|e| self.err(OP, e))
+            }
+            Op::Barrier => self.raw.barrier().map_err(|e| self.err("barrier", e)),
+            Op::Send { buf, peer, tag } => {
+                const OP: &str = "send";
+                let buf = host(OP, buf)?;
+                self.raw.send(buf, peer, tag).map_err(|e| self.err(OP, e))
+            }
+            Op::Recv { buf, peer, tag } => {
+                const OP: &str = "recv";
+                let buf = host_mut(OP, buf)?;
+                let expected = buf.len();
+                let got = self.raw.recv(buf, peer, tag).map_err(|e| self.err(OP, e))?;
+                grid_core::comm::check::len(OP, "received message", expected, got)
+            }
+            Op::Batch(ops) => {
+                const OP: &str = "batch_p2p";
+                let mut sends = Vec::new();
+                let mut recvs = Vec::new();
+                for op in ops {
+                    match op {
+                        P2pOp::Send { buf, peer, tag } => sends.push((host(OP, buf)?, peer, tag)),
+                        P2pOp::Recv { buf, peer, tag } => {
+                            recvs.push((host_mut(OP, buf)?, peer, tag))
+                        }
+                    }
+                }
+                let mut raw_ops: Vec<P2p<'_, '_>> = Vec::with_capacity(sends.len() + recvs.len());
+                // Receives first: posting them early lets matching sends complete eagerly.
+                for (buf, peer, tag) in recvs.iter_mut() {
+                    raw_ops.push(P2p::Recv {
+                        buf,
+                        peer: *peer,
+                        tag: *tag,
+                    });
+                }
+                for (buf, peer, tag) in sends {
+                    raw_ops.push(P2p::Send { buf, peer, tag });
+                }
+                self.raw.batch(&mut raw_ops).map_err(|e| self.err(OP, e))
+            }
+        }
+    }
+
+    fn start(&self, request: Validated<Request>) -> Result<Box<dyn Work>> {
+        let request = request.into_op();
         let name = request.name();
-        self.live(name)?;
         let size = self.size;
         let (what, bufs, post) = match request {
             Request::AllReduce { buf, op } => {
                 let buf = owned(name, buf)?;
                 let plan = stage::plan(buf.dtype(), op, size);
+                let in_place = raw::in_place_supported();
                 match plan.wire {
+                    None if in_place => (
+                        Immediate::AllReduceInPlace(plan.op),
+                        vec![buf],
+                        post_native(0, plan.divide),
+                    ),
                     None => {
                         let recv = buf.clone();
                         (
@@ -383,13 +348,42 @@ impl Communicator for MpiCommunicator {
                     }
                     Some(w) => {
                         let s = stage::widen(buf.as_slice(), w);
+                        let (what, bufs, idx) = if in_place {
+                            (Immediate::AllReduceInPlace(plan.op), vec![s], 0)
+                        } else {
+                            let r = HostBuffer::zeros(w, s.len());
+                            (Immediate::AllReduce(plan.op), vec![s, r], 1)
+                        };
+                        (
+                            what,
+                            bufs,
+                            Post::Narrow {
+                                idx,
+                                out: buf,
+                                divide: plan.divide,
+                            },
+                        )
+                    }
+                }
+            }
+            Request::AllReduceInto { send, recv, op } => {
+                let (send, recv) = (owned(name, send)?, owned(name, recv)?);
+                let plan = stage::plan(send.dtype(), op, size);
+                match plan.wire {
+                    None => (
+                        Immediate::AllReduce(plan.op),
+                        vec![send, recv],
+                        post_native(1, plan.divide),
+                    ),
+                    Some(w) => {
+                        let s = stage::widen(send.as_slice(), w);
                         let r = HostBuffer::zeros(w, s.len());
                         (
                             Immediate::AllReduce(plan.op),
                             vec![s, r],
                             Post::Narrow {
                                 idx: 1,
-                                out: buf,
+                                out: recv,
                                 divide: plan.divide,
                             },
                         )
@@ -398,19 +392,14 @@ impl Communicator for MpiCommunicator {
             }
             Request::Broadcast { buf, root } => {
                 let buf = owned(name, buf)?;
-                check::rank(name, "root", root, size)?;
                 (Immediate::Broadcast(root), vec![buf], Post::Take(0))
             }
             Request::AllGather { send, recv } => {
                 let (send, recv) = (owned(name, send)?, owned(name, recv)?);
-                check::same_dtype(name, send.dtype(), recv.dtype())?;
-                check::len(name, "recv buffer", send.len() * size, recv.len())?;
                 (Immediate::AllGather, vec![send, recv], Post::Take(1))
             }
             Request::ReduceScatter { send, recv, op } => {
                 let (send, recv) = (owned(name, send)?, owned(name, recv)?);
-                check::same_dtype(name, send.dtype(), recv.dtype())?;
-                check::len(name, "send buffer", recv.len() * size, send.len())?;
                 let plan = stage::plan(send.dtype(), op, size);
                 match plan.wire {
                     None => (
@@ -435,25 +424,15 @@ impl Communicator for MpiCommunicator {
             }
             Request::AllToAll { send, recv } => {
                 let (send, recv) = (owned(name, send)?, owned(name, recv)?);
-                check::collective(
-                    name,
-                    size,
-                    Some((send.dtype(), send.len())),
-                    (recv.dtype(), recv.len()),
-                )?;
                 (Immediate::AllToAll, vec![send, recv], Post::Take(1))
             }
             Request::Barrier => (Immediate::Barrier, vec![], Post::Empty),
             Request::Send { buf, peer, tag } => {
                 let buf = owned(name, buf)?;
-                self.peer(name, peer)?;
-                Self::tag(name, tag)?;
                 (Immediate::Send(peer, tag), vec![buf], Post::Take(0))
             }
             Request::Recv { buf, peer, tag } => {
                 let buf = owned(name, buf)?;
-                self.peer(name, peer)?;
-                Self::tag(name, tag)?;
                 let expected = buf.len();
                 (
                     Immediate::Recv(peer, tag),
@@ -462,12 +441,10 @@ impl Communicator for MpiCommunicator {
                 )
             }
         };
-        let pending = self
-            .raw
-            .start(what, bufs)
-            .map_err(|e| backend_err(name, e))?;
+        let pending = self.raw.start(what, bufs).map_err(|e| self.err(name, e))?;
         Ok(Box::new(MpiWork {
             op: name,
+            comm: self.name.clone(),
             pending: Some(pending),
             post: Some(post),
         }))
@@ -503,6 +480,7 @@ enum Post {
 /// Dropping it before completion waits for the operation (MPI may still use the buffers).
 struct MpiWork {
     op: &'static str,
+    comm: String,
     pending: Option<Pending>,
     post: Option<Post>,
 }
@@ -514,7 +492,7 @@ impl MpiWork {
             .pending
             .take()
             .ok_or_else(|| Error::Invalid(format!("{op}: work already waited on")))?;
-        let (mut bufs, received) = pending.wait().map_err(|e| backend_err(op, e))?;
+        let (mut bufs, received) = pending.wait().map_err(|e| backend_err(op, &self.comm, e))?;
         let take = |bufs: &mut Vec<HostBuffer>, i: usize| -> Result<HostBuffer> {
             if i < bufs.len() {
                 Ok(bufs.swap_remove(i))
@@ -528,7 +506,7 @@ impl MpiWork {
             Some(Post::Take(i)) => take(&mut bufs, i)?,
             Some(Post::Divide { idx, n }) => {
                 let mut b = take(&mut bufs, idx)?;
-                stage::divide_in_place(b.as_mut_slice(), n);
+                grid_core::kernels::divide(b.as_mut_slice(), n);
                 b
             }
             Some(Post::Narrow {
@@ -542,7 +520,7 @@ impl MpiWork {
             }
             Some(Post::Received { expected }) => {
                 let b = take(&mut bufs, 0)?;
-                check::len(
+                grid_core::comm::check::len(
                     op,
                     "received message",
                     expected,
@@ -578,7 +556,7 @@ impl Work for MpiWork {
             let done = match self.pending.as_mut() {
                 Some(p) => match p.test() {
                     Ok(d) => d,
-                    Err(e) => return Ok(Err(backend_err(self.op, e))),
+                    Err(e) => return Ok(Err(backend_err(self.op, &self.comm, e))),
                 },
                 None => true,
             };

@@ -1,8 +1,8 @@
 //! [`MpiFactory`]: creates sub-communicators (`MPI_Comm_split`, `MPI_Comm_create`).
 
-use crate::comm::{backend_err, MpiCommunicator};
+use crate::comm::{MpiBackend, MpiCommunicator};
 use grid_core::comm::check;
-use grid_core::{Communicator, Error, GroupFactory, Result};
+use grid_core::{Backend, Communicator, Error, GroupFactory, Result};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// Creates MPI communicators for sub-groups. Stateless apart from counters of the collective
@@ -79,7 +79,7 @@ impl GroupFactory for MpiFactory {
         key: usize,
     ) -> Result<Option<MpiCommunicator>> {
         const OP: &str = "split";
-        parent.live(OP)?;
+        parent.check_live(OP)?;
         if let Some(c) = color {
             if c > i32::MAX as u32 {
                 return Err(Error::Invalid(format!("split: colour {c} exceeds the MPI limit {} (colours must be non-negative ints)", i32::MAX)));
@@ -91,13 +91,18 @@ impl GroupFactory for MpiFactory {
                 i32::MAX
             )));
         }
-        let _s = tracing::debug_span!("mpi.split", ?color, key).entered();
-        self.splits.fetch_add(1, Ordering::Relaxed);
+        let _s =
+            tracing::debug_span!("mpi.split", comm = parent.comm_name(), ?color, key).entered();
+        let n = self.splits.fetch_add(1, Ordering::Relaxed);
         let raw = parent
             .raw()
             .split(color.map(|c| c as usize), key)
-            .map_err(|e| backend_err(OP, e))?;
-        raw.map(|r| MpiCommunicator::from_raw(r, OP)).transpose()
+            .map_err(|e| parent.err(OP, e))?;
+        let name = match color {
+            Some(c) => format!("{}/split{n}.{c}", parent.comm_name()),
+            None => String::new(),
+        };
+        raw.map(|r| MpiBackend::from_raw(r, OP, name)).transpose()
     }
 
     /// `MPI_Comm_create` over `parent` with the group of `ranks` (sorted ascending, so the new
@@ -108,29 +113,20 @@ impl GroupFactory for MpiFactory {
         ranks: &[usize],
     ) -> Result<Option<MpiCommunicator>> {
         const OP: &str = "create_group";
-        parent.live(OP)?;
-        let size = parent.size();
-        let mut seen = vec![false; size];
-        for &r in ranks {
-            check::rank(OP, "member", r, size)?;
-            if std::mem::replace(&mut seen[r], true) {
-                return Err(Error::Invalid(format!(
-                    "create_group: rank {r} appears more than once in {ranks:?}"
-                )));
-            }
-        }
-        if ranks.is_empty() {
-            return Err(Error::Invalid(
-                "create_group: the rank list is empty".into(),
-            ));
-        }
-        let sorted: Vec<usize> = (0..size).filter(|&r| seen[r]).collect();
-        let _s = tracing::debug_span!("mpi.create_group", n = sorted.len()).entered();
-        self.creates.fetch_add(1, Ordering::Relaxed);
+        parent.check_live(OP)?;
+        let sorted = check::group_members(OP, ranks, parent.size())?;
+        let _s = tracing::debug_span!(
+            "mpi.create_group",
+            comm = parent.comm_name(),
+            n = sorted.len()
+        )
+        .entered();
+        let n = self.creates.fetch_add(1, Ordering::Relaxed);
         let raw = parent
             .raw()
             .create(&sorted)
-            .map_err(|e| backend_err(OP, e))?;
-        raw.map(|r| MpiCommunicator::from_raw(r, OP)).transpose()
+            .map_err(|e| parent.err(OP, e))?;
+        let name = format!("{}/group{n}", parent.comm_name());
+        raw.map(|r| MpiBackend::from_raw(r, OP, name)).transpose()
     }
 }

@@ -6,9 +6,12 @@
 //!
 //! * [`MpiRuntime`] initialises MPI once per process (`MPI_THREAD_MULTIPLE`,
 //!   `MPI_ERRORS_RETURN`) and owns the world communicator; dropping it finalizes MPI.
-//! * [`MpiCommunicator`] implements [`grid_core::Communicator`] (all collectives, point to point,
-//!   batches, nonblocking [`grid_core::Communicator::start`] as MPI immediate operations on owned
-//!   buffers). It is `Send + Sync` (see the `raw` module for the invariant).
+//! * [`MpiCommunicator`] = [`grid_core::Comm`]`<`[`MpiBackend`]`>`: the grid-core front end
+//!   (validation, sequence numbers, tracing) over [`MpiBackend`], which executes the validated
+//!   operations (all collectives, point to point, batches, nonblocking
+//!   [`grid_core::Communicator::start`] as MPI immediate operations on owned buffers). In-place
+//!   all-reduce passes `MPI_IN_PLACE`, blocking and nonblocking, with no copy. It is
+//!   `Send + Sync` (see the `raw` module for the invariant).
 //! * [`MpiFactory`] implements [`grid_core::GroupFactory`]: `split` is `MPI_Comm_split`,
 //!   `create_group` is `MPI_Comm_create` over the parent.
 //! * [`testing`] runs multi-rank tests under plain `cargo test` by re-launching the test binary
@@ -32,14 +35,17 @@
 //! # Ok::<(), grid_core::Error>(())
 //! ```
 #![warn(missing_docs)]
+// Every `unsafe` block lives in the FFI module `raw`, next to the invariant it relies on.
+#![deny(unsafe_code)]
 
 mod comm;
 mod factory;
+#[allow(unsafe_code)]
 mod raw;
 mod runtime;
 mod stage;
 pub mod testing;
 
-pub use comm::MpiCommunicator;
+pub use comm::{MpiBackend, MpiCommunicator};
 pub use factory::{FactoryCalls, MpiFactory};
 pub use runtime::MpiRuntime;

@@ -7,8 +7,8 @@
 //! `MPI_ERRORS_RETURN`, so every return code must be checked, which only the raw calls allow.
 //!
 //! The functions here are *safe* to call: each checks, before its `unsafe` block, every fact the
-//! C call relies on for memory safety (buffer lengths against counts, `int` ranges). The layers
-//! above validate arguments again with [`grid_core::comm::check`] to give users precise errors.
+//! C call relies on for memory safety (buffer lengths against counts, `int` ranges). The front
+//! end (`grid_core::Comm`) validates the arguments before, to give users precise errors.
 //!
 //! Thread safety: MPI is initialised with `MPI_THREAD_MULTIPLE` (checked in
 //! [`crate::MpiRuntime::init`]; initialisation fails otherwise), under which every MPI function
@@ -36,28 +36,68 @@ pub(crate) fn finalized() -> bool {
     flag != 0
 }
 
-/// A failure of a raw call: an MPI error code with its message, or an argument that cannot be
-/// passed to MPI at all.
+/// A failure of a raw call: an MPI error code with its class and message, or an argument that
+/// cannot be passed to MPI at all (no code).
 #[derive(Debug, Clone)]
-pub(crate) struct RawError(pub String);
+pub(crate) struct RawError {
+    pub(crate) message: String,
+    /// The MPI error code returned.
+    pub(crate) code: Option<i32>,
+    /// The MPI error class of the code (`MPI_Error_class`) and its description.
+    pub(crate) class: Option<String>,
+}
+
+impl RawError {
+    pub(crate) fn msg(message: String) -> RawError {
+        RawError {
+            message,
+            code: None,
+            class: None,
+        }
+    }
+
+    fn mpi(code: c_int) -> RawError {
+        let mut class: c_int = 0;
+        // SAFETY: MPI_Error_class may be called with any code; `class` is a valid out pointer.
+        let rc = unsafe { ffi::MPI_Error_class(code, &mut class) };
+        let class = (rc == 0).then(|| match error_text(class) {
+            Some(t) => format!("class {class}: {t}"),
+            None => format!("class {class}"),
+        });
+        RawError {
+            message: error_string(code),
+            code: Some(code),
+            class,
+        }
+    }
+}
 
 type R<T> = Result<T, RawError>;
 
-fn error_string(code: c_int) -> String {
+/// MPI's description of an error code or class, if it has one.
+fn error_text(code: c_int) -> Option<String> {
     let mut buf = vec![0 as c_char; 512]; // MPI_MAX_ERROR_STRING is 256 in Open MPI and MPICH
     let mut len: c_int = 0;
     // SAFETY: `buf` has 512 bytes, more than MPI_MAX_ERROR_STRING, which bounds what MPI writes;
     // `len` is a valid out pointer.
     let rc = unsafe { ffi::MPI_Error_string(code, buf.as_mut_ptr(), &mut len) };
     if rc != 0 {
-        return format!("MPI error code {code}");
+        return None;
     }
     let len = usize::try_from(len).unwrap_or(0).min(buf.len());
     let bytes: Vec<u8> = buf[..len].iter().map(|&c| c as u8).collect();
-    format!(
-        "{} (MPI error code {code})",
-        String::from_utf8_lossy(&bytes).trim_end_matches('\0')
+    Some(
+        String::from_utf8_lossy(&bytes)
+            .trim_end_matches('\0')
+            .to_string(),
     )
+}
+
+fn error_string(code: c_int) -> String {
+    match error_text(code) {
+        Some(t) => format!("{t} (MPI error code {code})"),
+        None => format!("MPI error code {code}"),
+    }
 }
 
 #[inline]
@@ -65,14 +105,14 @@ fn rc(code: c_int) -> R<()> {
     if code == ffi::MPI_SUCCESS as c_int {
         Ok(())
     } else {
-        Err(RawError(error_string(code)))
+        Err(RawError::mpi(code))
     }
 }
 
 #[inline]
 fn count(n: usize) -> R<c_int> {
     c_int::try_from(n).map_err(|_| {
-        RawError(format!(
+        RawError::msg(format!(
             "{n} elements exceed the MPI count limit of {} (split the buffer)",
             c_int::MAX
         ))
@@ -81,7 +121,7 @@ fn count(n: usize) -> R<c_int> {
 
 #[inline]
 fn int(what: &str, n: usize) -> R<c_int> {
-    c_int::try_from(n).map_err(|_| RawError(format!("{what} {n} does not fit an MPI int")))
+    c_int::try_from(n).map_err(|_| RawError::msg(format!("{what} {n} does not fit an MPI int")))
 }
 
 /// The MPI datatype that carries `dtype`. Half types travel as 16-bit unsigned integers: MPI has
@@ -115,7 +155,7 @@ pub(crate) enum Reduce {
 #[inline]
 fn op(reduce: Reduce, dtype: DType) -> R<ffi::MPI_Op> {
     if matches!(dtype, DType::F16 | DType::BF16) {
-        return Err(RawError(format!(
+        return Err(RawError::msg(format!(
             "internal: {dtype} reaches an MPI reduction (halves are reduced through f32)"
         )));
     }
@@ -128,6 +168,49 @@ fn op(reduce: Reduce, dtype: DType) -> R<ffi::MPI_Op> {
             Reduce::Max => ffi::RSMPI_MAX,
         }
     })
+}
+
+/// The value of `MPI_IN_PLACE`, which rsmpi does not export: `(void *) 1` in Open MPI and
+/// `(void *) -1` in MPICH and its derivatives, told apart by `MPI_Get_library_version` once.
+/// Any other library gets an error (the callers then stage through a copy).
+pub(crate) fn in_place() -> R<*const c_void> {
+    static IN_PLACE: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    let v = IN_PLACE.get_or_init(|| {
+        let version = library_version();
+        if version.contains("Open MPI") {
+            Some(1)
+        } else if version.contains("MPICH") {
+            Some(usize::MAX)
+        } else {
+            None
+        }
+    });
+    v.map(|a| a as *const c_void).ok_or_else(|| {
+        RawError::msg(format!(
+            "MPI_IN_PLACE is not known for this MPI library ({}); supported: Open MPI, MPICH",
+            library_version().lines().next().unwrap_or("unknown")
+        ))
+    })
+}
+
+/// True when [`in_place`] knows this library's `MPI_IN_PLACE`.
+pub(crate) fn in_place_supported() -> bool {
+    in_place().is_ok()
+}
+
+fn library_version() -> String {
+    // MPI_MAX_LIBRARY_VERSION_STRING is 256 in Open MPI and 8192 in MPICH.
+    let mut buf = vec![0 as c_char; 8193];
+    let mut len: c_int = 0;
+    // SAFETY: `buf` is larger than MPI_MAX_LIBRARY_VERSION_STRING of the supported libraries,
+    // which bounds what MPI writes; `len` is a valid out pointer. Callable before MPI_Init.
+    let rc = unsafe { ffi::MPI_Get_library_version(buf.as_mut_ptr(), &mut len) };
+    if rc != 0 {
+        return String::new();
+    }
+    let len = usize::try_from(len).unwrap_or(0).min(buf.len());
+    let bytes: Vec<u8> = buf[..len].iter().map(|&c| c as u8).collect();
+    String::from_utf8_lossy(&bytes).into_owned()
 }
 
 /// Scratch memory handed to MPI instead of the pointer of an empty slice: an empty `Vec<u8>`
@@ -159,7 +242,7 @@ fn same(what: &str, a: (DType, usize), b: (DType, usize)) -> R<()> {
     if a == b {
         Ok(())
     } else {
-        Err(RawError(format!(
+        Err(RawError::msg(format!(
             "internal: {what}: {} {} vs {} {}",
             a.1, a.0, b.1, b.0
         )))
@@ -267,7 +350,9 @@ impl Comm {
                 if r < size {
                     int("rank", r)
                 } else {
-                    Err(RawError(format!("internal: rank {r} outside 0..{size}")))
+                    Err(RawError::msg(format!(
+                        "internal: rank {r} outside 0..{size}"
+                    )))
                 }
             })
             .collect::<R<Vec<c_int>>>()?;
@@ -303,7 +388,7 @@ impl Comm {
         let mut r: c_int = 0;
         // SAFETY: valid communicator and out pointer.
         unsafe { rc(ffi::MPI_Comm_rank(self.raw, &mut r))? };
-        usize::try_from(r).map_err(|_| RawError(format!("MPI returned rank {r}")))
+        usize::try_from(r).map_err(|_| RawError::msg(format!("MPI returned rank {r}")))
     }
 
     /// Takes ownership of a valid, non-null communicator handle (freed on drop).
@@ -313,7 +398,7 @@ impl Comm {
         // SAFETY: `raw` is a valid communicator (the caller created it); `s` a valid out pointer.
         // If this fails, `c` is dropped and frees the handle.
         unsafe { rc(ffi::MPI_Comm_size(c.raw, &mut s))? };
-        c.size = usize::try_from(s).map_err(|_| RawError(format!("MPI returned size {s}")))?;
+        c.size = usize::try_from(s).map_err(|_| RawError::msg(format!("MPI returned size {s}")))?;
         Ok(c)
     }
 
@@ -355,7 +440,7 @@ impl Comm {
             r?;
         }
         out.into_iter()
-            .map(|r| usize::try_from(r).map_err(|_| RawError(format!("no world rank ({r})"))))
+            .map(|r| usize::try_from(r).map_err(|_| RawError::msg(format!("no world rank ({r})"))))
             .collect()
     }
 
@@ -386,6 +471,30 @@ impl Comm {
             rc(ffi::MPI_Allreduce(
                 cptr(&send),
                 mptr(&mut recv),
+                n,
+                dt,
+                op,
+                self.raw,
+            ))
+        }
+    }
+
+    /// `MPI_Allreduce(MPI_IN_PLACE, buf, ...)`: the result replaces `buf`, with no copy.
+    #[inline]
+    pub(crate) fn all_reduce_in_place(&self, mut buf: HostSliceMut<'_>, r: Reduce) -> R<()> {
+        let place = in_place()?;
+        let (n, dt, op) = (
+            count(buf.len())?,
+            datatype(buf.dtype()),
+            op(r, buf.dtype())?,
+        );
+        // SAFETY: `buf` holds `n` elements of the datatype passed and stays exclusively
+        // borrowed for the whole blocking call; `place` is this library's MPI_IN_PLACE, which
+        // MPI never dereferences.
+        unsafe {
+            rc(ffi::MPI_Allreduce(
+                place,
+                mptr(&mut buf),
                 n,
                 dt,
                 op,
@@ -467,7 +576,7 @@ impl Comm {
             (recv.dtype(), recv.len()),
         )?;
         if !send.len().is_multiple_of(size) {
-            return Err(RawError(format!(
+            return Err(RawError::msg(format!(
                 "internal: all_to_all of {} elements over {size}",
                 send.len()
             )));
@@ -523,7 +632,7 @@ impl Comm {
             ))?;
             rc(ffi::MPI_Get_count(status.as_ptr(), dt, &mut got))?;
         }
-        usize::try_from(got).map_err(|_| RawError(format!("MPI_Get_count returned {got}")))
+        usize::try_from(got).map_err(|_| RawError::msg(format!("MPI_Get_count returned {got}")))
     }
 
     /// Posts every send and receive, then waits for all of them. Borrowed buffers are safe
@@ -626,6 +735,8 @@ pub(crate) enum P2p<'s, 'b> {
 pub(crate) enum Immediate {
     /// `bufs[0]` is the input, `bufs[1]` the result.
     AllReduce(Reduce),
+    /// `bufs[0]` reduced in place (`MPI_IN_PLACE`).
+    AllReduceInPlace(Reduce),
     /// `bufs[0]` in place.
     Broadcast(usize),
     /// `bufs[0]` input block, `bufs[1]` result.
@@ -671,7 +782,7 @@ impl Comm {
             if bufs.len() == k {
                 Ok(())
             } else {
-                Err(RawError(format!(
+                Err(RawError::msg(format!(
                     "internal: {k} buffers expected, got {}",
                     bufs.len()
                 )))
@@ -697,6 +808,25 @@ impl Comm {
                     rc(ffi::MPI_Iallreduce(
                         s,
                         d,
+                        n,
+                        dt,
+                        op,
+                        self.raw,
+                        req.as_mut_ptr(),
+                    ))?
+                };
+            }
+            Immediate::AllReduceInPlace(r) => {
+                need(1)?;
+                let place = in_place()?;
+                let (n, op) = (count(bufs[0].len())?, op(r, dtype)?);
+                let p = mptr(&mut bufs[0].as_mut_slice());
+                // SAFETY: the owned buffer holds n elements of `dt`; it moves into the returned
+                // `Pending`, which keeps it untouched until completion; `place` is MPI_IN_PLACE.
+                unsafe {
+                    rc(ffi::MPI_Iallreduce(
+                        place,
+                        p,
                         n,
                         dt,
                         op,
@@ -767,7 +897,9 @@ impl Comm {
                     (bufs[1].dtype(), bufs[1].len()),
                 )?;
                 if !bufs[0].len().is_multiple_of(size) {
-                    return Err(RawError("internal: all_to_all length not divisible".into()));
+                    return Err(RawError::msg(
+                        "internal: all_to_all length not divisible".into(),
+                    ));
                 }
                 let n = count(bufs[0].len() / size)?;
                 count(bufs[0].len())?;
@@ -851,7 +983,7 @@ impl Pending {
             return Ok(true);
         }
         if finalized() {
-            return Err(RawError(
+            return Err(RawError::msg(
                 "MPI was finalized while the operation was pending".into(),
             ));
         }
@@ -871,7 +1003,7 @@ impl Pending {
     pub(crate) fn wait(mut self) -> R<(Vec<HostBuffer>, Option<usize>)> {
         if !self.done {
             if finalized() {
-                return Err(RawError(
+                return Err(RawError::msg(
                     "MPI was finalized while the operation was pending".into(),
                 ));
             }

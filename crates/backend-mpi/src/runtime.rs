@@ -1,6 +1,6 @@
 //! MPI initialisation and the world communicator.
 
-use crate::comm::{backend_err, MpiCommunicator};
+use crate::comm::{backend_err, MpiBackend, MpiCommunicator};
 use crate::raw;
 use grid_core::{Error, Result};
 use mpi::Threading;
@@ -61,17 +61,20 @@ impl MpiRuntime {
         if threading != Threading::Multiple {
             drop(universe);
             raw::mark_finalized();
-            return Err(Error::Backend {
-                backend: "mpi",
-                op: "init",
-                message: format!(
+            return Err(grid_core::LibraryError::new(
+                "mpi",
+                "init",
+                format!(
                     "the MPI library provides thread level {threading:?}, but MPI_THREAD_MULTIPLE is \
                      required (Open MPI and MPICH from Debian provide it)"
                 ),
-            });
+            )
+            .comm("world")
+            .class("MPI_THREAD_MULTIPLE unavailable")
+            .into());
         }
-        let world = raw::Comm::world_dup().map_err(|e| backend_err("init", e));
-        let world = match world.and_then(|c| MpiCommunicator::from_raw(c, "init")) {
+        let world = raw::Comm::world_dup().map_err(|e| backend_err("init", "world", e));
+        let world = match world.and_then(|c| MpiBackend::from_raw(c, "init", "world".into())) {
             Ok(w) => w,
             Err(e) => {
                 raw::mark_finalized();

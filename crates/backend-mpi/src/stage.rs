@@ -60,23 +60,6 @@ pub(crate) fn widen(src: HostSlice<'_>, wire: DType) -> HostBuffer {
     }
 }
 
-/// Divides a native float or i64 result in place (average).
-pub(crate) fn divide_in_place(buf: HostSliceMut<'_>, n: usize) {
-    match buf {
-        HostSliceMut::F32(s) => s.iter_mut().for_each(|x| *x /= n as f32),
-        HostSliceMut::F64(s) => s.iter_mut().for_each(|x| *x /= n as f64),
-        HostSliceMut::I64(s) => {
-            let n = i64::try_from(n).unwrap_or(i64::MAX);
-            s.iter_mut().for_each(|x| *x /= n)
-        }
-        // Never planned: the other types go through a wire type.
-        HostSliceMut::I32(_)
-        | HostSliceMut::U8(_)
-        | HostSliceMut::F16(_)
-        | HostSliceMut::BF16(_) => {}
-    }
-}
-
 /// Writes the wire-typed result `wide` (divided by `divide` first) into `dst`.
 pub(crate) fn narrow(wide: HostSlice<'_>, dst: HostSliceMut<'_>, divide: Option<usize>) {
     let n = divide.unwrap_or(1).max(1);

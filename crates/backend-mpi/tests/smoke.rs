@@ -121,3 +121,38 @@ fn mpi_launcher_kills_a_deadlock() {
     );
     assert!(out.elapsed.as_secs() < 30, "{:?}", out.elapsed);
 }
+
+// An MPI failure keeps its cause: the backend, the operation, the communicator, MPI's error
+// code and class. A receive buffer shorter than the message is MPI_ERR_TRUNCATE.
+mpi_test!(
+    mpi_library_errors_keep_their_cause_np2,
+    np = 2,
+    timeout = 60,
+    |rt| {
+        let w = rt.world();
+        if w.rank() == 0 {
+            w.send_to(&[1i32, 2, 3, 4][..], 1, 6)
+                .map_err(|e| e.to_string())?;
+        } else {
+            let mut short = [0i32; 2];
+            match w.recv_from(&mut short[..], 0, 6) {
+                Err(Error::Library(l)) => {
+                    let ok = l.backend == "mpi"
+                        && l.op == "recv"
+                        && l.comm == "world"
+                        && l.code.is_some()
+                        && l.class.as_deref().is_some_and(|c| c.contains("TRUNCATE"));
+                    if !ok {
+                        return Err(format!("library error without its cause: {l:?}"));
+                    }
+                    let e = Error::Library(l);
+                    if !e.is_communication() {
+                        return Err("a library error must be a communication error".into());
+                    }
+                }
+                other => return Err(format!("truncated receive: {other:?}")),
+            }
+        }
+        w.barrier().map_err(|e| e.to_string())
+    }
+);

@@ -103,6 +103,9 @@ impl Shape {
             Request::AllReduce { buf, op } => {
                 self.collective(Kind::AllReduce(*op), Some(m(buf)), m(buf))
             }
+            Request::AllReduceInto { send, recv, op } => {
+                self.collective(Kind::AllReduce(*op), Some(m(send)), m(recv))
+            }
             Request::Broadcast { buf, root } => {
                 self.collective(Kind::Broadcast(*root), None, m(buf))
             }

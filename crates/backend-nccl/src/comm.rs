@@ -998,6 +998,9 @@ impl Communicator for NcclCommunicator {
             Request::Broadcast { buf, root } => {
                 self.start_in_place(op, Kind::Broadcast(root), buf, true)?
             }
+            Request::AllReduceInto { send, recv, op: r } => {
+                self.start_two(op, Kind::AllReduce(r), send, recv, &mut keep)?
+            }
             Request::AllGather { send, recv } => {
                 self.start_two(op, Kind::AllGather, send, recv, &mut keep)?
             }

@@ -570,6 +570,15 @@ impl Communicator for InProcessComm {
                 )?;
                 InProcWork::ready(Ok(Tensor::Host(out)))
             }
+            Request::AllReduceInto { send, recv, op: r } => {
+                let (s, mut out) = (host(op, send)?, host(op, recv)?);
+                self.all_reduce(
+                    BufRef::Host(s.as_slice()),
+                    BufMut::Host(out.as_mut_slice()),
+                    r,
+                )?;
+                InProcWork::ready(Ok(Tensor::Host(out)))
+            }
             Request::Broadcast { buf, root } => {
                 let mut b = host(op, buf)?;
                 self.broadcast(BufMut::Host(b.as_mut_slice()), root)?;

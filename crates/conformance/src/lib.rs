@@ -12,7 +12,12 @@
 //!    `global_ranks()` must equal the plan's group (sorted) and an all-reduce of the global rank
 //!    must sum to the group's member sum,
 //!
-//! plus the error cases: mismatched lengths, mismatched dtypes, roots and peers out of range,
+//! All-reduce is checked in all four forms: blocking out of place (`all_reduce_into`) and in
+//! place (`all_reduce_in_place`), nonblocking in place (`iall_reduce`) and out of place
+//! (`iall_reduce_into`), each with every supported dtype and reduction.
+//!
+//! plus the error cases (typed, with the numbers: `LengthMismatch { expected, actual }`, ...):
+//! mismatched lengths, mismatched dtypes, roots and peers out of range,
 //! unsupported dtypes or memory, calls on a finished communicator (when the backend exposes a
 //! finish operation, see [`Options::finish`]), and a plan mismatch across ranks
 //! (`build_collection` must fail with [`grid_core::Error::PlanMismatch`] on every rank).
@@ -757,6 +762,16 @@ fn typed<T: Num>(ctx: &mut Ctx, label: &str, c: &dyn Communicator) {
             let want: Vec<T> = (0..K).map(|i| reduce_expected::<T>(op, n, i)).collect();
             ctx.values(name.clone(), op, n, &want, &recv);
         }
+        // The same reduction in place: the input buffer receives the result.
+        let name = format!("{p}/all_reduce_in_place/{op}");
+        let mut buf = send.clone();
+        if ctx
+            .ok(&name, c.all_reduce_in_place(&mut buf[..], op))
+            .is_some()
+        {
+            let want: Vec<T> = (0..K).map(|i| reduce_expected::<T>(op, n, i)).collect();
+            ctx.values(name, op, n, &want, &buf);
+        }
         // Reduce-scatter: element j of rank r's input is input(op, r, j).
         let name = format!("{p}/reduce_scatter/{op}");
         let k = 2;
@@ -922,6 +937,15 @@ fn nb_typed<T: Num>(ctx: &mut Ctx, label: &str, c: &dyn Communicator) {
             continue;
         }
         let send: Vec<T> = (0..K).map(|i| T::of(input(op, T::SIGNED, me, i))).collect();
+        // Out of place: `send` comes back untouched by the result, which lands in `recv`.
+        let name_into = format!("{p}/iall_reduce_into/{op}");
+        let into = c
+            .iall_reduce_into(send.clone(), vec![T::of(99); K], op)
+            .and_then(|w| w.wait());
+        if let Some(v) = ctx.ok(&name_into, into) {
+            let want: Vec<T> = (0..K).map(|i| reduce_expected::<T>(op, n, i)).collect();
+            ctx.values(name_into, op, n, &want, &v);
+        }
         if let Some(v) = ctx.ok(&name, c.iall_reduce(send, op).and_then(|w| w.wait())) {
             let want: Vec<T> = (0..K).map(|i| reduce_expected::<T>(op, n, i)).collect();
             ctx.values(name, op, n, &want, &v);
@@ -1228,8 +1252,13 @@ fn errors(ctx: &mut Ctx, label: &str, c: &dyn Communicator) {
             ctx,
             format!("{p}/all_to_all_indivisible"),
             c.all_to_all_into(&odd[..], &mut vec![0f32; n + 1][..]),
-            "Invalid or LengthMismatch",
-            |e| matches!(e, Error::Invalid(_) | Error::LengthMismatch { .. }),
+            "Invalid, LengthMismatch or Indivisible",
+            |e| {
+                matches!(
+                    e,
+                    Error::Invalid(_) | Error::LengthMismatch { .. } | Error::Indivisible { .. }
+                )
+            },
         );
     }
     expect_err(
@@ -1270,6 +1299,91 @@ fn errors(ctx: &mut Ctx, label: &str, c: &dyn Communicator) {
         }]),
         "PeerOutOfRange",
         range,
+    );
+    // The errors carry the numbers involved.
+    expect_err(
+        ctx,
+        format!("{p}/all_reduce_length_numbers"),
+        c.all_reduce_into(&[1f32, 2.0][..], &mut out3[..], ReduceOp::Sum),
+        "LengthMismatch { expected: 2, actual: 3 }",
+        |e| {
+            matches!(
+                e,
+                Error::LengthMismatch {
+                    expected: 2,
+                    actual: 3,
+                    ..
+                }
+            )
+        },
+    );
+    expect_err(
+        ctx,
+        format!("{p}/all_gather_length_numbers"),
+        c.all_gather_into(&[1f32, 2.0][..], &mut ag[..]),
+        "LengthMismatch with expected = 2·size",
+        |e| matches!(e, Error::LengthMismatch { expected, actual, .. } if *expected == 2 * n && *actual == 2 * n + 1),
+    );
+    expect_err(
+        ctx,
+        format!("{p}/all_reduce_dtype_numbers"),
+        c.all_reduce(
+            BufRef::from(&[1f32, 2.0][..]),
+            BufMut::from(&mut out_i[..]),
+            ReduceOp::Sum,
+        ),
+        "DTypeMismatch { expected: f32, actual: i32 }",
+        |e| {
+            matches!(
+                e,
+                Error::DTypeMismatch {
+                    expected: DType::F32,
+                    actual: DType::I32,
+                    ..
+                }
+            )
+        },
+    );
+    expect_err(
+        ctx,
+        format!("{p}/broadcast_root_numbers"),
+        c.broadcast_into(&mut [0f32; 2][..], n),
+        "PeerOutOfRange { rank: size, size }",
+        |e| matches!(e, Error::PeerOutOfRange { rank, size, .. } if *rank == n && *size == n),
+    );
+    // Out-of-place nonblocking all-reduce validates at start too.
+    expect_err(
+        ctx,
+        format!("{p}/start_all_reduce_into_length"),
+        c.start(Request::AllReduceInto {
+            send: vec![1f32, 2.0].into(),
+            recv: vec![0f32; 3].into(),
+            op: ReduceOp::Sum,
+        })
+        .map(|_| ()),
+        "LengthMismatch { expected: 2, actual: 3 }",
+        |e| {
+            matches!(
+                e,
+                Error::LengthMismatch {
+                    expected: 2,
+                    actual: 3,
+                    ..
+                }
+            )
+        },
+    );
+    expect_err(
+        ctx,
+        format!("{p}/start_all_reduce_into_dtype"),
+        c.start(Request::AllReduceInto {
+            send: vec![1f32, 2.0].into(),
+            recv: vec![0i32; 2].into(),
+            op: ReduceOp::Sum,
+        })
+        .map(|_| ()),
+        "DTypeMismatch",
+        dty,
     );
     // Nonblocking forms validate at start.
     let start = |r: Request| c.start(r).map(|_| ());
@@ -1364,6 +1478,14 @@ fn errors(ctx: &mut Ctx, label: &str, c: &dyn Communicator) {
                 BufMut::from(&mut out[..]),
                 ReduceOp::Sum,
             ),
+            "Unsupported",
+            unsup,
+        );
+        let mut dev_out = FakeDevice(2);
+        expect_err(
+            ctx,
+            format!("{p}/device_memory_in_place"),
+            c.in_place_all_reduce(BufMut::Device(&mut dev_out), ReduceOp::Sum),
             "Unsupported",
             unsup,
         );

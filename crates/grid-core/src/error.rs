@@ -230,16 +230,153 @@ pub enum Error {
         peer: usize,
         message: String,
     },
-    /// A failure reported by the backend library, with its message.
+    /// A failure reported by the backend library, with its message only (the form of the
+    /// backends not yet behind the front end; [`Error::Library`] carries more).
     #[error("{backend}: {op} failed: {message}")]
     Backend {
         backend: &'static str,
         op: &'static str,
         message: String,
     },
+    /// A failure reported by a backend library: which backend, operation and communicator, the
+    /// library's own error code and class where it has them, and its message.
+    #[error("{0}")]
+    Library(Box<LibraryError>),
+    /// A send or receive whose peer is this rank.
+    #[error("{op}: peer {peer} is this rank; send and receive need another rank (valid: 0..{size} except {peer}), or use batch_p2p")]
+    SelfPeer {
+        op: &'static str,
+        peer: usize,
+        size: usize,
+    },
+    /// A message tag above what the backend can carry.
+    #[error("{op}: tag {tag} exceeds the {backend} backend's tag limit {max} (valid: 0..={max})")]
+    TagOutOfRange {
+        op: &'static str,
+        backend: &'static str,
+        tag: u32,
+        max: u32,
+    },
+    /// A buffer that cannot be cut into one equal block per rank.
+    #[error("{op}: {what} of {len} elements cannot be cut into {parts} equal blocks (give a multiple of {parts})")]
+    Indivisible {
+        op: &'static str,
+        what: &'static str,
+        len: usize,
+        parts: usize,
+    },
+}
+
+/// The details of [`Error::Library`]: a backend library's failure with everything known about
+/// it.
+///
+/// ```
+/// use grid_core::{Error, LibraryError};
+/// let e = Error::from(LibraryError::new("mpi", "all_reduce", "MPI_ERR_TRUNCATE: message truncated")
+///     .comm("tp")
+///     .code(15)
+///     .class("MPI_ERR_TRUNCATE"));
+/// assert!(e.is_communication());
+/// assert_eq!(e.to_string(), "mpi: all_reduce on communicator 'tp' failed (MPI_ERR_TRUNCATE, code 15): MPI_ERR_TRUNCATE: message truncated");
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LibraryError {
+    /// Backend name (`"mpi"`, `"gloo"`, `"nccl"`, `"local"`).
+    pub backend: &'static str,
+    /// The operation that failed.
+    pub op: &'static str,
+    /// The communicator's descriptive name (empty when unknown).
+    pub comm: String,
+    /// The library's error code (`MPI_ERR_*` number, `ncclResult_t`, ...), when it has one.
+    pub code: Option<i64>,
+    /// The library's error class or kind (`MPI_ERR_TRUNCATE`, `ncclRemoteError`, ...).
+    pub class: Option<String>,
+    /// The library's message.
+    pub message: String,
+}
+
+impl LibraryError {
+    /// A failure of `op` on `backend` with `message`; add the rest with the builder methods.
+    pub fn new(backend: &'static str, op: &'static str, message: impl Into<String>) -> Self {
+        LibraryError {
+            backend,
+            op,
+            comm: String::new(),
+            code: None,
+            class: None,
+            message: message.into(),
+        }
+    }
+    /// Names the communicator.
+    pub fn comm(mut self, comm: impl Into<String>) -> Self {
+        self.comm = comm.into();
+        self
+    }
+    /// Sets the library's error code.
+    pub fn code(mut self, code: i64) -> Self {
+        self.code = Some(code);
+        self
+    }
+    /// Sets the library's error class.
+    pub fn class(mut self, class: impl Into<String>) -> Self {
+        self.class = Some(class.into());
+        self
+    }
+}
+
+impl std::fmt::Display for LibraryError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}", self.backend, self.op)?;
+        if !self.comm.is_empty() {
+            write!(f, " on communicator '{}'", self.comm)?;
+        }
+        write!(f, " failed")?;
+        match (&self.class, self.code) {
+            (Some(c), Some(n)) => write!(f, " ({c}, code {n})")?,
+            (Some(c), None) => write!(f, " ({c})")?,
+            (None, Some(n)) => write!(f, " (code {n})")?,
+            (None, None) => {}
+        }
+        write!(f, ": {}", self.message)
+    }
+}
+
+impl From<LibraryError> for Error {
+    fn from(e: LibraryError) -> Error {
+        Error::Library(Box::new(e))
+    }
 }
 
 impl Error {
+    /// True for errors of communication (arguments of a communicator call, a backend or peer
+    /// failure, a time-out, a finished communicator, a plan mismatch between ranks); false for
+    /// errors of topology (layouts, grids, order strings, groups).
+    ///
+    /// ```
+    /// use grid_core::Error;
+    /// assert!(Error::Timeout { op: "barrier", millis: 10, peer: None }.is_communication());
+    /// assert!(!Error::NonPositive { what: "tp".into(), value: 0 }.is_communication());
+    /// ```
+    pub fn is_communication(&self) -> bool {
+        use Error::*;
+        matches!(
+            self,
+            LengthMismatch { .. }
+                | DTypeMismatch { .. }
+                | Unsupported { .. }
+                | PeerOutOfRange { .. }
+                | Finalized { .. }
+                | PlanMismatch { .. }
+                | Timeout { .. }
+                | PeerFailed { .. }
+                | Backend { .. }
+                | Library(_)
+                | SelfPeer { .. }
+                | TagOutOfRange { .. }
+                | Indivisible { .. }
+        )
+    }
+
     /// The Python exception class Megatron-Core raises for the same condition (`RuntimeError`,
     /// `AssertionError`, `KeyError`, `ValueError`), or `None` where Megatron has no equivalent.
     /// Used to check parity with Megatron's reference vectors.

@@ -5,6 +5,10 @@
 //! `RankGenerator` and `HyperCommGrid` produce, and the communicator traits that the MPI, Gloo
 //! and NCCL backends implement.
 //!
+//! It also holds the communicator **front end** ([`Comm`] over a backend's [`Backend`]):
+//! operations validated once with typed errors, numbered and traced for every backend, plus
+//! the host reduction [`kernels`] and the split arithmetic ([`split_members`]) backends share.
+//!
 //! No I/O, no `unsafe`, no backend dependency. Groups are arithmetic ([`Group`]): the group of
 //! one rank in a million-rank world is computed in time proportional to the number of grid
 //! dimensions, never by enumerating the world.
@@ -55,10 +59,12 @@ mod group;
 mod rankgen;
 
 pub use comm::{
-    BufMut, BufRef, Communicator, CommunicatorExt, DType, DeviceBuffer, Element, GroupFactory,
-    HostBuffer, HostSlice, HostSliceMut, Memory, P2pOp, ReduceOp, Request, Tensor, TypedWork, Work,
+    color_key_for, kernels, split_members, Backend, BufMut, BufRef, Comm, Communicator,
+    CommunicatorExt, DType, DeviceBuffer, Element, GroupFactory, HostBuffer, HostSlice,
+    HostSliceMut, Memory, Op, OwnedOp, P2pOp, ReduceOp, Request, SplitEntry, SplitMembers, Tensor,
+    TypedWork, Validated, Work,
 };
-pub use error::{Error, Result};
+pub use error::{Error, LibraryError, Result};
 pub use grid::{GridSpec, GroupList, HyperGrid};
 pub use group::{Group, GroupIter, GroupSize, Term};
 pub use rankgen::{masked_orthogonal_groups, GeneratorSizes, RankGenerator, TOKENS};

@@ -1,215 +1,30 @@
-//! `build_collection` on an in-memory communicator whose ranks are threads: one split per
+//! `build_collection` on the in-process backend (`backend-local`, ranks are threads): one split per
 //! distinct family, reuse of identical families, no communicator outside a rank's groups, and
 //! a plan mismatch that fails every rank instead of hanging.
 
+use backend_local::{LocalComm, LocalConfig, LocalFactory, LocalWorld};
 use grid_core::*;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
-/// Shared state of one communicator's ranks.
-struct Hub {
-    size: usize,
-    state: Mutex<HubState>,
-    cv: Condvar,
-}
-
-#[derive(Default)]
-struct HubState {
-    /// Contributions per collective sequence number.
-    rounds: HashMap<u64, Vec<Option<Vec<i64>>>>,
-    /// Sub-communicator hubs created by splits, per (sequence, colour).
-    children: HashMap<(u64, u32), Arc<Hub>>,
-}
-
-impl Hub {
-    fn new(size: usize) -> Arc<Hub> {
-        Arc::new(Hub {
-            size,
-            state: Mutex::default(),
-            cv: Condvar::new(),
-        })
-    }
-
-    /// Every rank contributes a vector; everyone gets all of them (rank order).
-    fn exchange(&self, seq: u64, rank: usize, data: Vec<i64>) -> Result<Vec<Vec<i64>>> {
-        let mut st = self.state.lock().unwrap();
-        st.rounds
-            .entry(seq)
-            .or_insert_with(|| vec![None; self.size])[rank] = Some(data);
-        self.cv.notify_all();
-        loop {
-            let round = &st.rounds[&seq];
-            if round.iter().all(Option::is_some) {
-                return Ok(round.iter().map(|x| x.clone().unwrap()).collect());
-            }
-            let (s, t) = self.cv.wait_timeout(st, Duration::from_secs(10)).unwrap();
-            st = s;
-            if t.timed_out() {
-                return Err(Error::Timeout {
-                    op: "exchange",
-                    millis: 10_000,
-                    peer: None,
-                });
-            }
-        }
-    }
-}
-
-struct ThreadComm {
-    hub: Arc<Hub>,
-    rank: usize,
-    global: Vec<usize>,
-    seq: AtomicU64,
-}
-
-impl ThreadComm {
-    fn next(&self) -> u64 {
-        self.seq.fetch_add(1, Ordering::SeqCst)
-    }
-}
-
-fn unsupported(op: &'static str) -> Error {
-    Error::Unsupported {
-        op,
-        backend: "thread-test",
-        what: "this operation".into(),
-    }
-}
-
-impl Communicator for ThreadComm {
-    fn backend(&self) -> &'static str {
-        "thread-test"
-    }
-    fn rank(&self) -> usize {
-        self.rank
-    }
-    fn size(&self) -> usize {
-        self.hub.size
-    }
-    fn global_ranks(&self) -> &[usize] {
-        &self.global
-    }
-    fn accepts(&self, m: Memory) -> bool {
-        m == Memory::Host
-    }
-    fn supports(&self, dtype: DType, _: Option<ReduceOp>) -> bool {
-        dtype == DType::I64
-    }
-    fn all_reduce(&self, send: BufRef<'_>, recv: BufMut<'_>, op: ReduceOp) -> Result<()> {
-        let (BufRef::Host(HostSlice::I64(s)), BufMut::Host(HostSliceMut::I64(r)), ReduceOp::Sum) =
-            (send, recv, op)
-        else {
-            return Err(unsupported("all_reduce"));
-        };
-        let all = self.hub.exchange(self.next(), self.rank, s.to_vec())?;
-        for (i, x) in r.iter_mut().enumerate() {
-            *x = all.iter().map(|v| v[i]).sum();
-        }
-        Ok(())
-    }
-    fn broadcast(&self, _: BufMut<'_>, _: usize) -> Result<()> {
-        Err(unsupported("broadcast"))
-    }
-    fn all_gather(&self, send: BufRef<'_>, recv: BufMut<'_>) -> Result<()> {
-        let (BufRef::Host(HostSlice::I64(s)), BufMut::Host(HostSliceMut::I64(r))) = (send, recv)
-        else {
-            return Err(unsupported("all_gather"));
-        };
-        let all = self.hub.exchange(self.next(), self.rank, s.to_vec())?;
-        r.copy_from_slice(&all.concat());
-        Ok(())
-    }
-    fn reduce_scatter(&self, _: BufRef<'_>, _: BufMut<'_>, _: ReduceOp) -> Result<()> {
-        Err(unsupported("reduce_scatter"))
-    }
-    fn all_to_all(&self, _: BufRef<'_>, _: BufMut<'_>) -> Result<()> {
-        Err(unsupported("all_to_all"))
-    }
-    fn barrier(&self) -> Result<()> {
-        self.hub
-            .exchange(self.next(), self.rank, vec![])
-            .map(|_| ())
-    }
-    fn send(&self, _: BufRef<'_>, _: usize, _: u32) -> Result<()> {
-        Err(unsupported("send"))
-    }
-    fn recv(&self, _: BufMut<'_>, _: usize, _: u32) -> Result<()> {
-        Err(unsupported("recv"))
-    }
-    fn batch_p2p(&self, _: Vec<P2pOp<'_>>) -> Result<()> {
-        Err(unsupported("batch_p2p"))
-    }
-    fn start(&self, _: Request) -> Result<Box<dyn Work>> {
-        Err(unsupported("start"))
-    }
-}
-
-/// Counts the splits it performs.
-#[derive(Default)]
-struct ThreadFactory {
-    splits: AtomicUsize,
-}
-
-impl GroupFactory for ThreadFactory {
-    type Comm = ThreadComm;
-    fn split(
-        &self,
-        parent: &ThreadComm,
-        color: Option<u32>,
-        key: usize,
-    ) -> Result<Option<ThreadComm>> {
-        self.splits.fetch_add(1, Ordering::SeqCst);
-        let seq = parent.next();
-        let c = color.map_or(-1, i64::from);
-        let all = parent.hub.exchange(seq, parent.rank, vec![c, key as i64])?;
-        let Some(color) = color else { return Ok(None) };
-        let mut members: Vec<(i64, usize)> = all
-            .iter()
-            .enumerate()
-            .filter(|(_, v)| v[0] == i64::from(color))
-            .map(|(r, v)| (v[1], r))
-            .collect();
-        members.sort();
-        let pos = members.iter().position(|&(_, r)| r == parent.rank).unwrap();
-        let hub = {
-            let mut st = parent.hub.state.lock().unwrap();
-            st.children
-                .entry((seq, color))
-                .or_insert_with(|| Hub::new(members.len()))
-                .clone()
-        };
-        Ok(Some(ThreadComm {
-            hub,
-            rank: pos,
-            global: members.iter().map(|&(_, r)| parent.global[r]).collect(),
-            seq: AtomicU64::new(0),
-        }))
-    }
-}
-
-/// Runs `body(rank, world)` on `n` threads sharing one world communicator.
+/// Runs `body(rank, world)` on `n` threads sharing one world of the in-process backend.
 fn run_ranks<T: Send + 'static>(
     n: usize,
-    body: impl Fn(usize, ThreadComm) -> T + Send + Sync + 'static,
+    body: impl Fn(usize, LocalComm) -> T + Send + Sync + 'static,
 ) -> Vec<T> {
-    let hub = Hub::new(n);
+    let config = LocalConfig {
+        timeout: Duration::from_secs(10),
+        rendezvous: false,
+    };
+    let comms = LocalWorld::with_config(n, config).unwrap().communicators();
     let body = Arc::new(body);
-    let handles: Vec<_> = (0..n)
-        .map(|r| {
-            let (hub, body) = (hub.clone(), body.clone());
-            std::thread::spawn(move || {
-                body(
-                    r,
-                    ThreadComm {
-                        hub,
-                        rank: r,
-                        global: (0..n).collect(),
-                        seq: AtomicU64::new(0),
-                    },
-                )
-            })
+    let handles: Vec<_> = comms
+        .into_iter()
+        .enumerate()
+        .map(|(r, c)| {
+            let body = body.clone();
+            std::thread::spawn(move || body(r, c))
         })
         .collect();
     handles.into_iter().map(|h| h.join().unwrap()).collect()
@@ -238,7 +53,7 @@ fn builds_every_family_with_one_split_each() {
         .collect();
     let results = run_ranks(16, move |rank, world| {
         let plan = moe_plan();
-        let factory = ThreadFactory::default();
+        let factory = LocalFactory::new();
         let built = build_collection(&factory, &world, &plan).unwrap();
         // Every family the rank belongs to has a communicator over exactly the plan's group.
         for fl in plan.family_levels() {
@@ -268,7 +83,7 @@ fn builds_every_family_with_one_split_each() {
             }
         }
         (
-            factory.splits.load(Ordering::SeqCst),
+            factory.splits(),
             built.collective_calls,
             built.communicators_created(),
             built.stats,
@@ -300,7 +115,7 @@ fn reuses_identical_families() {
             ..LayoutConfig::new(8)
         })
         .unwrap();
-        let built = build_collection(&ThreadFactory::default(), &world, &plan).unwrap();
+        let built = build_collection(&LocalFactory::new(), &world, &plan).unwrap();
         let reused: HashMap<String, String> = built
             .stats
             .iter()
@@ -337,7 +152,7 @@ fn ranks_outside_the_layout_get_nothing_but_take_part() {
             ..LayoutConfig::new(8)
         })
         .unwrap();
-        let built = build_collection(&ThreadFactory::default(), &world, &plan).unwrap();
+        let built = build_collection(&LocalFactory::new(), &world, &plan).unwrap();
         (
             rank,
             built.collection.len(),
@@ -368,7 +183,7 @@ fn a_different_plan_on_one_rank_fails_every_rank() {
             ..LayoutConfig::new(8)
         })
         .unwrap();
-        build_collection(&ThreadFactory::default(), &world, &plan).err()
+        build_collection(&LocalFactory::new(), &world, &plan).err()
     });
     for (rank, err) in results.into_iter().enumerate() {
         match err {

@@ -1,0 +1,593 @@
+//! [`LocalBackend`] (the execution trait over shared memory), [`LocalWork`] and
+//! [`LocalFactory`].
+
+use crate::state::{mismatch, Group, Kind, Part, Ticket, BACKEND};
+use grid_core::{
+    kernels, split_members, Backend, BufMut, BufRef, Comm, DType, Error, GroupFactory, HostBuffer,
+    HostSlice, HostSliceMut, Memory, Op, P2pOp, ReduceOp, Request, Result, SplitEntry, Tensor,
+    Validated, Work,
+};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// A communicator of the local backend: the front end over [`LocalBackend`].
+pub type LocalComm = Comm<LocalBackend>;
+
+/// One rank's handle on a communicator whose ranks are threads of this process. Created by
+/// [`crate::LocalWorld`] (the world) and [`LocalFactory`] (splits); used through
+/// [`LocalComm`].
+#[derive(Debug)]
+pub struct LocalBackend {
+    group: Arc<Group>,
+    rank: usize,
+    /// Collective calls so far (the round number of the next one).
+    coll: AtomicU64,
+    finished: AtomicBool,
+}
+
+impl LocalBackend {
+    pub(crate) fn new(group: Arc<Group>, rank: usize) -> LocalBackend {
+        LocalBackend {
+            group,
+            rank,
+            coll: AtomicU64::new(0),
+            finished: AtomicBool::new(false),
+        }
+    }
+
+    /// Marks this rank's communicator finished: every later call on it returns
+    /// [`Error::Finalized`]. Local, not collective; operations already started complete.
+    ///
+    /// ```
+    /// use grid_core::Communicator;
+    /// let c = backend_local::LocalWorld::new(1)?.communicators().remove(0);
+    /// c.finish();
+    /// assert!(c.barrier().is_err());
+    /// # Ok::<(), grid_core::Error>(())
+    /// ```
+    pub fn finish(&self) {
+        self.finished.store(true, Ordering::Release);
+    }
+
+    /// True after [`LocalBackend::finish`].
+    pub fn is_finished(&self) -> bool {
+        self.finished.load(Ordering::Acquire)
+    }
+
+    fn next(&self) -> u64 {
+        self.coll.fetch_add(1, Ordering::Relaxed)
+    }
+
+    fn deadline(&self) -> Instant {
+        Instant::now() + self.group.timeout()
+    }
+
+    /// Deposits this rank's part of the next collective round and returns its number.
+    fn begin(&self, kind: Kind, data: Option<HostBuffer>) -> Result<u64> {
+        let seq = self.next();
+        self.group.deposit(
+            seq,
+            self.rank,
+            Part {
+                kind,
+                data,
+                split: None,
+            },
+        )?;
+        Ok(seq)
+    }
+
+    /// Blocks until round `seq` is complete and writes this rank's result into `out`.
+    fn end(&self, seq: u64, kind: &Kind, out: Option<HostSliceMut<'_>>) -> Result<()> {
+        let parts = self
+            .group
+            .collect(seq, kind.name(), self.deadline(), true)?
+            .ok_or_else(|| Error::Invalid("local: a strict wait returned nothing".into()))?;
+        complete(&self.group, self.rank, kind, &parts, out)
+    }
+
+    fn collective(
+        &self,
+        kind: Kind,
+        data: Option<HostBuffer>,
+        out: Option<HostSliceMut<'_>>,
+    ) -> Result<()> {
+        let seq = self.begin(kind.clone(), data)?;
+        self.end(seq, &kind, out)
+    }
+
+    fn recv_into(&self, t: &Ticket, op: &'static str, mut out: HostSliceMut<'_>) -> Result<()> {
+        let msg = self
+            .group
+            .take(t, op, self.deadline(), true)?
+            .ok_or_else(|| Error::Invalid("local: a strict wait returned nothing".into()))?;
+        deliver(op, &msg, &mut out)
+    }
+}
+
+fn host<'a>(op: &'static str, b: BufRef<'a>) -> Result<HostSlice<'a>> {
+    b.host_only(op, BACKEND)
+}
+
+fn host_mut<'a>(op: &'static str, b: BufMut<'a>) -> Result<HostSliceMut<'a>> {
+    b.host_only(op, BACKEND)
+}
+
+/// Copies a received message into the receive buffer, which must match it exactly.
+fn deliver(op: &'static str, msg: &HostBuffer, out: &mut HostSliceMut<'_>) -> Result<()> {
+    if msg.dtype() != out.dtype() {
+        return Err(Error::DTypeMismatch {
+            op,
+            expected: msg.dtype(),
+            actual: out.dtype(),
+        });
+    }
+    if msg.len() != out.len() {
+        return Err(Error::LengthMismatch {
+            op,
+            what: "receive buffer (the message that arrived)",
+            expected: msg.len(),
+            actual: out.len(),
+        });
+    }
+    out.copy_from(msg.as_slice())
+}
+
+fn data<'a>(p: &'a Part, op: &'static str) -> Result<HostSlice<'a>> {
+    p.data
+        .as_ref()
+        .map(HostBuffer::as_slice)
+        .ok_or_else(|| Error::Invalid(format!("local: {op}: a rank contributed no data")))
+}
+
+/// This rank's result of a complete round.
+fn complete(
+    group: &Group,
+    rank: usize,
+    kind: &Kind,
+    parts: &[Arc<Part>],
+    out: Option<HostSliceMut<'_>>,
+) -> Result<()> {
+    let op = kind.name();
+    if let Some((r, p)) = parts.iter().enumerate().find(|(_, p)| &p.kind != kind) {
+        return Err(mismatch(
+            op,
+            "",
+            format!(
+                "ranks {:?} disagree about collective call: this rank (world {}) called {kind:?}, world rank {} called {:?}",
+                group.global, group.global[rank], group.global[r], p.kind
+            ),
+        ));
+    }
+    let n = parts.len();
+    let missing_out = || Error::Invalid(format!("local: {op}: no output buffer"));
+    match kind {
+        Kind::Barrier | Kind::Split => Ok(()),
+        Kind::AllReduce(r, ..) => {
+            let ins = parts
+                .iter()
+                .map(|p| data(p, op))
+                .collect::<Result<Vec<_>>>()?;
+            kernels::reduce(&ins, out.ok_or_else(missing_out)?, *r)
+        }
+        Kind::ReduceScatter(r, _, len) => {
+            let k = len / n.max(1);
+            let ins = parts
+                .iter()
+                .map(|p| data(p, op))
+                .collect::<Result<Vec<_>>>()?;
+            kernels::reduce_range(&ins, rank * k, out.ok_or_else(missing_out)?, *r)
+        }
+        Kind::Broadcast(root, ..) => {
+            if *root == rank {
+                return Ok(());
+            }
+            let src = parts
+                .get(*root)
+                .ok_or_else(|| Error::Invalid(format!("local: {op}: root {root} missing")))?;
+            out.ok_or_else(missing_out)?.copy_from(data(src, op)?)
+        }
+        Kind::AllGather(_, k) => {
+            let mut out = out.ok_or_else(missing_out)?;
+            for (r, p) in parts.iter().enumerate() {
+                let mut dst = out
+                    .sub_mut(r * k, *k)
+                    .ok_or_else(|| Error::Invalid(format!("local: {op}: output too short")))?;
+                dst.copy_from(data(p, op)?)?;
+            }
+            Ok(())
+        }
+        Kind::AllToAll(_, len) => {
+            let k = len / n.max(1);
+            let mut out = out.ok_or_else(missing_out)?;
+            for (r, p) in parts.iter().enumerate() {
+                let src = data(p, op)?
+                    .sub(rank * k, k)
+                    .ok_or_else(|| Error::Invalid(format!("local: {op}: input too short")))?;
+                let mut dst = out
+                    .sub_mut(r * k, k)
+                    .ok_or_else(|| Error::Invalid(format!("local: {op}: output too short")))?;
+                dst.copy_from(src)?;
+            }
+            Ok(())
+        }
+    }
+}
+
+impl Backend for LocalBackend {
+    fn name(&self) -> &'static str {
+        BACKEND
+    }
+    fn rank(&self) -> usize {
+        self.rank
+    }
+    fn size(&self) -> usize {
+        self.group.size()
+    }
+    fn global_ranks(&self) -> &[usize] {
+        &self.group.global
+    }
+    fn accepts(&self, memory: Memory) -> bool {
+        memory == Memory::Host
+    }
+    fn supports(&self, _dtype: DType, _op: Option<ReduceOp>) -> bool {
+        // Every dtype moves and every reduction runs (grid_core::kernels).
+        true
+    }
+    fn check_live(&self, op: &'static str) -> Result<()> {
+        if self.is_finished() {
+            Err(Error::Finalized {
+                op,
+                state: "finished",
+            })
+        } else {
+            Ok(())
+        }
+    }
+
+    fn run(&self, op: Validated<Op<'_>>) -> Result<()> {
+        match op.into_op() {
+            Op::AllReduce { send, recv, op } => {
+                let (s, r) = (host("all_reduce", send)?, host_mut("all_reduce", recv)?);
+                let kind = Kind::AllReduce(op, s.dtype(), s.len());
+                self.collective(kind, Some(s.to_owned_buffer()), Some(r))
+            }
+            Op::AllReduceInPlace { buf, op } => {
+                // The shared-memory transport needs this rank's contribution where the other
+                // threads can read it: that deposit is the message, and the result is reduced
+                // straight into `buf`.
+                let b = host_mut("all_reduce", buf)?;
+                let kind = Kind::AllReduce(op, b.dtype(), b.len());
+                self.collective(kind, Some(b.as_slice().to_owned_buffer()), Some(b))
+            }
+            Op::Broadcast { buf, root } => {
+                let b = host_mut("broadcast", buf)?;
+                let kind = Kind::Broadcast(root, b.dtype(), b.len());
+                let d = (root == self.rank).then(|| b.as_slice().to_owned_buffer());
+                self.collective(kind, d, Some(b))
+            }
+            Op::AllGather { send, recv } => {
+                let (s, r) = (host("all_gather", send)?, host_mut("all_gather", recv)?);
+                let kind = Kind::AllGather(s.dtype(), s.len());
+                self.collective(kind, Some(s.to_owned_buffer()), Some(r))
+            }
+            Op::ReduceScatter { send, recv, op } => {
+                let (s, r) = (
+                    host("reduce_scatter", send)?,
+                    host_mut("reduce_scatter", recv)?,
+                );
+                let kind = Kind::ReduceScatter(op, s.dtype(), s.len());
+                self.collective(kind, Some(s.to_owned_buffer()), Some(r))
+            }
+            Op::AllToAll { send, recv } => {
+                let (s, r) = (host("all_to_all", send)?, host_mut("all_to_all", recv)?);
+                let kind = Kind::AllToAll(s.dtype(), s.len());
+                self.collective(kind, Some(s.to_owned_buffer()), Some(r))
+            }
+            Op::Barrier => self.collective(Kind::Barrier, None, None),
+            Op::Send { buf, peer, tag } => {
+                let b = host("send", buf)?;
+                let t = self.group.post(self.rank, peer, tag, b.to_owned_buffer());
+                self.group
+                    .wait_consumed(&t, "send", self.deadline(), true)
+                    .map(|_| ())
+            }
+            Op::Recv { buf, peer, tag } => {
+                let b = host_mut("recv", buf)?;
+                let t = self.group.reserve(peer, self.rank, tag);
+                self.recv_into(&t, "recv", b)
+            }
+            Op::Batch(ops) => {
+                const OP: &str = "batch_p2p";
+                self.group.world.stats.batch(self.group.global[self.rank]);
+                let mut sends = Vec::new();
+                let mut recvs = Vec::new();
+                for o in ops {
+                    match o {
+                        P2pOp::Send { buf, peer, tag } => {
+                            let b = host(OP, buf)?;
+                            sends.push(self.group.post(self.rank, peer, tag, b.to_owned_buffer()));
+                        }
+                        P2pOp::Recv { buf, peer, tag } => {
+                            let t = self.group.reserve(peer, self.rank, tag);
+                            recvs.push((t, host_mut(OP, buf)?));
+                        }
+                    }
+                }
+                for (t, b) in recvs {
+                    self.recv_into(&t, OP, b)?;
+                }
+                for t in &sends {
+                    self.group.wait_consumed(t, OP, self.deadline(), true)?;
+                }
+                Ok(())
+            }
+        }
+    }
+
+    fn start(&self, op: Validated<Request>) -> Result<Box<dyn Work>> {
+        let owned = |name, t: Tensor| t.host_only(name, BACKEND);
+        let request = op.into_op();
+        let name = request.name();
+        let pending = match request {
+            Request::AllReduceInto { send, recv, op } => {
+                let (s, r) = (owned(name, send)?, owned(name, recv)?);
+                let kind = Kind::AllReduce(op, s.dtype(), s.len());
+                let seq = self.begin(kind.clone(), Some(s))?;
+                Pending::Coll { seq, kind, out: r }
+            }
+            Request::AllReduce { buf, op } => {
+                let b = owned(name, buf)?;
+                let kind = Kind::AllReduce(op, b.dtype(), b.len());
+                let seq = self.begin(kind.clone(), Some(b.clone()))?;
+                Pending::Coll { seq, kind, out: b }
+            }
+            Request::Broadcast { buf, root } => {
+                let b = owned(name, buf)?;
+                let kind = Kind::Broadcast(root, b.dtype(), b.len());
+                let d = (root == self.rank).then(|| b.clone());
+                let seq = self.begin(kind.clone(), d)?;
+                Pending::Coll { seq, kind, out: b }
+            }
+            Request::AllGather { send, recv } => {
+                let (s, r) = (owned(name, send)?, owned(name, recv)?);
+                let kind = Kind::AllGather(s.dtype(), s.len());
+                let seq = self.begin(kind.clone(), Some(s))?;
+                Pending::Coll { seq, kind, out: r }
+            }
+            Request::ReduceScatter { send, recv, op } => {
+                let (s, r) = (owned(name, send)?, owned(name, recv)?);
+                let kind = Kind::ReduceScatter(op, s.dtype(), s.len());
+                let seq = self.begin(kind.clone(), Some(s))?;
+                Pending::Coll { seq, kind, out: r }
+            }
+            Request::AllToAll { send, recv } => {
+                let (s, r) = (owned(name, send)?, owned(name, recv)?);
+                let kind = Kind::AllToAll(s.dtype(), s.len());
+                let seq = self.begin(kind.clone(), Some(s))?;
+                Pending::Coll { seq, kind, out: r }
+            }
+            Request::Barrier => {
+                let seq = self.begin(Kind::Barrier, None)?;
+                Pending::Coll {
+                    seq,
+                    kind: Kind::Barrier,
+                    out: HostBuffer::zeros(DType::U8, 0),
+                }
+            }
+            Request::Send { buf, peer, tag } => {
+                let b = owned(name, buf)?;
+                let t = self.group.post(self.rank, peer, tag, b.clone());
+                Pending::Send { t, buf: b }
+            }
+            Request::Recv { buf, peer, tag } => {
+                let b = owned(name, buf)?;
+                let t = self.group.reserve(peer, self.rank, tag);
+                Pending::Recv { t, buf: b }
+            }
+        };
+        Ok(Box::new(LocalWork {
+            group: self.group.clone(),
+            rank: self.rank,
+            op: name,
+            pending: Some(pending),
+        }))
+    }
+}
+
+#[derive(Debug)]
+enum Pending {
+    Coll {
+        seq: u64,
+        kind: Kind,
+        out: HostBuffer,
+    },
+    Send {
+        t: Ticket,
+        buf: HostBuffer,
+    },
+    Recv {
+        t: Ticket,
+        buf: HostBuffer,
+    },
+}
+
+/// The [`Work`] handle of the local backend. The input was deposited when the operation
+/// started; waiting collects the result. Dropping an unfinished handle waits for it (up to the
+/// world's time-out), so the other ranks' rounds and messages are not left behind.
+#[derive(Debug)]
+pub struct LocalWork {
+    group: Arc<Group>,
+    rank: usize,
+    op: &'static str,
+    pending: Option<Pending>,
+}
+
+impl LocalWork {
+    /// Finishes the operation by `deadline`: `Ok(None)` (pending kept) when it passed and
+    /// `strict` is false.
+    fn finish(&mut self, deadline: Instant, strict: bool) -> Result<Option<Tensor>> {
+        let g = self.group.clone();
+        let op = self.op;
+        let Some(p) = self.pending.take() else {
+            return Err(Error::Invalid(format!(
+                "{op}: the work was already waited on"
+            )));
+        };
+        match p {
+            Pending::Coll { seq, kind, mut out } => match g.collect(seq, op, deadline, strict)? {
+                None => {
+                    self.pending = Some(Pending::Coll { seq, kind, out });
+                    Ok(None)
+                }
+                Some(parts) => {
+                    let o = match kind {
+                        Kind::Barrier | Kind::Split => None,
+                        _ => Some(out.as_mut_slice()),
+                    };
+                    complete(&g, self.rank, &kind, &parts, o)?;
+                    Ok(Some(Tensor::Host(out)))
+                }
+            },
+            Pending::Send { t, buf } => {
+                if g.wait_consumed(&t, op, deadline, strict)? {
+                    Ok(Some(Tensor::Host(buf)))
+                } else {
+                    self.pending = Some(Pending::Send { t, buf });
+                    Ok(None)
+                }
+            }
+            Pending::Recv { t, mut buf } => match g.take(&t, op, deadline, strict)? {
+                None => {
+                    self.pending = Some(Pending::Recv { t, buf });
+                    Ok(None)
+                }
+                Some(msg) => {
+                    deliver(op, &msg, &mut buf.as_mut_slice())?;
+                    Ok(Some(Tensor::Host(buf)))
+                }
+            },
+        }
+    }
+}
+
+impl Work for LocalWork {
+    fn is_completed(&mut self) -> bool {
+        match &self.pending {
+            None => true,
+            Some(Pending::Coll { seq, .. }) => self.group.arrived(*seq),
+            Some(Pending::Send { t, .. }) => self.group.consumed(t),
+            Some(Pending::Recv { t, .. }) => self.group.posted(t),
+        }
+    }
+
+    fn wait(mut self: Box<Self>) -> Result<Tensor> {
+        let deadline = Instant::now() + self.group.timeout();
+        self.finish(deadline, true)?
+            .ok_or_else(|| Error::Invalid("local: a strict wait returned nothing".into()))
+    }
+
+    fn wait_timeout(
+        mut self: Box<Self>,
+        timeout: Duration,
+    ) -> std::result::Result<Result<Tensor>, Box<dyn Work>> {
+        match self.finish(Instant::now() + timeout, false) {
+            Ok(Some(t)) => Ok(Ok(t)),
+            Ok(None) => Err(self),
+            Err(e) => Ok(Err(e)),
+        }
+    }
+}
+
+impl Drop for LocalWork {
+    fn drop(&mut self) {
+        if self.pending.is_some() {
+            let deadline = Instant::now() + self.group.timeout();
+            // Errors cannot be reported from drop; the wait only keeps the rounds in step.
+            let _ = self.finish(deadline, true);
+        }
+    }
+}
+
+/// Creates sub-communicators of local communicators ([`GroupFactory`]). Both methods are
+/// collective over the parent. Counts its splits ([`LocalFactory::splits`]).
+///
+/// ```
+/// use backend_local::{run, LocalConfig};
+/// use grid_core::{Communicator, GroupFactory};
+/// let sizes = run(3, &LocalConfig::default(), |f, world| {
+///     let g = f.create_group(&world, &[2, 0])?;
+///     Ok((g.as_ref().map(|c| c.global_ranks().to_vec()), f.splits()))
+/// })?;
+/// assert_eq!(sizes[0], (Some(vec![0, 2]), 1));
+/// assert_eq!(sizes[1], (None, 1));
+/// # Ok::<(), grid_core::Error>(())
+/// ```
+#[derive(Debug, Default)]
+pub struct LocalFactory {
+    splits: AtomicUsize,
+}
+
+impl LocalFactory {
+    /// A new factory.
+    pub fn new() -> LocalFactory {
+        LocalFactory::default()
+    }
+    /// The splits this factory performed on this rank.
+    pub fn splits(&self) -> usize {
+        self.splits.load(Ordering::Relaxed)
+    }
+}
+
+impl GroupFactory for LocalFactory {
+    type Comm = LocalComm;
+
+    fn split(
+        &self,
+        parent: &LocalComm,
+        color: Option<u32>,
+        key: usize,
+    ) -> Result<Option<LocalComm>> {
+        const OP: &str = "split";
+        let b = parent.inner();
+        b.check_live(OP)?;
+        self.splits.fetch_add(1, Ordering::Relaxed);
+        let seq = b.next();
+        b.group.deposit(
+            seq,
+            b.rank,
+            Part {
+                kind: Kind::Split,
+                data: None,
+                split: Some((color, key)),
+            },
+        )?;
+        let parts = b
+            .group
+            .collect(seq, OP, b.deadline(), true)?
+            .ok_or_else(|| Error::Invalid("local: a strict wait returned nothing".into()))?;
+        complete(&b.group, b.rank, &Kind::Split, &parts, None)?;
+        let entries = parts
+            .iter()
+            .zip(&b.group.global)
+            .map(|(p, &w)| {
+                let (color, key) = p.split.ok_or_else(|| {
+                    Error::Invalid("local: split: a rank contributed no colour".into())
+                })?;
+                Ok(SplitEntry {
+                    color,
+                    key,
+                    world_rank: w,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let (Some(color), Some(m)) = (color, split_members(&entries, b.rank)) else {
+            return Ok(None);
+        };
+        let child = b.group.child(seq, color, &m.members);
+        let name = format!("{}/split{seq}.{color}", parent.comm_name());
+        tracing::debug!(comm = %name, rank = m.rank, members = ?m.members, "local communicator created");
+        Ok(Some(Comm::new(LocalBackend::new(child, m.rank), name)))
+    }
+}

@@ -1,0 +1,61 @@
+//! The execution trait a backend implements behind the front end ([`super::Comm`]).
+
+use super::buffer::Memory;
+use super::dtype::{DType, ReduceOp};
+use super::op::{Op, Request, Validated};
+use super::Work;
+use crate::error::Result;
+
+/// What a backend does: execute operations that the front end ([`super::Comm`]) already
+/// validated. Framework code never calls this trait; it calls [`super::Communicator`] on a
+/// `Comm<B>`.
+///
+/// # What the front end guarantees before [`Backend::run`] and [`Backend::start`]
+/// * [`Backend::check_live`] returned `Ok` for the operation;
+/// * every buffer's memory kind is one [`Backend::accepts`], every dtype one
+///   [`Backend::supports`] can move, and every reduction a pair it supports;
+/// * the buffers of one operation have the same dtype, and the lengths fit the operation:
+///   equal for all-reduce and all-to-all, `recv = size · send` for all-gather,
+///   `send = size · recv` for reduce-scatter, all-to-all lengths divisible by the size;
+/// * roots and peers are ranks of the communicator; a send's or receive's peer is not this
+///   rank (batches may include it); tags are at most [`Backend::max_tag`].
+///
+/// A backend checks only what its library alone can know (a count too large for a C `int`,
+/// the length of a message that actually arrived) and reports library failures as
+/// [`crate::Error::Library`] with the library's code and class.
+///
+/// Operations are executed in the order the front end hands them over; nonblocking ones take
+/// their place in the communicator's order when [`Backend::start`] is called and must not
+/// block the caller beyond enqueueing.
+pub trait Backend: Send + Sync + 'static {
+    /// Backend name (`"mpi"`, `"local"`, ...).
+    fn name(&self) -> &'static str;
+    /// This process's rank in the communicator.
+    fn rank(&self) -> usize;
+    /// Number of ranks.
+    fn size(&self) -> usize;
+    /// World ranks of the members, in communicator-rank order.
+    fn global_ranks(&self) -> &[usize];
+    /// Which memory the backend's operations accept.
+    fn accepts(&self, memory: Memory) -> bool;
+    /// Whether the backend can reduce `dtype` with `op` (`None`: move `dtype` at all).
+    fn supports(&self, dtype: DType, op: Option<ReduceOp>) -> bool;
+    /// The largest message tag the backend carries (`u32::MAX` unless the library limits it).
+    fn max_tag(&self) -> u32 {
+        u32::MAX
+    }
+    /// `Err(Error::Finalized)` once the communicator can no longer be used (finished,
+    /// aborted, library finalized); called before every operation.
+    fn check_live(&self, op: &'static str) -> Result<()> {
+        let _ = op;
+        Ok(())
+    }
+    /// Executes one validated blocking operation.
+    fn run(&self, op: Validated<Op<'_>>) -> Result<()>;
+    /// Starts one validated nonblocking operation on owned buffers.
+    fn start(&self, op: Validated<Request>) -> Result<Box<dyn Work>>;
+    /// Waits for everything enqueued so far (stream synchronisation on GPUs).
+    fn synchronize(&self) -> Result<()> {
+        Ok(())
+    }
+}

@@ -1,0 +1,241 @@
+//! Element types, reductions and type-erased host slices.
+
+use crate::error::{Error, Result};
+use half::{bf16, f16};
+use std::fmt;
+
+/// Element types the traits can carry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DType {
+    /// 32-bit float.
+    F32,
+    /// 64-bit float.
+    F64,
+    /// 32-bit signed integer.
+    I32,
+    /// 64-bit signed integer.
+    I64,
+    /// Byte.
+    U8,
+    /// IEEE half precision.
+    F16,
+    /// bfloat16.
+    BF16,
+}
+
+impl DType {
+    /// Every dtype.
+    pub const ALL: [DType; 7] = [
+        DType::F32,
+        DType::F64,
+        DType::I32,
+        DType::I64,
+        DType::U8,
+        DType::F16,
+        DType::BF16,
+    ];
+    /// Size of one element in bytes.
+    pub fn size_bytes(self) -> usize {
+        match self {
+            DType::F32 | DType::I32 => 4,
+            DType::F64 | DType::I64 => 8,
+            DType::U8 => 1,
+            DType::F16 | DType::BF16 => 2,
+        }
+    }
+    /// True for floating-point types.
+    pub fn is_float(self) -> bool {
+        matches!(self, DType::F32 | DType::F64 | DType::F16 | DType::BF16)
+    }
+}
+
+impl fmt::Display for DType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let s = match self {
+            DType::F32 => "f32",
+            DType::F64 => "f64",
+            DType::I32 => "i32",
+            DType::I64 => "i64",
+            DType::U8 => "u8",
+            DType::F16 => "f16",
+            DType::BF16 => "bf16",
+        };
+        f.write_str(s)
+    }
+}
+
+/// Reductions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ReduceOp {
+    /// Sum.
+    Sum,
+    /// Product.
+    Prod,
+    /// Minimum.
+    Min,
+    /// Maximum.
+    Max,
+    /// Sum divided by the communicator size (floats only; integer division where a backend
+    /// documents it).
+    Avg,
+}
+
+impl ReduceOp {
+    /// Every reduction.
+    pub const ALL: [ReduceOp; 5] = [
+        ReduceOp::Sum,
+        ReduceOp::Prod,
+        ReduceOp::Min,
+        ReduceOp::Max,
+        ReduceOp::Avg,
+    ];
+}
+
+impl fmt::Display for ReduceOp {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(self, f)
+    }
+}
+
+mod sealed {
+    pub trait Sealed {}
+}
+
+/// A type that can travel through a communicator.
+pub trait Element: Copy + Send + Sync + PartialEq + fmt::Debug + 'static + sealed::Sealed {
+    /// The dtype tag.
+    const DTYPE: DType;
+    /// Wraps a slice.
+    fn host(s: &[Self]) -> HostSlice<'_>;
+    /// Wraps a mutable slice.
+    fn host_mut(s: &mut [Self]) -> HostSliceMut<'_>;
+    /// Wraps a vector.
+    fn owned(v: Vec<Self>) -> HostBuffer;
+    /// Unwraps a vector of this type.
+    fn from_owned(b: HostBuffer) -> std::result::Result<Vec<Self>, HostBuffer>;
+    /// Views an erased slice as this type.
+    fn view(s: HostSlice<'_>) -> Option<&[Self]>;
+    /// Views an erased mutable slice as this type.
+    fn view_mut(s: HostSliceMut<'_>) -> Option<&mut [Self]>;
+}
+
+macro_rules! dtypes {
+    ($($variant:ident => $t:ty),* $(,)?) => {
+        /// A borrowed host slice of any supported element type.
+        #[derive(Debug, Clone, Copy)]
+        pub enum HostSlice<'a> { $( #[doc = stringify!($t)] $variant(&'a [$t]), )* }
+        /// A mutably borrowed host slice of any supported element type.
+        #[derive(Debug)]
+        pub enum HostSliceMut<'a> { $( #[doc = stringify!($t)] $variant(&'a mut [$t]), )* }
+        /// An owned host buffer of any supported element type.
+        #[derive(Debug, Clone, PartialEq)]
+        pub enum HostBuffer { $( #[doc = stringify!($t)] $variant(Vec<$t>), )* }
+
+        impl<'a> HostSlice<'a> {
+            /// Elements `start..start + len`, or `None` when that range is out of bounds.
+            pub fn sub(&self, start: usize, len: usize) -> Option<HostSlice<'a>> {
+                let end = start.checked_add(len)?;
+                match *self { $( HostSlice::$variant(s) => s.get(start..end).map(HostSlice::$variant), )* }
+            }
+            /// Element type.
+            pub fn dtype(&self) -> DType { match self { $( HostSlice::$variant(_) => DType::$variant, )* } }
+            /// Number of elements.
+            pub fn len(&self) -> usize { match self { $( HostSlice::$variant(s) => s.len(), )* } }
+            /// True when empty.
+            pub fn is_empty(&self) -> bool { self.len() == 0 }
+            /// Start of the memory.
+            pub fn as_ptr(&self) -> *const u8 { match self { $( HostSlice::$variant(s) => s.as_ptr() as *const u8, )* } }
+            /// An owned copy.
+            pub fn to_owned_buffer(&self) -> HostBuffer { match self { $( HostSlice::$variant(s) => HostBuffer::$variant(s.to_vec()), )* } }
+        }
+        impl<'a> HostSliceMut<'a> {
+            /// Element type.
+            pub fn dtype(&self) -> DType { match self { $( HostSliceMut::$variant(_) => DType::$variant, )* } }
+            /// Number of elements.
+            pub fn len(&self) -> usize { match self { $( HostSliceMut::$variant(s) => s.len(), )* } }
+            /// True when empty.
+            pub fn is_empty(&self) -> bool { self.len() == 0 }
+            /// Start of the memory.
+            pub fn as_mut_ptr(&mut self) -> *mut u8 { match self { $( HostSliceMut::$variant(s) => s.as_mut_ptr() as *mut u8, )* } }
+            /// Elements `start..start + len`, mutably, or `None` when that range is out of bounds.
+            pub fn sub_mut(&mut self, start: usize, len: usize) -> Option<HostSliceMut<'_>> {
+                let end = start.checked_add(len)?;
+                match self { $( HostSliceMut::$variant(s) => s.get_mut(start..end).map(|x| HostSliceMut::$variant(x)), )* }
+            }
+            /// A shorter-lived reborrow.
+            pub fn reborrow(&mut self) -> HostSliceMut<'_> { match self { $( HostSliceMut::$variant(s) => HostSliceMut::$variant(&mut s[..]), )* } }
+            /// A shared view.
+            pub fn as_slice(&self) -> HostSlice<'_> { match self { $( HostSliceMut::$variant(s) => HostSlice::$variant(&s[..]), )* } }
+            /// Copies `src` (same dtype and length) into this slice.
+            pub fn copy_from(&mut self, src: HostSlice<'_>) -> Result<()> {
+                match (self, src) {
+                    $( (HostSliceMut::$variant(d), HostSlice::$variant(s)) if d.len() == s.len() => { d.copy_from_slice(s); Ok(()) } )*
+                    (d, s) => Err(Error::Invalid(format!("copy of {} {} elements into {} {} elements", s.len(), s.dtype(), d.len(), d.dtype()))),
+                }
+            }
+        }
+        impl HostBuffer {
+            /// Element type.
+            pub fn dtype(&self) -> DType { match self { $( HostBuffer::$variant(_) => DType::$variant, )* } }
+            /// Number of elements.
+            pub fn len(&self) -> usize { match self { $( HostBuffer::$variant(s) => s.len(), )* } }
+            /// True when empty.
+            pub fn is_empty(&self) -> bool { self.len() == 0 }
+            /// A borrowed view.
+            pub fn as_slice(&self) -> HostSlice<'_> { match self { $( HostBuffer::$variant(s) => HostSlice::$variant(&s[..]), )* } }
+            /// A mutable view.
+            pub fn as_mut_slice(&mut self) -> HostSliceMut<'_> { match self { $( HostBuffer::$variant(s) => HostSliceMut::$variant(&mut s[..]), )* } }
+            /// A zero-filled buffer of `len` elements of `dtype`.
+            pub fn zeros(dtype: DType, len: usize) -> HostBuffer {
+                match dtype { $( DType::$variant => HostBuffer::$variant(vec![<$t as Zero>::ZERO; len]), )* }
+            }
+        }
+        $(
+            impl sealed::Sealed for $t {}
+            impl Element for $t {
+                const DTYPE: DType = DType::$variant;
+                fn host(s: &[Self]) -> HostSlice<'_> { HostSlice::$variant(s) }
+                fn host_mut(s: &mut [Self]) -> HostSliceMut<'_> { HostSliceMut::$variant(s) }
+                fn owned(v: Vec<Self>) -> HostBuffer { HostBuffer::$variant(v) }
+                fn from_owned(b: HostBuffer) -> std::result::Result<Vec<Self>, HostBuffer> {
+                    match b { HostBuffer::$variant(v) => Ok(v), other => Err(other) }
+                }
+                fn view(s: HostSlice<'_>) -> Option<&[Self]> {
+                    match s { HostSlice::$variant(v) => Some(v), _ => None }
+                }
+                fn view_mut(s: HostSliceMut<'_>) -> Option<&mut [Self]> {
+                    match s { HostSliceMut::$variant(v) => Some(v), _ => None }
+                }
+            }
+        )*
+    };
+}
+
+trait Zero {
+    const ZERO: Self;
+}
+impl Zero for f32 {
+    const ZERO: f32 = 0.0;
+}
+impl Zero for f64 {
+    const ZERO: f64 = 0.0;
+}
+impl Zero for i32 {
+    const ZERO: i32 = 0;
+}
+impl Zero for i64 {
+    const ZERO: i64 = 0;
+}
+impl Zero for u8 {
+    const ZERO: u8 = 0;
+}
+impl Zero for f16 {
+    const ZERO: f16 = f16::ZERO;
+}
+impl Zero for bf16 {
+    const ZERO: bf16 = bf16::ZERO;
+}
+
+dtypes! { F32 => f32, F64 => f64, I32 => i32, I64 => i64, U8 => u8, F16 => f16, BF16 => bf16 }

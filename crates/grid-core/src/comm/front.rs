@@ -1,0 +1,589 @@
+//! The front end: [`Comm`], one communicator type over any [`Backend`], where every operation of
+//! every backend is validated, numbered and traced in one place.
+
+use super::backend::Backend;
+use super::buffer::{BufMut, BufRef, Memory, Tensor};
+use super::dtype::{DType, ReduceOp};
+use super::op::{Op, P2pOp, Request, Validated};
+use super::{Communicator, Work};
+use crate::error::{Error, Result};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// A communicator: a [`Backend`] behind the front end. Implements [`Communicator`] (so
+/// `Arc<dyn Communicator>` and [`super::CommunicatorExt`] work as for any communicator).
+///
+/// Every call goes through the same steps, for every backend:
+/// 1. [`Backend::check_live`];
+/// 2. validation of the arguments (memory kind, dtype and reduction support, dtype and length
+///    agreement, roots, peers and tags), with typed errors that carry the numbers
+///    ([`Error::LengthMismatch`], [`Error::DTypeMismatch`], [`Error::PeerOutOfRange`],
+///    [`Error::SelfPeer`], [`Error::TagOutOfRange`], [`Error::Indivisible`],
+///    [`Error::Unsupported`]);
+/// 3. the next sequence number of this communicator, and a `trace`-level `tracing` span
+///    `comm` with the operation, the communicator's name, the backend, the sequence number and
+///    the sizes;
+/// 4. the backend, which receives the operation as a [`Validated`] value.
+///
+/// The communicator has a descriptive name (`"world"`, a family name such as `"tp"`, or what
+/// its factory chose) that appears in spans and errors.
+///
+/// Backend-specific methods are reached through `Deref` (`comm.finish()` on an MPI
+/// communicator) or [`Comm::inner`].
+///
+/// ```
+/// # use grid_core::*;
+/// # struct Solo([usize; 1]);
+/// # impl Backend for Solo {
+/// #     fn name(&self) -> &'static str { "solo" }
+/// #     fn rank(&self) -> usize { 0 }
+/// #     fn size(&self) -> usize { 1 }
+/// #     fn global_ranks(&self) -> &[usize] { &self.0 }
+/// #     fn accepts(&self, m: Memory) -> bool { m == Memory::Host }
+/// #     fn supports(&self, _: DType, _: Option<ReduceOp>) -> bool { true }
+/// #     fn run(&self, op: Validated<Op<'_>>) -> Result<()> {
+/// #         match op.into_op() {
+/// #             Op::AllReduce { send: BufRef::Host(s), recv: BufMut::Host(mut r), .. } => r.copy_from(s),
+/// #             _ => Ok(()),
+/// #         }
+/// #     }
+/// #     fn start(&self, _: Validated<Request>) -> Result<Box<dyn Work>> {
+/// #         Err(Error::Unsupported { op: "start", backend: "solo", what: "nonblocking operations".into() })
+/// #     }
+/// # }
+/// let comm = Comm::new(Solo([0]), "world");
+/// let mut out = [0i32; 2];
+/// comm.all_reduce_into(&[1, 2][..], &mut out[..], ReduceOp::Sum)?;
+/// assert_eq!(out, [1, 2]);
+/// // Validation happens before the backend sees anything:
+/// let e = comm.all_reduce_into(&[1, 2][..], &mut [0i32; 3][..], ReduceOp::Sum).unwrap_err();
+/// assert!(matches!(e, Error::LengthMismatch { expected: 2, actual: 3, .. }));
+/// # Ok::<(), Error>(())
+/// ```
+#[derive(Debug)]
+pub struct Comm<B: Backend> {
+    backend: B,
+    name: String,
+    seq: AtomicU64,
+}
+
+impl<B: Backend> Comm<B> {
+    /// Puts `backend` behind the front end, with a descriptive `name`.
+    pub fn new(backend: B, name: impl Into<String>) -> Comm<B> {
+        Comm {
+            backend,
+            name: name.into(),
+            seq: AtomicU64::new(0),
+        }
+    }
+    /// The backend.
+    pub fn inner(&self) -> &B {
+        &self.backend
+    }
+    /// The communicator's descriptive name.
+    pub fn comm_name(&self) -> &str {
+        &self.name
+    }
+    /// How many operations were handed to the backend so far (the next sequence number).
+    pub fn ops_issued(&self) -> u64 {
+        self.seq.load(Ordering::Relaxed)
+    }
+
+    // ---- validation ------------------------------------------------------------------------
+
+    fn memory(
+        &self,
+        op: &'static str,
+        memory: Memory,
+        what: impl FnOnce() -> String,
+    ) -> Result<()> {
+        if self.backend.accepts(memory) {
+            return Ok(());
+        }
+        let alt = match memory {
+            Memory::Device => {
+                "this backend moves host memory only; copy it to the host or use the NCCL backend"
+            }
+            Memory::Host => "this backend moves device memory only; copy it to the device first",
+        };
+        Err(Error::Unsupported {
+            op,
+            backend: self.backend.name(),
+            what: format!("{} ({}): {alt}", memory_name(memory), what()),
+        })
+    }
+
+    fn input(&self, op: &'static str, b: &BufRef<'_>) -> Result<()> {
+        self.memory(op, b.memory(), || describe_ref(b))?;
+        self.movable(op, b.dtype())
+    }
+
+    fn output(&self, op: &'static str, b: &BufMut<'_>) -> Result<()> {
+        self.memory(op, b.memory(), || describe_mut(b))?;
+        self.movable(op, b.dtype())
+    }
+
+    fn owned(&self, op: &'static str, t: &Tensor) -> Result<()> {
+        self.input(op, &t.as_ref())
+    }
+
+    fn movable(&self, op: &'static str, d: DType) -> Result<()> {
+        if self.backend.supports(d, None) {
+            Ok(())
+        } else {
+            Err(Error::Unsupported {
+                op,
+                backend: self.backend.name(),
+                what: format!("element type {d}"),
+            })
+        }
+    }
+
+    fn reduces(&self, op: &'static str, d: DType, r: ReduceOp) -> Result<()> {
+        if self.backend.supports(d, Some(r)) {
+            Ok(())
+        } else {
+            Err(Error::Unsupported {
+                op,
+                backend: self.backend.name(),
+                what: format!("the reduction {r} on {d}"),
+            })
+        }
+    }
+
+    fn root(&self, op: &'static str, root: usize) -> Result<()> {
+        super::check::rank(op, "root", root, self.backend.size())
+    }
+
+    fn peer(&self, op: &'static str, peer: usize, tag: u32, allow_self: bool) -> Result<()> {
+        let size = self.backend.size();
+        super::check::rank(op, "peer", peer, size)?;
+        if !allow_self && peer == self.backend.rank() {
+            return Err(Error::SelfPeer { op, peer, size });
+        }
+        let max = self.backend.max_tag();
+        if tag > max {
+            return Err(Error::TagOutOfRange {
+                op,
+                backend: self.backend.name(),
+                tag,
+                max,
+            });
+        }
+        Ok(())
+    }
+
+    /// Dtype and length rules of the two-buffer collectives.
+    fn shapes(
+        &self,
+        op: &'static str,
+        kind: Shape,
+        send: (DType, usize),
+        recv: (DType, usize),
+    ) -> Result<()> {
+        super::check::same_dtype(op, send.0, recv.0)?;
+        let n = self.backend.size();
+        match kind {
+            Shape::Equal => super::check::len(op, "recv buffer", send.1, recv.1),
+            Shape::Gather => super::check::len(op, "recv buffer", send.1 * n, recv.1),
+            Shape::Scatter => super::check::len(op, "send buffer", recv.1 * n, send.1),
+            Shape::Blocks => {
+                super::check::len(op, "recv buffer", send.1, recv.1)?;
+                if n > 0 && !send.1.is_multiple_of(n) {
+                    return Err(Error::Indivisible {
+                        op,
+                        what: "send buffer",
+                        len: send.1,
+                        parts: n,
+                    });
+                }
+                Ok(())
+            }
+        }
+    }
+
+    fn validate(&self, op: &Op<'_>) -> Result<()> {
+        let name = op.name();
+        let m = |b: &BufRef<'_>| (b.dtype(), b.len());
+        let mm = |b: &BufMut<'_>| (b.dtype(), b.len());
+        match op {
+            Op::AllReduce { send, recv, op: r } => {
+                self.input(name, send)?;
+                self.output(name, recv)?;
+                self.shapes(name, Shape::Equal, m(send), mm(recv))?;
+                self.reduces(name, send.dtype(), *r)
+            }
+            Op::AllReduceInPlace { buf, op: r } => {
+                self.output(name, buf)?;
+                self.reduces(name, buf.dtype(), *r)
+            }
+            Op::Broadcast { buf, root } => {
+                self.output(name, buf)?;
+                self.root(name, *root)
+            }
+            Op::AllGather { send, recv } => {
+                self.input(name, send)?;
+                self.output(name, recv)?;
+                self.shapes(name, Shape::Gather, m(send), mm(recv))
+            }
+            Op::ReduceScatter { send, recv, op: r } => {
+                self.input(name, send)?;
+                self.output(name, recv)?;
+                self.shapes(name, Shape::Scatter, m(send), mm(recv))?;
+                self.reduces(name, send.dtype(), *r)
+            }
+            Op::AllToAll { send, recv } => {
+                self.input(name, send)?;
+                self.output(name, recv)?;
+                self.shapes(name, Shape::Blocks, m(send), mm(recv))
+            }
+            Op::Barrier => Ok(()),
+            Op::Send { buf, peer, tag } => {
+                self.input(name, buf)?;
+                self.peer(name, *peer, *tag, false)
+            }
+            Op::Recv { buf, peer, tag } => {
+                self.output(name, buf)?;
+                self.peer(name, *peer, *tag, false)
+            }
+            Op::Batch(ops) => {
+                for o in ops {
+                    match o {
+                        P2pOp::Send { buf, peer, tag } => {
+                            self.input(name, buf)?;
+                            self.peer(name, *peer, *tag, true)?;
+                        }
+                        P2pOp::Recv { buf, peer, tag } => {
+                            self.output(name, buf)?;
+                            self.peer(name, *peer, *tag, true)?;
+                        }
+                    }
+                }
+                Ok(())
+            }
+        }
+    }
+
+    fn validate_request(&self, r: &Request) -> Result<()> {
+        let name = r.name();
+        let m = |t: &Tensor| (t.dtype(), t.len());
+        match r {
+            Request::AllReduceInto { send, recv, op } => {
+                self.owned(name, send)?;
+                self.owned(name, recv)?;
+                self.shapes(name, Shape::Equal, m(send), m(recv))?;
+                self.reduces(name, send.dtype(), *op)
+            }
+            Request::AllReduce { buf, op } => {
+                self.owned(name, buf)?;
+                self.reduces(name, buf.dtype(), *op)
+            }
+            Request::Broadcast { buf, root } => {
+                self.owned(name, buf)?;
+                self.root(name, *root)
+            }
+            Request::AllGather { send, recv } => {
+                self.owned(name, send)?;
+                self.owned(name, recv)?;
+                self.shapes(name, Shape::Gather, m(send), m(recv))
+            }
+            Request::ReduceScatter { send, recv, op } => {
+                self.owned(name, send)?;
+                self.owned(name, recv)?;
+                self.shapes(name, Shape::Scatter, m(send), m(recv))?;
+                self.reduces(name, send.dtype(), *op)
+            }
+            Request::AllToAll { send, recv } => {
+                self.owned(name, send)?;
+                self.owned(name, recv)?;
+                self.shapes(name, Shape::Blocks, m(send), m(recv))
+            }
+            Request::Barrier => Ok(()),
+            Request::Send { buf, peer, tag } | Request::Recv { buf, peer, tag } => {
+                self.owned(name, buf)?;
+                self.peer(name, *peer, *tag, false)
+            }
+        }
+    }
+
+    // ---- the one place every operation passes ------------------------------------------------
+
+    /// Validates, numbers, traces and runs a blocking operation.
+    fn call(&self, op: Op<'_>) -> Result<()> {
+        let name = op.name();
+        self.backend.check_live(name)?;
+        self.validate(&op)?;
+        let seq = self.seq.fetch_add(1, Ordering::Relaxed);
+        let (send, recv) = op.sizes();
+        let span = tracing::trace_span!(
+            "comm",
+            op = name,
+            comm = %self.name,
+            backend = self.backend.name(),
+            seq,
+            send,
+            recv,
+            nonblocking = false
+        );
+        let _g = span.enter();
+        self.backend.run(Validated::new(op, seq))
+    }
+
+    /// Validates, numbers, traces and starts a nonblocking operation.
+    fn call_start(&self, r: Request) -> Result<Box<dyn Work>> {
+        let name = r.name();
+        self.backend.check_live(name)?;
+        self.validate_request(&r)?;
+        let seq = self.seq.fetch_add(1, Ordering::Relaxed);
+        let (send, recv) = r.sizes();
+        let span = tracing::trace_span!(
+            "comm",
+            op = name,
+            comm = %self.name,
+            backend = self.backend.name(),
+            seq,
+            send,
+            recv,
+            nonblocking = true
+        );
+        let _g = span.enter();
+        self.backend.start(Validated::new(r, seq))
+    }
+}
+
+#[derive(Clone, Copy)]
+enum Shape {
+    Equal,
+    Gather,
+    Scatter,
+    Blocks,
+}
+
+fn memory_name(m: Memory) -> &'static str {
+    match m {
+        Memory::Host => "host memory",
+        Memory::Device => "device memory",
+    }
+}
+
+fn describe_ref(b: &BufRef<'_>) -> String {
+    match b {
+        BufRef::Host(h) => format!("{} {} elements", h.len(), h.dtype()),
+        BufRef::Device(d) => format!(
+            "{} {} elements on device {}",
+            d.len(),
+            d.dtype(),
+            d.device()
+        ),
+    }
+}
+
+fn describe_mut(b: &BufMut<'_>) -> String {
+    match b {
+        BufMut::Host(h) => format!("{} {} elements", h.len(), h.dtype()),
+        BufMut::Device(d) => format!(
+            "{} {} elements on device {}",
+            d.len(),
+            d.dtype(),
+            d.device()
+        ),
+    }
+}
+
+impl<B: Backend> std::ops::Deref for Comm<B> {
+    type Target = B;
+    fn deref(&self) -> &B {
+        &self.backend
+    }
+}
+
+impl<B: Backend> Communicator for Comm<B> {
+    fn backend(&self) -> &'static str {
+        self.backend.name()
+    }
+    fn name(&self) -> &str {
+        &self.name
+    }
+    fn rank(&self) -> usize {
+        self.backend.rank()
+    }
+    fn size(&self) -> usize {
+        self.backend.size()
+    }
+    fn global_ranks(&self) -> &[usize] {
+        self.backend.global_ranks()
+    }
+    fn accepts(&self, memory: Memory) -> bool {
+        self.backend.accepts(memory)
+    }
+    fn supports(&self, dtype: DType, op: Option<ReduceOp>) -> bool {
+        self.backend.supports(dtype, op)
+    }
+    fn all_reduce(&self, send: BufRef<'_>, recv: BufMut<'_>, op: ReduceOp) -> Result<()> {
+        self.call(Op::AllReduce { send, recv, op })
+    }
+    fn in_place_all_reduce(&self, buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
+        self.call(Op::AllReduceInPlace { buf, op })
+    }
+    fn broadcast(&self, buf: BufMut<'_>, root: usize) -> Result<()> {
+        self.call(Op::Broadcast { buf, root })
+    }
+    fn all_gather(&self, send: BufRef<'_>, recv: BufMut<'_>) -> Result<()> {
+        self.call(Op::AllGather { send, recv })
+    }
+    fn reduce_scatter(&self, send: BufRef<'_>, recv: BufMut<'_>, op: ReduceOp) -> Result<()> {
+        self.call(Op::ReduceScatter { send, recv, op })
+    }
+    fn all_to_all(&self, send: BufRef<'_>, recv: BufMut<'_>) -> Result<()> {
+        self.call(Op::AllToAll { send, recv })
+    }
+    fn barrier(&self) -> Result<()> {
+        self.call(Op::Barrier)
+    }
+    fn send(&self, buf: BufRef<'_>, peer: usize, tag: u32) -> Result<()> {
+        self.call(Op::Send { buf, peer, tag })
+    }
+    fn recv(&self, buf: BufMut<'_>, peer: usize, tag: u32) -> Result<()> {
+        self.call(Op::Recv { buf, peer, tag })
+    }
+    fn batch_p2p(&self, ops: Vec<P2pOp<'_>>) -> Result<()> {
+        self.call(Op::Batch(ops))
+    }
+    fn start(&self, request: Request) -> Result<Box<dyn Work>> {
+        self.call_start(request)
+    }
+    fn synchronize(&self) -> Result<()> {
+        self.backend.check_live("synchronize")?;
+        self.backend.synchronize()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::CommunicatorExt;
+    use std::sync::Mutex;
+
+    /// Records what reaches the backend: (op, sequence number, address of an in-place buffer).
+    struct Recorder {
+        ranks: Vec<usize>,
+        seen: Mutex<Vec<(&'static str, u64, usize)>>,
+    }
+
+    impl Backend for Recorder {
+        fn name(&self) -> &'static str {
+            "recorder"
+        }
+        fn rank(&self) -> usize {
+            0
+        }
+        fn size(&self) -> usize {
+            self.ranks.len()
+        }
+        fn global_ranks(&self) -> &[usize] {
+            &self.ranks
+        }
+        fn accepts(&self, m: Memory) -> bool {
+            m == Memory::Host
+        }
+        fn supports(&self, d: DType, op: Option<ReduceOp>) -> bool {
+            !(d == DType::U8 && op == Some(ReduceOp::Prod))
+        }
+        fn max_tag(&self) -> u32 {
+            100
+        }
+        fn run(&self, v: Validated<Op<'_>>) -> Result<()> {
+            let seq = v.seq();
+            let mut op = v.into_op();
+            let addr = match &mut op {
+                Op::AllReduceInPlace {
+                    buf: BufMut::Host(h),
+                    ..
+                } => h.as_mut_ptr() as usize,
+                _ => 0,
+            };
+            self.seen.lock().unwrap().push((op.name(), seq, addr));
+            Ok(())
+        }
+        fn start(&self, v: Validated<Request>) -> Result<Box<dyn Work>> {
+            self.seen.lock().unwrap().push((v.op().name(), v.seq(), 0));
+            Err(Error::Unsupported {
+                op: "start",
+                backend: "recorder",
+                what: "nonblocking operations".into(),
+            })
+        }
+    }
+
+    #[test]
+    fn validation_happens_before_the_backend_and_numbers_only_issued_ops() {
+        let c = Comm::new(
+            Recorder {
+                ranks: vec![5, 7],
+                seen: Mutex::new(Vec::new()),
+            },
+            "tp",
+        );
+        let mut buf = [1.0f32; 4];
+        let addr = buf.as_mut_ptr() as usize;
+        c.all_reduce_in_place(&mut buf[..], ReduceOp::Sum).unwrap();
+        assert!(matches!(
+            c.send_to(&[1f32][..], 0, 0),
+            Err(Error::SelfPeer {
+                peer: 0,
+                size: 2,
+                ..
+            })
+        ));
+        assert!(matches!(
+            c.send_to(&[1f32][..], 1, 101),
+            Err(Error::TagOutOfRange {
+                tag: 101,
+                max: 100,
+                ..
+            })
+        ));
+        assert!(matches!(
+            c.all_to_all_into(&[1f32; 3][..], &mut [0f32; 3][..]),
+            Err(Error::Indivisible {
+                len: 3,
+                parts: 2,
+                ..
+            })
+        ));
+        assert!(matches!(
+            c.all_reduce_into(&[1u8][..], &mut [0u8][..], ReduceOp::Prod),
+            Err(Error::Unsupported { .. })
+        ));
+        assert!(matches!(
+            c.all_gather_into(&[1i64][..], &mut [0i64; 3][..]),
+            Err(Error::LengthMismatch {
+                expected: 2,
+                actual: 3,
+                ..
+            })
+        ));
+        assert!(matches!(
+            c.iall_reduce_into(vec![1i32], vec![0i32; 2], ReduceOp::Sum),
+            Err(Error::LengthMismatch {
+                expected: 1,
+                actual: 2,
+                ..
+            })
+        ));
+        c.barrier().unwrap();
+        assert!(c.ibarrier().is_err());
+        // The in-place all-reduce reached the backend as the caller's own buffer (no copy);
+        // rejected calls never reached it and took no sequence number.
+        assert_eq!(
+            *c.inner().seen.lock().unwrap(),
+            vec![
+                ("all_reduce", 0, addr),
+                ("barrier", 1, 0),
+                ("barrier", 2, 0)
+            ]
+        );
+        assert_eq!(c.ops_issued(), 3);
+        assert_eq!(Communicator::name(&c), "tp");
+        assert_eq!(c.global_ranks(), &[5, 7]);
+    }
+}

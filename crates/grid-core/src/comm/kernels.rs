@@ -1,0 +1,351 @@
+//! Host reduction kernels: every dtype × every reduction, computed once for every backend that
+//! reduces on the host (the in-process backend, and any library without a native kernel for a
+//! type).
+//!
+//! How each pair is computed (the same rules as the MPI backend's staging):
+//! * **f32, f64**: in the type itself, over the inputs in rank order. `Avg` is the sum divided
+//!   by the number of inputs, in the type.
+//! * **f16, bf16**: each input is widened to f32, reduced in f32 in rank order (`Avg`: sum then
+//!   division in f32) and rounded back to the half type once (round to nearest even).
+//! * **i32, i64, u8**: `Sum` and `Prod` wrap on overflow (two's complement / modulo 256, as the
+//!   C arithmetic of the libraries does); `Min`, `Max` exact. `Avg` sums in i64 (exact for i32
+//!   and u8; wrapping for i64), divides by the number of inputs with **truncation toward
+//!   zero** (Rust's `/`: the mean of `[-3, 0]` is `-1`, of `[1, 2]` is `1`) and narrows back,
+//!   which is exact because the mean of values of a type fits the type.
+//!
+//! ```
+//! use grid_core::{kernels, HostSlice, HostSliceMut, ReduceOp};
+//! let a = [1i32, -3, 7];
+//! let b = [2i32, 0, 7];
+//! let mut out = [0i32; 3];
+//! kernels::reduce(&[HostSlice::I32(&a), HostSlice::I32(&b)], HostSliceMut::I32(&mut out), ReduceOp::Avg)?;
+//! assert_eq!(out, [1, -1, 7]);
+//! # Ok::<(), grid_core::Error>(())
+//! ```
+
+use super::dtype::{DType, HostSlice, HostSliceMut, ReduceOp};
+use crate::error::{Error, Result};
+use half::{bf16, f16};
+
+macro_rules! int_op {
+    ($t:ty, $op:expr) => {{
+        let f: fn($t, $t) -> $t = match $op {
+            ReduceOp::Sum | ReduceOp::Avg => <$t>::wrapping_add,
+            ReduceOp::Prod => <$t>::wrapping_mul,
+            ReduceOp::Min => std::cmp::min,
+            ReduceOp::Max => std::cmp::max,
+        };
+        f
+    }};
+}
+
+/// Reduces `inputs` (one per rank, in rank order; each of `out`'s dtype and length) element by
+/// element into `out`.
+pub fn reduce(inputs: &[HostSlice<'_>], out: HostSliceMut<'_>, op: ReduceOp) -> Result<()> {
+    reduce_range(inputs, 0, out, op)
+}
+
+/// Reduces elements `start..start + out.len()` of every input into `out` (the block of one
+/// rank in a reduce-scatter). Errors name the input whose dtype or length does not fit.
+///
+/// ```
+/// use grid_core::{kernels, HostSlice, HostSliceMut, ReduceOp};
+/// use half::bf16;
+/// let x = [bf16::from_f32(1.0), bf16::from_f32(2.0)];
+/// let y = [bf16::from_f32(4.0), bf16::from_f32(8.0)];
+/// let mut out = [bf16::ZERO];
+/// kernels::reduce_range(&[HostSlice::BF16(&x), HostSlice::BF16(&y)], 1, HostSliceMut::BF16(&mut out), ReduceOp::Max)?;
+/// assert_eq!(out[0].to_f32(), 8.0);
+/// # Ok::<(), grid_core::Error>(())
+/// ```
+pub fn reduce_range(
+    inputs: &[HostSlice<'_>],
+    start: usize,
+    out: HostSliceMut<'_>,
+    op: ReduceOp,
+) -> Result<()> {
+    const OP: &str = "reduce";
+    let n = inputs.len();
+    if n == 0 {
+        return Err(Error::Invalid(
+            "reduce: no inputs to reduce (give one input per rank)".into(),
+        ));
+    }
+    let end = start + out.len();
+    for s in inputs {
+        if s.dtype() != out.dtype() {
+            return Err(Error::DTypeMismatch {
+                op: OP,
+                expected: out.dtype(),
+                actual: s.dtype(),
+            });
+        }
+        if s.len() < end {
+            return Err(Error::LengthMismatch {
+                op: OP,
+                what: "input",
+                expected: end,
+                actual: s.len(),
+            });
+        }
+    }
+    macro_rules! typed {
+        ($v:ident) => {
+            inputs
+                .iter()
+                .map(|s| match s {
+                    HostSlice::$v(x) => Ok(&x[start..end]),
+                    other => Err(Error::DTypeMismatch {
+                        op: OP,
+                        expected: DType::$v,
+                        actual: other.dtype(),
+                    }),
+                })
+                .collect::<Result<Vec<_>>>()?
+        };
+    }
+    match out {
+        HostSliceMut::F32(o) => float(&typed!(F32), o, op, |x| x, |x| x),
+        HostSliceMut::F64(o) => float(&typed!(F64), o, op, |x| x, |x| x),
+        HostSliceMut::F16(o) => float(&typed!(F16), o, op, f16::to_f32, f16::from_f32),
+        HostSliceMut::BF16(o) => float(&typed!(BF16), o, op, bf16::to_f32, bf16::from_f32),
+        HostSliceMut::I32(o) => {
+            let ins = typed!(I32);
+            match op {
+                ReduceOp::Avg => fold(&ins, o, i64::from, i64::wrapping_add, |a| {
+                    (a / n as i64) as i32
+                }),
+                _ => fold(&ins, o, |x| x, int_op!(i32, op), |x| x),
+            }
+        }
+        HostSliceMut::I64(o) => {
+            let ins = typed!(I64);
+            match op {
+                ReduceOp::Avg => fold(&ins, o, |x| x, i64::wrapping_add, |a| a / n as i64),
+                _ => fold(&ins, o, |x| x, int_op!(i64, op), |x| x),
+            }
+        }
+        HostSliceMut::U8(o) => {
+            let ins = typed!(U8);
+            match op {
+                ReduceOp::Avg => fold(&ins, o, i64::from, i64::wrapping_add, |a| {
+                    (a / n as i64) as u8
+                }),
+                _ => fold(&ins, o, |x| x, int_op!(u8, op), |x| x),
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Divides a sum in place by `n` to make it a mean, with the rules of the module docs (floats
+/// in their type, halves through f32, integers truncating toward zero). For backends whose
+/// library sums natively and has no average.
+///
+/// ```
+/// use grid_core::{kernels, HostSliceMut};
+/// let mut v = [7i64, -7];
+/// kernels::divide(HostSliceMut::I64(&mut v), 2);
+/// assert_eq!(v, [3, -3]);
+/// ```
+pub fn divide(buf: HostSliceMut<'_>, n: usize) {
+    let n = n.max(1);
+    match buf {
+        HostSliceMut::F32(s) => s.iter_mut().for_each(|x| *x /= n as f32),
+        HostSliceMut::F64(s) => s.iter_mut().for_each(|x| *x /= n as f64),
+        HostSliceMut::F16(s) => s
+            .iter_mut()
+            .for_each(|x| *x = f16::from_f32(x.to_f32() / n as f32)),
+        HostSliceMut::BF16(s) => s
+            .iter_mut()
+            .for_each(|x| *x = bf16::from_f32(x.to_f32() / n as f32)),
+        HostSliceMut::I32(s) => s
+            .iter_mut()
+            .for_each(|x| *x = (*x as i64 / n as i64) as i32),
+        HostSliceMut::I64(s) => {
+            let n = i64::try_from(n).unwrap_or(i64::MAX);
+            s.iter_mut().for_each(|x| *x /= n)
+        }
+        HostSliceMut::U8(s) => s.iter_mut().for_each(|x| *x = (*x as usize / n) as u8),
+    }
+}
+
+fn float<T: Copy, A>(
+    ins: &[&[T]],
+    out: &mut [T],
+    op: ReduceOp,
+    widen: impl Fn(T) -> A,
+    narrow: impl Fn(A) -> T,
+) where
+    A: Copy
+        + std::ops::Add<Output = A>
+        + std::ops::Mul<Output = A>
+        + std::ops::Div<Output = A>
+        + PartialOrd
+        + FromCount,
+{
+    let n = A::from_count(ins.len());
+    match op {
+        ReduceOp::Sum => fold(ins, out, widen, |a, b| a + b, narrow),
+        ReduceOp::Avg => fold(ins, out, widen, |a, b| a + b, |a| narrow(a / n)),
+        ReduceOp::Prod => fold(ins, out, widen, |a, b| a * b, narrow),
+        ReduceOp::Min => fold(ins, out, widen, |a, b| if b < a { b } else { a }, narrow),
+        ReduceOp::Max => fold(ins, out, widen, |a, b| if b > a { b } else { a }, narrow),
+    }
+}
+
+/// Float accumulators that can hold a rank count.
+trait FromCount {
+    fn from_count(n: usize) -> Self;
+}
+impl FromCount for f32 {
+    fn from_count(n: usize) -> f32 {
+        n as f32
+    }
+}
+impl FromCount for f64 {
+    fn from_count(n: usize) -> f64 {
+        n as f64
+    }
+}
+
+fn fold<T: Copy, A: Copy>(
+    ins: &[&[T]],
+    out: &mut [T],
+    widen: impl Fn(T) -> A,
+    f: impl Fn(A, A) -> A,
+    fin: impl Fn(A) -> T,
+) {
+    let Some((first, rest)) = ins.split_first() else {
+        return;
+    };
+    for (i, o) in out.iter_mut().enumerate() {
+        let mut acc = widen(first[i]);
+        for s in rest {
+            acc = f(acc, widen(s[i]));
+        }
+        *o = fin(acc);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_dtype_and_op() {
+        let a = [3i64, -2, 5];
+        let b = [1i64, 4, -6];
+        let c = [2i64, 1, 1];
+        for op in ReduceOp::ALL {
+            let want: Vec<i64> = (0..3)
+                .map(|i| {
+                    let v = [a[i], b[i], c[i]];
+                    match op {
+                        ReduceOp::Sum => v.iter().sum(),
+                        ReduceOp::Prod => v.iter().product(),
+                        ReduceOp::Min => *v.iter().min().unwrap(),
+                        ReduceOp::Max => *v.iter().max().unwrap(),
+                        ReduceOp::Avg => v.iter().sum::<i64>() / 3,
+                    }
+                })
+                .collect();
+            let mut o = [0i64; 3];
+            reduce(
+                &[HostSlice::I64(&a), HostSlice::I64(&b), HostSlice::I64(&c)],
+                HostSliceMut::I64(&mut o),
+                op,
+            )
+            .unwrap();
+            assert_eq!(o.to_vec(), want, "i64 {op}");
+            let (a32, b32, c32) = (
+                a.map(|x| x as i32),
+                b.map(|x| x as i32),
+                c.map(|x| x as i32),
+            );
+            let mut o = [0i32; 3];
+            reduce(
+                &[
+                    HostSlice::I32(&a32),
+                    HostSlice::I32(&b32),
+                    HostSlice::I32(&c32),
+                ],
+                HostSliceMut::I32(&mut o),
+                op,
+            )
+            .unwrap();
+            assert_eq!(o.map(i64::from).to_vec(), want, "i32 {op}");
+            let f = |v: [i64; 3]| v.map(|x| f16::from_f64(x as f64));
+            let (fa, fb, fc) = (f(a), f(b), f(c));
+            let mut o = [f16::ZERO; 3];
+            reduce(
+                &[
+                    HostSlice::F16(&fa),
+                    HostSlice::F16(&fb),
+                    HostSlice::F16(&fc),
+                ],
+                HostSliceMut::F16(&mut o),
+                op,
+            )
+            .unwrap();
+            let wantf: Vec<f64> = if op == ReduceOp::Avg {
+                (0..3)
+                    .map(|i| f16::from_f32((a[i] + b[i] + c[i]) as f32 / 3.0).to_f64())
+                    .collect()
+            } else {
+                want.iter().map(|&x| x as f64).collect()
+            };
+            assert_eq!(o.map(f16::to_f64).to_vec(), wantf, "f16 {op}");
+        }
+    }
+
+    #[test]
+    fn u8_wraps_and_averages_exactly() {
+        let a = [250u8, 3];
+        let b = [10u8, 4];
+        let mut o = [0u8; 2];
+        reduce(
+            &[HostSlice::U8(&a), HostSlice::U8(&b)],
+            HostSliceMut::U8(&mut o),
+            ReduceOp::Sum,
+        )
+        .unwrap();
+        assert_eq!(o, [4, 7]);
+        reduce(
+            &[HostSlice::U8(&a), HostSlice::U8(&b)],
+            HostSliceMut::U8(&mut o),
+            ReduceOp::Avg,
+        )
+        .unwrap();
+        assert_eq!(o, [130, 3]);
+    }
+
+    #[test]
+    fn mismatches_are_errors() {
+        let a = [1.0f32];
+        let b = [1.0f64];
+        let mut o = [0f32];
+        assert!(matches!(
+            reduce(
+                &[HostSlice::F32(&a), HostSlice::F64(&b)],
+                HostSliceMut::F32(&mut o),
+                ReduceOp::Sum
+            ),
+            Err(Error::DTypeMismatch { .. })
+        ));
+        let mut o2 = [0f32; 2];
+        assert!(matches!(
+            reduce(
+                &[HostSlice::F32(&a)],
+                HostSliceMut::F32(&mut o2),
+                ReduceOp::Sum
+            ),
+            Err(Error::LengthMismatch {
+                expected: 2,
+                actual: 1,
+                ..
+            })
+        ));
+        assert!(reduce(&[], HostSliceMut::F32(&mut o), ReduceOp::Sum).is_err());
+    }
+}

@@ -1,0 +1,490 @@
+//! Communicator traits that every backend (MPI, Gloo, NCCL) implements.
+//!
+//! # Shape of the API
+//! * [`Communicator`] is **object safe**: a `ProcessGroupCollection<Arc<dyn Communicator>>` is
+//!   possible (a test pins this). Its methods take *type-erased* buffers ([`BufRef`], [`BufMut`])
+//!   that carry their element type, so one trait serves every dtype without generic methods.
+//! * [`CommunicatorExt`] (blanket-implemented for every communicator, including `dyn`) adds the
+//!   typed forms a user calls: `comm.all_reduce_into(&send[..], &mut recv[..], ReduceOp::Sum)`.
+//! * Nonblocking forms take **owned** buffers ([`Tensor`]) and return a [`Work`] handle; `wait`
+//!   hands the result buffer back. Owning the buffer is what makes overlap sound: nothing can
+//!   read or free the memory while the backend still uses it, whatever thread runs the
+//!   operation, and dropping a handle never leaves a dangling borrow.
+//! * [`GroupFactory`] creates communicators: split a parent by colour, create one for a rank
+//!   list, and build a whole [`crate::ProcessGroupCollection`] from a plan with one split per
+//!   family ([`crate::build_collection`]).
+//!
+//! # Host and device memory (how NCCL fits without changing these traits)
+//! A buffer is either host memory (`BufRef::Host`, a typed slice) or device memory
+//! (`BufRef::Device`, a `&dyn DeviceBuffer`). A GPU backend implements [`DeviceBuffer`] for its
+//! own allocation type (for example a wrapper over `cudarc`'s `CudaSlice<T>` that records the
+//! stream it was written on) and downcasts with [`DeviceBuffer::as_any`]. Collectives on device
+//! buffers are *stream-ordered*: a blocking call returns once the operation is enqueued on the
+//! communicator's stream after an event recorded on the buffer's stream, exactly as NCCL works;
+//! [`Communicator::synchronize`] waits for the communicator's stream. Nonblocking calls complete
+//! their [`Work`] when a CUDA event recorded after the operation has fired. CPU backends reject
+//! device buffers with [`Error::Unsupported`], and a GPU backend may reject host buffers the
+//! same way: which memory a backend accepts is reported by [`Communicator::accepts`].
+//!
+//! # Ranks
+//! `rank()` is the position of this process in `global_ranks()`, the members' world ranks in
+//! communicator-rank order. A split orders members by its key; [`crate::build_collection`]
+//! keys every split by world rank, so its communicators list members in **ascending** order
+//! and `rank()` is the index in the sorted member list, as torch defines group ranks (also for
+//! families whose Megatron member order is not sorted, such as `intra_dist_opt`).
+//! Roots and peers are given as communicator ranks.
+//!
+//! # Front end and backends
+//! A backend implements the small execution trait [`Backend`] and is wrapped in the front end
+//! [`Comm`], which implements [`Communicator`]: validation with typed errors, the sequence
+//! number and the `tracing` span happen there, once for every backend. The host reduction
+//! kernels ([`kernels`]) and the split arithmetic ([`split_members`]) also live here, for every
+//! backend that needs them. Backends that still implement [`Communicator`] directly keep
+//! working; they are being moved behind the front end.
+//!
+//! # Modules
+//! `dtype` (element types, reductions, erased host slices), `buffer` (borrowed and owned
+//! buffers), `op` (typed operations), `backend` (the execution trait), `front` (the front end),
+//! [`kernels`] and `split`.
+
+mod backend;
+mod buffer;
+mod dtype;
+mod front;
+pub mod kernels;
+mod op;
+mod split;
+
+pub use backend::Backend;
+pub use buffer::{BufMut, BufRef, DeviceBuffer, Memory, Tensor};
+pub use dtype::{DType, Element, HostBuffer, HostSlice, HostSliceMut, ReduceOp};
+pub use front::Comm;
+pub use op::{Op, OwnedOp, P2pOp, Request, Validated};
+pub use split::{color_key_for, split_members, SplitEntry, SplitMembers};
+
+use crate::error::{Error, Result};
+use std::time::Duration;
+
+/// Handle of a started nonblocking operation.
+///
+/// Collectives started on one communicator run in the order they were started, the same order
+/// on every rank. Point-to-point sends and receives are posted at once and complete as their
+/// peers match them (as `batch_isend_irecv` does), so matching exchanges posted in any order do
+/// not deadlock; NCCL, which executes one communicator's work in stream order, defers them into
+/// one group (see its crate docs). Dropping a handle whose operation has not finished **waits** for it, so the owned
+/// buffers are never freed while the library still uses them.
+pub trait Work: Send {
+    /// True once the operation finished (successfully or not); never blocks.
+    fn is_completed(&mut self) -> bool;
+    /// Blocks until the operation finishes and returns its result buffer: the in-place buffer
+    /// for all-reduce, broadcast and receive, `recv` for out-of-place all-reduce, `recv` for all-gather, reduce-scatter and
+    /// all-to-all, the sent buffer for send, and an empty host buffer for barrier.
+    fn wait(self: Box<Self>) -> Result<Tensor>;
+    /// Like [`Work::wait`] with a time limit; on timeout the work is returned so it can be
+    /// waited on again (the operation keeps running).
+    fn wait_timeout(
+        self: Box<Self>,
+        timeout: Duration,
+    ) -> std::result::Result<Result<Tensor>, Box<dyn Work>>;
+}
+
+/// A communicator over one group of ranks. Object safe.
+///
+/// Every method validates its arguments (lengths, dtypes, roots and peers, memory kind, state)
+/// before reaching the library and reports problems as [`Error`]s; a backend failure becomes
+/// [`Error::Library`] (or the legacy [`Error::Backend`]), [`Error::Timeout`] or
+/// [`Error::PeerFailed`], never a panic or an abort. Framework code gets a communicator from a
+/// backend as [`Comm`]`<B>` (the front end, where that validation is written once); the
+/// backends not yet behind the front end implement this trait directly.
+pub trait Communicator: Send + Sync {
+    /// Backend name (`"mpi"`, `"gloo"`, `"nccl"`, `"local"`).
+    fn backend(&self) -> &'static str;
+    /// The communicator's descriptive name (`"world"`, a family name, ...); the backend name
+    /// for communicators that have none.
+    fn name(&self) -> &str {
+        self.backend()
+    }
+    /// This process's rank in the communicator (its index in `global_ranks()`).
+    fn rank(&self) -> usize;
+    /// Number of ranks.
+    fn size(&self) -> usize;
+    /// World ranks of the members, in communicator-rank order (ascending for communicators
+    /// made by [`crate::build_collection`] and [`GroupFactory::create_group`]).
+    fn global_ranks(&self) -> &[usize];
+    /// Which memory this backend's collectives accept.
+    fn accepts(&self, memory: Memory) -> bool;
+    /// Whether the backend can reduce `dtype` with `op` (`op = None`: can it move `dtype` at all).
+    fn supports(&self, dtype: DType, op: Option<ReduceOp>) -> bool;
+
+    /// Element-wise reduction of `send` over all ranks into `recv` (same dtype and length).
+    fn all_reduce(&self, send: BufRef<'_>, recv: BufMut<'_>, op: ReduceOp) -> Result<()>;
+    /// Element-wise reduction of `buf` over all ranks, in place. Behind the front end
+    /// ([`Comm`]) the backend receives the buffer itself ([`Op::AllReduceInPlace`]; MPI passes
+    /// `MPI_IN_PLACE`), with no copy. The default, for communicators implemented directly,
+    /// copies host input once and calls [`Communicator::all_reduce`].
+    fn in_place_all_reduce(&self, buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
+        let mut host = buf.host_only("all_reduce", self.backend())?;
+        let send = host.as_slice().to_owned_buffer();
+        self.all_reduce(
+            BufRef::Host(send.as_slice()),
+            BufMut::Host(host.reborrow()),
+            op,
+        )
+    }
+    /// Copies `buf` of rank `root` into `buf` of every rank.
+    fn broadcast(&self, buf: BufMut<'_>, root: usize) -> Result<()>;
+    /// Concatenates every rank's `send` in rank order into `recv` (`size · send.len()` elements).
+    fn all_gather(&self, send: BufRef<'_>, recv: BufMut<'_>) -> Result<()>;
+    /// Reduces `send` (`size · recv.len()` elements) and leaves block `rank` in `recv`.
+    fn reduce_scatter(&self, send: BufRef<'_>, recv: BufMut<'_>, op: ReduceOp) -> Result<()>;
+    /// Block `j` of `send` goes to rank `j`; block `i` of `recv` comes from rank `i`. Both
+    /// buffers have the same length, divisible by the size.
+    fn all_to_all(&self, send: BufRef<'_>, recv: BufMut<'_>) -> Result<()>;
+    /// Blocks until every rank arrived.
+    fn barrier(&self) -> Result<()>;
+    /// Sends `buf` to communicator rank `peer`. `peer` must differ from `rank()`.
+    fn send(&self, buf: BufRef<'_>, peer: usize, tag: u32) -> Result<()>;
+    /// Receives exactly `buf.len()` elements from communicator rank `peer`.
+    fn recv(&self, buf: BufMut<'_>, peer: usize, tag: u32) -> Result<()>;
+    /// Runs several sends and receives as one batch that cannot deadlock on ordering
+    /// (`batch_isend_irecv`; `ncclGroupStart/End` on NCCL). Returns when all completed.
+    fn batch_p2p(&self, ops: Vec<P2pOp<'_>>) -> Result<()>;
+    /// Starts a nonblocking operation on owned buffers.
+    fn start(&self, request: Request) -> Result<Box<dyn Work>>;
+    /// Waits until every operation enqueued so far has completed (a no-op for CPU backends,
+    /// stream synchronisation for NCCL).
+    fn synchronize(&self) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// Creates communicators for sub-groups of a parent communicator.
+///
+/// Implemented by each backend (the factory holds what creation needs: a rendezvous store for
+/// Gloo, a device and a bootstrap for NCCL; nothing for MPI). Both methods are **collective over
+/// the parent**: every rank of the parent calls them, in the same order, members and
+/// non-members alike. [`crate::build_collection`] builds a whole
+/// [`crate::ProcessGroupCollection`] on top of [`GroupFactory::split`] with one split per family.
+pub trait GroupFactory {
+    /// The communicator type this factory creates.
+    type Comm: Communicator;
+
+    /// Splits `parent`: ranks passing the same `color` get one new communicator, whose ranks are
+    /// ordered by `(key, parent rank)` (pass the world rank as key for torch's sorted order); a rank passing `None` takes part in the call and gets `None`
+    /// (`MPI_Comm_split` with `MPI_UNDEFINED`, `ncclCommSplit` with `NCCL_SPLIT_NOCOLOR`).
+    fn split(
+        &self,
+        parent: &Self::Comm,
+        color: Option<u32>,
+        key: usize,
+    ) -> Result<Option<Self::Comm>>;
+
+    /// The communicator of the group made of `ranks` (parent ranks, any order; the new
+    /// communicator orders them ascending). Returns `None` on ranks outside the list.
+    fn create_group(&self, parent: &Self::Comm, ranks: &[usize]) -> Result<Option<Self::Comm>> {
+        let members = check::group_members("create_group", ranks, parent.size())?;
+        let me = parent.rank();
+        self.split(parent, members.binary_search(&me).is_ok().then_some(0), me)
+    }
+}
+
+/// Typed conveniences over any [`Communicator`], including `dyn Communicator`.
+///
+/// ```no_run
+/// # use grid_core::{Communicator, CommunicatorExt, ReduceOp};
+/// # fn f(comm: &dyn Communicator) -> grid_core::Result<()> {
+/// let mut sum = vec![0.0f32; 4];
+/// comm.all_reduce_into(&[1.0f32; 4][..], &mut sum[..], ReduceOp::Sum)?;
+/// let work = comm.iall_reduce(vec![1i64, 2, 3], ReduceOp::Max)?;
+/// let max: Vec<i64> = work.wait()?;
+/// # Ok(()) }
+/// ```
+pub trait CommunicatorExt: Communicator {
+    /// Typed all-reduce.
+    fn all_reduce_into<T: Element>(&self, send: &[T], recv: &mut [T], op: ReduceOp) -> Result<()> {
+        self.all_reduce(T::host(send).into(), T::host_mut(recv).into(), op)
+    }
+    /// Typed all-reduce in place ([`Communicator::in_place_all_reduce`]: no copy behind the
+    /// front end).
+    fn all_reduce_in_place<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
+        self.in_place_all_reduce(T::host_mut(buf).into(), op)
+    }
+    /// Typed broadcast.
+    fn broadcast_into<T: Element>(&self, buf: &mut [T], root: usize) -> Result<()> {
+        self.broadcast(T::host_mut(buf).into(), root)
+    }
+    /// Typed all-gather.
+    fn all_gather_into<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
+        self.all_gather(T::host(send).into(), T::host_mut(recv).into())
+    }
+    /// Typed reduce-scatter.
+    fn reduce_scatter_into<T: Element>(
+        &self,
+        send: &[T],
+        recv: &mut [T],
+        op: ReduceOp,
+    ) -> Result<()> {
+        self.reduce_scatter(T::host(send).into(), T::host_mut(recv).into(), op)
+    }
+    /// Typed all-to-all.
+    fn all_to_all_into<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
+        self.all_to_all(T::host(send).into(), T::host_mut(recv).into())
+    }
+    /// Typed send.
+    fn send_to<T: Element>(&self, buf: &[T], peer: usize, tag: u32) -> Result<()> {
+        self.send(T::host(buf).into(), peer, tag)
+    }
+    /// Typed receive.
+    fn recv_from<T: Element>(&self, buf: &mut [T], peer: usize, tag: u32) -> Result<()> {
+        self.recv(T::host_mut(buf).into(), peer, tag)
+    }
+    /// Nonblocking in-place all-reduce of an owned vector.
+    fn iall_reduce<T: Element>(&self, buf: Vec<T>, op: ReduceOp) -> Result<TypedWork<T>> {
+        Ok(TypedWork::new(self.start(Request::AllReduce {
+            buf: buf.into(),
+            op,
+        })?))
+    }
+    /// Nonblocking out-of-place all-reduce: `send` reduced into `recv` (same length), which
+    /// `wait` returns.
+    fn iall_reduce_into<T: Element>(
+        &self,
+        send: Vec<T>,
+        recv: Vec<T>,
+        op: ReduceOp,
+    ) -> Result<TypedWork<T>> {
+        Ok(TypedWork::new(self.start(Request::AllReduceInto {
+            send: send.into(),
+            recv: recv.into(),
+            op,
+        })?))
+    }
+    /// Nonblocking broadcast of an owned vector.
+    fn ibroadcast<T: Element>(&self, buf: Vec<T>, root: usize) -> Result<TypedWork<T>> {
+        Ok(TypedWork::new(self.start(Request::Broadcast {
+            buf: buf.into(),
+            root,
+        })?))
+    }
+    /// Nonblocking all-gather; the result has `size · send.len()` elements.
+    fn iall_gather<T: Element>(&self, send: Vec<T>) -> Result<TypedWork<T>> {
+        let n = send.len() * self.size();
+        let recv = T::owned(vec![
+            send.first().copied().unwrap_or_else(|| zero_of::<T>());
+            n
+        ]);
+        Ok(TypedWork::new(self.start(Request::AllGather {
+            send: send.into(),
+            recv: Tensor::Host(recv),
+        })?))
+    }
+    /// Nonblocking reduce-scatter; the result has `send.len() / size` elements.
+    fn ireduce_scatter<T: Element>(&self, send: Vec<T>, op: ReduceOp) -> Result<TypedWork<T>> {
+        let n = send.len() / self.size().max(1);
+        let recv = T::owned(vec![
+            send.first().copied().unwrap_or_else(|| zero_of::<T>());
+            n
+        ]);
+        Ok(TypedWork::new(self.start(Request::ReduceScatter {
+            send: send.into(),
+            recv: Tensor::Host(recv),
+            op,
+        })?))
+    }
+    /// Nonblocking all-to-all.
+    fn iall_to_all<T: Element>(&self, send: Vec<T>) -> Result<TypedWork<T>> {
+        let recv = T::owned(send.clone());
+        Ok(TypedWork::new(self.start(Request::AllToAll {
+            send: send.into(),
+            recv: Tensor::Host(recv),
+        })?))
+    }
+    /// Nonblocking send; `wait` returns the buffer.
+    fn isend<T: Element>(&self, buf: Vec<T>, peer: usize, tag: u32) -> Result<TypedWork<T>> {
+        Ok(TypedWork::new(self.start(Request::Send {
+            buf: buf.into(),
+            peer,
+            tag,
+        })?))
+    }
+    /// Nonblocking receive of `len` elements.
+    fn irecv<T: Element>(&self, len: usize, peer: usize, tag: u32) -> Result<TypedWork<T>> {
+        let buf = Tensor::Host(HostBuffer::zeros(T::DTYPE, len));
+        Ok(TypedWork::new(self.start(Request::Recv {
+            buf,
+            peer,
+            tag,
+        })?))
+    }
+    /// Nonblocking barrier.
+    fn ibarrier(&self) -> Result<Box<dyn Work>> {
+        self.start(Request::Barrier)
+    }
+}
+
+impl<C: Communicator + ?Sized> CommunicatorExt for C {}
+
+fn zero_of<T: Element>() -> T {
+    T::from_owned(HostBuffer::zeros(T::DTYPE, 1))
+        .ok()
+        .and_then(|v| v.first().copied())
+        .expect("HostBuffer::zeros returns the requested dtype")
+}
+
+/// A [`Work`] whose result is a host vector of `T`.
+pub struct TypedWork<T: Element> {
+    inner: Box<dyn Work>,
+    _t: std::marker::PhantomData<fn() -> T>,
+}
+
+impl<T: Element> TypedWork<T> {
+    /// Wraps an erased handle.
+    pub fn new(inner: Box<dyn Work>) -> Self {
+        TypedWork {
+            inner,
+            _t: std::marker::PhantomData,
+        }
+    }
+    /// True once finished.
+    pub fn is_completed(&mut self) -> bool {
+        self.inner.is_completed()
+    }
+    /// Waits and returns the result vector.
+    pub fn wait(self) -> Result<Vec<T>> {
+        self.inner.wait()?.into_vec()
+    }
+    /// The erased handle.
+    pub fn into_inner(self) -> Box<dyn Work> {
+        self.inner
+    }
+}
+
+/// Checks shared by every backend, so that they all reject the same mistakes with the same
+/// messages before reaching their library. The front end ([`Comm`]) uses them; backends behind
+/// it need not.
+pub mod check {
+    use super::*;
+
+    /// Same dtype on both sides.
+    pub fn same_dtype(op: &'static str, a: DType, b: DType) -> Result<()> {
+        if a == b {
+            Ok(())
+        } else {
+            Err(Error::DTypeMismatch {
+                op,
+                expected: a,
+                actual: b,
+            })
+        }
+    }
+
+    /// A buffer of exactly `expected` elements.
+    pub fn len(op: &'static str, what: &'static str, expected: usize, actual: usize) -> Result<()> {
+        if expected == actual {
+            Ok(())
+        } else {
+            Err(Error::LengthMismatch {
+                op,
+                what,
+                expected,
+                actual,
+            })
+        }
+    }
+
+    /// A communicator rank.
+    pub fn rank(op: &'static str, what: &'static str, rank: usize, size: usize) -> Result<()> {
+        if rank < size {
+            Ok(())
+        } else {
+            Err(Error::PeerOutOfRange {
+                op,
+                what,
+                rank,
+                size,
+            })
+        }
+    }
+
+    /// The member list of [`GroupFactory::create_group`]: every rank below `size`, none twice,
+    /// at least one; returned sorted ascending.
+    ///
+    /// ```
+    /// use grid_core::comm::check::group_members;
+    /// assert_eq!(group_members("create_group", &[3, 0], 4).unwrap(), vec![0, 3]);
+    /// assert!(group_members("create_group", &[0, 0], 4).is_err());
+    /// assert!(group_members("create_group", &[4], 4).is_err());
+    /// assert!(group_members("create_group", &[], 4).is_err());
+    /// ```
+    pub fn group_members(op: &'static str, ranks: &[usize], size: usize) -> Result<Vec<usize>> {
+        let mut seen = vec![false; size];
+        for &r in ranks {
+            rank(op, "member", r, size)?;
+            if std::mem::replace(&mut seen[r], true) {
+                return Err(Error::Invalid(format!(
+                    "{op}: rank {r} appears more than once in {ranks:?}; list each member once"
+                )));
+            }
+        }
+        if ranks.is_empty() {
+            return Err(Error::Invalid(format!(
+                "{op}: the rank list is empty; give at least one rank of 0..{size}"
+            )));
+        }
+        Ok((0..size).filter(|&r| seen[r]).collect())
+    }
+
+    /// Validates the arguments of a collective against a communicator of `size` ranks.
+    pub fn collective(
+        op: &'static str,
+        size: usize,
+        send: Option<(DType, usize)>,
+        recv: (DType, usize),
+    ) -> Result<()> {
+        if let Some((sd, sl)) = send {
+            same_dtype(op, sd, recv.0)?;
+            match op {
+                "all_gather" => len(op, "recv buffer", sl * size, recv.1)?,
+                "reduce_scatter" => len(op, "send buffer", recv.1 * size, sl)?,
+                "all_to_all" => {
+                    len(op, "recv buffer", sl, recv.1)?;
+                    if size > 0 && sl % size != 0 {
+                        return Err(Error::Invalid(format!(
+                            "all_to_all: buffer of {sl} elements cannot be cut into {size} equal blocks"
+                        )));
+                    }
+                }
+                _ => len(op, "recv buffer", sl, recv.1)?,
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[allow(dead_code)]
+    fn object_safe(_: &dyn Communicator, _: Box<dyn Work>, _: &dyn DeviceBuffer) {}
+
+    #[test]
+    fn erased_buffers() {
+        let v = [1.0f32, 2.0];
+        let r: BufRef = (&v[..]).into();
+        assert_eq!(r.dtype(), DType::F32);
+        assert_eq!(r.len(), 2);
+        let t: Tensor = vec![3i64].into();
+        assert_eq!(t.into_vec::<i64>().unwrap(), vec![3]);
+        let t: Tensor = vec![3i64].into();
+        assert!(t.into_vec::<f32>().is_err());
+        assert_eq!(HostBuffer::zeros(DType::BF16, 3).len(), 3);
+        assert!(check::collective("all_gather", 4, Some((DType::F32, 2)), (DType::F32, 8)).is_ok());
+        assert!(
+            check::collective("all_gather", 4, Some((DType::F32, 2)), (DType::F32, 7)).is_err()
+        );
+        assert!(
+            check::collective("all_reduce", 4, Some((DType::F32, 2)), (DType::I32, 2)).is_err()
+        );
+    }
+}

@@ -1,0 +1,311 @@
+//! Typed descriptions of operations.
+
+use super::buffer::{BufMut, BufRef, Tensor};
+use super::dtype::ReduceOp;
+
+/// One operation of a batched point-to-point exchange ([`super::Communicator::batch_p2p`]).
+#[derive(Debug)]
+pub enum P2pOp<'a> {
+    /// Send `buf` to communicator rank `peer`.
+    Send {
+        /// Data.
+        buf: BufRef<'a>,
+        /// Destination (communicator rank).
+        peer: usize,
+        /// Message tag (NCCL matches by order and ignores it).
+        tag: u32,
+    },
+    /// Receive into `buf` from communicator rank `peer`.
+    Recv {
+        /// Destination memory.
+        buf: BufMut<'a>,
+        /// Source (communicator rank).
+        peer: usize,
+        /// Message tag.
+        tag: u32,
+    },
+}
+
+/// A nonblocking operation to start ([`super::Communicator::start`]). Buffers are owned and come back
+/// through [`super::Work::wait`].
+#[derive(Debug)]
+pub enum Request {
+    /// All-reduce `send` into `recv` (out of place; same dtype and length).
+    AllReduceInto {
+        /// Input.
+        send: Tensor,
+        /// Result.
+        recv: Tensor,
+        /// Reduction.
+        op: ReduceOp,
+    },
+    /// All-reduce `buf` in place.
+    AllReduce {
+        /// Input and result.
+        buf: Tensor,
+        /// Reduction.
+        op: ReduceOp,
+    },
+    /// Broadcast `buf` from `root` (in place).
+    Broadcast {
+        /// Input on the root, result everywhere.
+        buf: Tensor,
+        /// Root (communicator rank).
+        root: usize,
+    },
+    /// All-gather `send` into `recv` (`recv.len() == size · send.len()`).
+    AllGather {
+        /// This rank's block.
+        send: Tensor,
+        /// Result.
+        recv: Tensor,
+    },
+    /// Reduce-scatter `send` into `recv` (`send.len() == size · recv.len()`).
+    ReduceScatter {
+        /// Input.
+        send: Tensor,
+        /// This rank's reduced block.
+        recv: Tensor,
+        /// Reduction.
+        op: ReduceOp,
+    },
+    /// All-to-all with equal blocks (`send.len() == recv.len()`, divisible by size).
+    AllToAll {
+        /// Block `j` goes to rank `j`.
+        send: Tensor,
+        /// Block `j` comes from rank `j`.
+        recv: Tensor,
+    },
+    /// Barrier.
+    Barrier,
+    /// Send to a peer.
+    Send {
+        /// Data.
+        buf: Tensor,
+        /// Destination.
+        peer: usize,
+        /// Tag.
+        tag: u32,
+    },
+    /// Receive from a peer.
+    Recv {
+        /// Destination memory (its length is the message length).
+        buf: Tensor,
+        /// Source.
+        peer: usize,
+        /// Tag.
+        tag: u32,
+    },
+}
+
+impl Request {
+    /// Short name of the operation, for errors and tracing.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Request::AllReduce { .. } | Request::AllReduceInto { .. } => "all_reduce",
+            Request::Broadcast { .. } => "broadcast",
+            Request::AllGather { .. } => "all_gather",
+            Request::ReduceScatter { .. } => "reduce_scatter",
+            Request::AllToAll { .. } => "all_to_all",
+            Request::Barrier => "barrier",
+            Request::Send { .. } => "send",
+            Request::Recv { .. } => "recv",
+        }
+    }
+}
+
+/// The owned (nonblocking) form of an operation: today's [`Request`].
+pub type OwnedOp = Request;
+
+impl Request {
+    /// For backends that still implement [`super::Communicator`] directly and do not yet run
+    /// [`Request::AllReduceInto`] themselves: validates it (host memory, same dtype and
+    /// length), copies `send` into `recv` and returns the in-place [`Request::AllReduce`] on
+    /// `recv`; every other request is returned unchanged. Backends behind the front end
+    /// ([`super::Comm`]) never need this: they receive the out-of-place form as it is.
+    ///
+    /// ```
+    /// use grid_core::{ReduceOp, Request};
+    /// let r = Request::AllReduceInto { send: vec![1i32, 2].into(), recv: vec![0i32; 2].into(), op: ReduceOp::Sum };
+    /// match r.into_in_place("gloo").unwrap() {
+    ///     Request::AllReduce { buf, .. } => assert_eq!(buf.into_vec::<i32>().unwrap(), vec![1, 2]),
+    ///     other => panic!("{other:?}"),
+    /// }
+    /// ```
+    pub fn into_in_place(self, backend: &'static str) -> crate::Result<Request> {
+        match self {
+            Request::AllReduceInto { send, recv, op } => {
+                let send = send.host_only("all_reduce", backend)?;
+                let mut recv = recv.host_only("all_reduce", backend)?;
+                super::check::same_dtype("all_reduce", send.dtype(), recv.dtype())?;
+                super::check::len("all_reduce", "recv buffer", send.len(), recv.len())?;
+                recv.as_mut_slice().copy_from(send.as_slice())?;
+                Ok(Request::AllReduce {
+                    buf: Tensor::Host(recv),
+                    op,
+                })
+            }
+            other => Ok(other),
+        }
+    }
+
+    /// The sizes this request moves, for tracing and errors: (elements of the input, elements
+    /// of the output).
+    pub fn sizes(&self) -> (usize, usize) {
+        match self {
+            Request::AllReduceInto { send, recv, .. }
+            | Request::AllGather { send, recv }
+            | Request::ReduceScatter { send, recv, .. }
+            | Request::AllToAll { send, recv } => (send.len(), recv.len()),
+            Request::AllReduce { buf, .. }
+            | Request::Broadcast { buf, .. }
+            | Request::Send { buf, .. }
+            | Request::Recv { buf, .. } => (buf.len(), buf.len()),
+            Request::Barrier => (0, 0),
+        }
+    }
+}
+
+/// A blocking operation on borrowed buffers, as the front end ([`super::Comm`]) hands it to a
+/// [`super::Backend`] after validation.
+#[derive(Debug)]
+pub enum Op<'a> {
+    /// Out-of-place all-reduce: `send` reduced over all ranks into `recv`.
+    AllReduce {
+        /// Input.
+        send: BufRef<'a>,
+        /// Result (same dtype and length).
+        recv: BufMut<'a>,
+        /// Reduction.
+        op: ReduceOp,
+    },
+    /// In-place all-reduce of `buf`.
+    AllReduceInPlace {
+        /// Input and result.
+        buf: BufMut<'a>,
+        /// Reduction.
+        op: ReduceOp,
+    },
+    /// Broadcast of `buf` from `root`.
+    Broadcast {
+        /// Input on the root, result elsewhere.
+        buf: BufMut<'a>,
+        /// Root (communicator rank).
+        root: usize,
+    },
+    /// All-gather (`recv.len() == size · send.len()`).
+    AllGather {
+        /// This rank's block.
+        send: BufRef<'a>,
+        /// Every block, in rank order.
+        recv: BufMut<'a>,
+    },
+    /// Reduce-scatter (`send.len() == size · recv.len()`).
+    ReduceScatter {
+        /// Input.
+        send: BufRef<'a>,
+        /// This rank's reduced block.
+        recv: BufMut<'a>,
+        /// Reduction.
+        op: ReduceOp,
+    },
+    /// All-to-all with equal blocks.
+    AllToAll {
+        /// Block `j` goes to rank `j`.
+        send: BufRef<'a>,
+        /// Block `j` comes from rank `j`.
+        recv: BufMut<'a>,
+    },
+    /// Barrier.
+    Barrier,
+    /// Send to `peer` (never this rank).
+    Send {
+        /// Data.
+        buf: BufRef<'a>,
+        /// Destination.
+        peer: usize,
+        /// Tag.
+        tag: u32,
+    },
+    /// Receive exactly `buf.len()` elements from `peer` (never this rank).
+    Recv {
+        /// Destination memory.
+        buf: BufMut<'a>,
+        /// Source.
+        peer: usize,
+        /// Tag.
+        tag: u32,
+    },
+    /// Sends and receives posted together (peers may include this rank).
+    Batch(Vec<P2pOp<'a>>),
+}
+
+impl Op<'_> {
+    /// Short name of the operation, for errors and tracing.
+    ///
+    /// ```
+    /// assert_eq!(grid_core::Op::Barrier.name(), "barrier");
+    /// ```
+    pub fn name(&self) -> &'static str {
+        match self {
+            Op::AllReduce { .. } | Op::AllReduceInPlace { .. } => "all_reduce",
+            Op::Broadcast { .. } => "broadcast",
+            Op::AllGather { .. } => "all_gather",
+            Op::ReduceScatter { .. } => "reduce_scatter",
+            Op::AllToAll { .. } => "all_to_all",
+            Op::Barrier => "barrier",
+            Op::Send { .. } => "send",
+            Op::Recv { .. } => "recv",
+            Op::Batch(_) => "batch_p2p",
+        }
+    }
+
+    /// (elements of the input, elements of the output), for tracing.
+    pub fn sizes(&self) -> (usize, usize) {
+        match self {
+            Op::AllReduce { send, recv, .. }
+            | Op::AllGather { send, recv }
+            | Op::ReduceScatter { send, recv, .. }
+            | Op::AllToAll { send, recv } => (send.len(), recv.len()),
+            Op::AllReduceInPlace { buf, .. } | Op::Broadcast { buf, .. } | Op::Recv { buf, .. } => {
+                (buf.len(), buf.len())
+            }
+            Op::Send { buf, .. } => (buf.len(), buf.len()),
+            Op::Barrier => (0, 0),
+            Op::Batch(ops) => ops.iter().fold((0, 0), |(s, r), o| match o {
+                P2pOp::Send { buf, .. } => (s + buf.len(), r),
+                P2pOp::Recv { buf, .. } => (s, r + buf.len()),
+            }),
+        }
+    }
+}
+
+/// An operation that passed the front end's validation ([`super::Comm`]): only `grid-core`
+/// can build one, so a [`super::Backend`] that receives it may rely on every check listed in
+/// [`super::Backend`] (dtype and length agreement, ranks and tags in range, supported dtype,
+/// reduction and memory kind, a live communicator). It also carries the operation's sequence
+/// number on this communicator.
+#[derive(Debug)]
+pub struct Validated<T> {
+    op: T,
+    seq: u64,
+}
+
+impl<T> Validated<T> {
+    pub(crate) fn new(op: T, seq: u64) -> Validated<T> {
+        Validated { op, seq }
+    }
+    /// The operation.
+    pub fn op(&self) -> &T {
+        &self.op
+    }
+    /// The operation, by value.
+    pub fn into_op(self) -> T {
+        self.op
+    }
+    /// Its sequence number on this communicator (0 for the first operation; every blocking or
+    /// nonblocking operation of this rank's communicator takes the next number).
+    pub fn seq(&self) -> u64 {
+        self.seq
+    }
+}
