@@ -1,5 +1,5 @@
-//! The first NCCL unique id travels over a *bootstrap* communicator from another backend (MPI,
-//! Gloo, or [`crate::inproc`] for one process with one thread per GPU). Only that first id is
+//! The first NCCL unique id travels over a *bootstrap* communicator from another backend (MPI
+//! or Gloo for one process per GPU, `backend-local` for one process with one thread per GPU). Only that first id is
 //! exchanged: every sub-group afterwards comes from `ncclCommSplit` of the world communicator.
 //!
 //! The exchange never leaves a rank waiting for a rank that already gave up: every rank first
@@ -19,15 +19,12 @@ pub const ID_BYTES: usize = 128;
 /// reason where it failed, [`Error::PeerFailed`] naming the failed ranks elsewhere.
 ///
 /// ```
-/// use backend_nccl::{bootstrap::exchange_unique_id, inproc::InProcess};
-/// let comms = InProcess::world(2);
-/// let ids: Vec<_> = std::thread::scope(|s| {
-///     let hs: Vec<_> = comms.iter().map(|c| s.spawn(move || {
-///         exchange_unique_id(c, Ok(()), &mut || Ok([7u8; 128])).unwrap()
-///     })).collect();
-///     hs.into_iter().map(|h| h.join().unwrap()).collect()
-/// });
+/// use backend_nccl::bootstrap::exchange_unique_id;
+/// let ids = backend_local::run(2, &Default::default(), |_, boot| {
+///     exchange_unique_id(&boot, Ok(()), &mut || Ok([7u8; 128]))
+/// })?;
 /// assert_eq!(ids, vec![[7u8; 128]; 2]);
+/// # Ok::<(), grid_core::Error>(())
 /// ```
 pub fn exchange_unique_id(
     bootstrap: &dyn Communicator,
@@ -108,11 +105,10 @@ pub fn choose_device(
     count: usize,
 ) -> Result<usize> {
     if count == 0 {
-        return Err(Error::Backend {
-            backend: crate::error::BACKEND,
-            op: "choose device",
-            message: "no GPU is visible".into(),
-        });
+        return Err(crate::error::lib(
+            "choose device",
+            "no GPU is visible (CUDA_VISIBLE_DEVICES may hide them)",
+        ));
     }
     match explicit {
         Some(d) if d < count => Ok(d),

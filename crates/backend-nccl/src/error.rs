@@ -1,15 +1,33 @@
-//! Conversions of cudarc and NCCL failures (and panics) into [`grid_core::Error`].
+//! Conversions of cudarc and NCCL failures (and panics) into [`grid_core::Error::Library`]:
+//! the backend, the operation, the communicator, the library's code and class (the
+//! `ncclResult_t` or `CUresult` name) and its message.
 
 use cudarc::nccl::sys::ncclResult_t;
-use grid_core::Error;
+use grid_core::{Error, LibraryError};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 /// Backend name used in every error of this crate.
 pub(crate) const BACKEND: &str = "nccl";
 
+/// A library failure of this backend (no code or class known).
+pub(crate) fn lib(op: &'static str, message: impl Into<String>) -> Error {
+    LibraryError::new(BACKEND, op, message).into()
+}
+
+/// A broken internal invariant (never caused by arguments: the front end validated them).
+pub(crate) fn internal(op: &'static str, what: &str) -> Error {
+    LibraryError::new(
+        BACKEND,
+        op,
+        format!("internal error ({what}); please report"),
+    )
+    .class("internal")
+    .into()
+}
+
 /// Runs `f`, turning a panic (cudarc panics on a missing library or symbol) into
-/// [`Error::Backend`]. The last line of defence: [`crate::probe`] checks first. Every call into
-/// cudarc in this crate goes through it (directly or through [`cuda`]).
+/// [`Error::Library`] of class `panic`. The last line of defence: [`crate::probe`] checks
+/// first. Every call into cudarc in this crate goes through it (directly or through [`cuda`]).
 pub(crate) fn guard<T>(
     op: &'static str,
     f: impl FnOnce() -> grid_core::Result<T>,
@@ -22,17 +40,18 @@ pub(crate) fn guard<T>(
                 .cloned()
                 .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
                 .unwrap_or_else(|| "unknown panic payload".into());
-            Err(Error::Backend {
-                backend: BACKEND,
-                op,
-                message: format!("cudarc panicked (caught): {msg}"),
-            })
+            Err(
+                LibraryError::new(BACKEND, op, format!("cudarc panicked (caught): {msg}"))
+                    .class("panic")
+                    .into(),
+            )
         }
     }
 }
 
-/// An NCCL result code with NCCL's description and its last-error text.
-pub(crate) fn nccl_err(op: &'static str, code: ncclResult_t, text: &str, last: &str) -> Error {
+/// An NCCL result code of NCCL function `func`, with NCCL's description and its last-error
+/// text: class = the `ncclResult_t` name, code = its number.
+pub(crate) fn nccl_err(func: &'static str, code: ncclResult_t, text: &str, last: &str) -> Error {
     let hint = match code {
         ncclResult_t::ncclRemoteError => " (a peer rank failed or a network connection broke)",
         ncclResult_t::ncclUnhandledCudaError => " (a CUDA call inside NCCL failed)",
@@ -40,25 +59,23 @@ pub(crate) fn nccl_err(op: &'static str, code: ncclResult_t, text: &str, last: &
         ncclResult_t::ncclInvalidUsage => " (the ranks called NCCL inconsistently)",
         _ => "",
     };
-    let mut message = format!("{code:?}{hint}: {text}");
+    let mut message = format!("{text}{hint}");
     if !last.is_empty() && last != text {
         message.push_str("; last error: ");
         message.push_str(last);
     }
-    Error::Backend {
-        backend: BACKEND,
-        op,
-        message,
-    }
+    LibraryError::new(BACKEND, func, message)
+        .code(code as i64)
+        .class(format!("{code:?}"))
+        .into()
 }
 
-/// A CUDA driver error.
+/// A CUDA driver error: class = the `CUresult` name, code = its number.
 pub(crate) fn driver(op: &'static str, e: cudarc::driver::DriverError) -> Error {
-    Error::Backend {
-        backend: BACKEND,
-        op,
-        message: format!("CUDA driver error {e}"),
-    }
+    LibraryError::new(BACKEND, op, format!("CUDA driver error {e}"))
+        .code(e.0 as i64)
+        .class(format!("{:?}", e.0))
+        .into()
 }
 
 /// Runs a cudarc driver call under [`guard`] and converts its error.
@@ -69,12 +86,31 @@ pub(crate) fn cuda<T>(
     guard(op, || f().map_err(|e| driver(op, e)))
 }
 
+/// Puts a library failure in the context of the communicator operation it happened in: the
+/// operation becomes `op` (the library function that failed, when different, leads the
+/// message) and the communicator's name is filled in. Other errors pass unchanged.
+pub(crate) fn annotate(e: Error, op: &'static str, comm: &str) -> Error {
+    match e {
+        Error::Library(mut l) => {
+            if l.op != op {
+                l.message = format!("{}: {}", l.op, l.message);
+                l.op = op;
+            }
+            if l.comm.is_empty() {
+                l.comm = comm.to_string();
+            }
+            Error::Library(l)
+        }
+        other => other,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
-    fn panics_become_backend_errors() {
+    fn panics_become_library_errors() {
         let prev = std::panic::take_hook();
         std::panic::set_hook(Box::new(|_| {}));
         let r: grid_core::Result<()> = guard("probe", || {
@@ -84,22 +120,65 @@ mod tests {
         let e = r.unwrap_err();
         assert_eq!(
             e.to_string(),
-            "nccl: probe failed: cudarc panicked (caught): Unable to dynamically load the \"nccl\" shared library"
+            "nccl: probe failed (panic): cudarc panicked (caught): Unable to dynamically load the \"nccl\" shared library"
         );
         assert_eq!(guard("ok", || Ok(7)).unwrap(), 7);
     }
 
     #[test]
-    fn nccl_codes_explained() {
+    fn nccl_codes_keep_name_number_and_text() {
         let e = nccl_err(
             "ncclAllReduce",
             ncclResult_t::ncclRemoteError,
             "remote process exited",
             "socket closed",
         );
+        let Error::Library(l) = &e else {
+            panic!("not a library error: {e:?}")
+        };
+        assert_eq!(l.backend, "nccl");
+        assert_eq!(l.op, "ncclAllReduce");
+        assert_eq!(l.code, Some(6));
+        assert_eq!(l.class.as_deref(), Some("ncclRemoteError"));
         assert_eq!(
             e.to_string(),
-            "nccl: ncclAllReduce failed: ncclRemoteError (a peer rank failed or a network connection broke): remote process exited; last error: socket closed"
+            "nccl: ncclAllReduce failed (ncclRemoteError, code 6): remote process exited (a peer rank failed or a network connection broke); last error: socket closed"
+        );
+        assert!(e.is_communication());
+    }
+
+    #[test]
+    fn annotation_names_operation_and_communicator_once() {
+        let e = nccl_err(
+            "ncclAllReduce",
+            ncclResult_t::ncclInvalidUsage,
+            "invalid usage",
+            "",
+        );
+        let a = annotate(e, "all_reduce", "tp");
+        assert_eq!(
+            a.to_string(),
+            "nccl: all_reduce on communicator 'tp' failed (ncclInvalidUsage, code 5): ncclAllReduce: invalid usage (the ranks called NCCL inconsistently)"
+        );
+        // Annotating again (an outer layer) changes nothing.
+        assert_eq!(annotate(a.clone(), "all_reduce", "other"), a);
+        // Other errors pass unchanged.
+        let t = Error::Timeout {
+            op: "barrier",
+            millis: 5,
+            peer: None,
+        };
+        assert_eq!(annotate(t.clone(), "barrier", "world"), t);
+        // An error already named after the operation keeps its message.
+        let l = annotate(lib("split", "inconsistent"), "split", "world");
+        assert_eq!(
+            l.to_string(),
+            "nccl: split on communicator 'world' failed: inconsistent"
+        );
+        let i = internal("recv", "slot");
+        assert_eq!(
+            i.to_string(),
+            "nccl: recv failed (internal): internal error (slot); please report"
         );
     }
 }

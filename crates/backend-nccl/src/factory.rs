@@ -2,14 +2,17 @@
 //! sub-group with `ncclCommSplit` of a parent (no new unique-id exchange per group).
 
 use crate::bootstrap::{choose_device, exchange_unique_id, local_rank_from};
-use crate::comm::NcclCommunicator;
-use crate::error::{cuda, BACKEND};
+use crate::comm::{NcclBackend, NcclCommunicator};
+use crate::error::{annotate, cuda, lib, BACKEND};
 use crate::ffi::{self, RawComm};
 use crate::job::Job;
-use crate::plan::{nccl_color, nccl_key, split_members, SplitEntry};
 use crate::probe;
+use crate::split::{nccl_color, nccl_key};
 use cudarc::driver::CudaContext;
-use grid_core::{BufMut, BufRef, Communicator, Error, GroupFactory, Result};
+use grid_core::{
+    split_members, Backend, BufMut, BufRef, Communicator, Error, GroupFactory, Result, SplitEntry,
+};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -47,27 +50,26 @@ pub const MIN_SPLIT_VERSION: (u32, u32, u32) = (2, 18, 0);
 /// family.
 ///
 /// ```no_run
-/// use backend_nccl::{inproc::InProcess, NcclFactory, NcclOptions};
+/// use backend_local::{run, LocalConfig};
+/// use backend_nccl::{NcclFactory, NcclOptions};
 /// use grid_core::{Communicator, GroupFactory};
-/// // One process, one thread per GPU, bootstrapped in memory (an MPI or Gloo communicator
-/// // works the same way).
-/// let boots = InProcess::world(2);
-/// std::thread::scope(|s| {
-///     for b in &boots {
-///         s.spawn(move || -> grid_core::Result<()> {
-///             let (factory, world) = NcclFactory::init(b, NcclOptions::default())?;
-///             let me = world.rank();
-///             let _pair = factory.split(&world, Some((me / 2) as u32), me)?;
-///             Ok(())
-///         });
-///     }
-/// });
+/// // One process, one thread per GPU, bootstrapped over backend-local (an MPI or Gloo
+/// // communicator works the same way).
+/// run(2, &LocalConfig::default(), |_, boot| {
+///     let opts = NcclOptions { device: Some(boot.rank()), ..NcclOptions::default() };
+///     let (factory, world) = NcclFactory::init(&boot, opts)?;
+///     let me = world.rank();
+///     let _pair = factory.split(&world, Some((me / 2) as u32), me)?;
+///     Ok(())
+/// })?;
+/// # Ok::<(), grid_core::Error>(())
 /// ```
 pub struct NcclFactory {
     job: Arc<Job>,
     opts: NcclOptions,
     ctx: Arc<CudaContext>,
     version: (u32, u32, u32),
+    splits: AtomicUsize,
 }
 
 impl std::fmt::Debug for NcclFactory {
@@ -111,11 +113,12 @@ impl NcclFactory {
         let stream = cuda("cuStreamCreate", || ctx.new_stream())?;
         let raw = RawComm::init_rank(size, &id, rank)?;
         let job = Job::new();
-        let world = NcclCommunicator::new(
+        let world = NcclBackend::create(
             raw,
             ctx.clone(),
             stream,
             bootstrap.global_ranks().to_vec(),
+            "world".to_string(),
             opts.timeout,
             opts.abort_on_failure,
             job.clone(),
@@ -132,6 +135,7 @@ impl NcclFactory {
                 opts,
                 ctx,
                 version,
+                splits: AtomicUsize::new(0),
             },
             world,
         ))
@@ -177,6 +181,7 @@ impl GroupFactory for NcclFactory {
         key: usize,
     ) -> Result<Option<NcclCommunicator>> {
         const OP: &str = "split";
+        Backend::check_live(parent.inner(), OP)?;
         let c = nccl_color(color)?;
         let k = nccl_key(key)?;
         if self.version < MIN_SPLIT_VERSION {
@@ -187,6 +192,7 @@ impl GroupFactory for NcclFactory {
                 what: format!("ncclCommSplit with NCCL {a}.{b}.{p} (it needs NCCL >= 2.18.0)"),
             });
         }
+        let n = self.splits.fetch_add(1, Ordering::Relaxed);
         let world_rank = parent
             .global_ranks()
             .get(parent.rank())
@@ -202,9 +208,10 @@ impl GroupFactory for NcclFactory {
         parent.all_gather(BufRef::from(&mine[..]), BufMut::from(&mut all[..]))?;
         let plan = split_members(&SplitEntry::decode_all(&all)?, parent.rank());
 
-        let shared = parent.shared();
-        cuda("bind context", || shared.ctx.bind_to_thread())?;
-        let raw = shared.raw.split(c, k)?;
+        let shared = parent.inner().shared();
+        let wrap = |e| annotate(e, OP, parent.comm_name());
+        cuda("bind context", || shared.ctx.bind_to_thread()).map_err(wrap)?;
+        let raw = shared.raw.split(c, k).map_err(wrap)?;
         match (raw, plan) {
             (None, None) => Ok(None),
             (Some(raw), Some(p)) if raw.rank() == p.rank && raw.size() == p.members.len() => {
@@ -212,14 +219,16 @@ impl GroupFactory for NcclFactory {
                     Ok(s) => s,
                     Err(e) => {
                         raw.abort();
-                        return Err(e);
+                        return Err(wrap(e));
                     }
                 };
-                Ok(Some(NcclCommunicator::new(
+                let name = format!("{}/split{n}.{}", parent.comm_name(), color.unwrap_or(0));
+                Ok(Some(NcclBackend::create(
                     raw,
                     shared.ctx.clone(),
                     stream,
                     p.members,
+                    name,
                     self.opts.timeout,
                     self.opts.abort_on_failure,
                     self.job.clone(),
@@ -230,14 +239,13 @@ impl GroupFactory for NcclFactory {
                 if let Some(r) = raw {
                     r.abort();
                 }
-                Err(Error::Backend {
-                    backend: BACKEND,
-                    op: OP,
-                    message: format!(
+                Err(wrap(lib(
+                    OP,
+                    format!(
                         "ncclCommSplit gave (rank, size) {got:?} but the all-gathered colours and keys predict {:?}: the ranks called split with inconsistent arguments",
                         plan.map(|p| (p.rank, p.members.len()))
                     ),
-                })
+                )))
             }
         }
     }

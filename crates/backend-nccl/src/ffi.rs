@@ -100,7 +100,7 @@ pub(crate) fn unique_id() -> Result<[u8; 128]> {
 // Results and error strings
 // ------------------------------------------------------------------------------------------------
 
-/// Turns an `ncclResult_t` into `Ok` or an [`Error::Backend`] with NCCL's own text.
+/// Turns an `ncclResult_t` into `Ok` or an [`Error::Library`] with NCCL's code, name and text.
 fn check(op: &'static str, r: sys::ncclResult_t, comm: Option<sys::ncclComm_t>) -> Result<()> {
     match r {
         sys::ncclResult_t::ncclSuccess => Ok(()),
@@ -174,16 +174,15 @@ pub(crate) fn nccl_op(op: grid_core::ReduceOp) -> sys::ncclRedOp_t {
 fn typed<T: Element>(op: &'static str) -> Result<sys::ncclDataType_t> {
     let dt = nccl_dtype(T::DTYPE);
     if nccl_dtype_size(dt) != std::mem::size_of::<T>() {
-        return Err(Error::Backend {
-            backend: "nccl",
+        return Err(crate::error::internal(
             op,
-            message: format!(
-                "internal: element type {} is {} bytes but NCCL type {dt:?} is {} bytes",
+            &format!(
+                "element type {} is {} bytes but NCCL type {dt:?} is {} bytes",
                 T::DTYPE,
                 std::mem::size_of::<T>(),
                 nccl_dtype_size(dt)
             ),
-        });
+        ));
     }
     Ok(dt)
 }
@@ -483,7 +482,9 @@ impl RawComm {
         })
     }
 
-    /// Enqueues a collective on `stream`. Buffer sizes are checked here, next to the call.
+    /// Enqueues a collective on `stream`. Buffer sizes and roots are re-checked here, next to
+    /// the `unsafe` call whose soundness depends on them: the front end validated them already,
+    /// so these checks are assertions of this module's invariants, not argument validation.
     pub(crate) fn collective(&self, c: Coll<'_>, stream: &CudaStream) -> Result<()> {
         let n = self.size;
         let s = stream.cu_stream() as sys::cudaStream_t;
@@ -598,7 +599,8 @@ impl RawComm {
     }
 
     /// Enqueues point-to-point operations between `ncclGroupStart` and `ncclGroupEnd` (always
-    /// closed, also on error). Peers are checked against the size here.
+    /// closed, also on error). Peers are re-checked against the size here, next to the `unsafe`
+    /// calls (an invariant of this module; the front end validated them already).
     pub(crate) fn p2p_group(
         &self,
         op: &'static str,

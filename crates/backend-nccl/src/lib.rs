@@ -6,13 +6,18 @@
 //! looked for and where ([`probe`]); nothing panics.
 //!
 //! * [`NcclFactory::init`] creates the world communicator; the first NCCL unique id travels
-//!   over a *bootstrap* [`grid_core::Communicator`] of another backend (MPI, Gloo, or
-//!   [`inproc`] for one process with one thread per GPU) — see [`bootstrap`].
+//!   over a *bootstrap* [`grid_core::Communicator`] of another backend (MPI or Gloo for one
+//!   process per GPU, `backend-local` for one process with one thread per GPU) — see
+//!   [`bootstrap`].
 //! * [`grid_core::GroupFactory::split`] uses `ncclCommSplit` of the parent (non-members pass
-//!   `NCCL_SPLIT_NOCOLOR`), so a whole process-group collection needs no further id exchange.
-//! * [`NcclCommunicator`] implements [`grid_core::Communicator`]: collectives enqueue on the
-//!   communicator's CUDA stream, device buffers are [`NcclDeviceBuffer`]s, host buffers are
-//!   staged, nonblocking operations complete through CUDA events (see [`comm`]'s docs).
+//!   `NCCL_SPLIT_NOCOLOR`), so a whole process-group collection needs no further id exchange;
+//!   which ranks a split groups is grid-core's split arithmetic ([`grid_core::split_members`]).
+//! * [`NcclCommunicator`] is grid-core's front end ([`grid_core::Comm`]) over [`NcclBackend`]:
+//!   the front end validates every operation, the backend enqueues it on the communicator's
+//!   CUDA stream; device buffers are [`NcclDeviceBuffer`]s, host buffers are staged,
+//!   all-reduce runs in place or out of place natively, nonblocking operations complete
+//!   through CUDA events (see [`comm`]'s docs). Failures are [`grid_core::Error::Library`]
+//!   with NCCL's `ncclResult_t` name and number.
 //! * Communicators are destroyed (finalize, then destroy) or aborted on drop;
 //!   [`NcclFactory::abort_all`] / [`abort_all`] abort every communicator of a job / process
 //!   when one fails.
@@ -21,9 +26,11 @@
 //! `cudarc::nccl::sys`, with the invariant written next to each block.
 //!
 //! ```no_run
-//! use backend_nccl::{inproc::InProcess, NcclFactory, NcclOptions};
+//! use backend_local::LocalWorld;
+//! use backend_nccl::{NcclFactory, NcclOptions};
 //! use grid_core::{Communicator, CommunicatorExt, ReduceOp};
-//! let boots = InProcess::world(1);
+//! // One rank: the bootstrap is a local (in-process) world of one thread.
+//! let boots = LocalWorld::new(1)?.communicators();
 //! match NcclFactory::init(&boots[0], NcclOptions::default()) {
 //!     Ok((_factory, world)) => {
 //!         let mut out = vec![0.0f32; 2];
@@ -31,24 +38,23 @@
 //!     }
 //!     Err(e) => println!("SKIPPED: {e}"), // no driver / libnccl / GPU here
 //! }
+//! # Ok::<(), grid_core::Error>(())
 //! ```
 #![warn(missing_docs)]
 #![deny(unsafe_code)]
 
 pub mod bootstrap;
 mod buffer;
-mod checks;
 pub mod comm;
 mod error;
 mod factory;
 mod ffi;
-pub mod inproc;
 mod job;
-pub mod plan;
 pub mod probe;
+mod split;
 
 pub use buffer::{NcclDeviceBuffer, NcclElement};
-pub use comm::{NcclCommunicator, NcclWork};
+pub use comm::{NcclBackend, NcclCommunicator, NcclWork};
 pub use factory::{NcclFactory, NcclOptions, MIN_SPLIT_VERSION};
 pub use job::{abort_all, Job};
 

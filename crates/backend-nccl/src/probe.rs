@@ -1,7 +1,7 @@
 //! Finding the CUDA driver library and libnccl before cudarc touches them.
 //!
 //! cudarc loads both libraries lazily and **panics** when one is missing, so this backend checks
-//! first and returns a clear [`Error`] that says what was looked for and where.
+//! first and returns a clear [`grid_core::Error`] that says what was looked for and where.
 //!
 //! # How the libraries are located
 //! cudarc (built with `dynamic-loading`) asks the dynamic loader (`dlopen`) for a fixed list of
@@ -25,7 +25,7 @@
 //! [`check_libraries`] detects this case and prints those commands with the real path.
 
 use crate::ffi;
-use grid_core::{Error, Result};
+use grid_core::Result;
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
@@ -407,15 +407,14 @@ fn check_one(lib: &Library, loadable: bool) -> Result<()> {
     if loadable {
         return Ok(());
     }
-    Err(Error::Backend {
-        backend: crate::error::BACKEND,
-        op: if lib.what == "NCCL" {
+    Err(crate::error::lib(
+        if lib.what == "NCCL" {
             "load libnccl"
         } else {
             "load the CUDA driver"
         },
-        message: diagnose(lib, &SearchPath::from_env(), &ffi::try_dlopen),
-    })
+        diagnose(lib, &SearchPath::from_env(), &ffi::try_dlopen),
+    ))
 }
 
 /// Checks that the CUDA driver library and libnccl load, without letting cudarc panic.
@@ -453,11 +452,10 @@ pub fn gpu_count() -> Result<usize> {
         cudarc::driver::CudaContext::device_count,
     )?;
     if n <= 0 {
-        return Err(Error::Backend {
-            backend: crate::error::BACKEND,
-            op: "cuDeviceGetCount",
-            message: "the CUDA driver reports no GPU".into(),
-        });
+        return Err(crate::error::lib(
+            "cuDeviceGetCount",
+            "the CUDA driver reports no GPU",
+        ));
     }
     Ok(n as usize)
 }

@@ -5,7 +5,9 @@ mod common;
 
 use backend_nccl::NcclDeviceBuffer;
 use common::{gpus_or_skip, on_gpus};
-use grid_core::{BufMut, BufRef, Communicator, CommunicatorExt, Error, GroupFactory, ReduceOp};
+use grid_core::{
+    BufMut, BufRef, Communicator, CommunicatorExt, Error, GroupFactory, ReduceOp, Request, Tensor,
+};
 use half::bf16;
 use std::time::Duration;
 
@@ -40,6 +42,131 @@ fn device_and_host_all_reduce() {
     for (dev, host) in out {
         assert_eq!(dev, vec![s, n as f32, 2.0 * s]);
         assert_eq!(host, vec![bf16::from_f32((n - 1) as f32), bf16::ONE]);
+    }
+}
+
+/// All-reduce on device memory in place (NCCL's own in-place form: the same buffer as send
+/// and receive) and out of place, blocking and nonblocking; the send buffer of the
+/// out-of-place forms is left as it was.
+#[test]
+fn in_place_and_out_of_place_all_reduce_on_device() {
+    let Some(n) = gpus_or_skip("in_place_and_out_of_place_all_reduce_on_device", 1) else {
+        return;
+    };
+    let out = on_gpus(n, T, |_, w| {
+        let r = w.rank() as i64;
+        // Blocking, in place.
+        let mut buf = w.to_device(&[r, 1]).unwrap();
+        w.in_place_all_reduce(BufMut::Device(&mut buf), ReduceOp::Sum)
+            .unwrap();
+        let in_place = w.to_host(&buf).unwrap();
+        // Blocking, out of place.
+        let send = w.to_device(&[r + 1, 2]).unwrap();
+        let mut recv: NcclDeviceBuffer<i64> = w.zeros(2).unwrap();
+        w.all_reduce(
+            BufRef::Device(&send),
+            BufMut::Device(&mut recv),
+            ReduceOp::Max,
+        )
+        .unwrap();
+        let out_of_place = (w.to_host(&recv).unwrap(), w.to_host(&send).unwrap());
+        // Nonblocking, in place and out of place, on device tensors.
+        let a = w
+            .start(Request::AllReduce {
+                buf: Tensor::Device(Box::new(w.to_device(&[r]).unwrap())),
+                op: ReduceOp::Sum,
+            })
+            .unwrap();
+        let b = w
+            .start(Request::AllReduceInto {
+                send: Tensor::Device(Box::new(w.to_device(&[2 * r]).unwrap())),
+                recv: Tensor::Device(Box::new(w.zeros::<i64>(1).unwrap())),
+                op: ReduceOp::Sum,
+            })
+            .unwrap();
+        let back = |t: Tensor| match t {
+            Tensor::Device(d) => {
+                let d = d
+                    .as_any()
+                    .downcast_ref::<NcclDeviceBuffer<i64>>()
+                    .expect("an i64 NCCL buffer comes back");
+                w.to_host(d).unwrap()
+            }
+            Tensor::Host(h) => panic!("a device tensor came back as host memory: {h:?}"),
+        };
+        let nb = (back(a.wait().unwrap()), back(b.wait().unwrap()));
+        // Host memory, nonblocking out of place.
+        let h = w
+            .iall_reduce_into(vec![1.0f32, r as f32], vec![0.0f32; 2], ReduceOp::Sum)
+            .unwrap()
+            .wait()
+            .unwrap();
+        (r, in_place, out_of_place, nb, h)
+    });
+    let s: i64 = (0..n as i64).sum();
+    for (r, in_place, (oop, send), (a, b), h) in out {
+        assert_eq!(in_place, vec![s, n as i64]);
+        assert_eq!(oop, vec![n as i64, 2]);
+        assert_eq!(
+            send,
+            vec![r + 1, 2],
+            "out of place leaves the send buffer alone"
+        );
+        assert_eq!(a, vec![s]);
+        assert_eq!(b, vec![2 * s]);
+        assert_eq!(h, vec![n as f32, s as f32]);
+    }
+}
+
+/// Validation happens in the front end, before NCCL: wrong lengths and self-sends are typed
+/// errors and the communicator stays usable.
+#[test]
+fn invalid_arguments_never_reach_nccl() {
+    let Some(n) = gpus_or_skip("invalid_arguments_never_reach_nccl", 1) else {
+        return;
+    };
+    let out = on_gpus(n, T, |_, w| {
+        let send = w.to_device(&[1.0f32, 2.0]).unwrap();
+        let mut recv: NcclDeviceBuffer<f32> = w.zeros(3).unwrap();
+        let e1 = w
+            .all_reduce(
+                BufRef::Device(&send),
+                BufMut::Device(&mut recv),
+                ReduceOp::Sum,
+            )
+            .unwrap_err();
+        let e2 = w.send_to(&[1u8][..], w.rank(), 0).unwrap_err();
+        let e3 = w
+            .all_reduce_into(&[1i32][..], &mut [0i32][..], ReduceOp::Avg)
+            .unwrap_err();
+        let mut ok = [1.0f32];
+        w.all_reduce_in_place(&mut ok[..], ReduceOp::Sum).unwrap();
+        (e1, e2, e3, ok[0])
+    });
+    for (e1, e2, e3, ok) in out {
+        assert!(
+            matches!(
+                e1,
+                Error::LengthMismatch {
+                    expected: 2,
+                    actual: 3,
+                    ..
+                }
+            ),
+            "{e1:?}"
+        );
+        assert!(matches!(e2, Error::SelfPeer { .. }), "{e2:?}");
+        assert!(
+            matches!(
+                e3,
+                Error::Unsupported {
+                    backend: "nccl",
+                    ..
+                }
+            ),
+            "{e3:?}"
+        );
+        assert_eq!(ok, n as f32);
     }
 }
 

@@ -1,6 +1,6 @@
 //! `nccl-bench`: all_reduce, all_gather, reduce_scatter and broadcast of f32 device buffers
 //! from 8 B to 64 MiB through `backend-nccl`, one rank per GPU (threads of this process,
-//! bootstrapped in memory), with nccl-tests' bus-bandwidth conventions (see
+//! bootstrapped over `backend-local`), with nccl-tests' bus-bandwidth conventions (see
 //! `grid_programs::collectives`). Prints a markdown table like `mpi-bench`.
 //!
 //! ```text
@@ -12,7 +12,7 @@
 //!
 //! Without a usable GPU it prints `SKIPPED: <reason>` and exits with status 0.
 
-use backend_nccl::inproc::{InProcess, InProcessComm};
+use backend_local::{LocalComm, LocalConfig, LocalWorld};
 use backend_nccl::{probe, NcclCommunicator, NcclDeviceBuffer, NcclFactory, NcclOptions};
 use grid_core::{BufMut, BufRef, Communicator, CommunicatorExt, ReduceOp};
 use grid_programs::collectives::{bandwidth, sizes, Op};
@@ -81,7 +81,17 @@ fn main() -> ExitCode {
     if let Ok((a, b, c)) = probe::nccl_version() {
         println!("# NCCL benchmark (backend-nccl)\n\nNCCL {a}.{b}.{c}, {n} GPU(s), one rank per GPU (threads of one process)\n");
     }
-    let boots = InProcess::world_with_timeout(n, Duration::from_secs(600));
+    let config = LocalConfig {
+        timeout: Duration::from_secs(600),
+        ..LocalConfig::default()
+    };
+    let boots = match LocalWorld::with_config(n, config) {
+        Ok(w) => w.communicators(),
+        Err(e) => {
+            eprintln!("nccl-bench: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
     let results: Vec<Result<(), String>> = std::thread::scope(|s| {
         let hs: Vec<_> = boots
             .iter()
@@ -109,7 +119,7 @@ fn main() -> ExitCode {
     }
 }
 
-fn rank(i: usize, boot: &InProcessComm, args: &Args) -> Result<(), String> {
+fn rank(i: usize, boot: &LocalComm, args: &Args) -> Result<(), String> {
     let e = |e: grid_core::Error| e.to_string();
     let opts = NcclOptions {
         device: Some(i),

@@ -1,24 +1,24 @@
-//! Running ranks on GPUs: one thread per GPU, bootstrapped in memory.
+//! Running ranks on GPUs: one thread per GPU, bootstrapped over backend-local.
 
 #![allow(dead_code)]
 
-use backend_nccl::inproc::InProcess;
+use backend_local::{LocalConfig, LocalWorld};
 use backend_nccl::{probe, NcclCommunicator, NcclFactory, NcclOptions};
 use std::time::Duration;
 
-/// The number of GPUs, or prints `SKIPPED: <reason>` and returns `None`.
+/// The number of GPUs, or prints `SKIPPED: <reason>` and returns `None`. With
+/// `GRID_REQUIRE_GPU=1` a missing GPU fails the test instead.
 pub fn gpus_or_skip(test: &str, min: usize) -> Option<usize> {
-    match probe::gpu_count() {
-        Ok(n) if n >= min => Some(n),
-        Ok(n) => {
-            println!("SKIPPED: {test}: needs {min} GPUs, found {n}");
-            None
-        }
-        Err(e) => {
-            println!("SKIPPED: {test}: no usable GPU: {e}");
-            None
-        }
+    let reason = match probe::gpu_count() {
+        Ok(n) if n >= min => return Some(n),
+        Ok(n) => format!("needs {min} GPUs, found {n}"),
+        Err(e) => format!("no usable GPU: {e}"),
+    };
+    if std::env::var("GRID_REQUIRE_GPU").is_ok_and(|v| v == "1") && !reason.starts_with("needs") {
+        panic!("{test}: GRID_REQUIRE_GPU=1 but {reason}");
     }
+    println!("SKIPPED: {test}: {reason}");
+    None
 }
 
 /// Runs `f` on `n` ranks (rank `i` on GPU `i`), each with its own factory and world
@@ -28,7 +28,14 @@ pub fn on_gpus<T: Send>(
     timeout: Duration,
     f: impl Fn(&NcclFactory, &NcclCommunicator) -> T + Sync,
 ) -> Vec<T> {
-    let boots = InProcess::world_with_timeout(n, Duration::from_secs(120));
+    let config = LocalConfig {
+        timeout: Duration::from_secs(120),
+        ..LocalConfig::default()
+    };
+    let boots = match LocalWorld::with_config(n, config) {
+        Ok(w) => w.communicators(),
+        Err(e) => panic!("bootstrap world of {n} ranks: {e}"),
+    };
     std::thread::scope(|s| {
         let hs: Vec<_> = boots
             .iter()

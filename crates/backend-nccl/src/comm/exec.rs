@@ -1,0 +1,384 @@
+//! Blocking execution: validated operations enqueued on the communicator's stream, host memory
+//! staged through the GPU, and the helpers the nonblocking path shares (staging, stream joins,
+//! enqueueing a collective).
+
+use super::shared::{din, dout, lock};
+use super::NcclBackend;
+use crate::buffer::{downcast, downcast_mut, with_dtype, NcclDeviceBuffer};
+use crate::error::{cuda, internal};
+use crate::ffi::{self, Coll, DevIn, DevOut, P2p};
+use cudarc::driver::CudaStream;
+use grid_core::{
+    BufMut, BufRef, DType, DeviceBuffer, Element, Error, HostSlice, HostSliceMut, Op, P2pOp,
+    ReduceOp, Result,
+};
+use std::sync::Arc;
+
+/// What a queued collective does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Kind {
+    AllReduce(ReduceOp),
+    Broadcast(usize),
+    AllGather,
+    ReduceScatter(ReduceOp),
+    AllToAll,
+}
+
+impl Kind {
+    pub(super) fn name(self) -> &'static str {
+        match self {
+            Kind::AllReduce(_) => "all_reduce",
+            Kind::Broadcast(_) => "broadcast",
+            Kind::AllGather => "all_gather",
+            Kind::ReduceScatter(_) => "reduce_scatter",
+            Kind::AllToAll => "all_to_all",
+        }
+    }
+
+    /// Whether the receive buffer is also an input: broadcast, and all-reduce in place (no
+    /// separate send buffer).
+    pub(super) fn reads_recv(self, in_place: bool) -> bool {
+        match self {
+            Kind::Broadcast(_) => true,
+            Kind::AllReduce(_) => in_place,
+            _ => false,
+        }
+    }
+}
+
+/// A device buffer must live on the communicator's GPU: only this backend knows its device.
+pub(crate) fn same_device(op: &'static str, buf_device: usize, device: usize) -> Result<()> {
+    if buf_device == device {
+        Ok(())
+    } else {
+        Err(Error::Invalid(format!(
+            "{op}: the buffer is on device {buf_device} but this communicator runs on device {device} (allocate it on device {device}, e.g. with to_device or zeros of this communicator)"
+        )))
+    }
+}
+
+impl NcclBackend {
+    /// Executes one validated blocking operation. Pending nonblocking sends and receives were
+    /// started first, so they are enqueued first.
+    pub(super) fn exec(&self, op: Op<'_>) -> Result<()> {
+        let name = op.name();
+        self.shared.flush(name)?;
+        match op {
+            Op::AllReduce { send, recv, op } => {
+                self.blocking(Kind::AllReduce(op), Some(send), recv)
+            }
+            Op::AllReduceInPlace { buf, op } => self.blocking(Kind::AllReduce(op), None, buf),
+            Op::Broadcast { buf, root } => self.blocking(Kind::Broadcast(root), None, buf),
+            Op::AllGather { send, recv } => self.blocking(Kind::AllGather, Some(send), recv),
+            Op::ReduceScatter { send, recv, op } => {
+                self.blocking(Kind::ReduceScatter(op), Some(send), recv)
+            }
+            Op::AllToAll { send, recv } => self.blocking(Kind::AllToAll, Some(send), recv),
+            Op::Barrier => {
+                self.shared.bind(name)?;
+                self.barrier_enqueue(name)?;
+                self.shared.sync(name)
+            }
+            Op::Send { buf, peer, tag } => self.p2p(name, vec![P2pOp::Send { buf, peer, tag }]),
+            Op::Recv { buf, peer, tag } => self.p2p(name, vec![P2pOp::Recv { buf, peer, tag }]),
+            Op::Batch(ops) => self.p2p(name, ops),
+        }
+    }
+
+    fn same_device(&self, op: &'static str, d: &dyn DeviceBuffer) -> Result<()> {
+        same_device(op, d.device(), self.device)
+    }
+
+    fn stream_of(&self, op: &'static str, d: &dyn DeviceBuffer) -> Result<Arc<CudaStream>> {
+        with_dtype!(d.dtype(), T => Ok(downcast::<T>(op, d)?.slice.stream().clone()))
+    }
+
+    /// The communicator's stream waits for the work queued so far on `d`'s stream.
+    pub(super) fn wait_for(&self, op: &'static str, d: &dyn DeviceBuffer) -> Result<()> {
+        self.same_device(op, d)?;
+        let s = self.stream_of(op, d)?;
+        if *s != *self.shared.stream {
+            cuda(op, || self.shared.stream.join(&s))?;
+        }
+        Ok(())
+    }
+
+    /// `d`'s stream waits for the work queued so far on the communicator's stream.
+    fn join_back(&self, op: &'static str, d: &dyn DeviceBuffer) -> Result<()> {
+        let s = self.stream_of(op, d)?;
+        if *s != *self.shared.stream {
+            cuda(op, || s.join(&self.shared.stream))?;
+        }
+        Ok(())
+    }
+
+    fn din<'a>(&'a self, op: &'static str, d: &'a dyn DeviceBuffer) -> Result<DevIn<'a>> {
+        self.same_device(op, d)?;
+        din(op, d, &self.shared.stream)
+    }
+
+    fn dout<'a>(&'a self, op: &'static str, d: &'a mut dyn DeviceBuffer) -> Result<DevOut<'a>> {
+        self.same_device(op, &*d)?;
+        dout(op, d, &self.shared.stream)
+    }
+
+    /// A new device buffer holding a copy of `h`.
+    pub(super) fn stage_in(
+        &self,
+        op: &'static str,
+        h: HostSlice<'_>,
+    ) -> Result<Box<dyn DeviceBuffer>> {
+        with_dtype!(h.dtype(), T => {
+            let v = <T as Element>::view(h).ok_or_else(|| internal(op, "staging dtype"))?;
+            let s = cuda(op, || self.shared.stream.clone_htod(v))?;
+            Ok(Box::new(NcclDeviceBuffer::new(s)) as Box<dyn DeviceBuffer>)
+        })
+    }
+
+    /// A new zero-filled device buffer of `len` elements of `dtype`.
+    pub(super) fn stage_zeros(
+        &self,
+        op: &'static str,
+        dtype: DType,
+        len: usize,
+    ) -> Result<Box<dyn DeviceBuffer>> {
+        with_dtype!(dtype, T => {
+            let s = cuda(op, || self.shared.stream.alloc_zeros::<T>(len))?;
+            Ok(Box::new(NcclDeviceBuffer::new(s)) as Box<dyn DeviceBuffer>)
+        })
+    }
+
+    /// Copies a staged device buffer into host memory (the stream must have been waited for).
+    fn fetch_into(
+        &self,
+        op: &'static str,
+        d: &dyn DeviceBuffer,
+        h: HostSliceMut<'_>,
+    ) -> Result<()> {
+        with_dtype!(d.dtype(), T => {
+            let b = downcast::<T>(op, d)?;
+            let dst = <T as Element>::view_mut(h).ok_or_else(|| internal(op, "fetch dtype"))?;
+            if dst.len() != b.slice.len() {
+                return Err(internal(op, "fetch length"));
+            }
+            cuda(op, || self.shared.stream.memcpy_dtoh(&b.slice, dst))
+        })
+    }
+
+    /// Enqueues a collective on device buffers. `send` is `None` for the in-place operations
+    /// (all-reduce in place passes `recv` as NCCL's send buffer too).
+    pub(super) fn enqueue(
+        &self,
+        op: &'static str,
+        kind: Kind,
+        send: Option<&dyn DeviceBuffer>,
+        recv: &mut dyn DeviceBuffer,
+    ) -> Result<()> {
+        if recv.is_empty() {
+            return Ok(());
+        }
+        if let Some(s) = send {
+            self.wait_for(op, s)?;
+        }
+        self.wait_for(op, &*recv)?;
+        let st = &*self.shared.stream;
+        let missing = || internal(op, "missing send buffer");
+        let coll = match kind {
+            Kind::AllReduce(r) => Coll::AllReduce {
+                send: send.map(|s| self.din(op, s)).transpose()?,
+                recv: self.dout(op, recv)?,
+                op: ffi::nccl_op(r),
+            },
+            Kind::Broadcast(root) => Coll::Broadcast {
+                buf: self.dout(op, recv)?,
+                root,
+            },
+            Kind::AllGather => Coll::AllGather {
+                send: self.din(op, send.ok_or_else(missing)?)?,
+                recv: self.dout(op, recv)?,
+            },
+            Kind::ReduceScatter(r) => Coll::ReduceScatter {
+                send: self.din(op, send.ok_or_else(missing)?)?,
+                recv: self.dout(op, recv)?,
+                op: ffi::nccl_op(r),
+            },
+            Kind::AllToAll => {
+                let ops = self.all_to_all_ops(op, send.ok_or_else(missing)?, recv)?;
+                return self
+                    .shared
+                    .raw
+                    .p2p_group(op, ops, st)
+                    .map_err(|e| self.shared.failed(e));
+            }
+        };
+        self.shared
+            .raw
+            .collective(coll, st)
+            .map_err(|e| self.shared.failed(e))
+    }
+
+    /// All-to-all as one group of sends and receives (works on every NCCL version). The front
+    /// end checked that both buffers have the same length, a multiple of the size.
+    fn all_to_all_ops<'a>(
+        &'a self,
+        op: &'static str,
+        send: &'a dyn DeviceBuffer,
+        recv: &'a mut dyn DeviceBuffer,
+    ) -> Result<Vec<P2p<'a>>> {
+        self.same_device(op, send)?;
+        self.same_device(op, &*recv)?;
+        let n = self.shared.raw.size();
+        with_dtype!(send.dtype(), T => {
+            let s = downcast::<T>(op, send)?;
+            let r = downcast_mut::<T>(op, recv)?;
+            let b = s.slice.len() / n.max(1);
+            if b == 0 {
+                return Err(internal(op, "all_to_all block size 0"));
+            }
+            let st = &*self.shared.stream;
+            let mut ops = Vec::with_capacity(2 * n);
+            for (j, v) in r.slice.as_view_mut().chunks_exact_mut(b).enumerate() {
+                ops.push(P2p::Recv(DevOut::from_view::<T>(v, st)?, j));
+            }
+            for j in 0..n {
+                let v = s.slice.try_slice(j * b..(j + 1) * b).ok_or_else(|| internal(op, "all_to_all view"))?;
+                ops.push(P2p::Send(DevIn::from_view::<T>(v, st)?, j));
+            }
+            Ok(ops)
+        })
+    }
+
+    /// The blocking form of the collectives: stages host memory, enqueues, and for host
+    /// output waits and copies back.
+    fn blocking(&self, kind: Kind, send: Option<BufRef<'_>>, recv: BufMut<'_>) -> Result<()> {
+        let op = kind.name();
+        if recv.is_empty() {
+            return Ok(());
+        }
+        self.shared.bind(op)?;
+        let in_place = send.is_none();
+        let staged_in = match send {
+            Some(BufRef::Host(h)) => Some(self.stage_in(op, h)?),
+            _ => None,
+        };
+        let send_dev: Option<&dyn DeviceBuffer> = match (send, &staged_in) {
+            (Some(BufRef::Device(d)), _) => Some(d),
+            (_, Some(b)) => Some(&**b),
+            _ => None,
+        };
+        match recv {
+            BufMut::Device(d) => {
+                self.enqueue(op, kind, send_dev, &mut *d)?;
+                self.join_back(op, &*d)?;
+                if let Some(BufRef::Device(s)) = send {
+                    self.join_back(op, s)?;
+                }
+                Ok(())
+            }
+            BufMut::Host(h) => {
+                let mut staged = if kind.reads_recv(in_place) {
+                    self.stage_in(op, h.as_slice())?
+                } else {
+                    self.stage_zeros(op, h.dtype(), h.len())?
+                };
+                self.enqueue(op, kind, send_dev, &mut *staged)?;
+                if let Some(BufRef::Device(s)) = send {
+                    self.join_back(op, s)?;
+                }
+                self.shared.sync(op)?;
+                self.fetch_into(op, &*staged, h)
+            }
+        }
+    }
+
+    /// Grouped point-to-point operations (peers validated by the front end), host buffers
+    /// staged.
+    fn p2p(&self, op: &'static str, ops: Vec<P2pOp<'_>>) -> Result<()> {
+        enum Slot<'a> {
+            Send(BufRef<'a>, Option<Box<dyn DeviceBuffer>>, usize),
+            Recv(BufMut<'a>, Option<Box<dyn DeviceBuffer>>, usize),
+        }
+        let mut slots: Vec<Slot<'_>> = ops
+            .into_iter()
+            .filter(|o| match o {
+                P2pOp::Send { buf, .. } => !buf.is_empty(),
+                P2pOp::Recv { buf, .. } => !buf.is_empty(),
+            })
+            .map(|o| match o {
+                P2pOp::Send { buf, peer, .. } => Slot::Send(buf, None, peer),
+                P2pOp::Recv { buf, peer, .. } => Slot::Recv(buf, None, peer),
+            })
+            .collect();
+        if slots.is_empty() {
+            return Ok(());
+        }
+        self.shared.bind(op)?;
+        let mut host_out = false;
+        for s in slots.iter_mut() {
+            match s {
+                Slot::Send(BufRef::Host(h), st, _) => *st = Some(self.stage_in(op, *h)?),
+                Slot::Send(BufRef::Device(d), _, _) => self.wait_for(op, *d)?,
+                Slot::Recv(BufMut::Host(h), st, _) => {
+                    host_out = true;
+                    *st = Some(self.stage_zeros(op, h.dtype(), h.len())?)
+                }
+                Slot::Recv(BufMut::Device(d), _, _) => self.wait_for(op, &**d)?,
+            }
+        }
+        {
+            let mut tokens = Vec::with_capacity(slots.len());
+            for s in slots.iter_mut() {
+                tokens.push(match s {
+                    Slot::Send(_, Some(b), p) => P2p::Send(self.din(op, &**b)?, *p),
+                    Slot::Send(BufRef::Device(d), None, p) => P2p::Send(self.din(op, *d)?, *p),
+                    Slot::Recv(_, Some(b), p) => P2p::Recv(self.dout(op, &mut **b)?, *p),
+                    Slot::Recv(BufMut::Device(d), None, p) => {
+                        P2p::Recv(self.dout(op, &mut **d)?, *p)
+                    }
+                    _ => return Err(internal(op, "unstaged host buffer")),
+                });
+            }
+            self.shared
+                .raw
+                .p2p_group(op, tokens, &self.shared.stream)
+                .map_err(|e| self.shared.failed(e))?;
+        }
+        for s in slots.iter() {
+            match s {
+                Slot::Send(BufRef::Device(d), _, _) => self.join_back(op, *d)?,
+                Slot::Recv(BufMut::Device(d), _, _) => self.join_back(op, &**d)?,
+                _ => {}
+            }
+        }
+        if host_out {
+            self.shared.sync(op)?;
+            for s in slots {
+                if let Slot::Recv(BufMut::Host(h), Some(b), _) = s {
+                    self.fetch_into(op, &*b, h)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Enqueues the barrier: an all-reduce of one float.
+    pub(super) fn barrier_enqueue(&self, op: &'static str) -> Result<()> {
+        let mut g = lock(&self.shared.scratch);
+        if g.is_none() {
+            *g = Some(cuda(op, || self.shared.stream.alloc_zeros::<f32>(1))?);
+        }
+        let Some(s) = g.as_mut() else {
+            return Err(internal(op, "scratch"));
+        };
+        let st = &*self.shared.stream;
+        let coll = Coll::AllReduce {
+            send: None,
+            recv: DevOut::new::<f32, _>(s, st)?,
+            op: ffi::nccl_op(ReduceOp::Sum),
+        };
+        self.shared
+            .raw
+            .collective(coll, st)
+            .map_err(|e| self.shared.failed(e))
+    }
+}

@@ -1,0 +1,292 @@
+//! [`NcclCommunicator`] = [`grid_core::Comm`]`<`[`NcclBackend`]`>`: one NCCL communicator
+//! behind grid-core's front end, which validates every operation (memory kind, dtypes,
+//! lengths, roots, peers, tags, liveness) before this backend sees it. The backend checks only
+//! what NCCL alone knows: that device buffers are this backend's and live on the
+//! communicator's GPU.
+//!
+//! The code is split by concern:
+//! * this module: [`NcclBackend`], its [`Backend`] implementation (dispatch) and the
+//!   device-memory helpers users call (`to_device`, `zeros`, `to_host`, `abort`, ...);
+//! * `shared`: the state a communicator shares with its pending work (NCCL handle, stream,
+//!   deferred sends and receives, event waits with timeout and failure handling);
+//! * `exec`: blocking operations (staging of host memory, enqueueing on the stream);
+//! * `work`: nonblocking operations and [`NcclWork`].
+//!
+//! # Memory and streams
+//! * **Device buffers** ([`crate::NcclDeviceBuffer`]) are the native form. A blocking call
+//!   makes the communicator's stream wait for the work already queued on each buffer's stream,
+//!   enqueues the NCCL operation on the communicator's stream and makes each buffer's stream
+//!   wait for it, then returns **without waiting for the GPU** (stream-ordered, as NCCL and
+//!   PyTorch work). [`grid_core::Communicator::synchronize`] waits for the communicator's stream.
+//! * **In place and out of place**: `all_reduce` (out of place) passes distinct send and
+//!   receive buffers to `ncclAllReduce`; `all_reduce_in_place` passes the same buffer as both
+//!   (NCCL's native in-place form, no copy). Both have nonblocking forms
+//!   (`iall_reduce_into`, `iall_reduce`).
+//! * **Host buffers are staged** (so the typed helpers and the shared conformance suite work
+//!   unchanged): the input is copied to a temporary device buffer, the operation runs, and
+//!   the call waits for it and copies the result back before returning. This costs two copies
+//!   and a synchronisation per call; use device buffers where speed matters.
+//! * **Nonblocking** [`grid_core::Communicator::start`] enqueues and records a CUDA event; the
+//!   [`grid_core::Work`] completes when the event has fired. `wait` hands back device tensors
+//!   as they are (their stream is made to wait for the event) and host tensors after copying
+//!   the result back.
+//! * **Nonblocking sends and receives are deferred** and enqueued together as one
+//!   `ncclGroupStart/End` group when one of their works is polled or waited on, or before the
+//!   communicator's next other operation. Separately enqueued NCCL sends and receives run in
+//!   stream order, so `irecv(left); isend(right); wait` would deadlock in a ring; grouped they
+//!   cannot. (A receive whose matching send is only issued *after* waiting on it, on the same
+//!   communicator, still deadlocks: NCCL executes one communicator's operations in order.)
+//!
+//! # Failure handling
+//! Every wait polls the event, NCCL's asynchronous error (`ncclCommGetAsyncError`) and the
+//! communicator's state, and gives up after [`crate::NcclOptions::timeout`]. On an error or a
+//! timeout the communicator's [`crate::Job`] aborts every communicator of the job (unless
+//! [`crate::NcclOptions::abort_on_failure`] is off), so no rank stays blocked in another group.
+//! NCCL and CUDA failures are [`grid_core::Error::Library`] naming the operation, the
+//! communicator, the NCCL function, and NCCL's `ncclResult_t` (or CUDA's `CUresult`) name and
+//! number.
+//!
+//! # Ranks and tags
+//! `rank()` is the NCCL rank. NCCL matches point-to-point messages by order, not by tag: the
+//! `tag` arguments are accepted and ignored.
+
+mod exec;
+mod shared;
+mod work;
+
+pub(crate) use shared::Shared;
+pub use work::NcclWork;
+
+use crate::buffer::{NcclDeviceBuffer, NcclElement};
+use crate::error::{annotate, cuda, BACKEND};
+use crate::ffi::RawComm;
+use crate::job::Job;
+use cudarc::driver::{CudaContext, CudaStream};
+use grid_core::{
+    Backend, Comm, DType, Error, Memory, Op, ReduceOp, Request, Result, Validated, Work,
+};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// A grid-core communicator over one NCCL communicator on one GPU: the front end
+/// ([`grid_core::Comm`]) over [`NcclBackend`].
+///
+/// Created by [`crate::NcclFactory::init`] (the world, named `"world"`) and
+/// [`grid_core::GroupFactory::split`] (sub-groups). `Send + Sync`: calls from several threads
+/// are serialised per communicator. Dropping it destroys the NCCL communicator (finalize, then
+/// destroy) once its stream is idle, or aborts it if the stream does not drain within the
+/// timeout. Backend methods ([`NcclBackend::to_device`], [`NcclBackend::abort`], ...) are
+/// reached through `Deref`.
+///
+/// ```no_run
+/// # fn f(comm: &backend_nccl::NcclCommunicator) -> grid_core::Result<()> {
+/// use grid_core::{BufMut, Communicator, CommunicatorExt, ReduceOp};
+/// // Host buffers are staged through the GPU:
+/// let mut out = vec![0.0f32; 4];
+/// comm.all_reduce_into(&[1.0f32; 4][..], &mut out[..], ReduceOp::Sum)?;
+/// // Device buffers in place: ncclAllReduce with the same send and receive buffer.
+/// let mut buf = comm.to_device(&[1.0f32, 2.0])?;
+/// comm.in_place_all_reduce(BufMut::Device(&mut buf), ReduceOp::Max)?;
+/// # Ok(()) }
+/// ```
+pub type NcclCommunicator = Comm<NcclBackend>;
+
+/// The NCCL backend of one communicator: executes operations the front end validated.
+/// Reached from an [`NcclCommunicator`] through `Deref` or `comm.inner()`.
+pub struct NcclBackend {
+    shared: Arc<Shared>,
+    global_ranks: Vec<usize>,
+    device: usize,
+}
+
+impl std::fmt::Debug for NcclBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NcclBackend")
+            .field("name", &self.shared.name)
+            .field("rank", &self.shared.raw.rank())
+            .field("size", &self.shared.raw.size())
+            .field("device", &self.device)
+            .field("global_ranks", &self.global_ranks)
+            .field("state", &self.shared.raw.state_name())
+            .finish()
+    }
+}
+
+/// Every dtype moves; every reduction works on every dtype except `Avg` (`ncclAvg`) on
+/// integers.
+///
+/// ```
+/// use grid_core::{DType, ReduceOp};
+/// assert!(backend_nccl::comm::supports(DType::BF16, Some(ReduceOp::Avg)));
+/// assert!(!backend_nccl::comm::supports(DType::I32, Some(ReduceOp::Avg)));
+/// assert!(backend_nccl::comm::supports(DType::U8, None));
+/// ```
+pub fn supports(dtype: DType, op: Option<ReduceOp>) -> bool {
+    op != Some(ReduceOp::Avg) || dtype.is_float()
+}
+
+impl NcclBackend {
+    /// Registers a new NCCL communicator with its job and the process, and puts it behind the
+    /// front end under `name`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn create(
+        raw: RawComm,
+        ctx: Arc<CudaContext>,
+        stream: Arc<CudaStream>,
+        global_ranks: Vec<usize>,
+        name: String,
+        timeout: Duration,
+        abort_on_failure: bool,
+        job: Arc<Job>,
+    ) -> NcclCommunicator {
+        let device = ctx.ordinal();
+        let shared = Arc::new(Shared::new(
+            raw,
+            ctx,
+            stream,
+            name.clone(),
+            timeout,
+            abort_on_failure,
+            job.clone(),
+        ));
+        job.register(&shared);
+        crate::job::process().register(&shared);
+        Comm::new(
+            NcclBackend {
+                shared,
+                global_ranks,
+                device,
+            },
+            name,
+        )
+    }
+
+    pub(crate) fn shared(&self) -> &Arc<Shared> {
+        &self.shared
+    }
+
+    /// The GPU (CUDA ordinal) this communicator runs on.
+    pub fn device(&self) -> usize {
+        self.device
+    }
+
+    /// The CUDA stream every operation of this communicator is enqueued on.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.shared.stream
+    }
+
+    /// The CUDA context of the device.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.shared.ctx
+    }
+
+    /// `"live"`, `"destroyed"` or `"aborted"`.
+    pub fn state(&self) -> &'static str {
+        self.shared.raw.state_name()
+    }
+
+    /// Aborts this communicator now (`ncclCommAbort`): pending operations are interrupted and
+    /// every later call fails with [`Error::Finalized`]. Returns false if it was not live.
+    pub fn abort(&self) -> bool {
+        self.shared.raw.abort()
+    }
+
+    /// `Ok` while NCCL reports no asynchronous error on this communicator.
+    pub fn check_async_error(&self) -> Result<()> {
+        const OP: &str = "check_async_error";
+        self.shared
+            .raw
+            .async_error(OP)
+            .map_err(|e| annotate(e, OP, &self.shared.name))
+    }
+
+    /// Copies host data to a new device buffer on this communicator's device and stream.
+    pub fn to_device<T: NcclElement>(&self, data: &[T]) -> Result<NcclDeviceBuffer<T>> {
+        const OP: &str = "to_device";
+        if data.is_empty() {
+            return Err(Error::Invalid(
+                "to_device: cannot allocate an empty device buffer (give at least one element)"
+                    .into(),
+            ));
+        }
+        self.shared.bind(OP)?;
+        cuda(OP, || self.shared.stream.clone_htod(data))
+            .map(NcclDeviceBuffer::new)
+            .map_err(|e| annotate(e, OP, &self.shared.name))
+    }
+
+    /// A new zero-filled device buffer of `len` elements on this communicator's stream.
+    pub fn zeros<T: NcclElement>(&self, len: usize) -> Result<NcclDeviceBuffer<T>> {
+        const OP: &str = "zeros";
+        if len == 0 {
+            return Err(Error::Invalid(
+                "zeros: cannot allocate an empty device buffer (give a length of at least 1)"
+                    .into(),
+            ));
+        }
+        self.shared.bind(OP)?;
+        cuda(OP, || self.shared.stream.alloc_zeros::<T>(len))
+            .map(NcclDeviceBuffer::new)
+            .map_err(|e| annotate(e, OP, &self.shared.name))
+    }
+
+    /// Copies a device buffer back to the host, after everything queued on this communicator's
+    /// stream (waits with the communicator's timeout and failure checks).
+    pub fn to_host<T: NcclElement>(&self, buf: &NcclDeviceBuffer<T>) -> Result<Vec<T>> {
+        const OP: &str = "to_host";
+        let run = || {
+            self.shared.check_live(OP)?;
+            self.shared.flush(OP)?;
+            self.shared.bind(OP)?;
+            self.wait_for(OP, buf)?;
+            self.shared.sync(OP)?;
+            cuda(OP, || self.shared.stream.clone_dtoh(&buf.slice))
+        };
+        run().map_err(|e| annotate(e, OP, &self.shared.name))
+    }
+}
+
+impl Backend for NcclBackend {
+    fn name(&self) -> &'static str {
+        BACKEND
+    }
+    fn rank(&self) -> usize {
+        self.shared.raw.rank()
+    }
+    fn size(&self) -> usize {
+        self.shared.raw.size()
+    }
+    fn global_ranks(&self) -> &[usize] {
+        &self.global_ranks
+    }
+    /// Device memory natively; host memory through staging (see the module docs).
+    fn accepts(&self, _memory: Memory) -> bool {
+        true
+    }
+    /// See [`supports`].
+    fn supports(&self, dtype: DType, op: Option<ReduceOp>) -> bool {
+        supports(dtype, op)
+    }
+    fn check_live(&self, op: &'static str) -> Result<()> {
+        self.shared.check_live(op)
+    }
+    fn run(&self, op: Validated<Op<'_>>) -> Result<()> {
+        let op = op.into_op();
+        let name = op.name();
+        self.exec(op)
+            .map_err(|e| annotate(e, name, &self.shared.name))
+    }
+    fn start(&self, op: Validated<grid_core::Request>) -> Result<Box<dyn Work>> {
+        let request: Request = op.into_op();
+        let name = request.name();
+        self.start_request(request)
+            .map_err(|e| annotate(e, name, &self.shared.name))
+    }
+    fn synchronize(&self) -> Result<()> {
+        const OP: &str = "synchronize";
+        self.shared
+            .flush(OP)
+            .and_then(|_| self.shared.sync(OP))
+            .map_err(|e| annotate(e, OP, &self.shared.name))
+    }
+}
