@@ -368,12 +368,22 @@ fn opt_num(v: Option<usize>) -> Value {
     v.map_or(Value::Null, |n| Value::from(n as u64))
 }
 
+/// One field of a record as a JSON value.
+type Field = fn(&OpRecord) -> Value;
+
+const OP: Field = |r| Value::String(r.op.clone());
+const DTYPE: Field = |r| opt_str(&r.dtype);
+const COUNT: Field = |r| Value::from(r.count as u64);
+const ROOT: Field = |r| opt_num(r.root);
+const REDUCE_OP: Field = |r| opt_str(&r.reduce_op);
+const PEER: Field = |r| opt_num(r.peer);
+
 /// The mismatches at sequence number `seq` among `recs` (member index, record).
 fn compare(seq: u64, members: &[usize], recs: &[(usize, &OpRecord)], out: &mut Vec<Mismatch>) {
     if recs.len() < 2 && recs.iter().all(|(_, r)| r.peer.is_none()) {
         return;
     }
-    let values = |f: &dyn Fn(&OpRecord) -> Value, who: &[(usize, &OpRecord)]| {
+    let values = |f: Field, who: &[(usize, &OpRecord)]| {
         who.iter()
             .map(|&(i, r)| (members[i], f(r)))
             .collect::<BTreeMap<usize, Value>>()
@@ -385,7 +395,7 @@ fn compare(seq: u64, members: &[usize], recs: &[(usize, &OpRecord)], out: &mut V
     };
     let any_collective = recs.iter().any(|(_, r)| r.peer.is_none());
     if any_collective {
-        let ops = values(&|r| Value::String(r.op.clone()), recs);
+        let ops = values(OP, recs);
         if differ(&ops) {
             out.push(Mismatch {
                 seq,
@@ -394,11 +404,11 @@ fn compare(seq: u64, members: &[usize], recs: &[(usize, &OpRecord)], out: &mut V
             });
             return;
         }
-        let fields: [(&'static str, &dyn Fn(&OpRecord) -> Value); 4] = [
-            ("dtype", &|r| opt_str(&r.dtype)),
-            ("count", &|r| Value::from(r.count as u64)),
-            ("root", &|r| opt_num(r.root)),
-            ("reduce_op", &|r| opt_str(&r.reduce_op)),
+        let fields = [
+            ("dtype", DTYPE),
+            ("count", COUNT),
+            ("root", ROOT),
+            ("reduce_op", REDUCE_OP),
         ];
         for (field, f) in fields {
             let v = values(f, recs);
@@ -421,7 +431,7 @@ fn compare(seq: u64, members: &[usize], recs: &[(usize, &OpRecord)], out: &mut V
             out.push(Mismatch {
                 seq,
                 field: "peer",
-                values: values(&|r| opt_num(r.peer), &[(i, r)]),
+                values: values(PEER, &[(i, r)]),
             });
             continue;
         }
@@ -434,7 +444,7 @@ fn compare(seq: u64, members: &[usize], recs: &[(usize, &OpRecord)], out: &mut V
             out.push(Mismatch {
                 seq,
                 field: "peer",
-                values: values(&|r| opt_num(r.peer), &pair),
+                values: values(PEER, &pair),
             });
             continue;
         }
@@ -447,17 +457,11 @@ fn compare(seq: u64, members: &[usize], recs: &[(usize, &OpRecord)], out: &mut V
             out.push(Mismatch {
                 seq,
                 field: "op",
-                values: values(&|r| Value::String(r.op.clone()), &pair),
+                values: values(OP, &pair),
             });
             continue;
         }
-        for (field, f) in [
-            (
-                "dtype",
-                &(|r: &OpRecord| opt_str(&r.dtype)) as &dyn Fn(&OpRecord) -> Value,
-            ),
-            ("count", &|r: &OpRecord| Value::from(r.count as u64)),
-        ] {
+        for (field, f) in [("dtype", DTYPE), ("count", COUNT)] {
             let v = values(f, &pair);
             if differ(&v) {
                 out.push(Mismatch {

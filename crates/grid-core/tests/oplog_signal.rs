@@ -15,8 +15,12 @@ fn sigusr1_dumps_every_live_log() {
         Recorder::new(Some(dir.clone()), 128).expect("a recorder"),
     ));
     recorder.set_world_rank(5);
-    recorder.install_sigusr1_dump().expect("the handler installs");
-    recorder.install_sigusr1_dump().expect("a second install is harmless");
+    recorder
+        .install_sigusr1_dump()
+        .expect("the handler installs");
+    recorder
+        .install_sigusr1_dump()
+        .expect("a second install is harmless");
     let log = recorder.register("tp", vec![4, 5]);
 
     // Four threads record 100 operations each on the same log.
@@ -46,7 +50,11 @@ fn sigusr1_dumps_every_live_log() {
         if let Ok(text) = std::fs::read_to_string(&path) {
             break TraceDump::from_json(&text).expect("a complete dump");
         }
-        assert!(Instant::now() < deadline, "no dump at {} after SIGUSR1", path.display());
+        assert!(
+            Instant::now() < deadline,
+            "no dump at {} after SIGUSR1",
+            path.display()
+        );
         std::thread::sleep(Duration::from_millis(10));
     };
     assert_eq!((dump.rank, dump.reason.as_str()), (5, "SIGUSR1"));
@@ -57,7 +65,9 @@ fn sigusr1_dumps_every_live_log() {
     assert_eq!((c.posted, c.capacity, c.records.len()), (401, 128, 128));
     let seqs: Vec<u64> = c.records.iter().map(|r| r.seq).collect();
     assert_eq!(seqs, (273..401).collect::<Vec<u64>>());
-    assert!(c.records[..127].iter().all(|r| r.state == OpState::Completed));
+    assert!(c.records[..127]
+        .iter()
+        .all(|r| r.state == OpState::Completed));
     assert_eq!(c.records[127].state, OpState::Started);
     // No temporary file is left behind.
     let names: Vec<String> = std::fs::read_dir(&dir)
