@@ -705,12 +705,14 @@ impl Recorder {
     ///
     /// Nothing is done in the signal handler but what `signal-hook` does: write a byte to a
     /// self-pipe (async-signal-safe). A helper thread named `grid-trace-sigusr1` waits on the
-    /// pipe and dumps; a failed dump is reported with `tracing::warn!`. Installing twice is
-    /// harmless (the second call does nothing).
+    /// pipe and dumps; a failed dump is reported with `tracing::warn!`. The handler is
+    /// process-wide: the first recorder to install it is the one dumped, and later calls (from
+    /// any recorder or thread) do nothing.
     #[cfg(unix)]
     pub fn install_sigusr1_dump(&'static self) -> Result<(), TraceError> {
-        static INSTALLED: OnceLock<()> = OnceLock::new();
-        if INSTALLED.get().is_some() {
+        static INSTALLED: Mutex<bool> = Mutex::new(false);
+        let mut installed = INSTALLED.lock().unwrap_or_else(|p| p.into_inner());
+        if *installed {
             return Ok(());
         }
         let mut signals = signal_hook::iterator::Signals::new([signal_hook::consts::SIGUSR1])
@@ -731,7 +733,7 @@ impl Recorder {
                 }
             })
             .map_err(TraceError::Signal)?;
-        let _ = INSTALLED.set(());
+        *installed = true;
         Ok(())
     }
 }

@@ -34,10 +34,12 @@
 //!
 //! The **`summary`** is one sentence about the likeliest culprit. Of the communicators with a
 //! `stuck_at` and missing ranks, the one whose stuck operation was posted first (by its waiting
-//! ranks) is named: a later hang is usually a consequence of the first. Without one, the first
-//! mismatch is named (the members that disagree with the majority); then a communicator whose
-//! members are all waiting; then missing files; otherwise the sentence says that every rank
-//! completed the same operations.
+//! ranks) is named: a later hang is usually a consequence of the first. Without one, the
+//! mismatch with the smallest sequence number is named (the members that disagree with the
+//! majority, or every member's value when there is no strict majority, as with two ranks); then
+//! a communicator whose members are all waiting; then missing files; otherwise the sentence says
+//! that every rank completed the same operations. Missing and malformed files are appended in
+//! parentheses.
 //!
 //! ```
 //! use grid_core::oplog::{OpDesc, Recorder};
@@ -504,9 +506,9 @@ fn show(v: &Value) -> String {
     }
 }
 
-/// The members whose value differs from the most common one (ties: the smallest value's
-/// holders are the majority), and that value.
-fn odd_ones(values: &BTreeMap<usize, Value>) -> (Vec<usize>, Value) {
+/// The members whose value differs from the most common one, and that value; `None` when no
+/// value is held by more members than every other (then nobody can be singled out).
+fn odd_ones(values: &BTreeMap<usize, Value>) -> Option<(Vec<usize>, Value)> {
     let mut counts: Vec<(String, usize, Value)> = Vec::new();
     for v in values.values() {
         let key = v.to_string();
@@ -515,16 +517,20 @@ fn odd_ones(values: &BTreeMap<usize, Value>) -> (Vec<usize>, Value) {
             None => counts.push((key, 1, v.clone())),
         }
     }
-    let majority = counts
-        .iter()
-        .max_by(|a, b| a.1.cmp(&b.1).then_with(|| b.0.cmp(&a.0)))
-        .map_or(Value::Null, |c| c.2.clone());
-    let odd = values
-        .iter()
-        .filter(|(_, v)| **v != majority)
-        .map(|(r, _)| *r)
-        .collect();
-    (odd, majority)
+    counts.sort_by_key(|c| std::cmp::Reverse(c.1));
+    match counts.as_slice() {
+        [first, second, ..] if first.1 == second.1 => None,
+        [first, ..] => {
+            let majority = first.2.clone();
+            let odd: Vec<usize> = values
+                .iter()
+                .filter(|(_, v)| **v != majority)
+                .map(|(r, _)| *r)
+                .collect();
+            (!odd.is_empty()).then_some((odd, majority))
+        }
+        [] => None,
+    }
 }
 
 fn summarize(comms: &[CommReport], missing: &[usize], malformed: &[MalformedFile]) -> String {
@@ -571,7 +577,21 @@ fn summarize(comms: &[CommReport], missing: &[usize], malformed: &[MalformedFile
         .flat_map(|c| c.mismatches.iter().map(move |m| (c, m)))
         .min_by_key(|(c, m)| (m.seq, c.label()))
     {
-        let (odd, majority) = odd_ones(&m.values);
+        let Some((odd, majority)) = odd_ones(&m.values) else {
+            // No majority (two ranks, or a send facing a send): list everyone's value.
+            let each: Vec<String> = m
+                .values
+                .iter()
+                .map(|(r, v)| format!("rank {r} {}", show(v)))
+                .collect();
+            return with_files(format!(
+                "the ranks disagree on {} at #{} on communicator {}: {}",
+                m.field,
+                m.seq,
+                c.label(),
+                each.join(", ")
+            ));
+        };
         let odd_vals: Vec<String> = odd
             .iter()
             .map(|r| m.values.get(r).map_or_else(String::new, show))

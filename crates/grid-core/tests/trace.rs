@@ -388,6 +388,10 @@ fn two_sends_face_to_face_are_an_op_mismatch() {
     assert_eq!(c.mismatches[0].field, "op");
     assert_eq!(c.stuck_at, Some(0));
     assert_eq!(c.waiting_ranks, [0, 1]);
+    assert_eq!(
+        report.summary,
+        "the ranks disagree on op at #0 on communicator pp[0, 1]: rank 0 send, rank 1 send"
+    );
 }
 
 #[test]
