@@ -116,7 +116,8 @@ pub struct CommReport {
     pub last_completed: BTreeMap<usize, Option<u64>>,
     /// The first sequence number not completed by every member with a log.
     pub stuck_at: Option<u64>,
-    /// The operation at `stuck_at` (as the waiting ranks recorded it).
+    /// The operation at `stuck_at` (as the first waiting rank recorded it, or, if none waits,
+    /// the first member that completed it).
     pub stuck_op: Option<String>,
     /// Members that never posted `stuck_at` (or have no log).
     pub missing_ranks: Vec<usize>,
@@ -302,6 +303,7 @@ fn analyze_comm(
     let mut waiting_ranks = Vec::new();
     let mut stuck_op = None;
     let mut stuck_posted_us: Option<u64> = None;
+    let (mut done_op, mut done_posted_us): (Option<String>, Option<u64>) = (None, None);
     match stuck_at {
         Some(s) => {
             for (i, &r) in members.iter().enumerate() {
@@ -313,9 +315,18 @@ fn analyze_comm(
                         stuck_posted_us =
                             Some(stuck_posted_us.map_or(rec.posted_us, |t| t.min(rec.posted_us)));
                     }
-                    At::Record(_) | At::Dropped => {}
+                    At::Record(rec) => {
+                        // Completed here (an eager send, a root that finished first): names
+                        // the operation when nobody waits in it.
+                        done_op.get_or_insert_with(|| rec.op.clone());
+                        done_posted_us =
+                            Some(done_posted_us.map_or(rec.posted_us, |t| t.min(rec.posted_us)));
+                    }
+                    At::Dropped => {}
                 }
             }
+            stuck_op = stuck_op.or(done_op);
+            stuck_posted_us = stuck_posted_us.or(done_posted_us);
         }
         None => missing_ranks = no_log_ranks.clone(),
     }

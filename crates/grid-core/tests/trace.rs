@@ -472,3 +472,25 @@ fn no_dumps_at_all() {
          no file from ranks 0, 1, so where they stopped is unknown"
     );
 }
+
+#[test]
+fn an_eager_send_completed_while_its_receiver_never_arrived() {
+    let pp: (&str, &[usize]) = ("pp", &[0, 1]);
+    let r0 = Rank::new(0, &[pp], 8);
+    let r1 = Rank::new(1, &[pp], 8);
+    r0.done(0, ar(2));
+    r1.done(0, ar(2));
+    r0.done(0, OpDesc::new("send").count(8).peer(1));
+    let report = analyze(vec![(0, Some(r0.dump())), (1, Some(r1.dump()))], &[0, 1]);
+    let c = &report.communicators[0];
+    assert_eq!(c.stuck_at, Some(1));
+    assert_eq!(c.stuck_op.as_deref(), Some("send"));
+    assert_eq!(
+        (c.missing_ranks.clone(), c.waiting_ranks.clone()),
+        (vec![1], vec![])
+    );
+    assert_eq!(
+        report.summary,
+        "rank 1 never entered send #1 on communicator pp[0, 1]"
+    );
+}
