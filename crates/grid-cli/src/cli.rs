@@ -2,7 +2,7 @@
 //! clap error to one [`UsageError`] line that names the option, the value and what is valid.
 
 use crate::commands::{
-    comm_grid, completions, enumerate, hierarchical, layout, pipeline, rank_generator,
+    comm_grid, completions, enumerate, hierarchical, layout, pipeline, rank_generator, trace,
 };
 use crate::error::UsageError;
 use crate::values::ValueError;
@@ -22,6 +22,7 @@ const USAGE: &str = "
   grid pipeline SPEC [--format text|json]
   grid comm-grid --shape S1,S2,... --dims D1,D2,... [--rank-offset O] [--world-size W]
                  [--rank R] --queries FILE|- [--format text|json]
+  grid trace DIR [--format text|json]
   grid completions bash|zsh|fish
   grid help [COMMAND]      grid --version";
 
@@ -64,6 +65,8 @@ pub enum Command {
     Pipeline(pipeline::Args),
     /// Replay Megatron HyperCommGrid queries on one grid
     CommGrid(comm_grid::Args),
+    /// Read every rank's operation log (GRID_TRACE_DIR) and find where the ranks diverged
+    Trace(trace::Args),
     /// Print a shell completion script for grid (bash, zsh or fish)
     Completions(completions::Args),
 }

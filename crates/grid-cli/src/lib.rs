@@ -26,7 +26,9 @@ mod values;
 pub use error::UsageError;
 
 use cli::{Command, Parsed};
-use commands::{comm_grid, completions, enumerate, hierarchical, layout, pipeline, rank_generator};
+use commands::{
+    comm_grid, completions, enumerate, hierarchical, layout, pipeline, rank_generator, trace,
+};
 use std::io::{self, Write};
 
 /// Why a command did not complete: invalid input (exit status 2) or an output error.
@@ -104,6 +106,7 @@ pub fn run(args: &[String], w: &mut dyn Write) -> Result<(), Failure> {
             Command::RankGenerator(a) => rank_generator::run(a, &mut out)?,
             Command::Pipeline(a) => pipeline::run(a, &mut out)?,
             Command::CommGrid(a) => comm_grid::run(a, &mut out)?,
+            Command::Trace(a) => trace::run(a, &mut out)?,
             Command::Completions(a) => completions::run(a, &mut out)?,
         },
     }

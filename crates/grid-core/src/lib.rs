@@ -9,9 +9,10 @@
 //! operations validated once with typed errors, numbered and traced for every backend, plus
 //! the host reduction [`kernels`] and the split arithmetic ([`split_members`]) backends share.
 //!
-//! No I/O, no `unsafe`, no backend dependency. Groups are arithmetic ([`Group`]): the group of
-//! one rank in a million-rank world is computed in time proportional to the number of grid
-//! dimensions, never by enumerating the world.
+//! No `unsafe`, no backend dependency, and no I/O except the operation log's dump ([`oplog`]:
+//! the flight recorder of every communicator, read across ranks by [`trace`] and `grid trace`).
+//! Groups are arithmetic ([`Group`]): the group of one rank in a million-rank world is computed
+//! in time proportional to the number of grid dimensions, never by enumerating the world.
 //!
 //! ```
 //! use grid_core::{Family, LayoutConfig, LayoutPlan};
@@ -84,3 +85,7 @@ pub use plan::{
 pub use view::{Coords, RankView};
 mod hypercomm;
 pub use hypercomm::{CommGrid, CreatedGroup, PgKey};
+pub mod oplog;
+pub mod trace;
+pub use oplog::{OpDesc, OpHandle, OpLog, OpRecord, OpState, Recorder, TraceDump, TraceError};
+pub use trace::{analyze, TraceReport};

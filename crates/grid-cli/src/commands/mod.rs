@@ -7,3 +7,4 @@ pub mod hierarchical;
 pub mod layout;
 pub mod pipeline;
 pub mod rank_generator;
+pub mod trace;
