@@ -108,6 +108,40 @@ fn raw_op(op: ReduceOp) -> RawOp {
     }
 }
 
+/// The trait's error for a shim failure of `op` on communicator `comm` (members
+/// `global_ranks`, operation time limit `timeout`): see [`Inner::fail`].
+fn to_error(
+    op: &'static str,
+    e: ShimError,
+    comm: &str,
+    global_ranks: &[usize],
+    timeout: Duration,
+) -> Error {
+    let world = |p: usize| global_ranks.get(p).copied().unwrap_or(p);
+    match (e.code, e.peer) {
+        (ShimCode::Invalid, _) => Error::Invalid(format!("{op}: {}", e.message)),
+        (_, Some(peer)) => Error::PeerFailed {
+            op,
+            peer,
+            message: format!(
+                "lost the connection to rank {peer} (world rank {}) of communicator '{comm}': {}",
+                world(peer),
+                e.message
+            ),
+        },
+        (ShimCode::Timeout, None) => Error::Timeout {
+            op,
+            millis: u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX),
+            peer: None,
+        },
+        (code, None) => LibraryError::new(BACKEND, op, e.message)
+            .comm(comm)
+            .code(code.status())
+            .class(code.class())
+            .into(),
+    }
+}
+
 impl Inner {
     fn size(&self) -> usize {
         self.ctx.size()
@@ -148,30 +182,7 @@ impl Inner {
             }
             tracing::warn!(communicator = %self.name, op, code = ?e.code, peer = ?e.peer, message = %e.message, "gloo operation failed");
         }
-        let world = |p: usize| self.global_ranks.get(p).copied().unwrap_or(p);
-        match (e.code, e.peer) {
-            (ShimCode::Invalid, _) => Error::Invalid(format!("{op}: {}", e.message)),
-            (_, Some(peer)) => Error::PeerFailed {
-                op,
-                peer,
-                message: format!(
-                    "lost the connection to rank {peer} (world rank {}) of communicator '{}': {}",
-                    world(peer),
-                    self.name,
-                    e.message
-                ),
-            },
-            (ShimCode::Timeout, None) => Error::Timeout {
-                op,
-                millis: u64::try_from(self.timeout.as_millis()).unwrap_or(u64::MAX),
-                peer: None,
-            },
-            (code, None) => LibraryError::new(BACKEND, op, e.message)
-                .comm(self.name.as_str())
-                .code(code.status())
-                .class(code.class())
-                .into(),
-        }
+        to_error(op, e, &self.name, &self.global_ranks, self.timeout)
     }
 
     /// A failure of this crate's own machinery (a thread that cannot start, a panic), as
@@ -671,5 +682,77 @@ impl Backend for GlooBackend {
     fn synchronize(&self) -> Result<()> {
         self.inner.seq.drain();
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shim(code: ShimCode, peer: Option<usize>) -> ShimError {
+        ShimError {
+            code,
+            peer,
+            message: "Connection reset by peer".into(),
+        }
+    }
+
+    #[test]
+    fn failures_keep_their_cause() {
+        let t = Duration::from_millis(1500);
+        let ranks = [4, 5, 6];
+        let e = to_error(
+            "all_reduce",
+            shim(ShimCode::Io, None),
+            "w0/s1/c4",
+            &ranks,
+            t,
+        );
+        match &e {
+            Error::Library(l) => {
+                assert_eq!(
+                    (l.backend, l.op, l.comm.as_str()),
+                    ("gloo", "all_reduce", "w0/s1/c4")
+                );
+                assert_eq!(l.code, Some(ShimCode::Io.status()));
+                assert_eq!(l.class.as_deref(), Some("gloo::IoException"));
+                assert_eq!(l.message, "Connection reset by peer");
+            }
+            other => panic!("{other}"),
+        }
+        assert!(e.is_communication());
+        let e = to_error("barrier", shim(ShimCode::Enforce, None), "w0", &ranks, t);
+        assert!(
+            matches!(&e, Error::Library(l) if l.class.as_deref() == Some("gloo::EnforceNotMet")),
+            "{e}"
+        );
+        let e = to_error("recv", shim(ShimCode::Io, Some(2)), "w0", &ranks, t);
+        assert!(
+            matches!(
+                &e,
+                Error::PeerFailed {
+                    op: "recv",
+                    peer: 2,
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        assert!(e.to_string().contains("world rank 6"), "{e}");
+        assert!(e.to_string().contains("communicator 'w0'"), "{e}");
+        let e = to_error("broadcast", shim(ShimCode::Timeout, None), "w0", &ranks, t);
+        assert!(
+            matches!(
+                e,
+                Error::Timeout {
+                    op: "broadcast",
+                    millis: 1500,
+                    peer: None
+                }
+            ),
+            "{e}"
+        );
+        let e = to_error("send", shim(ShimCode::Invalid, None), "w0", &ranks, t);
+        assert!(matches!(e, Error::Invalid(_)), "{e}");
     }
 }
