@@ -42,7 +42,8 @@ const ABORTED: &str = "aborted by the user";
 ///   ([`grid_core::kernels`]) as Gloo's reduction function: integers wrap on overflow, f16 and
 ///   bf16 are combined in f32 and rounded to nearest even at every step of Gloo's algorithm
 ///   (their partial results travel as f16/bf16), and `Avg` is the sum divided by the size
-///   ([`grid_core::kernels::divide`]: rounded for floats, truncated toward zero for integers).
+///   ([`grid_core::kernels::divide`]: rounded for floats, truncated toward zero for integers;
+///   i32 and u8 averages sum in i64, so they are exact, as in the kernels and on MPI).
 ///   Only host memory is accepted.
 ///
 /// ```
@@ -142,6 +143,41 @@ fn to_error(
     }
 }
 
+/// For an `Avg` of i32 or u8, `input` widened to i64 (the sum of any number of such values
+/// fits, so the mean is exact before truncation, as `grid_core::kernels` defines it); `None`
+/// for every other dtype and reduction, which Gloo reduces in the type itself.
+fn widened_average(input: HostSlice<'_>, op: ReduceOp) -> Option<HostBuffer> {
+    if op != ReduceOp::Avg {
+        return None;
+    }
+    match input {
+        HostSlice::I32(s) => Some(HostBuffer::I64(s.iter().map(|&x| i64::from(x)).collect())),
+        HostSlice::U8(s) => Some(HostBuffer::I64(s.iter().map(|&x| i64::from(x)).collect())),
+        _ => None,
+    }
+}
+
+/// Writes the means of [`widened_average`] back in the narrow type (they fit: a mean of values
+/// of a type lies within the type).
+fn narrow(op: &'static str, wide: HostSlice<'_>, out: HostSliceMut<'_>) -> Result<()> {
+    match (wide, out) {
+        (HostSlice::I64(w), HostSliceMut::I32(o)) => {
+            o.iter_mut().zip(w).for_each(|(o, &w)| *o = w as i32)
+        }
+        (HostSlice::I64(w), HostSliceMut::U8(o)) => {
+            o.iter_mut().zip(w).for_each(|(o, &w)| *o = w as u8)
+        }
+        (w, o) => {
+            return Err(Error::DTypeMismatch {
+                op,
+                expected: o.dtype(),
+                actual: w.dtype(),
+            })
+        }
+    }
+    Ok(())
+}
+
 impl Inner {
     fn size(&self) -> usize {
         self.ctx.size()
@@ -205,6 +241,22 @@ impl Inner {
     ) -> Result<()> {
         const OP: &str = "all_reduce";
         self.alive(OP)?;
+        if let Some(wide) = widened_average(send.unwrap_or(recv.as_slice()), op) {
+            // An i32 or u8 average sums in i64 (grid_core::kernels' rule): the conversion is
+            // the staging, and the wide buffer is reduced in place.
+            let mut wide = wide;
+            self.ctx
+                .allreduce_in_place(
+                    wide.as_mut_slice(),
+                    RawOp::Sum,
+                    self.allreduce,
+                    tag,
+                    self.timeout,
+                )
+                .map_err(|e| self.fail(OP, e))?;
+            kernels::divide(wide.as_mut_slice(), self.size());
+            return narrow(OP, wide.as_slice(), recv);
+        }
         let raw = raw_op(op);
         let r = match send {
             Some(s) => {
@@ -248,6 +300,22 @@ impl Inner {
     ) -> Result<()> {
         const OP: &str = "reduce_scatter";
         self.alive(OP)?;
+        if let Some(wide) = widened_average(send, op) {
+            // As in all_reduce: an i32 or u8 average sums in i64.
+            let mut block = HostBuffer::zeros(DType::I64, recv.len());
+            self.ctx
+                .reduce_scatter(
+                    wide.as_slice(),
+                    block.as_mut_slice(),
+                    RawOp::Sum,
+                    self.reduce_scatter,
+                    tag,
+                    self.timeout,
+                )
+                .map_err(|e| self.fail(OP, e))?;
+            kernels::divide(block.as_mut_slice(), self.size());
+            return narrow(OP, block.as_slice(), recv);
+        }
         self.ctx
             .reduce_scatter(
                 send,
