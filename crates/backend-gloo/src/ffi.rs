@@ -647,7 +647,7 @@ pub enum RawP2p<'a> {
 }
 
 /// An owned, connected Gloo context (`gloo::rendezvous::Context` with a full mesh of TCP pairs).
-/// Reached through [`crate::GlooCommunicator::raw`] (see its example, and [`RawP2p`]'s).
+/// Reached through [`crate::GlooBackend::raw`] (see its example, and [`RawP2p`]'s).
 ///
 /// All methods block. Collectives on one context are serialised by an internal lock (Gloo
 /// matches messages by slot, so two collectives in flight on one context would need distinct
