@@ -35,7 +35,8 @@ fn main() {
         .flag_if_supported("-Wno-unused-parameter")
         .flag_if_supported("-Wno-sign-compare")
         .flag_if_supported("-Wno-deprecated-declarations");
-    // The reductions run in the shim: keep them optimised even in debug builds.
+    // Gloo's algorithm templates are instantiated in the shim: keep them optimised even in
+    // debug builds (the element-wise reductions themselves are grid-core's Rust kernels).
     build.opt_level(2);
     build.compile("gloo_shim");
 

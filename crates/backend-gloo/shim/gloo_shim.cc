@@ -9,12 +9,12 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cmath>
 #include <cstring>
 #include <exception>
 #include <limits>
 #include <memory>
 #include <mutex>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -255,6 +255,10 @@ class BoundedStore : public gloo::rendezvous::Store {
 };
 
 // ---- element types and reductions --------------------------------------------------------------
+//
+// The shim does no arithmetic of its own: every element-wise reduction Gloo performs calls the
+// caller's gloo_shim_reduce_fn (backend-gloo passes grid_core's host kernels). The C++ types
+// below only give Gloo's templates the element size (f16 and bf16 are two opaque bytes).
 
 struct f16_t {
   uint16_t x;
@@ -263,219 +267,59 @@ struct bf16_t {
   uint16_t x;
 };
 
-float half_to_float(uint16_t h) {
-  uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
-  uint32_t exp = (h >> 10) & 0x1f;
-  uint32_t man = h & 0x3ff;
-  uint32_t bits;
-  if (exp == 0) {
-    if (man == 0) {
-      bits = sign;
-    } else {
-      // Subnormal: normalise.
-      int e = -1;
-      do {
-        e++;
-        man <<= 1;
-      } while ((man & 0x400) == 0);
-      bits = sign | static_cast<uint32_t>(127 - 15 - e) << 23 | (man & 0x3ff) << 13;
-    }
-  } else if (exp == 0x1f) {
-    bits = sign | 0x7f800000u | (man << 13);
-  } else {
-    bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
-  }
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-uint16_t float_to_half(float f) {
-  uint32_t x;
-  std::memcpy(&x, &f, 4);
-  uint32_t sign = (x >> 16) & 0x8000;
-  uint32_t absx = x & 0x7fffffff;
-  if (absx >= 0x7f800000u) {
-    // Inf or NaN (keep NaN quiet and non-zero).
-    return static_cast<uint16_t>(sign | 0x7c00 | (absx > 0x7f800000u ? 0x200 : 0));
-  }
-  if (absx >= 0x477ff000u) {
-    // Rounds to a value >= 65520: overflow to infinity.
-    return static_cast<uint16_t>(sign | 0x7c00);
-  }
-  if (absx < 0x38800000u) {
-    // Result is subnormal (or zero): scale so that the integer part is the half mantissa.
-    float a;
-    std::memcpy(&a, &absx, 4);
-    float scaled = a * 16777216.0f;  // 2^24: one half-subnormal ulp = 2^-24
-    float r = std::nearbyint(scaled);  // round half to even (default rounding mode)
-    return static_cast<uint16_t>(sign | static_cast<uint32_t>(r));
-  }
-  // Normal: round the 23-bit mantissa to 10 bits, half to even.
-  uint32_t exp = ((absx >> 23) - 127 + 15);
-  uint32_t man = absx & 0x7fffff;
-  uint32_t half = (exp << 10) | (man >> 13);
-  uint32_t rest = man & 0x1fff;
-  if (rest > 0x1000 || (rest == 0x1000 && (half & 1))) {
-    half += 1;  // may carry into the exponent, which is the right result
-  }
-  return static_cast<uint16_t>(sign | half);
-}
-
-float bf16_to_float(uint16_t b) {
-  uint32_t bits = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-uint16_t float_to_bf16(float f) {
-  uint32_t x;
-  std::memcpy(&x, &f, 4);
-  if ((x & 0x7fffffff) > 0x7f800000u) {
-    return static_cast<uint16_t>((x >> 16) | 0x40);  // quiet NaN
-  }
-  uint32_t lsb = (x >> 16) & 1;
-  x += 0x7fff + lsb;
-  return static_cast<uint16_t>(x >> 16);
-}
-
-// Per-type arithmetic with defined behaviour: integers wrap (two's complement), floats follow
-// IEEE; min and max propagate NaN.
 template <typename T>
-struct Arith;
-
-template <typename T, typename U>
-struct IntArith {
-  static T add(T a, T b) {
-    return static_cast<T>(static_cast<U>(a) + static_cast<U>(b));
-  }
-  static T mul(T a, T b) {
-    return static_cast<T>(static_cast<U>(a) * static_cast<U>(b));
-  }
-  static T min(T a, T b) {
-    return b < a ? b : a;
-  }
-  static T max(T a, T b) {
-    return a < b ? b : a;
-  }
+struct DtypeOf;
+template <>
+struct DtypeOf<float> {
+  static constexpr int32_t value = GLOO_SHIM_F32;
 };
 template <>
-struct Arith<int32_t> : IntArith<int32_t, uint32_t> {};
-template <>
-struct Arith<int64_t> : IntArith<int64_t, uint64_t> {};
-template <>
-struct Arith<uint8_t> : IntArith<uint8_t, uint32_t> {};
-
-template <typename T>
-struct FloatArith {
-  static T add(T a, T b) {
-    return a + b;
-  }
-  static T mul(T a, T b) {
-    return a * b;
-  }
-  static T min(T a, T b) {
-    if (a != a) return a;
-    if (b != b) return b;
-    return b < a ? b : a;
-  }
-  static T max(T a, T b) {
-    if (a != a) return a;
-    if (b != b) return b;
-    return a < b ? b : a;
-  }
+struct DtypeOf<double> {
+  static constexpr int32_t value = GLOO_SHIM_F64;
 };
 template <>
-struct Arith<float> : FloatArith<float> {};
-template <>
-struct Arith<double> : FloatArith<double> {};
-
-template <typename T, float (*ToF)(uint16_t), uint16_t (*FromF)(float)>
-struct HalfArith {
-  static T make(uint16_t x) {
-    T t;
-    t.x = x;
-    return t;
-  }
-  static T add(T a, T b) {
-    return make(FromF(ToF(a.x) + ToF(b.x)));
-  }
-  static T mul(T a, T b) {
-    return make(FromF(ToF(a.x) * ToF(b.x)));
-  }
-  static T min(T a, T b) {
-    float fa = ToF(a.x), fb = ToF(b.x);
-    if (fa != fa) return a;
-    if (fb != fb) return b;
-    return fb < fa ? b : a;
-  }
-  static T max(T a, T b) {
-    float fa = ToF(a.x), fb = ToF(b.x);
-    if (fa != fa) return a;
-    if (fb != fb) return b;
-    return fa < fb ? b : a;
-  }
+struct DtypeOf<int32_t> {
+  static constexpr int32_t value = GLOO_SHIM_I32;
 };
 template <>
-struct Arith<f16_t> : HalfArith<f16_t, half_to_float, float_to_half> {};
+struct DtypeOf<int64_t> {
+  static constexpr int32_t value = GLOO_SHIM_I64;
+};
 template <>
-struct Arith<bf16_t> : HalfArith<bf16_t, bf16_to_float, float_to_bf16> {};
+struct DtypeOf<uint8_t> {
+  static constexpr int32_t value = GLOO_SHIM_U8;
+};
+template <>
+struct DtypeOf<f16_t> {
+  static constexpr int32_t value = GLOO_SHIM_F16;
+};
+template <>
+struct DtypeOf<bf16_t> {
+  static constexpr int32_t value = GLOO_SHIM_BF16;
+};
 
-template <typename T, int Op>
-T apply(T a, T b) {
-  switch (Op) {
-    case GLOO_SHIM_SUM:
-      return Arith<T>::add(a, b);
-    case GLOO_SHIM_PROD:
-      return Arith<T>::mul(a, b);
-    case GLOO_SHIM_MIN:
-      return Arith<T>::min(a, b);
-    default:
-      return Arith<T>::max(a, b);
-  }
-}
-
-// The gloo::AllreduceOptions::Func form: c = a op b (c may equal a).
-template <typename T, int Op>
-void reduce_void(void* c_, const void* a_, const void* b_, size_t n) {
-  T* c = static_cast<T*>(c_);
-  const T* a = static_cast<const T*>(a_);
-  const T* b = static_cast<const T*>(b_);
-  for (size_t i = 0; i < n; i++) {
-    c[i] = apply<T, Op>(a[i], b[i]);
-  }
-}
+// The reduction function of the legacy algorithm (gloo::ReductionFunction<T> takes a plain
+// function pointer, so the caller's function reaches it through this variable, set on the
+// calling thread before every construction and run: the algorithm reduces on that thread).
+thread_local gloo_shim_reduce_fn t_legacy_reduce = nullptr;
 
 // The gloo::ReductionFunction<T>::Function form: x = x op y.
-template <typename T, int Op>
-void reduce_inplace(T* x, const T* y, size_t n) {
-  for (size_t i = 0; i < n; i++) {
-    x[i] = apply<T, Op>(x[i], y[i]);
+template <typename T, int32_t Op>
+void legacy_reduce(T* x, const T* y, size_t n) {
+  gloo_shim_reduce_fn f = t_legacy_reduce;
+  if (f == nullptr) {
+    throw std::logic_error("gloo_shim: no reduction function on this thread");
   }
-}
-
-template <typename T>
-gloo::AllreduceOptions::Func allreduce_func(int32_t op) {
-  switch (op) {
-    case GLOO_SHIM_SUM:
-      return &reduce_void<T, GLOO_SHIM_SUM>;
-    case GLOO_SHIM_PROD:
-      return &reduce_void<T, GLOO_SHIM_PROD>;
-    case GLOO_SHIM_MIN:
-      return &reduce_void<T, GLOO_SHIM_MIN>;
-    default:
-      return &reduce_void<T, GLOO_SHIM_MAX>;
-  }
+  f(DtypeOf<T>::value, Op, x, x, y, n);
 }
 
 template <typename T>
 const gloo::ReductionFunction<T>* reduction_function(int32_t op) {
-  static const gloo::ReductionFunction<T> sum(gloo::SUM, &reduce_inplace<T, GLOO_SHIM_SUM>);
+  static const gloo::ReductionFunction<T> sum(gloo::SUM, &legacy_reduce<T, GLOO_SHIM_SUM>);
   static const gloo::ReductionFunction<T> prod(
-      gloo::PRODUCT, &reduce_inplace<T, GLOO_SHIM_PROD>);
-  static const gloo::ReductionFunction<T> min(gloo::MIN, &reduce_inplace<T, GLOO_SHIM_MIN>);
-  static const gloo::ReductionFunction<T> max(gloo::MAX, &reduce_inplace<T, GLOO_SHIM_MAX>);
+      gloo::PRODUCT, &legacy_reduce<T, GLOO_SHIM_PROD>);
+  static const gloo::ReductionFunction<T> min(gloo::MIN, &legacy_reduce<T, GLOO_SHIM_MIN>);
+  static const gloo::ReductionFunction<T> max(gloo::MAX, &legacy_reduce<T, GLOO_SHIM_MAX>);
   switch (op) {
     case GLOO_SHIM_SUM:
       return &sum;
@@ -528,14 +372,17 @@ void with_dtype(int32_t dtype, F&& f) {
 template <typename T>
 void run_allreduce(
     const std::shared_ptr<gloo::Context>& ctx, const void* send, void* recv, size_t count,
-    int32_t op, int32_t algorithm, uint32_t tag, Millis timeout) {
+    int32_t op, gloo_shim_reduce_fn reduce, int32_t algorithm, uint32_t tag, Millis timeout) {
   gloo::AllreduceOptions opts(ctx);
   if (send != recv) {
     // Without an input Gloo reduces the output buffer in place.
     opts.setInput(const_cast<T*>(static_cast<const T*>(send)), count);
   }
   opts.setOutput(static_cast<T*>(recv), count);
-  opts.setReduceFunction(allreduce_func<T>(op));
+  const int32_t dtype = DtypeOf<T>::value;
+  opts.setReduceFunction([reduce, dtype, op](void* c, const void* a, const void* b, size_t n) {
+    reduce(dtype, op, c, a, b, n);
+  });
   opts.setAlgorithm(
       algorithm == GLOO_SHIM_ALLREDUCE_BCUBE ? gloo::AllreduceOptions::Algorithm::BCUBE
                                              : gloo::AllreduceOptions::Algorithm::RING);
@@ -575,8 +422,9 @@ struct HdImpl : HdCache {
 template <typename T>
 void run_reduce_scatter_hd(
     gloo_shim_context* c, const void* send, void* recv, size_t recv_count, int32_t dtype,
-    int32_t op) {
+    int32_t op, gloo_shim_reduce_fn reduce) {
   std::lock_guard<std::mutex> guard(c->legacy);
+  t_legacy_reduce = reduce;
   try {
     if (c->hd == nullptr || c->hd->dtype != dtype || c->hd->op != op ||
         c->hd->recv_count != recv_count) {
@@ -599,12 +447,12 @@ void run_reduce_scatter_hd(
 template <typename T>
 void run_reduce_scatter_ar(
     gloo_shim_context* c, const void* send, void* recv, size_t recv_count, int32_t op,
-    uint32_t tag, Millis timeout) {
+    gloo_shim_reduce_fn reduce, uint32_t tag, Millis timeout) {
   const size_t size = static_cast<size_t>(c->ctx->size);
   std::vector<T> scratch(recv_count * size);
   run_allreduce<T>(
-      c->ctx, send, scratch.data(), recv_count * size, op, GLOO_SHIM_ALLREDUCE_RING, tag,
-      timeout);
+      c->ctx, send, scratch.data(), recv_count * size, op, reduce, GLOO_SHIM_ALLREDUCE_RING,
+      tag, timeout);
   std::memcpy(
       recv, scratch.data() + static_cast<size_t>(c->ctx->rank) * recv_count,
       recv_count * sizeof(T));
@@ -792,17 +640,19 @@ int32_t gloo_shim_context_size(const gloo_shim_context* ctx) {
 
 int32_t gloo_shim_allreduce(
     gloo_shim_context* c, const void* send, void* recv, size_t count, int32_t dtype, int32_t op,
-    int32_t algorithm, uint32_t tag, int64_t timeout_ms, gloo_shim_status* st) {
+    gloo_shim_reduce_fn reduce, int32_t algorithm, uint32_t tag, int64_t timeout_ms,
+    gloo_shim_status* st) {
   return guarded(c->ctx.get(), st, [&] {
-    if (!valid_dtype(dtype) || !valid_op(op)) {
-      throw std::invalid_argument("unknown dtype or reduction");
+    if (!valid_dtype(dtype) || !valid_op(op) || reduce == nullptr) {
+      throw std::invalid_argument("unknown dtype or reduction, or no reduction function");
     }
     if (count == 0) {
       return;
     }
     with_dtype(dtype, [&](auto t) {
       using T = decltype(t);
-      run_allreduce<T>(c->ctx, send, recv, count, op, algorithm, tag, to_millis(timeout_ms));
+      run_allreduce<T>(
+          c->ctx, send, recv, count, op, reduce, algorithm, tag, to_millis(timeout_ms));
     });
   });
 }
@@ -841,10 +691,11 @@ int32_t gloo_shim_allgather(
 
 int32_t gloo_shim_reduce_scatter(
     gloo_shim_context* c, const void* send, void* recv, size_t recv_count, int32_t dtype,
-    int32_t op, int32_t algorithm, uint32_t tag, int64_t timeout_ms, gloo_shim_status* st) {
+    int32_t op, gloo_shim_reduce_fn reduce, int32_t algorithm, uint32_t tag, int64_t timeout_ms,
+    gloo_shim_status* st) {
   return guarded(c->ctx.get(), st, [&] {
-    if (!valid_dtype(dtype) || !valid_op(op)) {
-      throw std::invalid_argument("unknown dtype or reduction");
+    if (!valid_dtype(dtype) || !valid_op(op) || reduce == nullptr) {
+      throw std::invalid_argument("unknown dtype or reduction, or no reduction function");
     }
     if (recv_count == 0) {
       return;
@@ -855,9 +706,10 @@ int32_t gloo_shim_reduce_scatter(
       // The legacy algorithm counts elements and bytes in `int`.
       bool fits = total_bytes <= static_cast<size_t>(std::numeric_limits<int>::max());
       if (algorithm == GLOO_SHIM_RS_HALVING_DOUBLING && fits) {
-        run_reduce_scatter_hd<T>(c, send, recv, recv_count, dtype, op);
+        run_reduce_scatter_hd<T>(c, send, recv, recv_count, dtype, op, reduce);
       } else {
-        run_reduce_scatter_ar<T>(c, send, recv, recv_count, op, tag, to_millis(timeout_ms));
+        run_reduce_scatter_ar<T>(
+            c, send, recv, recv_count, op, reduce, tag, to_millis(timeout_ms));
       }
     });
   });

@@ -8,6 +8,9 @@
  *  - Objects are opaque handles created by *_new / *_connect and released by *_free.
  *  - Buffers are (pointer, byte or element count) pairs owned by the caller, which keeps them
  *    alive and unaliased for the duration of the call (all calls here are blocking).
+ *  - The shim does no arithmetic: reductions call the caller's gloo_shim_reduce_fn, on the
+ *    thread that called gloo_shim_allreduce / gloo_shim_reduce_scatter, before that call
+ *    returns.
  */
 #ifndef GLOO_SHIM_H
 #define GLOO_SHIM_H
@@ -70,6 +73,12 @@ enum {
   /* gloo::allreduce (ring) on a scratch copy, then a copy of this rank's block. */
   GLOO_SHIM_RS_ALLREDUCE = 2
 };
+
+/* The element-wise reduction Gloo runs: out[i] = a[i] op b[i] for n elements of dtype
+ * (GLOO_SHIM_F32.., GLOO_SHIM_SUM..). out may be equal to a or to b. Must not throw or unwind;
+ * it cannot report a failure through Gloo, so the caller records one on its own side. */
+typedef void (*gloo_shim_reduce_fn)(
+    int32_t dtype, int32_t op, void* out, const void* a, const void* b, size_t n);
 
 #define GLOO_SHIM_MESSAGE_LEN 2048
 
@@ -137,11 +146,12 @@ int32_t gloo_shim_context_size(const gloo_shim_context* ctx);
 
 /* ---- collectives (blocking; count = elements, bytes = bytes) --------------------------------- */
 
-/* recv[i] = op over ranks of send[i]; send and recv have count elements of dtype. send == recv
- * reduces in place. */
+/* recv[i] = op over ranks of send[i], reduced with `reduce`; send and recv have count elements
+ * of dtype. send == recv reduces in place. */
 int32_t gloo_shim_allreduce(
     gloo_shim_context* ctx, const void* send, void* recv, size_t count, int32_t dtype,
-    int32_t op, int32_t algorithm, uint32_t tag, int64_t timeout_ms, gloo_shim_status* st);
+    int32_t op, gloo_shim_reduce_fn reduce, int32_t algorithm, uint32_t tag, int64_t timeout_ms,
+    gloo_shim_status* st);
 /* buf (bytes) of rank root to every rank, in place. */
 int32_t gloo_shim_broadcast(
     gloo_shim_context* ctx, void* buf, size_t bytes, int32_t root, uint32_t tag,
@@ -150,10 +160,12 @@ int32_t gloo_shim_broadcast(
 int32_t gloo_shim_allgather(
     gloo_shim_context* ctx, const void* send, void* recv, size_t bytes, uint32_t tag,
     int64_t timeout_ms, gloo_shim_status* st);
-/* recv (recv_count elements) = block `rank` of op over ranks of send (size * recv_count). */
+/* recv (recv_count elements) = block `rank` of op over ranks of send (size * recv_count),
+ * reduced with `reduce`. */
 int32_t gloo_shim_reduce_scatter(
     gloo_shim_context* ctx, const void* send, void* recv, size_t recv_count, int32_t dtype,
-    int32_t op, int32_t algorithm, uint32_t tag, int64_t timeout_ms, gloo_shim_status* st);
+    int32_t op, gloo_shim_reduce_fn reduce, int32_t algorithm, uint32_t tag, int64_t timeout_ms,
+    gloo_shim_status* st);
 /* Block j of send (bytes / size) to rank j; block i of recv from rank i. */
 int32_t gloo_shim_alltoall(
     gloo_shim_context* ctx, const void* send, void* recv, size_t bytes, uint32_t tag,

@@ -1,15 +1,14 @@
-//! [`GlooCommunicator`]: the `grid_core::Communicator` traits over one Gloo context.
+//! [`GlooBackend`]: the front end's [`Backend`] over one Gloo context, and
+//! [`GlooCommunicator`], the communicator users hold (`Comm<GlooBackend>`).
 
 use crate::exec::{panic_message, worker_gone, Completion, GlooWork, Sequencer};
 use crate::ffi::{
     AllreduceAlgorithm, RawContext, RawOp, RawP2p, ReduceScatterAlgorithm, ShimCode, ShimError,
 };
-use grid_core::comm::check;
 use grid_core::{
-    BufMut, BufRef, Communicator, DType, Error, HostBuffer, HostSlice, HostSliceMut, Memory, P2pOp,
-    ReduceOp, Request, Result, Tensor, Work,
+    kernels, Backend, Comm, DType, Error, HostBuffer, HostSlice, HostSliceMut, LibraryError,
+    Memory, Op, P2pOp, ReduceOp, Request, Result, Tensor, Validated, Work,
 };
-use half::{bf16, f16};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender};
@@ -17,24 +16,35 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 const BACKEND: &str = "gloo";
-/// The failure recorded by [`GlooCommunicator::abort`].
+/// The failure recorded by [`GlooBackend::abort`].
 const ABORTED: &str = "aborted by the user";
 
 /// A communicator over one group of ranks, backed by one Gloo context (a full mesh of TCP
-/// connections between the members).
+/// connections between the members): the front end ([`grid_core::Comm`]) over [`GlooBackend`].
+/// Created by [`crate::GlooFactory`]; its name ([`grid_core::Communicator::name`]) is the store
+/// key prefix of its rendezvous (`w0` for the first world, `w0/s3/c1` for colour 1 of the fourth
+/// split of it).
 ///
+/// * The front end validates every call (dtypes, lengths, roots, peers, tags, memory) with
+///   typed errors before Gloo sees it, numbers it and opens its `tracing` span.
 /// * Collectives run in call order on every rank: blocking ones on the caller's thread,
-///   nonblocking ones ([`Communicator::start`]) on a worker thread of this communicator (created
-///   on first use), interleaved in the order they were called.
+///   nonblocking ones ([`grid_core::Communicator::start`]) on a worker thread of this
+///   communicator (created on first use), interleaved in the order they were called.
+/// * All-reduce in place ([`grid_core::CommunicatorExt::all_reduce_in_place`], `iall_reduce`)
+///   hands the buffer itself to Gloo as its output with no input, which Gloo reduces in place:
+///   no copy. Out of place, Gloo reads the input and writes the output.
 /// * Point-to-point operations are posted at once (Gloo's unbound buffers), so `isend`/`irecv`
 ///   pairs in any order cannot deadlock; they complete when the peer matches them.
 /// * Every operation is bounded by the communicator's timeout ([`crate::GlooConfig::timeout`]).
 ///   After a timeout or a lost peer the communicator is unusable (Gloo closes its connections):
 ///   later calls return [`Error::Finalized`].
-/// * All seven dtypes and all reductions are supported: integers wrap on overflow, f16 and bf16
-///   are reduced in f32 and rounded to nearest even, min/max propagate NaN, and `Avg` is the
-///   sum divided by the size (rounded for floats, truncated toward zero for integers). Only
-///   host memory is accepted.
+/// * All seven dtypes and all reductions are supported, with grid-core's host kernels
+///   ([`grid_core::kernels`]) as Gloo's reduction function: integers wrap on overflow, f16 and
+///   bf16 are combined in f32 and rounded to nearest even at every step of Gloo's algorithm
+///   (their partial results travel as f16/bf16), and `Avg` is the sum divided by the size
+///   ([`grid_core::kernels::divide`]: rounded for floats, truncated toward zero for integers;
+///   i32 and u8 averages sum in i64, so they are exact, as in the kernels and on MPI).
+///   Only host memory is accepted.
 ///
 /// ```
 /// use backend_gloo::{run_ranks, GlooConfig};
@@ -43,19 +53,27 @@ const ABORTED: &str = "aborted by the user";
 /// let sums = run_ranks(2, &GlooConfig::new("doc-comm"), |_factory, world| {
 ///     let mut out = [0i64; 2];
 ///     world.all_reduce_into(&[world.rank() as i64, 1], &mut out, ReduceOp::Sum)?;
+///     let mut v = [world.rank() as f32 + 1.0; 3];
+///     world.all_reduce_in_place(&mut v, ReduceOp::Max)?; // no copy
+///     assert_eq!(v, [2.0; 3]);
 ///     Ok(out)
 /// })
 /// .unwrap();
 /// assert!(sums.iter().all(|r| r.as_ref().unwrap() == &[1, 2]));
 /// ```
-pub struct GlooCommunicator {
+pub type GlooCommunicator = Comm<GlooBackend>;
+
+/// The Gloo backend of one communicator: executes operations that the front end validated.
+/// Reached from a [`GlooCommunicator`] through `Deref` (`comm.abort()`, `comm.timeout()`) or
+/// `comm.inner()`.
+pub struct GlooBackend {
     inner: Arc<Inner>,
     worker: Mutex<Option<Sender<Job>>>,
 }
 
-impl std::fmt::Debug for GlooCommunicator {
+impl std::fmt::Debug for GlooBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("GlooCommunicator")
+        f.debug_struct("GlooBackend")
             .field("name", &self.inner.name)
             .field("rank", &self.inner.ctx.rank())
             .field("size", &self.inner.ctx.size())
@@ -82,14 +100,6 @@ pub(crate) struct Inner {
     splits: AtomicU64,
 }
 
-fn host_ref<'a>(op: &'static str, b: BufRef<'a>) -> Result<HostSlice<'a>> {
-    b.host_only(op, BACKEND)
-}
-
-fn host_mut<'a>(op: &'static str, b: BufMut<'a>) -> Result<HostSliceMut<'a>> {
-    b.host_only(op, BACKEND)
-}
-
 fn raw_op(op: ReduceOp) -> RawOp {
     match op {
         ReduceOp::Sum | ReduceOp::Avg => RawOp::Sum,
@@ -99,31 +109,73 @@ fn raw_op(op: ReduceOp) -> RawOp {
     }
 }
 
-/// Divides every element by `n` (the second half of `Avg`): rounded for floats (f16 and bf16
-/// through f32), truncated toward zero for integers.
-fn divide(buf: HostSliceMut<'_>, n: usize) {
-    match buf {
-        HostSliceMut::F32(s) => s.iter_mut().for_each(|x| *x /= n as f32),
-        HostSliceMut::F64(s) => s.iter_mut().for_each(|x| *x /= n as f64),
-        HostSliceMut::F16(s) => s
-            .iter_mut()
-            .for_each(|x| *x = f16::from_f32(x.to_f32() / n as f32)),
-        HostSliceMut::BF16(s) => s
-            .iter_mut()
-            .for_each(|x| *x = bf16::from_f32(x.to_f32() / n as f32)),
-        HostSliceMut::I32(s) => {
-            let n = i32::try_from(n).unwrap_or(i32::MAX);
-            s.iter_mut().for_each(|x| *x /= n)
+/// The trait's error for a shim failure of `op` on communicator `comm` (members
+/// `global_ranks`, operation time limit `timeout`): see [`Inner::fail`].
+fn to_error(
+    op: &'static str,
+    e: ShimError,
+    comm: &str,
+    global_ranks: &[usize],
+    timeout: Duration,
+) -> Error {
+    let world = |p: usize| global_ranks.get(p).copied().unwrap_or(p);
+    match (e.code, e.peer) {
+        (ShimCode::Invalid, _) => Error::Invalid(format!("{op}: {}", e.message)),
+        (_, Some(peer)) => Error::PeerFailed {
+            op,
+            peer,
+            message: format!(
+                "lost the connection to rank {peer} (world rank {}) of communicator '{comm}': {}",
+                world(peer),
+                e.message
+            ),
+        },
+        (ShimCode::Timeout, None) => Error::Timeout {
+            op,
+            millis: u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX),
+            peer: None,
+        },
+        (code, None) => LibraryError::new(BACKEND, op, e.message)
+            .comm(comm)
+            .code(code.status())
+            .class(code.class())
+            .into(),
+    }
+}
+
+/// For an `Avg` of i32 or u8, `input` widened to i64 (the sum of any number of such values
+/// fits, so the mean is exact before truncation, as `grid_core::kernels` defines it); `None`
+/// for every other dtype and reduction, which Gloo reduces in the type itself.
+fn widened_average(input: HostSlice<'_>, op: ReduceOp) -> Option<HostBuffer> {
+    if op != ReduceOp::Avg {
+        return None;
+    }
+    match input {
+        HostSlice::I32(s) => Some(HostBuffer::I64(s.iter().map(|&x| i64::from(x)).collect())),
+        HostSlice::U8(s) => Some(HostBuffer::I64(s.iter().map(|&x| i64::from(x)).collect())),
+        _ => None,
+    }
+}
+
+/// Writes the means of [`widened_average`] back in the narrow type (they fit: a mean of values
+/// of a type lies within the type).
+fn narrow(op: &'static str, wide: HostSlice<'_>, out: HostSliceMut<'_>) -> Result<()> {
+    match (wide, out) {
+        (HostSlice::I64(w), HostSliceMut::I32(o)) => {
+            o.iter_mut().zip(w).for_each(|(o, &w)| *o = w as i32)
         }
-        HostSliceMut::I64(s) => {
-            let n = i64::try_from(n).unwrap_or(i64::MAX);
-            s.iter_mut().for_each(|x| *x /= n)
+        (HostSlice::I64(w), HostSliceMut::U8(o)) => {
+            o.iter_mut().zip(w).for_each(|(o, &w)| *o = w as u8)
         }
-        HostSliceMut::U8(s) => {
-            let n = u8::try_from(n).unwrap_or(u8::MAX);
-            s.iter_mut().for_each(|x| *x /= n)
+        (w, o) => {
+            return Err(Error::DTypeMismatch {
+                op,
+                expected: o.dtype(),
+                actual: w.dtype(),
+            })
         }
     }
+    Ok(())
 }
 
 impl Inner {
@@ -135,6 +187,9 @@ impl Inner {
         self.ctx.rank()
     }
 
+    /// `Err(Finalized)` after [`GlooBackend::abort`] or a communication failure. The front end
+    /// calls it before every operation ([`Backend::check_live`]); collectives call it again
+    /// when their turn comes, since an operation queued before them may have failed meanwhile.
     fn alive(&self, op: &'static str) -> Result<()> {
         match &*self.failure.lock().unwrap_or_else(|e| e.into_inner()) {
             None => Ok(()),
@@ -151,6 +206,10 @@ impl Inner {
 
     /// Maps a shim failure to the trait's error and, unless the shim rejected an argument before
     /// communicating, marks the communicator failed.
+    ///
+    /// A lost peer becomes [`Error::PeerFailed`] (naming the peer and its world rank), a timeout
+    /// [`Error::Timeout`], and every other failure [`Error::Library`] with the operation, this
+    /// communicator's name, the shim's status code and the class of the C++ exception.
     fn fail(&self, op: &'static str, e: ShimError) -> Error {
         if e.code != ShimCode::Invalid {
             let mut f = self.failure.lock().unwrap_or_else(|p| p.into_inner());
@@ -159,114 +218,20 @@ impl Inner {
             }
             tracing::warn!(communicator = %self.name, op, code = ?e.code, peer = ?e.peer, message = %e.message, "gloo operation failed");
         }
-        let world = |p: usize| self.global_ranks.get(p).copied().unwrap_or(p);
-        match (e.code, e.peer) {
-            (ShimCode::Invalid, _) => Error::Invalid(format!("{op}: {}", e.message)),
-            (_, Some(peer)) => Error::PeerFailed {
-                op,
-                peer,
-                message: format!(
-                    "lost the connection to rank {peer} (world rank {}) of communicator '{}': {}",
-                    world(peer),
-                    self.name,
-                    e.message
-                ),
-            },
-            (ShimCode::Timeout, None) => Error::Timeout {
-                op,
-                millis: u64::try_from(self.timeout.as_millis()).unwrap_or(u64::MAX),
-                peer: None,
-            },
-            _ => Error::Backend {
-                backend: BACKEND,
-                op,
-                message: e.message,
-            },
-        }
+        to_error(op, e, &self.name, &self.global_ranks, self.timeout)
     }
 
-    // ---- argument checks, shared by the blocking and nonblocking forms ------------------------
-
-    fn check_reduce(
-        &self,
-        op_name: &'static str,
-        send: (DType, usize),
-        recv: (DType, usize),
-    ) -> Result<()> {
-        check::collective(op_name, self.size(), Some(send), recv)
+    /// A failure of this crate's own machinery (a thread that cannot start, a panic), as
+    /// [`Error::Library`] naming the operation and the communicator.
+    fn internal(&self, op: &'static str, message: String) -> Error {
+        LibraryError::new(BACKEND, op, message)
+            .comm(self.name.as_str())
+            .into()
     }
 
-    fn check_peer(&self, op: &'static str, peer: usize) -> Result<()> {
-        check::rank(op, "peer", peer, self.size())?;
-        if peer == self.rank() {
-            return Err(Error::Invalid(format!(
-                "{op}: peer {peer} is this rank; send to or receive from another rank (0..{} except {peer}), or use batch_p2p, which matches a rank's messages to itself",
-                self.size()
-            )));
-        }
-        Ok(())
-    }
+    // ---- the collectives (arguments validated by the front end, turn held) ------------------
 
-    fn validate(&self, r: &Request) -> Result<()> {
-        let mem = |op, t: &Tensor| t.as_ref().host_only(op, BACKEND).map(|_| ());
-        match r {
-            Request::AllReduce { buf, .. } => mem("all_reduce", buf),
-            Request::AllReduceInto { send, recv, .. } => {
-                mem("all_reduce", send)?;
-                mem("all_reduce", recv)?;
-                self.check_reduce(
-                    "all_reduce",
-                    (send.dtype(), send.len()),
-                    (recv.dtype(), recv.len()),
-                )
-            }
-            Request::Broadcast { buf, root } => {
-                mem("broadcast", buf)?;
-                check::rank("broadcast", "root", *root, self.size())
-            }
-            Request::AllGather { send, recv } => {
-                mem("all_gather", send)?;
-                mem("all_gather", recv)?;
-                check::collective(
-                    "all_gather",
-                    self.size(),
-                    Some((send.dtype(), send.len())),
-                    (recv.dtype(), recv.len()),
-                )
-            }
-            Request::ReduceScatter { send, recv, .. } => {
-                mem("reduce_scatter", send)?;
-                mem("reduce_scatter", recv)?;
-                self.check_reduce(
-                    "reduce_scatter",
-                    (send.dtype(), send.len()),
-                    (recv.dtype(), recv.len()),
-                )
-            }
-            Request::AllToAll { send, recv } => {
-                mem("all_to_all", send)?;
-                mem("all_to_all", recv)?;
-                check::collective(
-                    "all_to_all",
-                    self.size(),
-                    Some((send.dtype(), send.len())),
-                    (recv.dtype(), recv.len()),
-                )
-            }
-            Request::Barrier => Ok(()),
-            Request::Send { buf, peer, .. } => {
-                mem("send", buf)?;
-                self.check_peer("send", *peer)
-            }
-            Request::Recv { buf, peer, .. } => {
-                mem("recv", buf)?;
-                self.check_peer("recv", *peer)
-            }
-        }
-    }
-
-    // ---- the operations themselves (arguments already checked, turn held) --------------------
-
+    /// `send = None`: in place on `recv` (Gloo gets no input and reduces its output buffer).
     fn all_reduce(
         &self,
         send: Option<HostSlice<'_>>,
@@ -276,10 +241,23 @@ impl Inner {
     ) -> Result<()> {
         const OP: &str = "all_reduce";
         self.alive(OP)?;
-        let raw = raw_op(op);
-        if recv.is_empty() {
-            return Ok(());
+        if let Some(wide) = widened_average(send.unwrap_or(recv.as_slice()), op) {
+            // An i32 or u8 average sums in i64 (grid_core::kernels' rule): the conversion is
+            // the staging, and the wide buffer is reduced in place.
+            let mut wide = wide;
+            self.ctx
+                .allreduce_in_place(
+                    wide.as_mut_slice(),
+                    RawOp::Sum,
+                    self.allreduce,
+                    tag,
+                    self.timeout,
+                )
+                .map_err(|e| self.fail(OP, e))?;
+            kernels::divide(wide.as_mut_slice(), self.size());
+            return narrow(OP, wide.as_slice(), recv);
         }
+        let raw = raw_op(op);
         let r = match send {
             Some(s) => {
                 self.ctx
@@ -292,7 +270,7 @@ impl Inner {
         };
         r.map_err(|e| self.fail(OP, e))?;
         if op == ReduceOp::Avg {
-            divide(recv, self.size());
+            kernels::divide(recv, self.size());
         }
         Ok(())
     }
@@ -300,9 +278,6 @@ impl Inner {
     fn broadcast(&self, buf: HostSliceMut<'_>, root: usize, tag: u32) -> Result<()> {
         const OP: &str = "broadcast";
         self.alive(OP)?;
-        if buf.is_empty() {
-            return Ok(());
-        }
         self.ctx
             .broadcast(buf, root, tag, self.timeout)
             .map_err(|e| self.fail(OP, e))
@@ -311,9 +286,6 @@ impl Inner {
     fn all_gather(&self, send: HostSlice<'_>, recv: HostSliceMut<'_>, tag: u32) -> Result<()> {
         const OP: &str = "all_gather";
         self.alive(OP)?;
-        if send.is_empty() {
-            return Ok(());
-        }
         self.ctx
             .allgather(send, recv, tag, self.timeout)
             .map_err(|e| self.fail(OP, e))
@@ -328,22 +300,34 @@ impl Inner {
     ) -> Result<()> {
         const OP: &str = "reduce_scatter";
         self.alive(OP)?;
-        let raw = raw_op(op);
-        if recv.is_empty() {
-            return Ok(());
+        if let Some(wide) = widened_average(send, op) {
+            // As in all_reduce: an i32 or u8 average sums in i64.
+            let mut block = HostBuffer::zeros(DType::I64, recv.len());
+            self.ctx
+                .reduce_scatter(
+                    wide.as_slice(),
+                    block.as_mut_slice(),
+                    RawOp::Sum,
+                    self.reduce_scatter,
+                    tag,
+                    self.timeout,
+                )
+                .map_err(|e| self.fail(OP, e))?;
+            kernels::divide(block.as_mut_slice(), self.size());
+            return narrow(OP, block.as_slice(), recv);
         }
         self.ctx
             .reduce_scatter(
                 send,
                 recv.reborrow(),
-                raw,
+                raw_op(op),
                 self.reduce_scatter,
                 tag,
                 self.timeout,
             )
             .map_err(|e| self.fail(OP, e))?;
         if op == ReduceOp::Avg {
-            divide(recv, self.size());
+            kernels::divide(recv, self.size());
         }
         Ok(())
     }
@@ -351,9 +335,6 @@ impl Inner {
     fn all_to_all(&self, send: HostSlice<'_>, recv: HostSliceMut<'_>, tag: u32) -> Result<()> {
         const OP: &str = "all_to_all";
         self.alive(OP)?;
-        if send.is_empty() {
-            return Ok(());
-        }
         self.ctx
             .alltoall(send, recv, tag, self.timeout)
             .map_err(|e| self.fail(OP, e))
@@ -369,50 +350,66 @@ impl Inner {
 
     /// Runs a nonblocking collective (on the worker, its turn held) and returns its result buffer.
     fn exec(&self, request: Request, tag: u32) -> Result<Tensor> {
-        fn h(t: &mut Tensor) -> Result<HostSliceMut<'_>> {
-            t.as_mut().host_only("start", BACKEND)
+        let op = request.name();
+        // Host memory: the front end accepted nothing else, so this cannot fail.
+        fn h<'t>(op: &'static str, t: &'t mut Tensor) -> Result<HostSliceMut<'t>> {
+            t.as_mut().host_only(op, BACKEND)
         }
         match request {
-            Request::AllReduce { mut buf, op } => {
-                self.all_reduce(None, h(&mut buf)?, op, tag)?;
+            Request::AllReduce { mut buf, op: r } => {
+                self.all_reduce(None, h(op, &mut buf)?, r, tag)?;
                 Ok(buf)
             }
             Request::AllReduceInto {
                 mut send,
                 mut recv,
-                op,
+                op: r,
             } => {
-                self.all_reduce(Some(h(&mut send)?.as_slice()), h(&mut recv)?, op, tag)?;
+                self.all_reduce(
+                    Some(h(op, &mut send)?.as_slice()),
+                    h(op, &mut recv)?,
+                    r,
+                    tag,
+                )?;
                 Ok(recv)
             }
             Request::Broadcast { mut buf, root } => {
-                self.broadcast(h(&mut buf)?, root, tag)?;
+                self.broadcast(h(op, &mut buf)?, root, tag)?;
                 Ok(buf)
             }
             Request::AllGather { mut send, mut recv } => {
-                self.all_gather(h(&mut send)?.as_slice(), h(&mut recv)?, tag)?;
+                self.all_gather(h(op, &mut send)?.as_slice(), h(op, &mut recv)?, tag)?;
                 Ok(recv)
             }
             Request::ReduceScatter {
                 mut send,
                 mut recv,
-                op,
+                op: r,
             } => {
-                self.reduce_scatter(h(&mut send)?.as_slice(), h(&mut recv)?, op, tag)?;
+                self.reduce_scatter(h(op, &mut send)?.as_slice(), h(op, &mut recv)?, r, tag)?;
                 Ok(recv)
             }
             Request::AllToAll { mut send, mut recv } => {
-                self.all_to_all(h(&mut send)?.as_slice(), h(&mut recv)?, tag)?;
+                self.all_to_all(h(op, &mut send)?.as_slice(), h(op, &mut recv)?, tag)?;
                 Ok(recv)
             }
             Request::Barrier => {
                 self.barrier(tag)?;
                 Ok(Tensor::Host(HostBuffer::zeros(DType::U8, 0)))
             }
-            Request::Send { .. } | Request::Recv { .. } => Err(Error::Invalid(
-                "start: point-to-point requests are posted directly, not queued".into(),
+            Request::Send { .. } | Request::Recv { .. } => Err(self.internal(
+                op,
+                "point-to-point requests are posted directly, never queued on the worker".into(),
             )),
         }
+    }
+
+    /// Blocking point-to-point operations, posted together and waited for within the timeout.
+    fn p2p(&self, op: &'static str, ops: &mut [RawP2p<'_>]) -> Result<()> {
+        self.alive(op)?;
+        self.ctx
+            .p2p(ops, self.timeout)
+            .map_err(|e| self.fail(op, e))
     }
 }
 
@@ -420,21 +417,21 @@ fn worker_loop(inner: Arc<Inner>, rx: Receiver<Job>) {
     for job in rx {
         let turn = inner.seq.turn(job.ticket);
         let tag = turn.tag();
+        let op = job.request.name();
         let r = catch_unwind(AssertUnwindSafe(|| inner.exec(job.request, tag)));
         // Complete before releasing the turn, so that `synchronize` (which waits for the turns)
         // sees every earlier operation completed.
         job.done.complete(r.unwrap_or_else(|p| {
-            Err(Error::Backend {
-                backend: BACKEND,
-                op: "start",
-                message: format!("the operation panicked: {}", panic_message(&*p)),
-            })
+            Err(inner.internal(
+                op,
+                format!("the operation panicked: {}", panic_message(&*p)),
+            ))
         }));
         drop(turn);
     }
 }
 
-impl GlooCommunicator {
+impl GlooBackend {
     pub(crate) fn new(
         ctx: RawContext,
         global_ranks: Vec<usize>,
@@ -442,8 +439,8 @@ impl GlooCommunicator {
         timeout: Duration,
         allreduce: AllreduceAlgorithm,
         reduce_scatter: ReduceScatterAlgorithm,
-    ) -> GlooCommunicator {
-        GlooCommunicator {
+    ) -> GlooBackend {
+        GlooBackend {
             inner: Arc::new(Inner {
                 ctx,
                 global_ranks,
@@ -457,18 +454,6 @@ impl GlooCommunicator {
             }),
             worker: Mutex::new(None),
         }
-    }
-
-    /// The communicator's name: unique within its job and the store key prefix of its
-    /// rendezvous (`w0` for the first world, `w0/s3/c1` for colour 1 of the fourth split of it).
-    ///
-    /// ```
-    /// # use backend_gloo::{run_ranks, GlooConfig};
-    /// let names = run_ranks(1, &GlooConfig::new("doc-name"), |_f, w| Ok(w.name().to_string())).unwrap();
-    /// assert_eq!(names[0].as_ref().unwrap(), "w0");
-    /// ```
-    pub fn name(&self) -> &str {
-        &self.inner.name
     }
 
     /// The time limit of every operation (and of the rendezvous that created it).
@@ -557,10 +542,11 @@ impl GlooCommunicator {
         std::thread::Builder::new()
             .name(format!("gloo-{}", self.inner.name))
             .spawn(move || worker_loop(inner, rx))
-            .map_err(|e| Error::Backend {
-                backend: BACKEND,
-                op: "start",
-                message: format!("cannot start the communicator's worker thread: {e}"),
+            .map_err(|e| {
+                self.inner.internal(
+                    "start",
+                    format!("cannot start the communicator's worker thread: {e}"),
+                )
             })?;
         *w = Some(tx.clone());
         Ok(tx)
@@ -574,7 +560,6 @@ impl GlooCommunicator {
         tag: u32,
         is_recv: bool,
     ) -> Result<Box<dyn Work>> {
-        self.inner.alive(op)?;
         let host = buf.host_only(op, BACKEND)?;
         let pending = self
             .inner
@@ -591,17 +576,74 @@ impl GlooCommunicator {
                 let (r, data) = pending.wait(timeout);
                 d.complete(r.map(|_| Tensor::Host(data)).map_err(|e| inner.fail(op, e)));
             })
-            .map_err(|e| Error::Backend {
-                backend: BACKEND,
-                op,
-                message: format!("cannot start a thread to wait for the operation: {e}"),
+            .map_err(|e| {
+                self.inner.internal(
+                    op,
+                    format!("cannot start a thread to wait for the operation: {e}"),
+                )
             })?;
         Ok(Box::new(GlooWork::new(done)))
     }
+
+    /// A batch: messages of this rank to itself are matched here, in order, by tag (Gloo has
+    /// no self-connection); the others go to Gloo together.
+    fn batch(&self, ops: Vec<P2pOp<'_>>) -> Result<()> {
+        const OP: &str = "batch_p2p";
+        let me = self.inner.rank();
+        let mut remote = Vec::with_capacity(ops.len());
+        let mut self_sends: Vec<(u32, HostSlice<'_>, bool)> = Vec::new();
+        let mut self_recvs: Vec<(u32, HostSliceMut<'_>)> = Vec::new();
+        for op in ops {
+            match op {
+                P2pOp::Send { buf, peer, tag } => {
+                    let data = buf.host_only(OP, BACKEND)?;
+                    if peer == me {
+                        self_sends.push((tag, data, false));
+                    } else {
+                        remote.push(RawP2p::Send { data, peer, tag });
+                    }
+                }
+                P2pOp::Recv { buf, peer, tag } => {
+                    let data = buf.host_only(OP, BACKEND)?;
+                    if peer == me {
+                        self_recvs.push((tag, data));
+                    } else {
+                        remote.push(RawP2p::Recv { data, peer, tag });
+                    }
+                }
+            }
+        }
+        // Pairing the messages to itself is this backend's own matching: each receive takes
+        // the first unused send of its tag, which must have its dtype and length.
+        let mut pairs = Vec::with_capacity(self_recvs.len());
+        for (tag, dst) in self_recvs {
+            let src = self_sends.iter_mut().find(|(t, _, used)| *t == tag && !*used).ok_or_else(|| {
+                Error::Invalid(format!(
+                    "{OP}: a receive from this rank ({me}) with tag {tag} has no matching send to itself in the batch"
+                ))
+            })?;
+            src.2 = true;
+            grid_core::comm::check::same_dtype(OP, src.1.dtype(), dst.dtype())?;
+            grid_core::comm::check::len(OP, "receive from this rank", src.1.len(), dst.len())?;
+            pairs.push((src.1, dst));
+        }
+        if let Some((tag, ..)) = self_sends.iter().find(|(_, _, used)| !*used) {
+            return Err(Error::Invalid(format!(
+                "{OP}: a send to this rank ({me}) with tag {tag} has no matching receive from itself in the batch"
+            )));
+        }
+        for (src, mut dst) in pairs {
+            dst.copy_from(src)?;
+        }
+        if remote.is_empty() {
+            return Ok(());
+        }
+        self.inner.p2p(OP, &mut remote)
+    }
 }
 
-impl Communicator for GlooCommunicator {
-    fn backend(&self) -> &'static str {
+impl Backend for GlooBackend {
+    fn name(&self) -> &'static str {
         BACKEND
     }
 
@@ -625,153 +667,65 @@ impl Communicator for GlooCommunicator {
         true
     }
 
-    fn all_reduce(&self, send: BufRef<'_>, recv: BufMut<'_>, op: ReduceOp) -> Result<()> {
-        const OP: &str = "all_reduce";
-        let send = host_ref(OP, send)?;
-        let recv = host_mut(OP, recv)?;
-        self.inner
-            .check_reduce(OP, (send.dtype(), send.len()), (recv.dtype(), recv.len()))?;
-        let turn = self.inner.seq.enter();
-        self.inner.all_reduce(Some(send), recv, op, turn.tag())
+    fn check_live(&self, op: &'static str) -> Result<()> {
+        self.inner.alive(op)
     }
 
-    fn broadcast(&self, buf: BufMut<'_>, root: usize) -> Result<()> {
-        const OP: &str = "broadcast";
-        let buf = host_mut(OP, buf)?;
-        check::rank(OP, "root", root, self.size())?;
-        let turn = self.inner.seq.enter();
-        self.inner.broadcast(buf, root, turn.tag())
-    }
-
-    fn all_gather(&self, send: BufRef<'_>, recv: BufMut<'_>) -> Result<()> {
-        const OP: &str = "all_gather";
-        let send = host_ref(OP, send)?;
-        let recv = host_mut(OP, recv)?;
-        check::collective(
-            OP,
-            self.size(),
-            Some((send.dtype(), send.len())),
-            (recv.dtype(), recv.len()),
-        )?;
-        let turn = self.inner.seq.enter();
-        self.inner.all_gather(send, recv, turn.tag())
-    }
-
-    fn reduce_scatter(&self, send: BufRef<'_>, recv: BufMut<'_>, op: ReduceOp) -> Result<()> {
-        const OP: &str = "reduce_scatter";
-        let send = host_ref(OP, send)?;
-        let recv = host_mut(OP, recv)?;
-        self.inner
-            .check_reduce(OP, (send.dtype(), send.len()), (recv.dtype(), recv.len()))?;
-        let turn = self.inner.seq.enter();
-        self.inner.reduce_scatter(send, recv, op, turn.tag())
-    }
-
-    fn all_to_all(&self, send: BufRef<'_>, recv: BufMut<'_>) -> Result<()> {
-        const OP: &str = "all_to_all";
-        let send = host_ref(OP, send)?;
-        let recv = host_mut(OP, recv)?;
-        check::collective(
-            OP,
-            self.size(),
-            Some((send.dtype(), send.len())),
-            (recv.dtype(), recv.len()),
-        )?;
-        let turn = self.inner.seq.enter();
-        self.inner.all_to_all(send, recv, turn.tag())
-    }
-
-    fn barrier(&self) -> Result<()> {
-        let turn = self.inner.seq.enter();
-        self.inner.barrier(turn.tag())
-    }
-
-    fn send(&self, buf: BufRef<'_>, peer: usize, tag: u32) -> Result<()> {
-        const OP: &str = "send";
-        let data = host_ref(OP, buf)?;
-        self.inner.check_peer(OP, peer)?;
-        self.inner.alive(OP)?;
-        self.inner
-            .ctx
-            .p2p(&mut [RawP2p::Send { data, peer, tag }], self.inner.timeout)
-            .map_err(|e| self.inner.fail(OP, e))
-    }
-
-    fn recv(&self, buf: BufMut<'_>, peer: usize, tag: u32) -> Result<()> {
-        const OP: &str = "recv";
-        let data = host_mut(OP, buf)?;
-        self.inner.check_peer(OP, peer)?;
-        self.inner.alive(OP)?;
-        self.inner
-            .ctx
-            .p2p(&mut [RawP2p::Recv { data, peer, tag }], self.inner.timeout)
-            .map_err(|e| self.inner.fail(OP, e))
-    }
-
-    fn batch_p2p(&self, ops: Vec<P2pOp<'_>>) -> Result<()> {
-        const OP: &str = "batch_p2p";
-        let me = self.rank();
-        let size = self.size();
-        let mut remote = Vec::with_capacity(ops.len());
-        // Messages of this rank to itself are matched here, in order, by tag.
-        let mut self_sends: Vec<(u32, HostSlice<'_>, bool)> = Vec::new();
-        let mut self_recvs: Vec<(u32, HostSliceMut<'_>)> = Vec::new();
-        for op in ops {
-            match op {
-                P2pOp::Send { buf, peer, tag } => {
-                    let data = host_ref(OP, buf)?;
-                    check::rank(OP, "peer", peer, size)?;
-                    if peer == me {
-                        self_sends.push((tag, data, false));
-                    } else {
-                        remote.push(RawP2p::Send { data, peer, tag });
-                    }
-                }
-                P2pOp::Recv { buf, peer, tag } => {
-                    let data = host_mut(OP, buf)?;
-                    check::rank(OP, "peer", peer, size)?;
-                    if peer == me {
-                        self_recvs.push((tag, data));
-                    } else {
-                        remote.push(RawP2p::Recv { data, peer, tag });
-                    }
-                }
+    fn run(&self, op: Validated<Op<'_>>) -> Result<()> {
+        let inner = &*self.inner;
+        match op.into_op() {
+            Op::AllReduce { send, recv, op } => {
+                const OP: &str = "all_reduce";
+                let (send, recv) = (send.host_only(OP, BACKEND)?, recv.host_only(OP, BACKEND)?);
+                let turn = inner.seq.enter();
+                inner.all_reduce(Some(send), recv, op, turn.tag())
             }
+            Op::AllReduceInPlace { buf, op } => {
+                let buf = buf.host_only("all_reduce", BACKEND)?;
+                let turn = inner.seq.enter();
+                inner.all_reduce(None, buf, op, turn.tag())
+            }
+            Op::Broadcast { buf, root } => {
+                let buf = buf.host_only("broadcast", BACKEND)?;
+                let turn = inner.seq.enter();
+                inner.broadcast(buf, root, turn.tag())
+            }
+            Op::AllGather { send, recv } => {
+                const OP: &str = "all_gather";
+                let (send, recv) = (send.host_only(OP, BACKEND)?, recv.host_only(OP, BACKEND)?);
+                let turn = inner.seq.enter();
+                inner.all_gather(send, recv, turn.tag())
+            }
+            Op::ReduceScatter { send, recv, op } => {
+                const OP: &str = "reduce_scatter";
+                let (send, recv) = (send.host_only(OP, BACKEND)?, recv.host_only(OP, BACKEND)?);
+                let turn = inner.seq.enter();
+                inner.reduce_scatter(send, recv, op, turn.tag())
+            }
+            Op::AllToAll { send, recv } => {
+                const OP: &str = "all_to_all";
+                let (send, recv) = (send.host_only(OP, BACKEND)?, recv.host_only(OP, BACKEND)?);
+                let turn = inner.seq.enter();
+                inner.all_to_all(send, recv, turn.tag())
+            }
+            Op::Barrier => {
+                let turn = inner.seq.enter();
+                inner.barrier(turn.tag())
+            }
+            Op::Send { buf, peer, tag } => {
+                let data = buf.host_only("send", BACKEND)?;
+                inner.p2p("send", &mut [RawP2p::Send { data, peer, tag }])
+            }
+            Op::Recv { buf, peer, tag } => {
+                let data = buf.host_only("recv", BACKEND)?;
+                inner.p2p("recv", &mut [RawP2p::Recv { data, peer, tag }])
+            }
+            Op::Batch(ops) => self.batch(ops),
         }
-        let mut pairs = Vec::with_capacity(self_recvs.len());
-        for (tag, dst) in self_recvs {
-            let src = self_sends.iter_mut().find(|(t, _, used)| *t == tag && !*used).ok_or_else(|| {
-                Error::Invalid(format!(
-                    "{OP}: a receive from this rank ({me}) with tag {tag} has no matching send to itself in the batch"
-                ))
-            })?;
-            src.2 = true;
-            check::same_dtype(OP, src.1.dtype(), dst.dtype())?;
-            check::len(OP, "receive from this rank", src.1.len(), dst.len())?;
-            pairs.push((src.1, dst));
-        }
-        if let Some((tag, ..)) = self_sends.iter().find(|(_, _, used)| !*used) {
-            return Err(Error::Invalid(format!(
-                "{OP}: a send to this rank ({me}) with tag {tag} has no matching receive from itself in the batch"
-            )));
-        }
-        self.inner.alive(OP)?;
-        for (src, mut dst) in pairs {
-            dst.copy_from(src)?;
-        }
-        if remote.is_empty() {
-            return Ok(());
-        }
-        self.inner
-            .ctx
-            .p2p(&mut remote, self.inner.timeout)
-            .map_err(|e| self.inner.fail(OP, e))
     }
 
-    fn start(&self, request: Request) -> Result<Box<dyn Work>> {
-        self.inner.validate(&request)?;
-        self.inner.alive(request.name())?;
-        match request {
+    fn start(&self, request: Validated<Request>) -> Result<Box<dyn Work>> {
+        match request.into_op() {
             Request::Send { buf, peer, tag } => self.start_p2p("send", buf, peer, tag, false),
             Request::Recv { buf, peer, tag } => self.start_p2p("recv", buf, peer, tag, true),
             request => {
@@ -779,13 +733,14 @@ impl Communicator for GlooCommunicator {
                 let done = Completion::new();
                 let tx = self.worker()?;
                 let d = done.clone();
-                self.inner.seq.reserve(move |ticket| {
+                let inner = &self.inner;
+                inner.seq.reserve(move |ticket| {
                     tx.send(Job {
                         ticket,
                         request,
                         done: d,
                     })
-                    .map_err(|_| worker_gone(op))
+                    .map_err(|_| worker_gone(op, &inner.name))
                 })?;
                 Ok(Box::new(GlooWork::new(done)))
             }
@@ -795,5 +750,77 @@ impl Communicator for GlooCommunicator {
     fn synchronize(&self) -> Result<()> {
         self.inner.seq.drain();
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shim(code: ShimCode, peer: Option<usize>) -> ShimError {
+        ShimError {
+            code,
+            peer,
+            message: "Connection reset by peer".into(),
+        }
+    }
+
+    #[test]
+    fn failures_keep_their_cause() {
+        let t = Duration::from_millis(1500);
+        let ranks = [4, 5, 6];
+        let e = to_error(
+            "all_reduce",
+            shim(ShimCode::Io, None),
+            "w0/s1/c4",
+            &ranks,
+            t,
+        );
+        match &e {
+            Error::Library(l) => {
+                assert_eq!(
+                    (l.backend, l.op, l.comm.as_str()),
+                    ("gloo", "all_reduce", "w0/s1/c4")
+                );
+                assert_eq!(l.code, Some(ShimCode::Io.status()));
+                assert_eq!(l.class.as_deref(), Some("gloo::IoException"));
+                assert_eq!(l.message, "Connection reset by peer");
+            }
+            other => panic!("{other}"),
+        }
+        assert!(e.is_communication());
+        let e = to_error("barrier", shim(ShimCode::Enforce, None), "w0", &ranks, t);
+        assert!(
+            matches!(&e, Error::Library(l) if l.class.as_deref() == Some("gloo::EnforceNotMet")),
+            "{e}"
+        );
+        let e = to_error("recv", shim(ShimCode::Io, Some(2)), "w0", &ranks, t);
+        assert!(
+            matches!(
+                &e,
+                Error::PeerFailed {
+                    op: "recv",
+                    peer: 2,
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        assert!(e.to_string().contains("world rank 6"), "{e}");
+        assert!(e.to_string().contains("communicator 'w0'"), "{e}");
+        let e = to_error("broadcast", shim(ShimCode::Timeout, None), "w0", &ranks, t);
+        assert!(
+            matches!(
+                e,
+                Error::Timeout {
+                    op: "broadcast",
+                    millis: 1500,
+                    peer: None
+                }
+            ),
+            "{e}"
+        );
+        let e = to_error("send", shim(ShimCode::Invalid, None), "w0", &ranks, t);
+        assert!(matches!(e, Error::Invalid(_)), "{e}");
     }
 }

@@ -7,7 +7,7 @@
 //! as the Gloo tag. An idle communicator therefore runs a blocking collective with no thread
 //! hand-off at all.
 
-use grid_core::{Error, Result, Tensor, Work};
+use grid_core::{Error, LibraryError, Result, Tensor, Work};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -175,10 +175,8 @@ pub(crate) fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
 }
 
 /// An error for a worker that could not be reached.
-pub(crate) fn worker_gone(op: &'static str) -> Error {
-    Error::Backend {
-        backend: "gloo",
-        op,
-        message: "the communicator's worker thread is gone".into(),
-    }
+pub(crate) fn worker_gone(op: &'static str, comm: &str) -> Error {
+    LibraryError::new("gloo", op, "the communicator's worker thread is gone")
+        .comm(comm)
+        .into()
 }

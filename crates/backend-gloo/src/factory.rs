@@ -1,13 +1,16 @@
 //! Rendezvous stores, configuration, [`GlooFactory`] (world and sub-group creation) and
 //! launchers (ranks as threads of this process, or one rank per process from the environment).
 
-use crate::comm::GlooCommunicator;
+use crate::comm::{GlooBackend, GlooCommunicator};
 use crate::exec::panic_message;
 use crate::ffi::{
     AllreduceAlgorithm, RawContext, RawDevice, RawStore, ReduceScatterAlgorithm, ShimCode,
     ShimError,
 };
-use grid_core::{Communicator, CommunicatorExt, Error, GroupFactory, Result};
+use grid_core::{
+    split_members, Backend, Comm, Communicator, CommunicatorExt, Error, GroupFactory, LibraryError,
+    Result, SplitEntry,
+};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -84,10 +87,8 @@ impl InProcessStore {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .try_clone()
-            .ok_or_else(|| Error::Backend {
-                backend: BACKEND,
-                op: "rendezvous",
-                message: "cannot share the in-process store".into(),
+            .ok_or_else(|| {
+                LibraryError::new(BACKEND, "rendezvous", "cannot share the in-process store").into()
             })
     }
 }
@@ -164,11 +165,14 @@ impl Rendezvous {
 }
 
 fn store_error(kind: &str, e: ShimError) -> Error {
-    Error::Backend {
-        backend: BACKEND,
-        op: "rendezvous",
-        message: format!("cannot open the {kind} store: {}", e.message),
-    }
+    LibraryError::new(
+        BACKEND,
+        "rendezvous",
+        format!("cannot open the {kind} store: {}", e.message),
+    )
+    .code(e.code.status())
+    .class(e.code.class())
+    .into()
 }
 
 /// Settings of a Gloo job, the same on every rank.
@@ -336,13 +340,17 @@ impl GlooFactory {
     pub fn new(rendezvous: &Rendezvous, config: GlooConfig) -> Result<GlooFactory> {
         config.validate()?;
         let store = rendezvous.open()?;
-        let device = RawDevice::tcp(&config.hostname).map_err(|e| Error::Backend {
-            backend: BACKEND,
-            op: "device",
-            message: format!(
-                "cannot create a TCP device on {}: {}",
-                config.hostname, e.message
-            ),
+        let device = RawDevice::tcp(&config.hostname).map_err(|e| {
+            LibraryError::new(
+                BACKEND,
+                "device",
+                format!(
+                    "cannot create a TCP device on {}: {}",
+                    config.hostname, e.message
+                ),
+            )
+            .code(e.code.status())
+            .class(e.code.class())
         })?;
         Ok(GlooFactory {
             store: Mutex::new(store),
@@ -420,14 +428,15 @@ impl GlooFactory {
             seconds = t.elapsed().as_secs_f64(),
             "gloo rendezvous"
         );
-        Ok(GlooCommunicator::new(
+        let backend = GlooBackend::new(
             ctx,
             global_ranks,
             name.to_string(),
             self.config.timeout,
             self.config.allreduce,
             self.config.reduce_scatter,
-        ))
+        );
+        Ok(Comm::new(backend, name))
     }
 
     fn rendezvous_error(&self, name: &str, rank: usize, size: usize, e: ShimError) -> Error {
@@ -444,14 +453,18 @@ impl GlooFactory {
                 peer: None,
             },
             ShimCode::Invalid => Error::Invalid(format!("rendezvous of '{name}': {}", e.message)),
-            _ => Error::Backend {
-                backend: BACKEND,
-                op: "rendezvous",
-                message: format!(
+            code => LibraryError::new(
+                BACKEND,
+                "rendezvous",
+                format!(
                     "communicator '{name}' of job '{job}' (rank {rank} of {size}): {}",
                     e.message
                 ),
-            },
+            )
+            .comm(name)
+            .code(code.status())
+            .class(code.class())
+            .into(),
         }
     }
 }
@@ -465,38 +478,35 @@ impl GroupFactory for GlooFactory {
         color: Option<u32>,
         key: usize,
     ) -> Result<Option<GlooCommunicator>> {
+        const OP: &str = "split";
+        parent.check_live(OP)?;
         let seq = parent.next_split();
-        let size = parent.size();
-        // Colour (-1: none) and key of every parent rank.
-        let mine = [
-            color.map_or(-1, i64::from),
-            i64::try_from(key).unwrap_or(i64::MAX),
-        ];
-        let mut all = vec![0i64; 2 * size];
+        let me = parent.rank();
+        // Colour, key and world rank of every parent rank (grid-core's split arithmetic).
+        let mine = SplitEntry {
+            color,
+            key,
+            world_rank: parent.global_ranks().get(me).copied().unwrap_or(me),
+        }
+        .encode();
+        let mut all = vec![0i64; mine.len() * parent.size()];
         parent.all_gather_into(&mine[..], &mut all)?;
+        let entries = SplitEntry::decode_all(&all)?;
         let Some(color) = color else {
             return Ok(None);
         };
-        let mut members: Vec<(i64, usize)> = (0..size)
-            .filter(|&p| all[2 * p] == i64::from(color))
-            .map(|p| (all[2 * p + 1], p))
-            .collect();
-        members.sort_unstable();
-        let me = parent.rank();
-        let rank = members
-            .iter()
-            .position(|&(_, p)| p == me)
-            .ok_or_else(|| Error::Backend {
-                backend: BACKEND,
-                op: "split",
-                message: "this rank is missing from its own colour group".into(),
-            })?;
-        let global: Vec<usize> = members
-            .iter()
-            .map(|&(_, p)| parent.global_ranks().get(p).copied().unwrap_or(p))
-            .collect();
-        let name = format!("{}/s{seq}/c{color}", parent.name());
-        self.connect(&name, rank, global).map(Some)
+        let members = split_members(&entries, me).ok_or_else(|| {
+            Error::from(
+                LibraryError::new(
+                    BACKEND,
+                    OP,
+                    format!("rank {me} is missing from its own colour group {color}"),
+                )
+                .comm(parent.comm_name()),
+            )
+        })?;
+        let name = format!("{}/s{seq}/c{color}", parent.comm_name());
+        self.connect(&name, members.rank, members.members).map(Some)
     }
 }
 
@@ -575,11 +585,12 @@ where
                         panic_message(&*p)
                     )))
                 }),
-                Err(e) => Err(Error::Backend {
-                    backend: BACKEND,
-                    op: "run_ranks",
-                    message: format!("cannot start the thread of rank {rank}: {e}"),
-                }),
+                Err(e) => Err(LibraryError::new(
+                    BACKEND,
+                    "run_ranks",
+                    format!("cannot start the thread of rank {rank}: {e}"),
+                )
+                .into()),
             })
             .collect()
     });

@@ -4,15 +4,21 @@
 //! The shim guarantees (see `shim/gloo_shim.cc`):
 //! * no C++ exception crosses the boundary: every fallible call returns a status code and fills
 //!   a [`sys::gloo_shim_status`] with Gloo's message;
-//! * no callback into Rust exists, so no Rust panic can cross the boundary either;
 //! * every call that takes buffers is blocking and stops touching them before it returns, except
-//!   [`RawPending`], which owns its buffer until the operation is waited on or cancelled.
+//!   [`RawPending`], which owns its buffer until the operation is waited on or cancelled;
+//! * the shim does no arithmetic: Gloo's element-wise reductions call back into
+//!   [`reduce_callback`] here (grid-core's host kernels), on the thread that made the shim call
+//!   and before that call returns. The callback never unwinds into C++: it catches any panic
+//!   and records failures in a thread-local slot that the calling wrapper turns into an error
+//!   once the shim returns.
 //!
 //! The wrappers here check every length and dtype that the C++ side relies on for memory
 //! safety, right next to the call.
 
-use grid_core::{DType, HostBuffer, HostSlice, HostSliceMut};
-use std::ffi::{CStr, CString};
+use grid_core::{kernels, DType, HostBuffer, HostSlice, HostSliceMut, ReduceOp};
+use std::cell::RefCell;
+use std::ffi::{c_void, CStr, CString};
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::ptr::NonNull;
 use std::sync::Mutex;
 use std::time::Duration;
@@ -74,6 +80,40 @@ pub struct ShimError {
     pub peer: Option<usize>,
     /// Gloo's message.
     pub message: String,
+}
+
+impl ShimCode {
+    /// The shim's status number of this kind (`GLOO_SHIM_TIMEOUT`, ... in `gloo_shim.h`).
+    ///
+    /// ```
+    /// assert_eq!(backend_gloo::ShimCode::Io.status(), 2);
+    /// ```
+    pub fn status(self) -> i64 {
+        i64::from(match self {
+            ShimCode::Timeout => sys::GLOO_SHIM_TIMEOUT,
+            ShimCode::Io => sys::GLOO_SHIM_IO,
+            ShimCode::Enforce => sys::GLOO_SHIM_ENFORCE,
+            ShimCode::Invalid => sys::GLOO_SHIM_INVALID,
+            ShimCode::KeyExists => sys::GLOO_SHIM_KEY_EXISTS,
+            ShimCode::Other => sys::GLOO_SHIM_OTHER,
+        })
+    }
+
+    /// The class of the failure: the C++ exception Gloo threw, or the shim's own kind.
+    ///
+    /// ```
+    /// assert_eq!(backend_gloo::ShimCode::Io.class(), "gloo::IoException");
+    /// ```
+    pub fn class(self) -> &'static str {
+        match self {
+            ShimCode::Timeout => "timeout",
+            ShimCode::Io => "gloo::IoException",
+            ShimCode::Enforce => "gloo::EnforceNotMet",
+            ShimCode::Invalid => "invalid argument",
+            ShimCode::KeyExists => "key exists",
+            ShimCode::Other => "C++ exception",
+        }
+    }
 }
 
 impl ShimError {
@@ -149,7 +189,8 @@ fn dtype_code(d: DType) -> i32 {
     }) as i32
 }
 
-/// Reductions the shim implements (average is a sum followed by a division, done by the caller).
+/// Reductions Gloo runs (through grid-core's host kernels; average is a sum followed by a
+/// division, done by the caller).
 ///
 /// ```
 /// let op = backend_gloo::RawOp::Max;
@@ -211,6 +252,180 @@ pub enum ReduceScatterAlgorithm {
     /// for, so the next write to the buffer races with them) and once seen on 4 ranks under
     /// load. Opt in only to measure it.
     HalvingDoubling,
+}
+
+// ---- the reduction callback ----------------------------------------------------------------------
+
+thread_local! {
+    /// The first failure of [`reduce_callback`] during the current shim call on this thread.
+    static REDUCE_FAILURE: RefCell<Option<String>> = const { RefCell::new(None) };
+}
+
+fn clear_reduce_failure() {
+    REDUCE_FAILURE.with(|f| f.borrow_mut().take());
+}
+
+/// The failure of a reduction during the shim call that just returned on this thread, if any.
+fn reduce_failure() -> ShimResult<()> {
+    match REDUCE_FAILURE.with(|f| f.borrow_mut().take()) {
+        None => Ok(()),
+        Some(message) => Err(ShimError {
+            code: ShimCode::Other,
+            peer: None,
+            message: format!("the element-wise reduction failed: {message}"),
+        }),
+    }
+}
+
+fn dtype_of_code(code: i32) -> Option<DType> {
+    DType::ALL.into_iter().find(|&d| dtype_code(d) == code)
+}
+
+fn op_of_code(code: i32) -> Option<ReduceOp> {
+    [
+        (RawOp::Sum, ReduceOp::Sum),
+        (RawOp::Prod, ReduceOp::Prod),
+        (RawOp::Min, ReduceOp::Min),
+        (RawOp::Max, ReduceOp::Max),
+    ]
+    .into_iter()
+    .find(|(raw, _)| raw.code() == code)
+    .map(|(_, op)| op)
+}
+
+/// A typed shared slice over raw memory.
+///
+/// # Safety
+/// `p` is aligned for `d`, non-null, and readable for `n` elements of `d`, unmodified for `'a`.
+unsafe fn slice_at<'a>(d: DType, p: *const u8, n: usize) -> HostSlice<'a> {
+    // SAFETY: the caller's contract.
+    unsafe {
+        match d {
+            DType::F32 => HostSlice::F32(std::slice::from_raw_parts(p.cast(), n)),
+            DType::F64 => HostSlice::F64(std::slice::from_raw_parts(p.cast(), n)),
+            DType::F16 => HostSlice::F16(std::slice::from_raw_parts(p.cast(), n)),
+            DType::BF16 => HostSlice::BF16(std::slice::from_raw_parts(p.cast(), n)),
+            DType::I32 => HostSlice::I32(std::slice::from_raw_parts(p.cast(), n)),
+            DType::I64 => HostSlice::I64(std::slice::from_raw_parts(p.cast(), n)),
+            DType::U8 => HostSlice::U8(std::slice::from_raw_parts(p, n)),
+        }
+    }
+}
+
+/// A typed unique slice over raw memory.
+///
+/// # Safety
+/// `p` is aligned for `d`, non-null, writable for `n` elements of `d`, and no other reference
+/// to that memory is used for `'a`.
+unsafe fn slice_mut_at<'a>(d: DType, p: *mut u8, n: usize) -> HostSliceMut<'a> {
+    // SAFETY: the caller's contract.
+    unsafe {
+        match d {
+            DType::F32 => HostSliceMut::F32(std::slice::from_raw_parts_mut(p.cast(), n)),
+            DType::F64 => HostSliceMut::F64(std::slice::from_raw_parts_mut(p.cast(), n)),
+            DType::F16 => HostSliceMut::F16(std::slice::from_raw_parts_mut(p.cast(), n)),
+            DType::BF16 => HostSliceMut::BF16(std::slice::from_raw_parts_mut(p.cast(), n)),
+            DType::I32 => HostSliceMut::I32(std::slice::from_raw_parts_mut(p.cast(), n)),
+            DType::I64 => HostSliceMut::I64(std::slice::from_raw_parts_mut(p.cast(), n)),
+            DType::U8 => HostSliceMut::U8(std::slice::from_raw_parts_mut(p, n)),
+        }
+    }
+}
+
+/// `out = a op b` over `n` elements (out may be `a` or `b`), through [`kernels::accumulate`].
+///
+/// # Safety
+/// `out` is writable and `a`, `b` readable for `n` elements of `dtype` (Gloo's contract for
+/// its reduction function); they point into live buffers for the duration of the call.
+unsafe fn reduce_raw(
+    dtype: i32,
+    op: i32,
+    out: *mut u8,
+    a: *const u8,
+    b: *const u8,
+    n: usize,
+) -> Result<(), String> {
+    let d = dtype_of_code(dtype).ok_or_else(|| format!("unknown element type code {dtype}"))?;
+    let op = op_of_code(op).ok_or_else(|| format!("unknown reduction code {op}"))?;
+    if n == 0 {
+        return Ok(());
+    }
+    if out.is_null() || a.is_null() || b.is_null() {
+        return Err("a null buffer".into());
+    }
+    let bytes = n
+        .checked_mul(d.size_bytes())
+        .ok_or_else(|| format!("{n} elements of {d} overflow the address space"))?;
+    let align = d.size_bytes();
+    let aligned = |p: *const u8| (p as usize).is_multiple_of(align);
+    let disjoint = |p: *const u8| {
+        let (o, p) = (out as usize, p as usize);
+        p.saturating_add(bytes) <= o || o.saturating_add(bytes) <= p
+    };
+    let all_aligned = aligned(out) && aligned(a) && aligned(b);
+    let r = if all_aligned && std::ptr::eq(out, a) && disjoint(b) {
+        // SAFETY: aligned (checked) and live (contract); `out` is `a` and disjoint from `b`.
+        unsafe { kernels::accumulate(slice_mut_at(d, out, n), slice_at(d, b, n), op) }
+    } else if all_aligned && std::ptr::eq(out, b) && disjoint(a) {
+        // SAFETY: as above with the inputs swapped (every reduction here is commutative).
+        unsafe { kernels::accumulate(slice_mut_at(d, out, n), slice_at(d, a, n), op) }
+    } else if all_aligned && disjoint(a) && disjoint(b) {
+        // SAFETY: `out` disjoint from both inputs: copy `a` into it, then combine `b`.
+        unsafe {
+            std::ptr::copy_nonoverlapping(a, out, bytes);
+            kernels::accumulate(slice_mut_at(d, out, n), slice_at(d, b, n), op)
+        }
+    } else {
+        // Unaligned or overlapping memory, or `a` and `b` both `out` (Gloo passes none of
+        // these; handled for safety): reduce aligned copies and copy the result back.
+        let mut acc = HostBuffer::zeros(d, n);
+        let mut x = HostBuffer::zeros(d, n);
+        // SAFETY: `a`, `b` readable and `out` writable for `bytes` bytes (contract); the owned
+        // buffers are separate allocations of exactly `bytes` bytes; `copy` allows overlap.
+        unsafe {
+            std::ptr::copy(a, acc.as_mut_slice().as_mut_ptr(), bytes);
+            std::ptr::copy(b, x.as_mut_slice().as_mut_ptr(), bytes);
+        }
+        let r = kernels::accumulate(acc.as_mut_slice(), x.as_slice(), op);
+        if r.is_ok() {
+            // SAFETY: see above.
+            unsafe { std::ptr::copy(acc.as_slice().as_ptr(), out, bytes) };
+        }
+        r
+    };
+    r.map_err(|e| e.to_string())
+}
+
+/// The element-wise reduction the shim hands to Gloo (`gloo_shim_reduce_fn`): grid-core's
+/// host kernels for every dtype. Never unwinds: a panic or an error is recorded for the
+/// calling wrapper ([`reduce_failure`]) and the output is left as it is.
+///
+/// # Safety
+/// Called by the shim only, with Gloo's arguments: `out` writable, `a` and `b` readable for
+/// `n` elements of `dtype`.
+unsafe extern "C" fn reduce_callback(
+    dtype: i32,
+    op: i32,
+    out: *mut c_void,
+    a: *const c_void,
+    b: *const c_void,
+    n: usize,
+) {
+    let r = catch_unwind(AssertUnwindSafe(|| {
+        // SAFETY: the shim passes Gloo's buffers as they are (this function's contract).
+        unsafe { reduce_raw(dtype, op, out.cast(), a.cast(), b.cast(), n) }
+    }));
+    let failure = match r {
+        Ok(Ok(())) => return,
+        Ok(Err(e)) => e,
+        Err(p) => format!("panicked: {}", crate::exec::panic_message(&*p)),
+    };
+    // `try_with`: never panic, even while the thread is being torn down.
+    let _ = REDUCE_FAILURE.try_with(|f| {
+        if let Ok(mut f) = f.try_borrow_mut() {
+            f.get_or_insert(failure);
+        }
+    });
 }
 
 // ---- stores --------------------------------------------------------------------------------------
@@ -432,7 +647,7 @@ pub enum RawP2p<'a> {
 }
 
 /// An owned, connected Gloo context (`gloo::rendezvous::Context` with a full mesh of TCP pairs).
-/// Reached through [`crate::GlooCommunicator::raw`] (see its example, and [`RawP2p`]'s).
+/// Reached through [`crate::GlooBackend::raw`] (see its example, and [`RawP2p`]'s).
 ///
 /// All methods block. Collectives on one context are serialised by an internal lock (Gloo
 /// matches messages by slot, so two collectives in flight on one context would need distinct
@@ -544,8 +759,10 @@ impl RawContext {
         } as i32;
         let mut st = new_status();
         let _g = self.lock();
+        clear_reduce_failure();
         // SAFETY: live context; `send` readable and `recv` writable for `len` elements of the
-        // same dtype (checked above); they cannot alias (shared vs unique borrows).
+        // same dtype (checked above); they cannot alias (shared vs unique borrows). The
+        // callback's contract is Gloo's: it reduces within these buffers or Gloo's own.
         let rc = unsafe {
             sys::gloo_shim_allreduce(
                 self.ptr.as_ptr(),
@@ -554,13 +771,15 @@ impl RawContext {
                 send.len(),
                 dtype_code(send.dtype()),
                 op.code(),
+                Some(reduce_callback),
                 algo,
                 tag,
                 millis(timeout),
                 &mut st,
             )
         };
-        check(rc, &st)
+        check(rc, &st)?;
+        reduce_failure()
     }
 
     /// `buf = op(buf of every rank)`, in place (no copy of the input).
@@ -581,6 +800,7 @@ impl RawContext {
         let p = buf.as_mut_ptr();
         let mut st = new_status();
         let _g = self.lock();
+        clear_reduce_failure();
         // SAFETY: live context; `buf` readable and writable for `len` elements; passing the
         // same pointer as input and output is the shim's in-place form (only Gloo's output
         // buffer is set).
@@ -592,13 +812,15 @@ impl RawContext {
                 len,
                 dtype_code(dtype),
                 op.code(),
+                Some(reduce_callback),
                 algo,
                 tag,
                 millis(timeout),
                 &mut st,
             )
         };
-        check(rc, &st)
+        check(rc, &st)?;
+        reduce_failure()
     }
 
     /// Broadcasts `buf` of context rank `root` into `buf` of every rank.
@@ -687,6 +909,7 @@ impl RawContext {
         } as i32;
         let mut st = new_status();
         let _g = self.lock();
+        clear_reduce_failure();
         // SAFETY: live context; `send` readable for size · recv.len() elements and `recv`
         // writable for recv.len() elements of one dtype (checked above); no aliasing.
         let rc = unsafe {
@@ -697,13 +920,15 @@ impl RawContext {
                 recv.len(),
                 dtype_code(send.dtype()),
                 op.code(),
+                Some(reduce_callback),
                 algo,
                 tag,
                 millis(timeout),
                 &mut st,
             )
         };
-        check(rc, &st)
+        check(rc, &st)?;
+        reduce_failure()
     }
 
     /// Block `j` of `send` to rank `j`, block `i` of `recv` from rank `i` (equal lengths,

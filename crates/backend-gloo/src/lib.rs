@@ -4,11 +4,14 @@
 //! the CPU collective library PyTorch ships, through a small C++ shim over the system
 //! `libgloo` (Debian `libgloo-dev`) whose Rust declarations `bindgen` generates at build time.
 //!
-//! * [`GlooCommunicator`] implements [`grid_core::Communicator`]: all-reduce (Gloo's ring or
-//!   BCube), broadcast, all-gather, reduce-scatter (through Gloo's ring all-reduce by default:
-//!   Gloo's own `ReduceScatterHalvingDoubling` is opt-in, see [`ReduceScatterAlgorithm`]),
-//!   all-to-all, barrier, tagged send/recv and batches of them, and nonblocking forms on a
-//!   per-communicator worker thread that keeps call order. All seven dtypes, host memory.
+//! * [`GlooCommunicator`] = [`grid_core::Comm`]`<`[`GlooBackend`]`>`: the grid-core front end
+//!   (validation, sequence numbers, tracing) over [`GlooBackend`], which executes the validated
+//!   operations: all-reduce (Gloo's ring or BCube; in place with no copy, or out of place),
+//!   broadcast, all-gather, reduce-scatter (through Gloo's ring all-reduce by default: Gloo's
+//!   own `ReduceScatterHalvingDoubling` is opt-in, see [`ReduceScatterAlgorithm`]), all-to-all,
+//!   barrier, tagged send/recv and batches of them, and nonblocking forms on a
+//!   per-communicator worker thread that keeps call order. All seven dtypes, host memory;
+//!   Gloo reduces with grid-core's host kernels ([`grid_core::kernels`]), called from the shim.
 //! * [`GlooFactory`] implements [`grid_core::GroupFactory`]: a split all-gathers colours over
 //!   the parent, then each colour group meets under its own store prefix (only members take
 //!   part), exactly like PyTorch's `new_group` on Gloo.
@@ -33,13 +36,16 @@
 //! }
 //! ```
 #![warn(missing_docs)]
+// Every `unsafe` block lives in the FFI module `ffi`, next to the invariant it relies on.
+#![deny(unsafe_code)]
 
 mod comm;
 mod exec;
 mod factory;
+#[allow(unsafe_code)]
 mod ffi;
 
-pub use comm::GlooCommunicator;
+pub use comm::{GlooBackend, GlooCommunicator};
 pub use factory::{
     env, init_from_env, run_ranks, run_ranks_with, GlooConfig, GlooFactory, InProcessStore,
     Rendezvous,

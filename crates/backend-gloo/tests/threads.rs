@@ -127,3 +127,40 @@ fn reduce_scatter_repeated_default() {
 fn reduce_scatter_repeated_halving_doubling() {
     reduce_scatter_repeated(ReduceScatterAlgorithm::HalvingDoubling);
 }
+
+/// Integer averages follow grid-core's kernels: i32 and u8 sum without wrapping (in i64), then
+/// truncate toward zero; in place and out of place, blocking and nonblocking, and through
+/// reduce-scatter.
+#[test]
+fn integer_averages_do_not_wrap() {
+    use grid_core::{Communicator, CommunicatorExt, ReduceOp};
+    let out = run_ranks(3, &cfg("int-avg"), |_f, w| {
+        let r = w.rank();
+        // u8: 250 + 10 + 251 = 511 would wrap to 255 in u8; the mean is 170.
+        let mine = [[250u8, 0], [10, 1], [251, 1]][r];
+        let mut avg = [0u8; 2];
+        w.all_reduce_into(&mine, &mut avg, ReduceOp::Avg)?;
+        assert_eq!(avg, [170, 0]);
+        let mut inplace = mine;
+        w.all_reduce_in_place(&mut inplace, ReduceOp::Avg)?;
+        assert_eq!(inplace, [170, 0]);
+        // i32 near the limits: the sum overflows i32, the mean does not; -7 / 3 truncates.
+        let big = [[i32::MAX, -7], [i32::MAX - 2, 0], [i32::MAX - 4, 0]][r];
+        let got = w.iall_reduce(big.to_vec(), ReduceOp::Avg)?.wait()?;
+        assert_eq!(got, vec![i32::MAX - 2, -2]);
+        let got = w
+            .iall_reduce_into(big.to_vec(), vec![0i32; 2], ReduceOp::Avg)?
+            .wait()?;
+        assert_eq!(got, vec![i32::MAX - 2, -2]);
+        // reduce-scatter: block k of every rank holds 200 + k; the mean of each block is exact.
+        let send: Vec<u8> = (0..3).flat_map(|k| [200 + k as u8 + r as u8; 2]).collect();
+        let mut block = [0u8; 2];
+        w.reduce_scatter_into(&send, &mut block, ReduceOp::Avg)?;
+        assert_eq!(block, [200 + r as u8 + 1; 2]);
+        Ok(())
+    })
+    .unwrap();
+    for (r, res) in out.into_iter().enumerate() {
+        res.unwrap_or_else(|e| panic!("rank {r}: {e}"));
+    }
+}

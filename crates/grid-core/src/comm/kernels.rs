@@ -25,6 +25,7 @@
 
 use super::dtype::{DType, HostSlice, HostSliceMut, ReduceOp};
 use crate::error::{Error, Result};
+use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 
 macro_rules! int_op {
@@ -170,6 +171,109 @@ pub fn divide(buf: HostSliceMut<'_>, n: usize) {
     }
 }
 
+/// Combines `x` into `acc` element by element, in place: `acc[i] = acc[i] op x[i]`, with the
+/// rules of the module docs for one pair (f16 and bf16 widened to f32 and rounded back once per
+/// call; integers wrapping). This is the two-operand step that libraries reducing over the
+/// wire call repeatedly (Gloo's reduction function, MPI user operations); `Avg` combines as a
+/// sum here, and the caller divides once at the end ([`divide`]), so integer averages wrap in
+/// the type rather than summing in i64 as [`reduce`] does.
+///
+/// ```
+/// use grid_core::{kernels, HostSlice, HostSliceMut, ReduceOp};
+/// let mut acc = [1.0f32, 5.0];
+/// kernels::accumulate(HostSliceMut::F32(&mut acc), HostSlice::F32(&[2.0, 3.0]), ReduceOp::Max)?;
+/// assert_eq!(acc, [2.0, 5.0]);
+/// let e = kernels::accumulate(HostSliceMut::F32(&mut acc), HostSlice::F32(&[1.0]), ReduceOp::Sum);
+/// assert!(e.is_err());
+/// # Ok::<(), grid_core::Error>(())
+/// ```
+pub fn accumulate(acc: HostSliceMut<'_>, x: HostSlice<'_>, op: ReduceOp) -> Result<()> {
+    const OP: &str = "accumulate";
+    if acc.dtype() != x.dtype() {
+        return Err(Error::DTypeMismatch {
+            op: OP,
+            expected: acc.dtype(),
+            actual: x.dtype(),
+        });
+    }
+    if acc.len() != x.len() {
+        return Err(Error::LengthMismatch {
+            op: OP,
+            what: "input",
+            expected: acc.len(),
+            actual: x.len(),
+        });
+    }
+    match (acc, x) {
+        (HostSliceMut::F32(a), HostSlice::F32(x)) => combine(a, x, op, |a, b| a + b, |a, b| a * b),
+        (HostSliceMut::F64(a), HostSlice::F64(x)) => combine(a, x, op, |a, b| a + b, |a, b| a * b),
+        (HostSliceMut::F16(a), HostSlice::F16(x)) => halves(a, x, op),
+        (HostSliceMut::BF16(a), HostSlice::BF16(x)) => halves(a, x, op),
+        (HostSliceMut::I32(a), HostSlice::I32(x)) => {
+            combine(a, x, op, i32::wrapping_add, i32::wrapping_mul)
+        }
+        (HostSliceMut::I64(a), HostSlice::I64(x)) => {
+            combine(a, x, op, i64::wrapping_add, i64::wrapping_mul)
+        }
+        (HostSliceMut::U8(a), HostSlice::U8(x)) => {
+            combine(a, x, op, u8::wrapping_add, u8::wrapping_mul)
+        }
+        // Unreachable: the dtypes were compared above.
+        (a, x) => {
+            return Err(Error::DTypeMismatch {
+                op: OP,
+                expected: a.dtype(),
+                actual: x.dtype(),
+            })
+        }
+    }
+    Ok(())
+}
+
+/// `a[i] = a[i] op x[i]` for one element type, each reduction its own monomorphic loop (which
+/// the compiler vectorises). Min and max compare as [`reduce`] does.
+#[inline]
+fn combine<T: Copy + PartialOrd>(
+    a: &mut [T],
+    x: &[T],
+    op: ReduceOp,
+    add: impl Fn(T, T) -> T,
+    mul: impl Fn(T, T) -> T,
+) {
+    match op {
+        ReduceOp::Sum | ReduceOp::Avg => pairwise(a, x, add),
+        ReduceOp::Prod => pairwise(a, x, mul),
+        ReduceOp::Min => pairwise(a, x, |a, b| if b < a { b } else { a }),
+        ReduceOp::Max => pairwise(a, x, |a, b| if b > a { b } else { a }),
+    }
+}
+
+#[inline]
+fn pairwise<T: Copy>(a: &mut [T], x: &[T], f: impl Fn(T, T) -> T) {
+    for (a, &x) in a.iter_mut().zip(x) {
+        *a = f(*a, x);
+    }
+}
+
+/// [`combine`] for f16 and bf16: blocks widened to f32 with the `half` crate's slice
+/// conversions (hardware instructions where the CPU has them), combined in f32, rounded back
+/// once.
+fn halves<H>(a: &mut [H], x: &[H], op: ReduceOp)
+where
+    [H]: HalfFloatSliceExt,
+{
+    const BLOCK: usize = 512;
+    let mut wa = [0f32; BLOCK];
+    let mut wx = [0f32; BLOCK];
+    for (a, x) in a.chunks_mut(BLOCK).zip(x.chunks(BLOCK)) {
+        let n = a.len();
+        a.convert_to_f32_slice(&mut wa[..n]);
+        x.convert_to_f32_slice(&mut wx[..n]);
+        combine(&mut wa[..n], &wx[..n], op, |a, b| a + b, |a, b| a * b);
+        a.convert_from_f32_slice(&wa[..n]);
+    }
+}
+
 fn float<T: Copy, A>(
     ins: &[&[T]],
     out: &mut [T],
@@ -297,6 +401,62 @@ mod tests {
             };
             assert_eq!(o.map(f16::to_f64).to_vec(), wantf, "f16 {op}");
         }
+    }
+
+    /// The pairwise step agrees with `reduce` over two inputs for every dtype and reduction
+    /// (except `Avg`, which combines as a sum), including across the half types' block edge.
+    #[test]
+    fn accumulate_matches_reduce_of_two() {
+        let n = 1100;
+        let a: Vec<f64> = (0..n).map(|i| ((i * 7) % 23) as f64 - 9.0).collect();
+        let b: Vec<f64> = (0..n).map(|i| ((i * 5) % 19) as f64 - 4.5).collect();
+        macro_rules! check {
+            ($v:ident, $conv:expr) => {{
+                let x: Vec<_> = a.iter().map(|&v| $conv(v)).collect();
+                let y: Vec<_> = b.iter().map(|&v| $conv(v)).collect();
+                for op in [ReduceOp::Sum, ReduceOp::Prod, ReduceOp::Min, ReduceOp::Max] {
+                    let mut want = x.clone();
+                    reduce(
+                        &[HostSlice::$v(&x), HostSlice::$v(&y)],
+                        HostSliceMut::$v(&mut want),
+                        op,
+                    )
+                    .unwrap();
+                    let mut got = x.clone();
+                    accumulate(HostSliceMut::$v(&mut got), HostSlice::$v(&y), op).unwrap();
+                    assert_eq!(got, want, "{} {op}", stringify!($v));
+                }
+                let mut got = x.clone();
+                accumulate(HostSliceMut::$v(&mut got), HostSlice::$v(&y), ReduceOp::Avg).unwrap();
+                let mut sum = x.clone();
+                accumulate(HostSliceMut::$v(&mut sum), HostSlice::$v(&y), ReduceOp::Sum).unwrap();
+                assert_eq!(got, sum, "{} avg combines as a sum", stringify!($v));
+            }};
+        }
+        check!(F32, |v: f64| v as f32);
+        check!(F64, |v: f64| v);
+        check!(F16, f16::from_f64);
+        check!(BF16, bf16::from_f64);
+        check!(I32, |v: f64| (v * 2.0) as i32);
+        check!(I64, |v: f64| (v * 2.0) as i64);
+        check!(U8, |v: f64| (v * 2.0 + 40.0) as u8);
+        let mut acc = [250u8, 1];
+        accumulate(
+            HostSliceMut::U8(&mut acc),
+            HostSlice::U8(&[10, 2]),
+            ReduceOp::Sum,
+        )
+        .unwrap();
+        assert_eq!(acc, [4, 3], "u8 wraps");
+        let mut acc = [1.0f32];
+        assert!(matches!(
+            accumulate(
+                HostSliceMut::F32(&mut acc),
+                HostSlice::F64(&[1.0]),
+                ReduceOp::Sum
+            ),
+            Err(Error::DTypeMismatch { .. })
+        ));
     }
 
     #[test]
