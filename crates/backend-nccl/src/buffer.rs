@@ -24,7 +24,7 @@ elements!(f32, f64, i32, i64, u8, f16, bf16);
 /// Device memory of `len` elements of `T` on one GPU, usable in every collective of an
 /// [`crate::NcclCommunicator`] on the same device.
 ///
-/// Create it with [`crate::NcclCommunicator::to_device`] / [`crate::NcclCommunicator::zeros`]
+/// Create it with [`crate::NcclBackend::to_device`] / [`crate::NcclBackend::zeros`]
 /// (allocated on the communicator's stream) or wrap a `CudaSlice` you allocated on your own stream
 /// with [`NcclDeviceBuffer::new`]; collectives then run after the work already queued on that
 /// stream, and later work on that stream runs after the collective.
