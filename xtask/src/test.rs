@@ -80,6 +80,20 @@ pub fn main(args: &[String]) -> i32 {
         note: String::new(),
     });
 
+    // (3b) API docs: every intra-doc link resolves and rustdoc has nothing to warn about.
+    let (ok, t) = timed(|| {
+        run(cargo()
+            .args(["doc", "--workspace", "--no-deps"])
+            .args(color_args())
+            .env("RUSTDOCFLAGS", "-D warnings"))
+    });
+    steps.push(Step {
+        name: "cargo doc -D warnings".into(),
+        ok,
+        time: t,
+        note: String::new(),
+    });
+
     // (4) Doc tests (nextest does not run them), then the tests, so that the test runner's
     // summary is the last thing before ours.
     let (ok, t) = timed(|| {
@@ -185,7 +199,7 @@ fn example_steps(counts: &mut Counts) -> Vec<Step> {
 const HELP: &str = "usage: cargo xtask test [--gpu]
 
 Checks the Debian packages (installs them when running as root), then runs
-cargo fmt --check, cargo clippy -D warnings, the doc tests and every test of
+cargo fmt --check, cargo clippy -D warnings, cargo doc -D warnings, the doc tests and every test of
 the workspace (cargo nextest when installed, else cargo test), then builds the
 examples and runs each library crate's example with the command its
 documentation gives (`//! Run: `...``).
