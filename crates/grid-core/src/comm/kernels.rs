@@ -8,7 +8,8 @@
 //! * **f16, bf16**: each input is widened to f32, reduced in f32 in rank order (`Avg`: sum then
 //!   division in f32) and rounded back to the half type once (round to nearest even).
 //! * **i32, i64, u8**: `Sum` and `Prod` wrap on overflow (two's complement / modulo 256, as the
-//!   C arithmetic of the libraries does); `Min`, `Max` exact. `Avg` sums in i64 (exact for i32
+//!   C arithmetic of the libraries does); `Min`, `Max` exact.
+//! * **Min and Max on floats propagate NaN**: a NaN on any rank gives NaN in that position. `Avg` sums in i64 (exact for i32
 //!   and u8; wrapping for i64), divides by the number of inputs with **truncation toward
 //!   zero** (Rust's `/`: the mean of `[-3, 0]` is `-1`, of `[1, 2]` is `1`) and narrows back,
 //!   which is exact because the mean of values of a type fits the type.
@@ -243,8 +244,31 @@ fn combine<T: Copy + PartialOrd>(
     match op {
         ReduceOp::Sum | ReduceOp::Avg => pairwise(a, x, add),
         ReduceOp::Prod => pairwise(a, x, mul),
-        ReduceOp::Min => pairwise(a, x, |a, b| if b < a { b } else { a }),
-        ReduceOp::Max => pairwise(a, x, |a, b| if b > a { b } else { a }),
+        ReduceOp::Min => pairwise(a, x, min_nan),
+        ReduceOp::Max => pairwise(a, x, max_nan),
+    }
+}
+
+/// Minimum that propagates NaN: a NaN in either operand gives NaN (as MPI's, NCCL's and
+/// torch's `min` do), whichever rank holds it. For integers `b != b` is never true.
+#[inline]
+#[allow(clippy::eq_op)]
+fn min_nan<T: Copy + PartialOrd>(a: T, b: T) -> T {
+    if b < a || b != b {
+        b
+    } else {
+        a
+    }
+}
+
+/// Maximum that propagates NaN (see [`min_nan`]).
+#[inline]
+#[allow(clippy::eq_op)]
+fn max_nan<T: Copy + PartialOrd>(a: T, b: T) -> T {
+    if b > a || b != b {
+        b
+    } else {
+        a
     }
 }
 
@@ -293,8 +317,8 @@ fn float<T: Copy, A>(
         ReduceOp::Sum => fold(ins, out, widen, |a, b| a + b, narrow),
         ReduceOp::Avg => fold(ins, out, widen, |a, b| a + b, |a| narrow(a / n)),
         ReduceOp::Prod => fold(ins, out, widen, |a, b| a * b, narrow),
-        ReduceOp::Min => fold(ins, out, widen, |a, b| if b < a { b } else { a }, narrow),
-        ReduceOp::Max => fold(ins, out, widen, |a, b| if b > a { b } else { a }, narrow),
+        ReduceOp::Min => fold(ins, out, widen, min_nan, narrow),
+        ReduceOp::Max => fold(ins, out, widen, max_nan, narrow),
     }
 }
 
@@ -507,5 +531,55 @@ mod tests {
             })
         ));
         assert!(reduce(&[], HostSliceMut::F32(&mut o), ReduceOp::Sum).is_err());
+    }
+
+    #[test]
+    fn min_and_max_propagate_nan_from_any_rank() {
+        for op in [ReduceOp::Min, ReduceOp::Max] {
+            for nan_first in [true, false] {
+                let (a, b) = if nan_first {
+                    ([f32::NAN, 1.0], [2.0f32, 3.0])
+                } else {
+                    ([2.0f32, 1.0], [f32::NAN, 3.0])
+                };
+                let mut out = [0f32; 2];
+                reduce(
+                    &[HostSlice::F32(&a), HostSlice::F32(&b)],
+                    HostSliceMut::F32(&mut out),
+                    op,
+                )
+                .unwrap();
+                assert!(out[0].is_nan(), "{op} nan_first={nan_first}: {out:?}");
+                assert!(!out[1].is_nan());
+                let mut acc = a;
+                accumulate(HostSliceMut::F32(&mut acc), HostSlice::F32(&b), op).unwrap();
+                assert!(
+                    acc[0].is_nan(),
+                    "accumulate {op} nan_first={nan_first}: {acc:?}"
+                );
+                let ha = a.map(bf16::from_f32);
+                let hb = b.map(bf16::from_f32);
+                let mut hout = [bf16::ZERO; 2];
+                reduce(
+                    &[HostSlice::BF16(&ha), HostSlice::BF16(&hb)],
+                    HostSliceMut::BF16(&mut hout),
+                    op,
+                )
+                .unwrap();
+                assert!(hout[0].is_nan(), "bf16 {op} nan_first={nan_first}");
+                let fa = a.map(f16::from_f32);
+                let mut facc = fa;
+                accumulate(
+                    HostSliceMut::F16(&mut facc),
+                    HostSlice::F16(&b.map(f16::from_f32)),
+                    op,
+                )
+                .unwrap();
+                assert!(
+                    facc[0].is_nan(),
+                    "f16 accumulate {op} nan_first={nan_first}"
+                );
+            }
+        }
     }
 }
