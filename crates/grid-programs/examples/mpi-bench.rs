@@ -12,9 +12,12 @@
 //!   all_gather, the send buffer for reduce_scatter.
 //! * `mpi-bench collection`: on 8 ranks, the demo layout (tp2 pp2 cp2, ep4 etp1).
 //! * `mpi-bench overhead`: on 1 rank, the fixed cost per call of this crate against rsmpi.
+//! * `mpi-bench in-place`: all_reduce in place (`all_reduce_in_place`, `MPI_IN_PLACE`, no copy)
+//!   against out of place (`all_reduce_into`, separate send and receive buffers) through this
+//!   crate, 1 MiB to 64 MiB, alternating iteration by iteration.
 //!
-//! Without a launcher, `mpi-bench` runs itself: `overhead` at 1 rank, `collectives` at 2 and 4 ranks and
-//! `collection` at 8 ranks, and prints one markdown report. `--quick` uses fewer iterations.
+//! Without a launcher, `mpi-bench` runs itself: `overhead` at 1 rank, `collectives` and
+//! `in-place` at 2 and 4 ranks and `collection` at 8 ranks, and prints one markdown report. `--quick` uses fewer iterations.
 
 use backend_mpi::{testing, MpiFactory, MpiRuntime};
 use grid_core::{
@@ -41,8 +44,9 @@ fn main() -> ExitCode {
             Some("collectives") | None => collectives(quick),
             Some("collection") => collection(quick),
             Some("overhead") => overhead(quick),
+            Some("in-place") => in_place(quick),
             Some(other) => Err(format!(
-                "unknown mode '{other}': use collectives, collection or overhead"
+                "unknown mode '{other}': use collectives, collection, overhead or in-place"
             )),
         }
     } else {
@@ -55,6 +59,114 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// All-reduce in place against out of place through this crate, same communicator, alternating
+/// iteration by iteration: what the in-place form saves (the copy the out-of-place form's
+/// separate receive buffer costs in memory traffic, and the buffer itself).
+fn in_place(quick: bool) -> Result<(), String> {
+    let rt = MpiRuntime::init().map_err(|e| e.to_string())?;
+    let comm = rt.world();
+    let e = |e: grid_core::Error| e.to_string();
+    let (me, n) = (comm.rank(), comm.size());
+    if me == 0 {
+        println!("## All-reduce in place against out of place, {n} ranks (f32, sum)\n");
+        println!("Both through this crate: `all_reduce_in_place` (MPI_IN_PLACE, no copy) and `all_reduce_into` (separate send and receive buffers). Time: median over iterations of the slowest rank; the two alternate iteration by iteration.\n");
+        println!(
+            "{}",
+            header(&[
+                ">bytes",
+                ">samples",
+                ">in place µs",
+                ">out of place µs",
+                ">in place / out of place"
+            ])
+        );
+    }
+    for bytes in [1usize << 20, 8 << 20, 64 << 20] {
+        let iters = match bytes {
+            b if b <= 1 << 20 => {
+                if quick {
+                    10
+                } else {
+                    40
+                }
+            }
+            b if b <= 8 << 20 => {
+                if quick {
+                    6
+                } else {
+                    20
+                }
+            }
+            _ => {
+                if quick {
+                    4
+                } else {
+                    15
+                }
+            }
+        };
+        let len = bytes / 4;
+        let send: Vec<f32> = (0..len).map(|i| (i % 7) as f32).collect();
+        let mut recv = vec![0f32; len];
+        let mut buf = send.clone();
+        let mut t_in = Vec::with_capacity(iters);
+        let mut t_out = Vec::with_capacity(iters);
+        for it in 0..2 + iters {
+            let mut one = |in_place: bool| -> Result<f64, String> {
+                // Refill so every call reduces the same values (and the sums stay small).
+                buf.copy_from_slice(&send);
+                comm.barrier().map_err(e)?;
+                let t = Instant::now();
+                if in_place {
+                    comm.all_reduce_in_place(&mut buf[..], ReduceOp::Sum)
+                } else {
+                    comm.all_reduce_into(&send[..], &mut recv[..], ReduceOp::Sum)
+                }
+                .map_err(e)?;
+                Ok(t.elapsed().as_secs_f64())
+            };
+            let (a, b) = if it % 2 == 0 {
+                let a = one(true)?;
+                (a, one(false)?)
+            } else {
+                let b = one(false)?;
+                (one(true)?, b)
+            };
+            if it >= 2 {
+                t_in.push(a);
+                t_out.push(b);
+            }
+        }
+        // The results agree (and are the sum over ranks).
+        let expect = |i: usize| (i % 7) as f32 * n as f32;
+        if buf.iter().enumerate().any(|(i, v)| *v != expect(i))
+            || recv.iter().enumerate().any(|(i, v)| *v != expect(i))
+        {
+            return Err(format!("all_reduce of {bytes} bytes returned a wrong sum"));
+        }
+        let mut m_in = vec![0f64; iters];
+        let mut m_out = vec![0f64; iters];
+        comm.all_reduce_into(&t_in[..], &mut m_in[..], ReduceOp::Max)
+            .map_err(e)?;
+        comm.all_reduce_into(&t_out[..], &mut m_out[..], ReduceOp::Max)
+            .map_err(e)?;
+        let ratios: Vec<f64> = m_in.iter().zip(&m_out).map(|(a, b)| a / b).collect();
+        if me == 0 {
+            println!(
+                "| {} | {iters} | {:.1} | {:.1} | {:.3} |",
+                bytes_label(bytes),
+                median(&m_in).unwrap_or(0.0) * 1e6,
+                median(&m_out).unwrap_or(0.0) * 1e6,
+                median(&ratios).unwrap_or(0.0),
+            );
+        }
+    }
+    if me == 0 {
+        println!();
+    }
+    Ok(())
 }
 
 fn driver(quick: bool) -> Result<(), String> {
@@ -79,7 +191,9 @@ fn driver(quick: bool) -> Result<(), String> {
     for (np, mode) in [
         (1, "overhead"),
         (2, "collectives"),
+        (2, "in-place"),
         (4, "collectives"),
+        (4, "in-place"),
         (8, "collection"),
     ] {
         let mut a = vec![mode];
