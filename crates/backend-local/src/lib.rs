@@ -48,6 +48,12 @@ pub use state::{LocalConfig, LocalStats, LocalWorld, P2pRecord};
 
 use grid_core::{Error, Result};
 
+/// The workspace README's Rust code (its library quick start), compiled and run as doc tests so
+/// the README stays true.
+#[cfg(doctest)]
+#[doc = include_str!("../../../README.md")]
+pub struct ReadmeDoctests;
+
 /// Runs `size` ranks as threads of this process over a fresh world configured by `config`;
 /// each thread calls `f(factory, world)` with its own [`LocalFactory`] and world communicator.
 /// Returns every rank's result in rank order, or the first error (a rank's own error, or
