@@ -27,11 +27,10 @@
 //!   that detects it, and its peers get [`Error::PeerError`] instead of hanging.
 
 use crate::error::{Error, Result};
+use crate::pool::BufferPool;
 use crate::routing::{BridgePlan, Side};
 use crate::tensor::{batch_split_sizes, tensor_split_sizes, Activation};
-use crate::wire::{
-    distribute, BufferPool, In, Join, Meta, Out, OutData, Part, ShapeCache, ShapeMode, Wire,
-};
+use crate::wire::{distribute, In, Join, Meta, Out, OutData, Part, ShapeCache, ShapeMode, Wire};
 use grid_core::{Communicator, DType, GroupFactory};
 use std::borrow::Cow;
 use std::collections::{HashMap, VecDeque};
