@@ -41,11 +41,30 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+/// Calls `$body` with `$v` bound to the typed vector (or slice) inside a
+/// [`HostBuffer`](grid_core::HostBuffer)-like enum, whatever the element type.
+macro_rules! dispatch {
+    ($enum:ident, $buf:expr, $v:ident => $body:expr) => {
+        match $buf {
+            $enum::F32($v) => $body,
+            $enum::F64($v) => $body,
+            $enum::I32($v) => $body,
+            $enum::I64($v) => $body,
+            $enum::U8($v) => $body,
+            $enum::F16($v) => $body,
+            $enum::BF16($v) => $body,
+        }
+    };
+}
+
+// Modules depend one way (`a ← b`: b uses a). Plan: error, ordered ← spec ← stages, routing ← plan.
+// Data path: pool ← tensor ← wire ← bridge (+ routing) ← pipeline (+ plan); `error` under all.
 mod bridge;
 mod error;
 mod ordered;
 mod pipeline;
 mod plan;
+mod pool;
 mod routing;
 mod spec;
 mod stages;
@@ -57,8 +76,9 @@ pub use error::{Error, Result};
 pub use ordered::OrderedMap;
 pub use pipeline::{ModuleInputs, MultiModulePipelineCommunicator};
 pub use plan::{BridgeSummary, ModuleStage, PipelinePlan, RankModuleInfo, RankPlan, Role, Route};
+pub use pool::BufferPool;
 pub use routing::{BridgeEnd, BridgePlan, PartRoute, Side};
 pub use spec::{DimMapping, ModuleSpec, PipelineSpec};
 pub use stages::StageTable;
 pub use tensor::{batch_split_sizes, split_at_batch_dim, tensor_split_sizes, Activation};
-pub use wire::{BufferPool, ShapeMode};
+pub use wire::ShapeMode;

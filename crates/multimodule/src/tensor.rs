@@ -3,27 +3,11 @@
 //! per-sample split metadata), concatenation, narrowing and element-wise sums the bridges need.
 
 use crate::error::{Error, Result};
-use crate::wire::BufferPool;
+use crate::pool::BufferPool;
 use grid_core::{DType, Element, HostBuffer, HostSlice, HostSliceMut};
 use half::{bf16, f16};
 use std::ops::Range;
 use std::sync::{Arc, Weak};
-
-/// Calls `$body` with `$v` bound to the typed vector (or slice) inside a [`HostBuffer`]-like
-/// enum, whatever the element type.
-macro_rules! dispatch {
-    ($enum:ident, $buf:expr, $v:ident => $body:expr) => {
-        match $buf {
-            $enum::F32($v) => $body,
-            $enum::F64($v) => $body,
-            $enum::I32($v) => $body,
-            $enum::I64($v) => $body,
-            $enum::U8($v) => $body,
-            $enum::F16($v) => $body,
-            $enum::BF16($v) => $body,
-        }
-    };
-}
 
 /// A row-major host tensor of any [`DType`], optionally carrying per-sample split sizes for the
 /// bridge (Megatron's `_mimo_bridge_split_sizes` attribute; it is local metadata and does not
@@ -81,6 +65,15 @@ impl Drop for Activation {
                 HostBuffer::U8(Vec::new()),
             ));
         }
+    }
+}
+
+/// The tensor-level entry of the pool, here rather than in `pool` so that `pool` depends on no
+/// other module of this crate.
+impl BufferPool {
+    /// Keeps `t`'s buffer for a later receive.
+    pub fn put(&self, t: Activation) {
+        self.put_buffer(t.into_data());
     }
 }
 
@@ -469,17 +462,6 @@ fn copy_rows(
         }
     }
     Ok(())
-}
-
-/// Capacity of a buffer in elements.
-pub(crate) fn capacity(b: &HostBuffer) -> usize {
-    dispatch!(HostBuffer, b, v => v.capacity())
-}
-
-/// Sets a buffer's length to `len` within its capacity (new elements are zero; no allocation
-/// when `len <= capacity`).
-pub(crate) fn set_len(b: &mut HostBuffer, len: usize) {
-    dispatch!(HostBuffer, b, v => v.resize(len, Default::default()))
 }
 
 /// Cuts `s` into consecutive pieces of `lens` elements (their sum must not exceed its length).

@@ -25,6 +25,7 @@
 //! concatenation copy.
 
 use crate::error::{Error, Result};
+use crate::pool::BufferPool;
 use crate::tensor::{chunks_mut, sub_slice, Activation};
 use grid_core::{
     BufMut, BufRef, Communicator, CommunicatorExt, DType, HostBuffer, HostSlice, HostSliceMut,
@@ -257,125 +258,6 @@ impl Exchanged {
                 })
             })
             .collect()
-    }
-}
-
-/// Receive buffers kept for reuse, so that steady-state transfers do not allocate (and
-/// page-fault) a fresh buffer for every message, the way torch's caching allocator spares
-/// Megatron. Tensors a bridge or pipeline communicator returns give their buffer back here when
-/// they are dropped (see [`Activation`]); `recycle()` and [`BufferPool::put`] do it explicitly.
-///
-/// A receive takes the kept buffer of its element type that fits best: the same length, else
-/// the smallest one holding between 1× and 2× the elements (its length is adjusted, no new
-/// memory). Bounded: at most `max_buffers` buffers and `max_bytes` bytes (of capacity) are
-/// kept; the oldest go first.
-///
-/// ```
-/// use grid_core::DType;
-/// use multimodule::{Activation, BufferPool};
-/// let pool = BufferPool::default();
-/// pool.put(Activation::from_vec(vec![4], vec![1.0f32; 4]).unwrap());
-/// assert_eq!((pool.len(), pool.bytes()), (1, 16));
-/// assert_eq!(pool.take(DType::F32, 3).len(), 3); // the 4-element buffer, shortened
-/// assert_eq!(pool.len(), 0);
-/// assert_eq!(pool.take(DType::F32, 4).len(), 4); // a new one
-/// ```
-#[derive(Debug)]
-pub struct BufferPool {
-    free: std::sync::Mutex<Vec<HostBuffer>>,
-    max_buffers: usize,
-    max_bytes: usize,
-}
-
-impl Default for BufferPool {
-    fn default() -> BufferPool {
-        BufferPool::with_limits(BufferPool::CAPACITY, BufferPool::MAX_BYTES)
-    }
-}
-
-fn capacity_bytes(b: &HostBuffer) -> usize {
-    crate::tensor::capacity(b) * b.dtype().size_bytes()
-}
-
-impl BufferPool {
-    /// Most buffers kept by default.
-    pub const CAPACITY: usize = 16;
-    /// Most bytes kept by default (2 GiB).
-    pub const MAX_BYTES: usize = 2 << 30;
-
-    /// A pool keeping at most `max_buffers` buffers and `max_bytes` bytes.
-    ///
-    /// ```
-    /// use multimodule::{Activation, BufferPool};
-    /// let pool = BufferPool::with_limits(1, 1 << 20);
-    /// pool.put(Activation::from_vec(vec![2], vec![0u8; 2]).unwrap());
-    /// pool.put(Activation::from_vec(vec![3], vec![0u8; 3]).unwrap()); // the first one goes
-    /// assert_eq!((pool.len(), pool.bytes()), (1, 3));
-    /// ```
-    pub fn with_limits(max_buffers: usize, max_bytes: usize) -> BufferPool {
-        BufferPool {
-            free: std::sync::Mutex::new(Vec::new()),
-            max_buffers,
-            max_bytes,
-        }
-    }
-
-    /// Keeps `t`'s buffer for a later receive.
-    pub fn put(&self, t: Activation) {
-        self.put_buffer(t.into_data());
-    }
-
-    /// Keeps a buffer for a later receive (empty or oversized buffers are not kept).
-    pub(crate) fn put_buffer(&self, b: HostBuffer) {
-        let size = capacity_bytes(&b);
-        if b.is_empty() || size > self.max_bytes || self.max_buffers == 0 {
-            return;
-        }
-        if let Ok(mut f) = self.free.lock() {
-            let mut total: usize = f.iter().map(capacity_bytes).sum();
-            while !f.is_empty() && (f.len() >= self.max_buffers || total + size > self.max_bytes) {
-                total -= capacity_bytes(&f.remove(0));
-            }
-            f.push(b);
-        }
-    }
-
-    /// A buffer of `len` elements of `dtype`: a kept one if one fits, else a new one (its
-    /// contents are unspecified; receives overwrite all of it).
-    pub fn take(&self, dtype: DType, len: usize) -> HostBuffer {
-        if let Ok(mut f) = self.free.lock() {
-            let exact = f.iter().position(|b| b.dtype() == dtype && b.len() == len);
-            let fit = || {
-                f.iter()
-                    .enumerate()
-                    .filter(|(_, b)| b.dtype() == dtype)
-                    .map(|(i, b)| (i, crate::tensor::capacity(b)))
-                    .filter(|&(_, c)| c >= len && c <= len.saturating_mul(2))
-                    .min_by_key(|&(_, c)| c)
-                    .map(|(i, _)| i)
-            };
-            if let Some(i) = exact.or_else(fit) {
-                let mut b = f.remove(i);
-                crate::tensor::set_len(&mut b, len);
-                return b;
-            }
-        }
-        HostBuffer::zeros(dtype, len)
-    }
-    /// Number of buffers kept.
-    pub fn len(&self) -> usize {
-        self.free.lock().map(|f| f.len()).unwrap_or(0)
-    }
-    /// True when no buffer is kept.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-    /// Bytes kept (capacity).
-    pub fn bytes(&self) -> usize {
-        self.free
-            .lock()
-            .map(|f| f.iter().map(capacity_bytes).sum())
-            .unwrap_or(0)
     }
 }
 

@@ -1,10 +1,13 @@
-//! Shared by the vector tests: loading `testdata/vectors` and running the built `grid` binary.
+//! Shared by the integration tests: loading `testdata/vectors` and running the built `grid` binary
+//! (the `cli` submodule holds the helpers of the `grid` command tests, `cli*.rs`).
 #![allow(dead_code)]
 
 use serde_json::Value;
 use std::io::Write;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
+
+pub mod cli;
 
 /// The reference vectors: `<workspace root>/testdata/vectors` (see `testdata/README.md`), or the
 /// folder named by `GRID_VECTORS_DIR`. Missing vectors fail the test; they never skip it.

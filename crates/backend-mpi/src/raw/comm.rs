@@ -1,0 +1,483 @@
+//! Owned communicator handles and the blocking calls on borrowed host memory: point to point,
+//! batches of it, collectives, splits and group creation, abort.
+
+use super::{
+    count, cptr, datatype, finalized, in_place, int, mptr, op, rc, same, RawError, Reduce, R,
+};
+use grid_core::{HostSlice, HostSliceMut};
+use mpi::ffi;
+use std::os::raw::c_int;
+
+/// An owned MPI communicator handle (never a predefined one), freed on drop.
+#[derive(Debug)]
+pub(crate) struct Comm {
+    pub(super) raw: ffi::MPI_Comm,
+    /// `MPI_Comm_size`, cached: it never changes and is needed for every length check.
+    pub(super) size: usize,
+}
+
+// SAFETY: an `MPI_Comm` is a handle (a pointer to an opaque object under Open MPI, an int under
+// MPICH). With MPI_THREAD_MULTIPLE, which `MpiRuntime::init` requires, MPI functions may be
+// called with the same handle from any thread, concurrently; the handle itself is never
+// mutated after creation except by `Drop`, which has exclusive access.
+unsafe impl Send for Comm {}
+// SAFETY: see `Send`; shared access only passes the handle by value to thread-safe MPI calls.
+unsafe impl Sync for Comm {}
+
+impl Drop for Comm {
+    fn drop(&mut self) {
+        if finalized() {
+            return; // MPI_Finalize released every communicator; no MPI call is allowed now
+        }
+        // SAFETY: `self.raw` is a valid communicator created by this module and owned by this
+        // value alone (never a predefined communicator); nothing uses it after drop.
+        // Errors cannot be reported from drop; MPI_ERRORS_RETURN makes them non-fatal.
+        unsafe { ffi::MPI_Comm_free(&mut self.raw) };
+    }
+}
+
+impl Comm {
+    /// A duplicate of `MPI_COMM_WORLD` with `MPI_ERRORS_RETURN` installed on both.
+    pub(crate) fn world_dup() -> R<Comm> {
+        // SAFETY: MPI is initialised (the caller is `MpiRuntime::init`); the predefined world
+        // handle and error handler are valid statics.
+        unsafe {
+            rc(ffi::MPI_Comm_set_errhandler(
+                ffi::RSMPI_COMM_WORLD,
+                ffi::RSMPI_ERRORS_RETURN,
+            ))?;
+            rc(ffi::MPI_Comm_set_errhandler(
+                ffi::RSMPI_COMM_SELF,
+                ffi::RSMPI_ERRORS_RETURN,
+            ))?;
+        }
+        let mut out = std::mem::MaybeUninit::<ffi::MPI_Comm>::uninit();
+        // SAFETY: `out` is a valid out pointer; MPI_Comm_dup writes it on success. The
+        // duplicate inherits the error handler of its parent.
+        unsafe {
+            rc(ffi::MPI_Comm_dup(ffi::RSMPI_COMM_WORLD, out.as_mut_ptr()))?;
+            Comm::owned(out.assume_init())
+        }
+    }
+
+    fn adopt(raw: ffi::MPI_Comm) -> R<Option<Comm>> {
+        // SAFETY: comparing a handle with the predefined null handle reads a static.
+        if raw == unsafe { ffi::RSMPI_COMM_NULL } {
+            return Ok(None);
+        }
+        let c = Comm::owned(raw)?;
+        // SAFETY: `c.raw` is a valid new communicator; children inherit the error handler, this
+        // sets it explicitly in case an implementation does not.
+        unsafe {
+            rc(ffi::MPI_Comm_set_errhandler(
+                c.raw,
+                ffi::RSMPI_ERRORS_RETURN,
+            ))?
+        };
+        Ok(Some(c))
+    }
+
+    /// `MPI_Comm_split`; `color = None` passes `MPI_UNDEFINED` and gets `None`.
+    pub(crate) fn split(&self, color: Option<usize>, key: usize) -> R<Option<Comm>> {
+        let color = match color {
+            // SAFETY: reading the MPI_UNDEFINED constant.
+            None => unsafe { ffi::RSMPI_UNDEFINED },
+            Some(c) => int("colour", c)?,
+        };
+        let key = int("key", key)?;
+        let mut out = std::mem::MaybeUninit::<ffi::MPI_Comm>::uninit();
+        // SAFETY: `self.raw` is a valid communicator, `out` a valid out pointer written by
+        // MPI_Comm_split on success (MPI_COMM_NULL for MPI_UNDEFINED).
+        let raw = unsafe {
+            rc(ffi::MPI_Comm_split(self.raw, color, key, out.as_mut_ptr()))?;
+            out.assume_init()
+        };
+        Comm::adopt(raw)
+    }
+
+    /// `MPI_Comm_create` over this communicator for the group of `ranks` (ranks of this
+    /// communicator, in the order they get in the new one). Collective over this communicator.
+    pub(crate) fn create(&self, ranks: &[usize]) -> R<Option<Comm>> {
+        let size = self.size()?;
+        let list = ranks
+            .iter()
+            .map(|&r| {
+                if r < size {
+                    int("rank", r)
+                } else {
+                    Err(RawError::msg(format!(
+                        "internal: rank {r} outside 0..{size}"
+                    )))
+                }
+            })
+            .collect::<R<Vec<c_int>>>()?;
+        let n = count(list.len())?;
+        let mut parent = std::mem::MaybeUninit::<ffi::MPI_Group>::uninit();
+        let mut group = std::mem::MaybeUninit::<ffi::MPI_Group>::uninit();
+        let mut out = std::mem::MaybeUninit::<ffi::MPI_Comm>::uninit();
+        // SAFETY: valid communicator; out pointers valid; `list` holds `n` valid ranks of the
+        // parent group (checked above). Both groups are freed before returning.
+        unsafe {
+            rc(ffi::MPI_Comm_group(self.raw, parent.as_mut_ptr()))?;
+            let mut parent = parent.assume_init();
+            let r = rc(ffi::MPI_Group_incl(
+                parent,
+                n,
+                list.as_ptr(),
+                group.as_mut_ptr(),
+            ));
+            if let Err(e) = r {
+                ffi::MPI_Group_free(&mut parent);
+                return Err(e);
+            }
+            let mut group = group.assume_init();
+            let r = rc(ffi::MPI_Comm_create(self.raw, group, out.as_mut_ptr()));
+            ffi::MPI_Group_free(&mut group);
+            ffi::MPI_Group_free(&mut parent);
+            r?;
+            Comm::adopt(out.assume_init())
+        }
+    }
+
+    pub(crate) fn rank(&self) -> R<usize> {
+        let mut r: c_int = 0;
+        // SAFETY: valid communicator and out pointer.
+        unsafe { rc(ffi::MPI_Comm_rank(self.raw, &mut r))? };
+        usize::try_from(r).map_err(|_| RawError::msg(format!("MPI returned rank {r}")))
+    }
+
+    /// Takes ownership of a valid, non-null communicator handle (freed on drop).
+    fn owned(raw: ffi::MPI_Comm) -> R<Comm> {
+        let mut c = Comm { raw, size: 0 };
+        let mut s: c_int = 0;
+        // SAFETY: `raw` is a valid communicator (the caller created it); `s` a valid out pointer.
+        // If this fails, `c` is dropped and frees the handle.
+        unsafe { rc(ffi::MPI_Comm_size(c.raw, &mut s))? };
+        c.size = usize::try_from(s).map_err(|_| RawError::msg(format!("MPI returned size {s}")))?;
+        Ok(c)
+    }
+
+    #[inline]
+    pub(crate) fn size(&self) -> R<usize> {
+        Ok(self.size)
+    }
+
+    /// The `MPI_COMM_WORLD` rank of every member, in this communicator's rank order.
+    pub(crate) fn world_ranks(&self) -> R<Vec<usize>> {
+        let n = self.size()?;
+        let ranks: Vec<c_int> = (0..n).map(|r| int("rank", r)).collect::<R<_>>()?;
+        let mut out: Vec<c_int> = vec![0; n];
+        let mut mine = std::mem::MaybeUninit::<ffi::MPI_Group>::uninit();
+        let mut world = std::mem::MaybeUninit::<ffi::MPI_Group>::uninit();
+        // SAFETY: valid communicators and out pointers; `ranks` and `out` both hold `n`
+        // entries, the count passed. Both groups are freed before returning.
+        unsafe {
+            rc(ffi::MPI_Comm_group(self.raw, mine.as_mut_ptr()))?;
+            let mut mine = mine.assume_init();
+            let r = rc(ffi::MPI_Comm_group(
+                ffi::RSMPI_COMM_WORLD,
+                world.as_mut_ptr(),
+            ));
+            if let Err(e) = r {
+                ffi::MPI_Group_free(&mut mine);
+                return Err(e);
+            }
+            let mut world = world.assume_init();
+            let r = rc(ffi::MPI_Group_translate_ranks(
+                mine,
+                count(n)?,
+                ranks.as_ptr(),
+                world,
+                out.as_mut_ptr(),
+            ));
+            ffi::MPI_Group_free(&mut world);
+            ffi::MPI_Group_free(&mut mine);
+            r?;
+        }
+        out.into_iter()
+            .map(|r| usize::try_from(r).map_err(|_| RawError::msg(format!("no world rank ({r})"))))
+            .collect()
+    }
+
+    // --------------------------------------------------------------------------------------
+    // Blocking operations on borrowed host memory
+    // --------------------------------------------------------------------------------------
+
+    #[inline]
+    pub(crate) fn all_reduce(
+        &self,
+        send: HostSlice<'_>,
+        mut recv: HostSliceMut<'_>,
+        r: Reduce,
+    ) -> R<()> {
+        same(
+            "all_reduce",
+            (send.dtype(), send.len()),
+            (recv.dtype(), recv.len()),
+        )?;
+        let (n, dt, op) = (
+            count(send.len())?,
+            datatype(send.dtype()),
+            op(r, send.dtype())?,
+        );
+        // SAFETY: both buffers hold `n` elements of the datatype passed (checked above) and
+        // stay borrowed for the whole blocking call.
+        unsafe {
+            rc(ffi::MPI_Allreduce(
+                cptr(&send),
+                mptr(&mut recv),
+                n,
+                dt,
+                op,
+                self.raw,
+            ))
+        }
+    }
+
+    /// `MPI_Allreduce(MPI_IN_PLACE, buf, ...)`: the result replaces `buf`, with no copy.
+    #[inline]
+    pub(crate) fn all_reduce_in_place(&self, mut buf: HostSliceMut<'_>, r: Reduce) -> R<()> {
+        let place = in_place()?;
+        let (n, dt, op) = (
+            count(buf.len())?,
+            datatype(buf.dtype()),
+            op(r, buf.dtype())?,
+        );
+        // SAFETY: `buf` holds `n` elements of the datatype passed and stays exclusively
+        // borrowed for the whole blocking call; `place` is this library's MPI_IN_PLACE, which
+        // MPI never dereferences.
+        unsafe {
+            rc(ffi::MPI_Allreduce(
+                place,
+                mptr(&mut buf),
+                n,
+                dt,
+                op,
+                self.raw,
+            ))
+        }
+    }
+
+    #[inline]
+    pub(crate) fn broadcast(&self, mut buf: HostSliceMut<'_>, root: usize) -> R<()> {
+        let (n, dt, root) = (count(buf.len())?, datatype(buf.dtype()), int("root", root)?);
+        // SAFETY: `buf` holds `n` elements of `dt` and stays borrowed for the call.
+        unsafe { rc(ffi::MPI_Bcast(mptr(&mut buf), n, dt, root, self.raw)) }
+    }
+
+    #[inline]
+    pub(crate) fn all_gather(&self, send: HostSlice<'_>, mut recv: HostSliceMut<'_>) -> R<()> {
+        let size = self.size()?;
+        same(
+            "all_gather",
+            (send.dtype(), send.len() * size),
+            (recv.dtype(), recv.len()),
+        )?;
+        let (n, dt) = (count(send.len())?, datatype(send.dtype()));
+        count(recv.len())?;
+        // SAFETY: `send` holds n elements and `recv` size·n elements of `dt` (checked above),
+        // which is what MPI_Allgather reads and writes; both borrowed for the call.
+        unsafe {
+            rc(ffi::MPI_Allgather(
+                cptr(&send),
+                n,
+                dt,
+                mptr(&mut recv),
+                n,
+                dt,
+                self.raw,
+            ))
+        }
+    }
+
+    #[inline]
+    pub(crate) fn reduce_scatter(
+        &self,
+        send: HostSlice<'_>,
+        mut recv: HostSliceMut<'_>,
+        r: Reduce,
+    ) -> R<()> {
+        let size = self.size()?;
+        same(
+            "reduce_scatter",
+            (send.dtype(), send.len()),
+            (recv.dtype(), recv.len() * size),
+        )?;
+        let (n, dt, op) = (
+            count(recv.len())?,
+            datatype(recv.dtype()),
+            op(r, recv.dtype())?,
+        );
+        count(send.len())?;
+        // SAFETY: `send` holds size·n and `recv` n elements of `dt` (checked above).
+        unsafe {
+            rc(ffi::MPI_Reduce_scatter_block(
+                cptr(&send),
+                mptr(&mut recv),
+                n,
+                dt,
+                op,
+                self.raw,
+            ))
+        }
+    }
+
+    #[inline]
+    pub(crate) fn all_to_all(&self, send: HostSlice<'_>, mut recv: HostSliceMut<'_>) -> R<()> {
+        let size = self.size()?.max(1);
+        same(
+            "all_to_all",
+            (send.dtype(), send.len()),
+            (recv.dtype(), recv.len()),
+        )?;
+        if !send.len().is_multiple_of(size) {
+            return Err(RawError::msg(format!(
+                "internal: all_to_all of {} elements over {size}",
+                send.len()
+            )));
+        }
+        let (n, dt) = (count(send.len() / size)?, datatype(send.dtype()));
+        count(send.len())?;
+        // SAFETY: both buffers hold size·n elements of `dt` (checked above).
+        unsafe {
+            rc(ffi::MPI_Alltoall(
+                cptr(&send),
+                n,
+                dt,
+                mptr(&mut recv),
+                n,
+                dt,
+                self.raw,
+            ))
+        }
+    }
+
+    #[inline]
+    pub(crate) fn barrier(&self) -> R<()> {
+        // SAFETY: valid communicator.
+        unsafe { rc(ffi::MPI_Barrier(self.raw)) }
+    }
+
+    #[inline]
+    pub(crate) fn send(&self, buf: HostSlice<'_>, peer: usize, tag: u32) -> R<()> {
+        let (n, dt) = (count(buf.len())?, datatype(buf.dtype()));
+        let (peer, tag) = (int("peer", peer)?, int("tag", tag as usize)?);
+        // SAFETY: `buf` holds n elements of `dt`, borrowed for the blocking call.
+        unsafe { rc(ffi::MPI_Send(cptr(&buf), n, dt, peer, tag, self.raw)) }
+    }
+
+    /// Receives into `buf`; returns the number of elements that arrived.
+    #[inline]
+    pub(crate) fn recv(&self, mut buf: HostSliceMut<'_>, peer: usize, tag: u32) -> R<usize> {
+        let (n, dt) = (count(buf.len())?, datatype(buf.dtype()));
+        let (peer, tag) = (int("peer", peer)?, int("tag", tag as usize)?);
+        let mut status = std::mem::MaybeUninit::<ffi::MPI_Status>::uninit();
+        let mut got: c_int = 0;
+        // SAFETY: `buf` holds n elements of `dt` (MPI writes at most n, else MPI_ERR_TRUNCATE);
+        // `status` is written by MPI_Recv on success and only read after that.
+        unsafe {
+            rc(ffi::MPI_Recv(
+                mptr(&mut buf),
+                n,
+                dt,
+                peer,
+                tag,
+                self.raw,
+                status.as_mut_ptr(),
+            ))?;
+            rc(ffi::MPI_Get_count(status.as_ptr(), dt, &mut got))?;
+        }
+        usize::try_from(got).map_err(|_| RawError::msg(format!("MPI_Get_count returned {got}")))
+    }
+
+    /// Posts every send and receive, then waits for all of them. Borrowed buffers are safe
+    /// because this function does not return before every posted request completed.
+    pub(crate) fn batch(&self, ops: &mut [P2p<'_, '_>]) -> R<()> {
+        let mut reqs: Vec<ffi::MPI_Request> = Vec::with_capacity(ops.len());
+        let mut first_err = None;
+        for op in ops.iter_mut() {
+            let mut req = std::mem::MaybeUninit::<ffi::MPI_Request>::uninit();
+            let posted = match op {
+                P2p::Send { buf, peer, tag } => (|| {
+                    let (n, dt) = (count(buf.len())?, datatype(buf.dtype()));
+                    let (p, t) = (int("peer", *peer)?, int("tag", *tag as usize)?);
+                    // SAFETY: `buf` holds n elements of `dt` and is borrowed until this
+                    // function returns, which is after the request completed (waitall below).
+                    unsafe {
+                        rc(ffi::MPI_Isend(
+                            cptr(buf),
+                            n,
+                            dt,
+                            p,
+                            t,
+                            self.raw,
+                            req.as_mut_ptr(),
+                        ))
+                    }
+                })(),
+                P2p::Recv { buf, peer, tag } => (|| {
+                    let (n, dt) = (count(buf.len())?, datatype(buf.dtype()));
+                    let (p, t) = (int("peer", *peer)?, int("tag", *tag as usize)?);
+                    // SAFETY: as for sends; the receive buffer is exclusively borrowed.
+                    unsafe {
+                        rc(ffi::MPI_Irecv(
+                            mptr(buf),
+                            n,
+                            dt,
+                            p,
+                            t,
+                            self.raw,
+                            req.as_mut_ptr(),
+                        ))
+                    }
+                })(),
+            };
+            match posted {
+                // SAFETY: MPI_Isend/MPI_Irecv wrote the request on success.
+                Ok(()) => reqs.push(unsafe { req.assume_init() }),
+                Err(e) => {
+                    first_err = Some(e);
+                    break;
+                }
+            }
+        }
+        let n = count(reqs.len())?;
+        // SAFETY: `reqs` holds n requests posted above; statuses are ignored. Waiting on all of
+        // them before returning keeps every borrowed buffer alive while MPI uses it.
+        let waited = unsafe {
+            rc(ffi::MPI_Waitall(
+                n,
+                reqs.as_mut_ptr(),
+                ffi::RSMPI_STATUSES_IGNORE,
+            ))
+        };
+        match first_err {
+            Some(e) => Err(e),
+            None => waited,
+        }
+    }
+
+    /// Terminates every process of the job (`MPI_Abort`); used by the test launcher after a
+    /// rank failed, so that the other ranks do not wait for it forever.
+    pub(crate) fn abort_world(code: i32) {
+        if finalized() {
+            return;
+        }
+        // SAFETY: MPI is initialised and not finalized (checked); aborting is always allowed.
+        unsafe { ffi::MPI_Abort(ffi::RSMPI_COMM_WORLD, code) };
+    }
+}
+
+/// One operation of [`Comm::batch`].
+pub(crate) enum P2p<'s, 'b> {
+    Send {
+        buf: HostSlice<'b>,
+        peer: usize,
+        tag: u32,
+    },
+    Recv {
+        buf: &'s mut HostSliceMut<'b>,
+        peer: usize,
+        tag: u32,
+    },
+}

@@ -1,0 +1,319 @@
+//! Nonblocking operations on owned host memory: [`Comm::start`] hands the buffers to MPI and
+//! [`Pending`] keeps them alive (and out of reach) until the request completed.
+
+use super::{
+    count, cptr, datatype, finalized, in_place, int, mptr, op, rc, same, Comm, RawError, Reduce, R,
+};
+use grid_core::{DType, HostBuffer};
+use mpi::ffi;
+use std::os::raw::{c_int, c_void};
+
+/// What a nonblocking operation runs.
+pub(crate) enum Immediate {
+    /// `bufs[0]` is the input, `bufs[1]` the result.
+    AllReduce(Reduce),
+    /// `bufs[0]` reduced in place (`MPI_IN_PLACE`).
+    AllReduceInPlace(Reduce),
+    /// `bufs[0]` in place.
+    Broadcast(usize),
+    /// `bufs[0]` input block, `bufs[1]` result.
+    AllGather,
+    /// `bufs[0]` input, `bufs[1]` this rank's block.
+    ReduceScatter(Reduce),
+    /// `bufs[0]` input, `bufs[1]` result.
+    AllToAll,
+    /// No buffers.
+    Barrier,
+    /// `bufs[0]` sent.
+    Send(usize, u32),
+    /// `bufs[0]` received into.
+    Recv(usize, u32),
+}
+
+/// A started nonblocking MPI operation that owns its buffers until it completed.
+///
+/// Invariant: while `req` is active, the heap memory of every buffer in `bufs` is in use by MPI.
+/// The buffers are only reachable through this value; they are neither read, written, moved out
+/// nor freed before the request completed (`wait`, a successful `test`, or `Drop`, which waits).
+/// Moving a `Pending` moves the `Vec` headers, not the heap memory MPI holds pointers into.
+pub(crate) struct Pending {
+    req: ffi::MPI_Request,
+    done: bool,
+    bufs: Vec<HostBuffer>,
+    /// For receives: the element count that arrived.
+    pub(crate) received: Option<usize>,
+    is_recv: bool,
+    dtype: DType,
+}
+
+// SAFETY: the request handle may be tested or waited on from any thread under
+// MPI_THREAD_MULTIPLE; the owned buffers are plain `Vec`s (Send).
+unsafe impl Send for Pending {}
+
+impl Comm {
+    /// Starts `what` on owned buffers. Checks lengths against the communicator size before
+    /// handing pointers to MPI.
+    pub(crate) fn start(&self, what: Immediate, mut bufs: Vec<HostBuffer>) -> R<Pending> {
+        let size = self.size()?.max(1);
+        let need = |k: usize| -> R<()> {
+            if bufs.len() == k {
+                Ok(())
+            } else {
+                Err(RawError::msg(format!(
+                    "internal: {k} buffers expected, got {}",
+                    bufs.len()
+                )))
+            }
+        };
+        let mut req = std::mem::MaybeUninit::<ffi::MPI_Request>::uninit();
+        let dtype = bufs.first().map(|b| b.dtype()).unwrap_or(DType::U8);
+        let dt = datatype(dtype);
+        let is_recv = matches!(what, Immediate::Recv(..));
+        match what {
+            Immediate::AllReduce(r) => {
+                need(2)?;
+                same(
+                    "iall_reduce",
+                    (bufs[0].dtype(), bufs[0].len()),
+                    (bufs[1].dtype(), bufs[1].len()),
+                )?;
+                let (n, op) = (count(bufs[0].len())?, op(r, dtype)?);
+                let (s, d) = two(&mut bufs);
+                // SAFETY: both owned buffers hold n elements of `dt`; they move into the
+                // returned `Pending`, which keeps them untouched until completion.
+                unsafe {
+                    rc(ffi::MPI_Iallreduce(
+                        s,
+                        d,
+                        n,
+                        dt,
+                        op,
+                        self.raw,
+                        req.as_mut_ptr(),
+                    ))?
+                };
+            }
+            Immediate::AllReduceInPlace(r) => {
+                need(1)?;
+                let place = in_place()?;
+                let (n, op) = (count(bufs[0].len())?, op(r, dtype)?);
+                let p = mptr(&mut bufs[0].as_mut_slice());
+                // SAFETY: the owned buffer holds n elements of `dt`; it moves into the returned
+                // `Pending`, which keeps it untouched until completion; `place` is MPI_IN_PLACE.
+                unsafe {
+                    rc(ffi::MPI_Iallreduce(
+                        place,
+                        p,
+                        n,
+                        dt,
+                        op,
+                        self.raw,
+                        req.as_mut_ptr(),
+                    ))?
+                };
+            }
+            Immediate::Broadcast(root) => {
+                need(1)?;
+                let (n, root) = (count(bufs[0].len())?, int("root", root)?);
+                let p = mptr(&mut bufs[0].as_mut_slice());
+                // SAFETY: the owned buffer holds n elements; kept alive by `Pending`.
+                unsafe { rc(ffi::MPI_Ibcast(p, n, dt, root, self.raw, req.as_mut_ptr()))? };
+            }
+            Immediate::AllGather => {
+                need(2)?;
+                same(
+                    "iall_gather",
+                    (bufs[0].dtype(), bufs[0].len() * size),
+                    (bufs[1].dtype(), bufs[1].len()),
+                )?;
+                let n = count(bufs[0].len())?;
+                count(bufs[1].len())?;
+                let (s, d) = two(&mut bufs);
+                // SAFETY: send holds n, recv size·n elements of `dt`; kept alive by `Pending`.
+                unsafe {
+                    rc(ffi::MPI_Iallgather(
+                        s,
+                        n,
+                        dt,
+                        d,
+                        n,
+                        dt,
+                        self.raw,
+                        req.as_mut_ptr(),
+                    ))?
+                };
+            }
+            Immediate::ReduceScatter(r) => {
+                need(2)?;
+                same(
+                    "ireduce_scatter",
+                    (bufs[0].dtype(), bufs[0].len()),
+                    (bufs[1].dtype(), bufs[1].len() * size),
+                )?;
+                let (n, op) = (count(bufs[1].len())?, op(r, dtype)?);
+                count(bufs[0].len())?;
+                let (s, d) = two(&mut bufs);
+                // SAFETY: send holds size·n, recv n elements; kept alive by `Pending`.
+                unsafe {
+                    rc(ffi::MPI_Ireduce_scatter_block(
+                        s,
+                        d,
+                        n,
+                        dt,
+                        op,
+                        self.raw,
+                        req.as_mut_ptr(),
+                    ))?
+                };
+            }
+            Immediate::AllToAll => {
+                need(2)?;
+                same(
+                    "iall_to_all",
+                    (bufs[0].dtype(), bufs[0].len()),
+                    (bufs[1].dtype(), bufs[1].len()),
+                )?;
+                if !bufs[0].len().is_multiple_of(size) {
+                    return Err(RawError::msg(
+                        "internal: all_to_all length not divisible".into(),
+                    ));
+                }
+                let n = count(bufs[0].len() / size)?;
+                count(bufs[0].len())?;
+                let (s, d) = two(&mut bufs);
+                // SAFETY: both hold size·n elements; kept alive by `Pending`.
+                unsafe {
+                    rc(ffi::MPI_Ialltoall(
+                        s,
+                        n,
+                        dt,
+                        d,
+                        n,
+                        dt,
+                        self.raw,
+                        req.as_mut_ptr(),
+                    ))?
+                };
+            }
+            Immediate::Barrier => {
+                need(0)?;
+                // SAFETY: valid communicator and out pointer.
+                unsafe { rc(ffi::MPI_Ibarrier(self.raw, req.as_mut_ptr()))? };
+            }
+            Immediate::Send(peer, tag) => {
+                need(1)?;
+                let (n, p, t) = (
+                    count(bufs[0].len())?,
+                    int("peer", peer)?,
+                    int("tag", tag as usize)?,
+                );
+                let s = cptr(&bufs[0].as_slice());
+                // SAFETY: the owned buffer holds n elements; kept alive by `Pending`.
+                unsafe { rc(ffi::MPI_Isend(s, n, dt, p, t, self.raw, req.as_mut_ptr()))? };
+            }
+            Immediate::Recv(peer, tag) => {
+                need(1)?;
+                let (n, p, t) = (
+                    count(bufs[0].len())?,
+                    int("peer", peer)?,
+                    int("tag", tag as usize)?,
+                );
+                let d = mptr(&mut bufs[0].as_mut_slice());
+                // SAFETY: the owned buffer holds n elements; kept alive by `Pending`.
+                unsafe { rc(ffi::MPI_Irecv(d, n, dt, p, t, self.raw, req.as_mut_ptr()))? };
+            }
+        }
+        Ok(Pending {
+            // SAFETY: every branch above returned early unless the MPI call succeeded and
+            // wrote the request.
+            req: unsafe { req.assume_init() },
+            done: false,
+            bufs,
+            received: None,
+            is_recv,
+            dtype,
+        })
+    }
+}
+
+/// Pointers of an input and an output buffer (distinct `Vec`s, so no aliasing).
+fn two(bufs: &mut [HostBuffer]) -> (*const c_void, *mut c_void) {
+    let (a, b) = bufs.split_at_mut(1);
+    (cptr(&a[0].as_slice()), mptr(&mut b[0].as_mut_slice()))
+}
+
+impl Pending {
+    fn complete(&mut self, status: &ffi::MPI_Status) -> R<()> {
+        self.done = true;
+        if self.is_recv {
+            let mut got: c_int = 0;
+            // SAFETY: `status` was filled by the completed MPI_Wait/MPI_Test.
+            unsafe { rc(ffi::MPI_Get_count(status, datatype(self.dtype), &mut got))? };
+            self.received = usize::try_from(got).ok();
+        }
+        Ok(())
+    }
+
+    /// Non-blocking completion test (`MPI_Test`).
+    pub(crate) fn test(&mut self) -> R<bool> {
+        if self.done {
+            return Ok(true);
+        }
+        if finalized() {
+            return Err(RawError::msg(
+                "MPI was finalized while the operation was pending".into(),
+            ));
+        }
+        let mut flag: c_int = 0;
+        let mut status = std::mem::MaybeUninit::<ffi::MPI_Status>::zeroed();
+        // SAFETY: `req` is an active request owned by this value; out pointers are valid.
+        unsafe { rc(ffi::MPI_Test(&mut self.req, &mut flag, status.as_mut_ptr()))? };
+        if flag != 0 {
+            // SAFETY: zero-initialised and written by MPI_Test on completion.
+            let status = unsafe { status.assume_init() };
+            self.complete(&status)?;
+        }
+        Ok(self.done)
+    }
+
+    /// Blocks until completion (`MPI_Wait`) and hands the buffers back.
+    pub(crate) fn wait(mut self) -> R<(Vec<HostBuffer>, Option<usize>)> {
+        if !self.done {
+            if finalized() {
+                return Err(RawError::msg(
+                    "MPI was finalized while the operation was pending".into(),
+                ));
+            }
+            let mut status = std::mem::MaybeUninit::<ffi::MPI_Status>::zeroed();
+            // SAFETY: `req` is an active request owned by this value.
+            let r = unsafe { rc(ffi::MPI_Wait(&mut self.req, status.as_mut_ptr())) };
+            // An error from MPI_Wait still completes (frees) the request.
+            self.done = true;
+            r?;
+            // SAFETY: zero-initialised and written by MPI_Wait.
+            let status = unsafe { status.assume_init() };
+            self.complete(&status)?;
+        }
+        Ok((std::mem::take(&mut self.bufs), self.received))
+    }
+}
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        if self.done {
+            return;
+        }
+        if finalized() {
+            // MPI may still hold pointers into the buffers and can no longer be asked: leak
+            // them rather than free memory that might be written.
+            std::mem::forget(std::mem::take(&mut self.bufs));
+            return;
+        }
+        // SAFETY: `req` is active and owned; waiting keeps the buffers alive until MPI is done.
+        let r = unsafe { ffi::MPI_Wait(&mut self.req, ffi::RSMPI_STATUS_IGNORE) };
+        if r != 0 {
+            // The request state is unknown: leak the buffers to stay memory safe.
+            std::mem::forget(std::mem::take(&mut self.bufs));
+        }
+    }
+}

@@ -1,0 +1,243 @@
+//! The blocking sections: identity (rank, size, global ranks) and the operation sweep over every
+//! supported dtype and reduction.
+
+use crate::ctx::Ctx;
+use crate::values::{input, reduce_expected, small, Num, K};
+use grid_core::{BufMut, BufRef, Communicator, CommunicatorExt, DType, P2pOp, ReduceOp};
+use half::{bf16, f16};
+
+pub(crate) fn identity(
+    ctx: &mut Ctx,
+    label: &str,
+    c: &dyn Communicator,
+    expected_global: &[usize],
+) {
+    let n = c.size();
+    ctx.expect(format!("{label}/rank_in_range"), c.rank() < n, || {
+        format!("rank {} not below size {n}", c.rank())
+    });
+    ctx.eq(
+        format!("{label}/global_ranks_len"),
+        &n,
+        &c.global_ranks().len(),
+    );
+    ctx.eq(
+        format!("{label}/global_ranks"),
+        &expected_global.to_vec(),
+        &c.global_ranks().to_vec(),
+    );
+    let sorted = c.global_ranks().windows(2).all(|w| w[0] < w[1]);
+    ctx.expect(format!("{label}/global_ranks_ascending"), sorted, || {
+        format!("{:?} is not ascending", c.global_ranks())
+    });
+    // The rank is this process's position: all-gather the world rank and compare.
+    let me = ctx.rank as i64;
+    let mut all = vec![0i64; n];
+    if ctx
+        .ok(
+            &format!("{label}/all_gather_identity"),
+            c.all_gather_into(&[me], &mut all[..]),
+        )
+        .is_some()
+    {
+        let want: Vec<i64> = c.global_ranks().iter().map(|&g| g as i64).collect();
+        ctx.eq(format!("{label}/ranks_match_global_ranks"), &want, &all);
+    }
+}
+
+pub(crate) fn sweep(ctx: &mut Ctx, label: &str, c: &dyn Communicator) {
+    for d in DType::ALL {
+        if !c.supports(d, None) {
+            ctx.skip(
+                format!("{label}/{d}"),
+                format!("the {} backend cannot move {d}", c.backend()),
+            );
+            continue;
+        }
+        match d {
+            DType::F32 => typed::<f32>(ctx, label, c),
+            DType::F64 => typed::<f64>(ctx, label, c),
+            DType::I32 => typed::<i32>(ctx, label, c),
+            DType::I64 => typed::<i64>(ctx, label, c),
+            DType::U8 => typed::<u8>(ctx, label, c),
+            DType::F16 => typed::<f16>(ctx, label, c),
+            DType::BF16 => typed::<bf16>(ctx, label, c),
+        }
+    }
+}
+
+fn typed<T: Num>(ctx: &mut Ctx, label: &str, c: &dyn Communicator) {
+    let (n, me, d) = (c.size(), c.rank(), T::DTYPE);
+    let p = format!("{label}/{d}");
+    let narrow = matches!(d, DType::U8 | DType::F16 | DType::BF16);
+    // Reductions.
+    for op in ReduceOp::ALL {
+        let name = format!("{p}/all_reduce/{op}");
+        if !c.supports(d, Some(op)) {
+            ctx.skip(
+                name.clone(),
+                format!("the {} backend does not reduce {d} with {op}", c.backend()),
+            );
+            ctx.skip(format!("{p}/reduce_scatter/{op}"), "unsupported");
+            continue;
+        }
+        if narrow && n > 16 {
+            ctx.skip(
+                name,
+                "exact values need groups of at most 16 ranks for u8/f16/bf16",
+            );
+            continue;
+        }
+        let send: Vec<T> = (0..K).map(|i| T::of(input(op, T::SIGNED, me, i))).collect();
+        let mut recv = vec![T::of(0); K];
+        if ctx
+            .ok(&name, c.all_reduce_into(&send[..], &mut recv[..], op))
+            .is_some()
+        {
+            let want: Vec<T> = (0..K).map(|i| reduce_expected::<T>(op, n, i)).collect();
+            ctx.values(name.clone(), op, n, &want, &recv);
+        }
+        // The same reduction in place: the input buffer receives the result.
+        let name = format!("{p}/all_reduce_in_place/{op}");
+        let mut buf = send.clone();
+        if ctx
+            .ok(&name, c.all_reduce_in_place(&mut buf[..], op))
+            .is_some()
+        {
+            let want: Vec<T> = (0..K).map(|i| reduce_expected::<T>(op, n, i)).collect();
+            ctx.values(name, op, n, &want, &buf);
+        }
+        // Reduce-scatter: element j of rank r's input is input(op, r, j).
+        let name = format!("{p}/reduce_scatter/{op}");
+        let k = 2;
+        let send: Vec<T> = (0..n * k)
+            .map(|j| T::of(input(op, T::SIGNED, me, j)))
+            .collect();
+        let mut recv = vec![T::of(0); k];
+        if ctx
+            .ok(&name, c.reduce_scatter_into(&send[..], &mut recv[..], op))
+            .is_some()
+        {
+            let want: Vec<T> = (0..k)
+                .map(|i| reduce_expected::<T>(op, n, me * k + i))
+                .collect();
+            ctx.values(name, op, n, &want, &recv);
+        }
+    }
+    // Empty all-reduce.
+    let name = format!("{p}/all_reduce/empty");
+    let mut empty: Vec<T> = Vec::new();
+    if ctx
+        .ok(
+            &name,
+            c.all_reduce_into(&[][..], &mut empty[..], ReduceOp::Sum),
+        )
+        .is_some()
+    {
+        ctx.pass(name);
+    }
+    // Broadcast from every root.
+    for root in 0..n {
+        let name = format!("{p}/broadcast/root{root}");
+        let want: Vec<T> = (0..K).map(|i| T::of(small(root % 16 * 10 + i))).collect();
+        let mut buf: Vec<T> = if me == root {
+            want.clone()
+        } else {
+            vec![T::of(99); K]
+        };
+        if ctx
+            .ok(&name, c.broadcast_into(&mut buf[..], root))
+            .is_some()
+        {
+            ctx.eq(name, &want, &buf);
+        }
+    }
+    // All-gather.
+    let name = format!("{p}/all_gather");
+    let k = 3;
+    let send: Vec<T> = (0..k).map(|i| T::of(small(me * k + i))).collect();
+    let mut recv = vec![T::of(0); n * k];
+    if ctx
+        .ok(&name, c.all_gather_into(&send[..], &mut recv[..]))
+        .is_some()
+    {
+        let want: Vec<T> = (0..n * k).map(|j| T::of(small(j))).collect();
+        ctx.eq(name, &want, &recv);
+    }
+    // All-to-all: from rank r to rank j, element i: (r·n + j)·2 + i.
+    let name = format!("{p}/all_to_all");
+    let k = 2;
+    let send: Vec<T> = (0..n * k)
+        .map(|x| T::of(small((me * n + x / k) * k + x % k)))
+        .collect();
+    let mut recv = vec![T::of(0); n * k];
+    if ctx
+        .ok(&name, c.all_to_all_into(&send[..], &mut recv[..]))
+        .is_some()
+    {
+        let want: Vec<T> = (0..n * k)
+            .map(|x| T::of(small(((x / k) * n + me) * k + x % k)))
+            .collect();
+        ctx.eq(name, &want, &recv);
+    }
+    // Barrier.
+    let name = format!("{p}/barrier");
+    if ctx.ok(&name, c.barrier()).is_some() {
+        ctx.pass(name);
+    }
+    if n < 2 {
+        ctx.skip(format!("{p}/send_recv"), "needs 2 ranks");
+        ctx.skip(format!("{p}/batch_p2p"), "needs 2 ranks");
+        return;
+    }
+    // Ring: rank 0 sends first, every other rank receives first (no deadlock at any size).
+    let name = format!("{p}/send_recv");
+    let (right, left) = ((me + 1) % n, (me + n - 1) % n);
+    let out: Vec<T> = (0..4).map(|i| T::of(small(me * 10 + i))).collect();
+    let mut inb = vec![T::of(0); 4];
+    let r = if me == 0 {
+        c.send_to(&out[..], right, 7)
+            .and_then(|_| c.recv_from(&mut inb[..], left, 7))
+    } else {
+        c.recv_from(&mut inb[..], left, 7)
+            .and_then(|_| c.send_to(&out[..], right, 7))
+    };
+    if ctx.ok(&name, r).is_some() {
+        let want: Vec<T> = (0..4).map(|i| T::of(small(left * 10 + i))).collect();
+        ctx.eq(name, &want, &inb);
+    }
+    // Batch: send [16r + j, 16r + j + 1] to every other rank j, receive from every other rank.
+    let name = format!("{p}/batch_p2p");
+    let outs: Vec<Vec<T>> = (0..n)
+        .map(|j| vec![T::of(small(16 * me + j)), T::of(small(16 * me + j + 1))])
+        .collect();
+    let mut ins: Vec<Vec<T>> = vec![vec![T::of(0); 2]; n];
+    let mut ops: Vec<P2pOp<'_>> = Vec::new();
+    for (j, (o, i)) in outs.iter().zip(ins.iter_mut()).enumerate() {
+        if j == me {
+            continue;
+        }
+        ops.push(P2pOp::Send {
+            buf: BufRef::from(&o[..]),
+            peer: j,
+            tag: 11,
+        });
+        ops.push(P2pOp::Recv {
+            buf: BufMut::from(&mut i[..]),
+            peer: j,
+            tag: 11,
+        });
+    }
+    if ctx.ok(&name, c.batch_p2p(ops)).is_some() {
+        let want: Vec<Vec<T>> = (0..n)
+            .map(|j| {
+                if j == me {
+                    vec![T::of(0); 2]
+                } else {
+                    vec![T::of(small(16 * j + me)), T::of(small(16 * j + me + 1))]
+                }
+            })
+            .collect();
+        ctx.eq(name, &want, &ins);
+    }
+}
