@@ -115,8 +115,11 @@ fn in_place(quick: bool) -> Result<(), String> {
         let mut t_out = Vec::with_capacity(iters);
         for it in 0..2 + iters {
             let mut one = |in_place: bool| -> Result<f64, String> {
-                // Refill so every call reduces the same values (and the sums stay small).
-                buf.copy_from_slice(&send);
+                // Refill the in-place buffer so every call reduces the same values (and the
+                // sums stay small); the out-of-place call reads `send` and writes `recv`.
+                if in_place {
+                    buf.copy_from_slice(&send);
+                }
                 comm.barrier().map_err(e)?;
                 let t = Instant::now();
                 if in_place {
