@@ -44,6 +44,7 @@ pub enum BufMut<'a> {
 
 impl BufRef<'_> {
     /// Element type.
+    #[inline]
     pub fn dtype(&self) -> DType {
         match self {
             BufRef::Host(h) => h.dtype(),
@@ -51,6 +52,7 @@ impl BufRef<'_> {
         }
     }
     /// Number of elements.
+    #[inline]
     pub fn len(&self) -> usize {
         match self {
             BufRef::Host(h) => h.len(),
@@ -58,10 +60,12 @@ impl BufRef<'_> {
         }
     }
     /// True when empty.
+    #[inline]
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
     /// Where the memory is.
+    #[inline]
     pub fn memory(&self) -> Memory {
         match self {
             BufRef::Host(_) => Memory::Host,
@@ -72,6 +76,7 @@ impl BufRef<'_> {
 
 impl BufMut<'_> {
     /// Element type.
+    #[inline]
     pub fn dtype(&self) -> DType {
         match self {
             BufMut::Host(h) => h.dtype(),
@@ -79,6 +84,7 @@ impl BufMut<'_> {
         }
     }
     /// Number of elements.
+    #[inline]
     pub fn len(&self) -> usize {
         match self {
             BufMut::Host(h) => h.len(),
@@ -86,10 +92,12 @@ impl BufMut<'_> {
         }
     }
     /// True when empty.
+    #[inline]
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
     /// Where the memory is.
+    #[inline]
     pub fn memory(&self) -> Memory {
         match self {
             BufMut::Host(_) => Memory::Host,
@@ -115,6 +123,7 @@ fn device_memory_error(op: &'static str, backend: &'static str, d: &dyn DeviceBu
 impl<'a> BufRef<'a> {
     /// The host slice, or [`Error::Unsupported`] naming `op` and `backend` for device memory:
     /// what a host-only backend does with its inputs.
+    #[inline]
     pub fn host_only(self, op: &'static str, backend: &'static str) -> Result<HostSlice<'a>> {
         match self {
             BufRef::Host(h) => Ok(h),
@@ -125,6 +134,7 @@ impl<'a> BufRef<'a> {
 
 impl<'a> BufMut<'a> {
     /// The host slice, or [`Error::Unsupported`] for device memory (see [`BufRef::host_only`]).
+    #[inline]
     pub fn host_only(self, op: &'static str, backend: &'static str) -> Result<HostSliceMut<'a>> {
         match self {
             BufMut::Host(h) => Ok(h),
@@ -185,6 +195,7 @@ pub enum Tensor {
 
 impl Tensor {
     /// Element type.
+    #[inline]
     pub fn dtype(&self) -> DType {
         match self {
             Tensor::Host(h) => h.dtype(),
@@ -192,6 +203,7 @@ impl Tensor {
         }
     }
     /// Number of elements.
+    #[inline]
     pub fn len(&self) -> usize {
         match self {
             Tensor::Host(h) => h.len(),
@@ -199,10 +211,12 @@ impl Tensor {
         }
     }
     /// True when empty.
+    #[inline]
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
     /// Borrowed view.
+    #[inline]
     pub fn as_ref(&self) -> BufRef<'_> {
         match self {
             Tensor::Host(h) => BufRef::Host(h.as_slice()),
@@ -210,6 +224,7 @@ impl Tensor {
         }
     }
     /// Mutable view.
+    #[inline]
     pub fn as_mut(&mut self) -> BufMut<'_> {
         match self {
             Tensor::Host(h) => BufMut::Host(h.as_mut_slice()),
@@ -217,6 +232,7 @@ impl Tensor {
         }
     }
     /// The host buffer, or [`Error::Unsupported`] for device memory (see [`BufRef::host_only`]).
+    #[inline]
     pub fn host_only(self, op: &'static str, backend: &'static str) -> Result<HostBuffer> {
         match self {
             Tensor::Host(h) => Ok(h),

@@ -140,24 +140,32 @@ macro_rules! dtypes {
                 match *self { $( HostSlice::$variant(s) => s.get(start..end).map(HostSlice::$variant), )* }
             }
             /// Element type.
+            #[inline]
             pub fn dtype(&self) -> DType { match self { $( HostSlice::$variant(_) => DType::$variant, )* } }
             /// Number of elements.
+            #[inline]
             pub fn len(&self) -> usize { match self { $( HostSlice::$variant(s) => s.len(), )* } }
             /// True when empty.
+            #[inline]
             pub fn is_empty(&self) -> bool { self.len() == 0 }
             /// Start of the memory.
+            #[inline]
             pub fn as_ptr(&self) -> *const u8 { match self { $( HostSlice::$variant(s) => s.as_ptr() as *const u8, )* } }
             /// An owned copy.
             pub fn to_owned_buffer(&self) -> HostBuffer { match self { $( HostSlice::$variant(s) => HostBuffer::$variant(s.to_vec()), )* } }
         }
         impl<'a> HostSliceMut<'a> {
             /// Element type.
+            #[inline]
             pub fn dtype(&self) -> DType { match self { $( HostSliceMut::$variant(_) => DType::$variant, )* } }
             /// Number of elements.
+            #[inline]
             pub fn len(&self) -> usize { match self { $( HostSliceMut::$variant(s) => s.len(), )* } }
             /// True when empty.
+            #[inline]
             pub fn is_empty(&self) -> bool { self.len() == 0 }
             /// Start of the memory.
+            #[inline]
             pub fn as_mut_ptr(&mut self) -> *mut u8 { match self { $( HostSliceMut::$variant(s) => s.as_mut_ptr() as *mut u8, )* } }
             /// Elements `start..start + len`, mutably, or `None` when that range is out of bounds.
             pub fn sub_mut(&mut self, start: usize, len: usize) -> Option<HostSliceMut<'_>> {
@@ -165,8 +173,10 @@ macro_rules! dtypes {
                 match self { $( HostSliceMut::$variant(s) => s.get_mut(start..end).map(|x| HostSliceMut::$variant(x)), )* }
             }
             /// A shorter-lived reborrow.
+            #[inline]
             pub fn reborrow(&mut self) -> HostSliceMut<'_> { match self { $( HostSliceMut::$variant(s) => HostSliceMut::$variant(&mut s[..]), )* } }
             /// A shared view.
+            #[inline]
             pub fn as_slice(&self) -> HostSlice<'_> { match self { $( HostSliceMut::$variant(s) => HostSlice::$variant(&s[..]), )* } }
             /// Copies `src` (same dtype and length) into this slice.
             pub fn copy_from(&mut self, src: HostSlice<'_>) -> Result<()> {
@@ -178,14 +188,19 @@ macro_rules! dtypes {
         }
         impl HostBuffer {
             /// Element type.
+            #[inline]
             pub fn dtype(&self) -> DType { match self { $( HostBuffer::$variant(_) => DType::$variant, )* } }
             /// Number of elements.
+            #[inline]
             pub fn len(&self) -> usize { match self { $( HostBuffer::$variant(s) => s.len(), )* } }
             /// True when empty.
+            #[inline]
             pub fn is_empty(&self) -> bool { self.len() == 0 }
             /// A borrowed view.
+            #[inline]
             pub fn as_slice(&self) -> HostSlice<'_> { match self { $( HostBuffer::$variant(s) => HostSlice::$variant(&s[..]), )* } }
             /// A mutable view.
+            #[inline]
             pub fn as_mut_slice(&mut self) -> HostSliceMut<'_> { match self { $( HostBuffer::$variant(s) => HostSliceMut::$variant(&mut s[..]), )* } }
             /// A zero-filled buffer of `len` elements of `dtype`.
             pub fn zeros(dtype: DType, len: usize) -> HostBuffer {

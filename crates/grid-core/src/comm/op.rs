@@ -100,6 +100,7 @@ pub enum Request {
 
 impl Request {
     /// Short name of the operation, for errors and tracing.
+    #[inline]
     pub fn name(&self) -> &'static str {
         match self {
             Request::AllReduce { .. } | Request::AllReduceInto { .. } => "all_reduce",
@@ -151,6 +152,7 @@ impl Request {
 
     /// The sizes this request moves, for tracing and errors: (elements of the input, elements
     /// of the output).
+    #[inline]
     pub fn sizes(&self) -> (usize, usize) {
         match self {
             Request::AllReduceInto { send, recv, .. }
@@ -246,6 +248,7 @@ impl Op<'_> {
     /// ```
     /// assert_eq!(grid_core::Op::Barrier.name(), "barrier");
     /// ```
+    #[inline]
     pub fn name(&self) -> &'static str {
         match self {
             Op::AllReduce { .. } | Op::AllReduceInPlace { .. } => "all_reduce",
@@ -261,6 +264,7 @@ impl Op<'_> {
     }
 
     /// (elements of the input, elements of the output), for tracing.
+    #[inline]
     pub fn sizes(&self) -> (usize, usize) {
         match self {
             Op::AllReduce { send, recv, .. }
