@@ -147,7 +147,7 @@ fn main() -> ExitCode {
 /// Meets the other ranks and loops; the error is the line's message.
 fn run(args: &Args, completed: &mut u64) -> Result<(), String> {
     if let Some(dir) = &args.options.trace_dir {
-        install_trace_dir(dir, args.rank)?;
+        install_trace_dir(dir, Some(args.rank))?;
     }
     let e = |e: Error| e.to_string();
     let config = GlooConfig::new(args.job.clone()).with_timeout(args.options.timeout());
@@ -165,7 +165,7 @@ fn run(args: &Args, completed: &mut u64) -> Result<(), String> {
             .map_err(e)
         });
     if let Err(msg) = &result {
-        if let Some(warning) = dump_after_error(msg) {
+        if let Some(warning) = dump_after_error(&format!("failure: {msg}")) {
             eprintln!("gloo-loop: rank {}: {warning}", args.rank);
         }
     }

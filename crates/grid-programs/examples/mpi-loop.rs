@@ -21,7 +21,6 @@
 //! `mpirun` then ends the job.
 
 use backend_mpi::MpiRuntime;
-use grid_core::oplog::Recorder;
 use grid_core::{Communicator, CommunicatorExt, Error, ReduceOp};
 use grid_programs::smoke::{dump_after_error, install_trace_dir, run_loop, LoopOptions, Outcome};
 use std::io::Write;
@@ -54,7 +53,14 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let rt = match MpiRuntime::init() {
+    // The recorder comes before MPI: initialising MPI creates the world communicator, whose
+    // world rank then names the dump file.
+    let rt = match &options.trace_dir {
+        Some(dir) => install_trace_dir(dir, None),
+        None => Ok(()),
+    }
+    .and_then(|()| MpiRuntime::init().map_err(|e| e.to_string()));
+    let rt = match rt {
         Ok(rt) => rt,
         Err(e) => {
             // No rank number without MPI: the launcher's, if any.
@@ -65,7 +71,7 @@ fn main() -> ExitCode {
             let outcome = Outcome {
                 rank,
                 completed: 0,
-                error: Some(e.to_string()),
+                error: Some(e),
             };
             println!("{}", outcome.json_line());
             return ExitCode::FAILURE;
@@ -74,30 +80,29 @@ fn main() -> ExitCode {
     let world = rt.world();
     let rank = world.rank();
     let mut completed = 0u64;
-    let result = match &options.trace_dir {
-        Some(dir) => install_trace_dir(dir, rank),
-        None => Ok(()),
-    }
-    .and_then(|()| {
-        run_loop(
-            rank,
-            world.size(),
-            &options,
-            &mut completed,
-            |send, recv| all_reduce(world, send, recv, &options),
-        )
-        .map_err(|e| e.to_string())
-    });
+    let result = run_loop(
+        rank,
+        world.size(),
+        &options,
+        &mut completed,
+        |send, recv| all_reduce(world, send, recv, &options),
+    );
     let outcome = Outcome {
         rank,
         completed,
-        error: result.as_ref().err().cloned(),
+        error: result.as_ref().err().map(Error::to_string),
     };
+    // The line first: once one rank exits, mpirun may end the others at any moment.
     println!("{}", outcome.json_line());
+    let _ = std::io::stdout().flush();
     match result {
         Ok(()) => ExitCode::SUCCESS,
-        Err(msg) => {
-            if let Some(warning) = dump_after_error(&msg) {
+        Err(e) => {
+            let reason = match e {
+                Error::Timeout { .. } => "timeout".to_string(),
+                other => format!("failure: {other}"),
+            };
+            if let Some(warning) = dump_after_error(&reason) {
                 eprintln!("mpi-loop: rank {rank}: {warning}");
             }
             let _ = std::io::stdout().flush();
@@ -109,8 +114,8 @@ fn main() -> ExitCode {
 }
 
 /// One all-reduce with a time limit: started nonblocking, waited for at most `--timeout-ms`.
-/// On timeout the operation log is dumped (reason `timeout`) with the all-reduce still
-/// `started` in it.
+/// On timeout the all-reduce stays `started` in the operation log, which `main` dumps (reason
+/// `timeout`) after printing the rank's line.
 fn all_reduce(
     world: &impl Communicator,
     send: &[f32],
@@ -125,9 +130,6 @@ fn all_reduce(
             Ok(())
         }
         Err(still_running) => {
-            if let Err(e) = Recorder::global().dump("timeout") {
-                eprintln!("mpi-loop: cannot dump the operation log: {e}");
-            }
             // The work is dropped unfinished; the program exits without MPI_Finalize.
             std::mem::forget(still_running);
             Err(Error::Timeout {

@@ -194,9 +194,9 @@ pub fn run_loop(
 }
 
 /// `--trace-dir D`: makes the process's recorder ([`Recorder::set_global`]) dump into `D`,
-/// as this world rank, keeping `GRID_TRACE_CAPACITY` operations per communicator. Must run
-/// before the first communicator is created.
-pub fn install_trace_dir(dir: &Path, world_rank: usize) -> std::result::Result<(), String> {
+/// keeping `GRID_TRACE_CAPACITY` operations per communicator, as `world_rank` (`None`: the
+/// first communicator created sets it). Must run before the first communicator is created.
+pub fn install_trace_dir(dir: &Path, world_rank: Option<usize>) -> std::result::Result<(), String> {
     let failed = |e: grid_core::oplog::TraceError| format!("--trace-dir {}: {e}", dir.display());
     let env = Recorder::from_env().map_err(failed)?;
     let recorder = if env.is_recording() {
@@ -204,23 +204,24 @@ pub fn install_trace_dir(dir: &Path, world_rank: usize) -> std::result::Result<(
     } else {
         Recorder::off(Some(dir.to_path_buf()))
     };
-    Recorder::set_global(recorder)
-        .map_err(failed)?
-        .set_world_rank(world_rank);
+    let recorder = Recorder::set_global(recorder).map_err(failed)?;
+    if let Some(rank) = world_rank {
+        recorder.set_world_rank(rank);
+    }
     Ok(())
 }
 
-/// At the end of a rank that ended by an error: writes its operation log unless the front end
-/// already did (an operation that failed or timed out dumps by itself, with the more precise
+/// At the end of a rank that ended by an error: writes its operation log with `reason` unless
+/// the front end already did (an operation that failed dumps by itself, with the more precise
 /// reason). Covers a failure to meet the others, a wrong result and a program-side timeout.
 /// Returns a warning to print when the dump fails.
-pub fn dump_after_error(error: &str) -> Option<String> {
+pub fn dump_after_error(reason: &str) -> Option<String> {
     let recorder = Recorder::global();
     if recorder.trace_dir().is_none() || recorder.dumps_written() > 0 {
         return None;
     }
     recorder
-        .dump(&format!("failure: {error}"))
+        .dump(reason)
         .err()
         .map(|e| format!("cannot dump the operation log: {e}"))
 }

@@ -7,8 +7,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-/// `target/<profile>/examples/<name>`, beside this test's own `deps/` directory; built with
-/// `cargo build --examples` first if missing (a test run that skipped the examples).
+/// `target/<profile>/examples/<name>`, beside this test's own `deps/` directory, brought up to
+/// date with `cargo build --example` first (a no-op when the test run built the examples; a
+/// run of only this test target does not, and would otherwise find a stale program).
 fn example(name: &str) -> PathBuf {
     let exe = std::env::current_exe().expect("the test's own path");
     let profile_dir = exe
@@ -16,16 +17,15 @@ fn example(name: &str) -> PathBuf {
         .and_then(Path::parent)
         .expect("target/<profile>/deps/<test>");
     let path = profile_dir.join("examples").join(name);
-    if !path.is_file() {
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        let mut c = Command::new(cargo);
-        c.args(["build", "-p", "grid-programs", "--example", name]);
-        if profile_dir.file_name().is_some_and(|p| p == "release") {
-            c.arg("--release");
-        }
-        let status = c.status().expect("cargo runs");
-        assert!(status.success(), "building the example {name} failed");
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let mut c = Command::new(cargo);
+    c.args(["build", "--quiet", "-p", "grid-programs", "--example", name]);
+    if profile_dir.file_name().is_some_and(|p| p == "release") {
+        c.arg("--release");
     }
+    let status = c.status().expect("cargo runs");
+    assert!(status.success(), "building the example {name} failed");
+    assert!(path.is_file(), "{} was not built", path.display());
     path
 }
 
@@ -190,6 +190,63 @@ fn gloo_loop_survivors_report_a_killed_rank_and_dump_their_logs() {
 }
 
 #[test]
+fn gloo_loop_dumps_its_log_on_sigusr1_and_carries_on() {
+    let exe = example("gloo-loop");
+    let store = fresh_dir("gloo-loop-usr1-store");
+    let trace = fresh_dir("gloo-loop-usr1-trace");
+    let trace_arg = trace.to_string_lossy().into_owned();
+    let args = [
+        "--seconds",
+        "4",
+        "--bytes",
+        "4096",
+        "--trace-dir",
+        &trace_arg,
+    ];
+    let ranks: Vec<Child> = (0..2)
+        .map(|r| spawn_rank(&exe, r, 2, &store, &args))
+        .collect();
+    // Long enough for the ranks to have met (the handler is installed with the first
+    // communicator); the loop runs for 4 s.
+    std::thread::sleep(Duration::from_secs(2));
+    let status = Command::new("kill")
+        .args(["-USR1", &ranks[0].id().to_string()])
+        .status()
+        .expect("run kill");
+    assert!(status.success());
+    let path = trace.join("rank-0.json");
+    let start = Instant::now();
+    while !path.exists() && start.elapsed() < Duration::from_secs(5) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let dump = TraceDump::from_json(
+        &std::fs::read_to_string(&path)
+            .unwrap_or_else(|e| panic!("no dump at {}: {e}", path.display())),
+    )
+    .expect("a valid dump");
+    assert_eq!((dump.rank, dump.reason.as_str()), (0, "SIGUSR1"));
+    let world = dump
+        .communicators
+        .iter()
+        .find(|c| c.ranks == [0, 1])
+        .expect("the world communicator's log");
+    assert!(world.records.iter().any(|r| r.op == "all_reduce"));
+    // The signal did not disturb the loop.
+    for (r, child) in ranks.into_iter().enumerate() {
+        let (out, _) = wait_within(child, Duration::from_secs(30), &format!("rank {r}"));
+        let v = json_line(&out);
+        assert_eq!(v["error"], serde_json::Value::Null, "rank {r}: {v}");
+        assert!(out.status.success(), "rank {r}: {:?}", out.status);
+    }
+    assert!(
+        !trace.join("rank-1.json").exists(),
+        "rank 1 was not signalled"
+    );
+    std::fs::remove_dir_all(&store).expect("remove the store");
+    std::fs::remove_dir_all(&trace).expect("remove the dumps");
+}
+
+#[test]
 fn gloo_loop_rejects_bad_options_with_one_line_and_status_2() {
     let exe = example("gloo-loop");
     for args in [
@@ -237,8 +294,22 @@ fn gloo_loop_rejects_bad_options_with_one_line_and_status_2() {
 fn mpi_loop_two_ranks_complete_every_iteration() {
     let exe = example("mpi-loop");
     let exe = exe.to_string_lossy();
-    let out = backend_mpi::testing::launch(2, 60, &exe, &["--iters", "20", "--bytes", "4096"])
-        .expect("mpirun runs");
+    // With --trace-dir too: the recorder is installed before MPI creates the world
+    // communicator, and nothing is dumped when nothing fails.
+    let trace = fresh_dir("mpi-loop-trace");
+    let trace_arg = trace.to_string_lossy().into_owned();
+    let args = [
+        "--iters",
+        "20",
+        "--bytes",
+        "4096",
+        "--trace-dir",
+        &trace_arg,
+    ];
+    let out = backend_mpi::testing::launch(2, 60, &exe, &args).expect("mpirun runs");
+    let dumped = std::fs::read_dir(&trace).map_or(0, |d| d.count());
+    std::fs::remove_dir_all(&trace).expect("remove the dump directory");
+    assert_eq!(dumped, 0, "a clean run dumps nothing");
     assert_eq!(out.code, Some(0), "{}", out.output);
     let mut lines: Vec<serde_json::Value> = out
         .output
@@ -256,4 +327,59 @@ fn mpi_loop_two_ranks_complete_every_iteration() {
         "{}",
         out.output
     );
+}
+
+#[test]
+fn mpi_loop_timeout_reports_and_dumps_the_started_all_reduce() {
+    let exe = example("mpi-loop");
+    let exe = exe.to_string_lossy();
+    // 64 MiB cannot be all-reduced in 1 ms: every rank times out in its first iteration.
+    let trace = fresh_dir("mpi-loop-timeout-trace");
+    let trace_arg = trace.to_string_lossy().into_owned();
+    let args = [
+        "--bytes",
+        "67108864",
+        "--timeout-ms",
+        "1",
+        "--iters",
+        "3",
+        "--trace-dir",
+        &trace_arg,
+    ];
+    let out = backend_mpi::testing::launch(2, 60, &exe, &args).expect("mpirun runs");
+    assert_ne!(out.code, Some(0), "{}", out.output);
+    let line = out
+        .output
+        .lines()
+        .find(|l| l.starts_with('{'))
+        .unwrap_or_else(|| panic!("no JSON line in {}", out.output));
+    let v: serde_json::Value = serde_json::from_str(line).expect("JSON");
+    assert_eq!(v["error"], "all_reduce: timed out after 1 ms", "{v}");
+    assert_eq!(v["completed"], 0, "{v}");
+    // The first rank to exit makes mpirun end the other, which may not have dumped yet: at
+    // least one dump, and every dump names the timeout and holds the started all-reduce.
+    let dumps: Vec<TraceDump> = (0..2)
+        .filter_map(|r| std::fs::read_to_string(trace.join(format!("rank-{r}.json"))).ok())
+        .map(|t| TraceDump::from_json(&t).expect("a valid dump"))
+        .collect();
+    assert!(
+        !dumps.is_empty(),
+        "no dump in {}: {}",
+        trace.display(),
+        out.output
+    );
+    for d in &dumps {
+        assert_eq!(d.reason, "timeout");
+        let world = d
+            .communicators
+            .iter()
+            .find(|c| c.ranks == [0, 1])
+            .expect("the world communicator");
+        let last = world.records.last().expect("a record");
+        assert_eq!(
+            (last.op.as_str(), last.count, last.state.name()),
+            ("all_reduce", 16 << 20, "started")
+        );
+    }
+    std::fs::remove_dir_all(&trace).expect("remove the dumps");
 }
