@@ -1,7 +1,8 @@
 //! `cargo bench -p grid-core --bench oplog`: the cost of recording one operation in an
 //! [`OpLog`] (begin, mark_started, complete: what the communicator front end calls per
-//! operation), single-threaded and with several threads sharing one log, and the cost of a
-//! snapshot of a full log. Printed, never asserted. `--quick` runs fewer iterations.
+//! nonblocking operation; begin_started and complete: what it calls per blocking one),
+//! single-threaded and with several threads sharing one log, and the cost of a snapshot of a
+//! full log. Printed, never asserted. `--quick` runs fewer iterations.
 
 use grid_core::oplog::{now_us, OpDesc, OpLog};
 use std::hint::black_box;
@@ -44,6 +45,26 @@ fn main() {
     println!(
         "| begin + mark_started + complete, one thread, capacity 4096 | {:.1} |",
         per_op(&log, iters, runs)
+    );
+    // What the front end does for a blocking call: posted and started at once, then completed.
+    let desc = OpDesc::new("all_reduce")
+        .dtype("f32")
+        .count(1 << 20)
+        .reduce_op("sum");
+    let mut blocking: Vec<f64> = (0..runs)
+        .map(|_| {
+            let t = Instant::now();
+            for _ in 0..iters {
+                let h = log.begin_started(black_box(desc));
+                log.complete(h);
+            }
+            t.elapsed().as_nanos() as f64 / iters as f64
+        })
+        .collect();
+    blocking.sort_by(f64::total_cmp);
+    println!(
+        "| begin_started + complete (a blocking call through the front end: 2 locks, 2 clock reads) | {:.1} |",
+        blocking[blocking.len() / 2]
     );
     // The clock read that each of the three calls makes (the rest is one uncontended lock).
     let mut clock: Vec<f64> = (0..runs)

@@ -9,11 +9,14 @@
 //! * [`stats`]: the median every benchmark reports, the slowest rank per sample, the load average;
 //! * [`collectives`]: the benchmarked collectives, their buffer shapes and bus-bandwidth factors;
 //! * [`table`]: byte and duration labels, Markdown table headers;
-//! * [`demo`]: the 8-rank demo layout and an all-reduce checked on every family of it.
+//! * [`demo`]: the 8-rank demo layout and an all-reduce checked on every family of it;
+//! * [`smoke`]: the options, loop and JSON line of the cluster smoke tests `gloo-loop` and
+//!   `mpi-loop`.
 
 #![warn(missing_docs)]
 
 pub mod collectives;
 pub mod demo;
+pub mod smoke;
 pub mod stats;
 pub mod table;

@@ -7,7 +7,10 @@ use super::dtype::{DType, ReduceOp};
 use super::op::{Op, P2pOp, Request, Validated};
 use super::{Communicator, Work};
 use crate::error::{Error, Result};
+use crate::oplog::{OpDesc, OpHandle, OpLog, Recorder};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
 
 /// A communicator: a [`Backend`] behind the front end. Implements [`Communicator`] (so
 /// `Arc<dyn Communicator>` and [`super::CommunicatorExt`] work as for any communicator).
@@ -22,7 +25,38 @@ use std::sync::atomic::{AtomicU64, Ordering};
 /// 3. the next sequence number of this communicator, and a `trace`-level `tracing` span
 ///    `comm` with the operation, the communicator's name, the backend, the sequence number and
 ///    the sizes;
-/// 4. the backend, which receives the operation as a [`Validated`] value.
+/// 4. the operation log (below): the operation is recorded as posted (and started, for a
+///    blocking call);
+/// 5. the backend, which receives the operation as a [`Validated`] value;
+/// 6. the operation log again: completed, or failed with the error (a nonblocking operation is
+///    recorded started when the backend accepted it and completed or failed when its [`Work`]
+///    is waited for).
+///
+/// # The operation log (flight recorder)
+///
+/// Every communicator owns an [`OpLog`] registered with the process's [`Recorder::global`]
+/// under the communicator's name and member world ranks: its last `GRID_TRACE_CAPACITY`
+/// operations (default [`crate::oplog::DEFAULT_CAPACITY`]) with sequence number, operation,
+/// dtype, element count, root or peer, tag, reduction, state and timestamps. It is on by
+/// default and costs two short uncontended locks and two clock reads per operation;
+/// `GRID_TRACE_CAPACITY=0` turns it off for the whole process (no log is registered, nothing
+/// is recorded or dumped). Arguments rejected by validation are the caller's own bug: they
+/// take no sequence number and are not recorded.
+///
+/// With `GRID_TRACE_DIR=DIR` set, the process writes every live communicator's log as JSON to
+/// `DIR/rank-<world rank>.json` ([`crate::oplog`] has the format; `grid trace DIR` reads the
+/// files of every rank):
+/// * when an operation fails with a communication error ([`Error::is_communication`]):
+///   reason `timeout` for [`Error::Timeout`], `abort` for [`Error::Finalized`] (an aborted or
+///   finalized communicator), otherwise `failure: <op> on <communicator>: <error>`;
+/// * on `kill -USR1 <pid>` (installed by the first communicator created while
+///   `GRID_TRACE_DIR` is set; the signal handler only wakes a helper thread, which dumps);
+/// * when the program asks: `grid_core::oplog::Recorder::global().dump("explicit")`.
+///
+/// The world rank in the file name is the one the program set with
+/// [`Recorder::set_world_rank`], or else this process's world rank in the first communicator
+/// created (`global_ranks()[rank()]`). A failed dump is reported with `tracing::warn!` and never
+/// changes the operation's own result.
 ///
 /// The communicator has a descriptive name (`"world"`, a family name such as `"tp"`, or what
 /// its factory chose) that appears in spans and errors.
@@ -64,16 +98,52 @@ pub struct Comm<B: Backend> {
     backend: B,
     name: String,
     seq: AtomicU64,
+    recorder: &'static Recorder,
+    log: Option<Arc<OpLog>>,
 }
 
 impl<B: Backend> Comm<B> {
-    /// Puts `backend` behind the front end, with a descriptive `name`.
+    /// Puts `backend` behind the front end, with a descriptive `name`; its operation log is
+    /// registered with [`Recorder::global`] (see the [type](Comm) documentation).
     pub fn new(backend: B, name: impl Into<String>) -> Comm<B> {
+        Comm::with_recorder(backend, name, Recorder::global())
+    }
+
+    /// Like [`Comm::new`], with the operation log registered with `recorder` instead of the
+    /// process's global one (tests, or a program that manages its own dump directory). The
+    /// recorder's world rank is set from this communicator if it has none yet, and its
+    /// SIGUSR1 dump is installed if it has a directory and no recorder installed it yet.
+    pub fn with_recorder(
+        backend: B,
+        name: impl Into<String>,
+        recorder: &'static Recorder,
+    ) -> Comm<B> {
+        let name = name.into();
+        if let Some(&world_rank) = backend.global_ranks().get(backend.rank()) {
+            recorder.set_world_rank_if_unset(world_rank);
+        }
+        let log = recorder
+            .is_recording()
+            .then(|| recorder.register(name.clone(), backend.global_ranks().to_vec()));
+        #[cfg(unix)]
+        if log.is_some() && recorder.trace_dir().is_some() {
+            if let Err(e) = recorder.install_sigusr1_dump() {
+                tracing::warn!("{e}; SIGUSR1 will not dump the operation log");
+            }
+        }
         Comm {
             backend,
-            name: name.into(),
+            name,
             seq: AtomicU64::new(0),
+            recorder,
+            log,
         }
+    }
+
+    /// This communicator's operation log (`None` when the recorder records nothing,
+    /// `GRID_TRACE_CAPACITY=0`).
+    pub fn op_log(&self) -> Option<&Arc<OpLog>> {
+        self.log.as_ref()
     }
     /// The backend.
     pub fn inner(&self) -> &B {
@@ -307,12 +377,30 @@ impl<B: Backend> Comm<B> {
 
     // ---- the one place every operation passes ------------------------------------------------
 
-    /// Validates, numbers, traces and runs a blocking operation.
+    /// Takes the next sequence number and records the operation in the log (posted, or
+    /// posted and started at once). With a log, the log's number is the operation's number
+    /// (the two counters agree; the log's is the one taken under its lock).
+    fn number(&self, desc: impl FnOnce() -> OpDesc, started: bool) -> (u64, Option<OpHandle>) {
+        let n = self.seq.fetch_add(1, Ordering::Relaxed);
+        match &self.log {
+            Some(log) => {
+                let h = if started {
+                    log.begin_started(desc())
+                } else {
+                    log.begin(desc())
+                };
+                (h.seq(), Some(h))
+            }
+            None => (n, None),
+        }
+    }
+
+    /// Validates, numbers, records, traces and runs a blocking operation.
     fn call(&self, op: Op<'_>) -> Result<()> {
         let name = op.name();
         self.backend.check_live(name)?;
         self.validate(&op)?;
-        let seq = self.seq.fetch_add(1, Ordering::Relaxed);
+        let (seq, handle) = self.number(|| describe_op(&op), true);
         let (send, recv) = op.sizes();
         let span = tracing::trace_span!(
             "comm",
@@ -325,15 +413,19 @@ impl<B: Backend> Comm<B> {
             nonblocking = false
         );
         let _g = span.enter();
-        self.backend.run(Validated::new(op, seq))
+        let result = self.backend.run(Validated::new(op, seq));
+        if let (Some(log), Some(h)) = (&self.log, handle) {
+            ended(log, self.recorder, name, h, &result);
+        }
+        result
     }
 
-    /// Validates, numbers, traces and starts a nonblocking operation.
+    /// Validates, numbers, records, traces and starts a nonblocking operation.
     fn call_start(&self, r: Request) -> Result<Box<dyn Work>> {
         let name = r.name();
         self.backend.check_live(name)?;
         self.validate_request(&r)?;
-        let seq = self.seq.fetch_add(1, Ordering::Relaxed);
+        let (seq, handle) = self.number(|| describe_request(&r), false);
         let (send, recv) = r.sizes();
         let span = tracing::trace_span!(
             "comm",
@@ -346,7 +438,210 @@ impl<B: Backend> Comm<B> {
             nonblocking = true
         );
         let _g = span.enter();
-        self.backend.start(Validated::new(r, seq))
+        let started = self.backend.start(Validated::new(r, seq));
+        let (Some(log), Some(h)) = (&self.log, handle) else {
+            return started;
+        };
+        match started {
+            Ok(inner) => {
+                log.mark_started(h);
+                Ok(Box::new(LoggedWork {
+                    inner,
+                    log: Arc::clone(log),
+                    recorder: self.recorder,
+                    op: name,
+                    handle: h,
+                }))
+            }
+            Err(e) => {
+                failed(log, self.recorder, name, h, &e);
+                Err(e)
+            }
+        }
+    }
+}
+
+/// Records the end of an operation: completed, or failed (and dumped, see [`failed`]).
+fn ended<T>(log: &OpLog, recorder: &Recorder, op: &'static str, h: OpHandle, r: &Result<T>) {
+    match r {
+        Ok(_) => {
+            log.complete(h);
+        }
+        Err(e) => failed(log, recorder, op, h, e),
+    }
+}
+
+/// Records a failed operation and, for a communication error, dumps the process's logs (when
+/// the recorder has a directory).
+#[cold]
+fn failed(log: &OpLog, recorder: &Recorder, op: &'static str, h: OpHandle, e: &Error) {
+    log.fail(h, e.to_string());
+    if !e.is_communication() || recorder.trace_dir().is_none() {
+        return;
+    }
+    let reason = dump_reason(op, log.name(), e);
+    match recorder.dump(&reason) {
+        Ok(Some(path)) => tracing::info!("operation log dumped to {} ({reason})", path.display()),
+        Ok(None) => {}
+        Err(d) => tracing::warn!("cannot dump the operation log ({reason}): {d}"),
+    }
+}
+
+/// The reason a failed operation gives its dump: `timeout`, `abort`, or
+/// `failure: <op> on <communicator>: <error>`.
+fn dump_reason(op: &str, comm: &str, e: &Error) -> String {
+    match e {
+        Error::Timeout { .. } => "timeout".to_string(),
+        Error::Finalized { .. } => "abort".to_string(),
+        other => format!("failure: {op} on {comm}: {other}"),
+    }
+}
+
+/// A nonblocking operation's [`Work`], recording its end in the operation log when it is
+/// waited for (a work dropped without a wait stays `started` in the log).
+struct LoggedWork {
+    inner: Box<dyn Work>,
+    log: Arc<OpLog>,
+    recorder: &'static Recorder,
+    op: &'static str,
+    handle: OpHandle,
+}
+
+impl Work for LoggedWork {
+    fn is_completed(&mut self) -> bool {
+        self.inner.is_completed()
+    }
+
+    fn wait(self: Box<Self>) -> Result<Tensor> {
+        let LoggedWork {
+            inner,
+            log,
+            recorder,
+            op,
+            handle,
+        } = *self;
+        let r = inner.wait();
+        ended(&log, recorder, op, handle, &r);
+        r
+    }
+
+    fn wait_timeout(
+        self: Box<Self>,
+        timeout: Duration,
+    ) -> std::result::Result<Result<Tensor>, Box<dyn Work>> {
+        let LoggedWork {
+            inner,
+            log,
+            recorder,
+            op,
+            handle,
+        } = *self;
+        match inner.wait_timeout(timeout) {
+            Ok(r) => {
+                ended(&log, recorder, op, handle, &r);
+                Ok(r)
+            }
+            Err(inner) => Err(Box::new(LoggedWork {
+                inner,
+                log,
+                recorder,
+                op,
+                handle,
+            })),
+        }
+    }
+}
+
+/// The element type's name as the log records it (`f32`, `bf16`, ...).
+fn dtype_name(d: DType) -> &'static str {
+    match d {
+        DType::F32 => "f32",
+        DType::F64 => "f64",
+        DType::I32 => "i32",
+        DType::I64 => "i64",
+        DType::U8 => "u8",
+        DType::F16 => "f16",
+        DType::BF16 => "bf16",
+    }
+}
+
+/// The reduction's name as the log records it (`sum`, `max`, ...).
+fn reduce_name(r: ReduceOp) -> &'static str {
+    match r {
+        ReduceOp::Sum => "sum",
+        ReduceOp::Prod => "prod",
+        ReduceOp::Min => "min",
+        ReduceOp::Max => "max",
+        ReduceOp::Avg => "avg",
+    }
+}
+
+/// The log's description of a blocking operation: the dtype and the elements this rank sends
+/// (for a receive or a broadcast, the buffer's), root or peer and tag; a batch records the
+/// dtype of its first operation and the elements of all of them.
+fn describe_op(op: &Op<'_>) -> OpDesc {
+    let d = OpDesc::new(op.name());
+    let reducing = |d: OpDesc, b: &BufRef<'_>, r: ReduceOp| {
+        d.dtype(dtype_name(b.dtype()))
+            .count(b.len())
+            .reduce_op(reduce_name(r))
+    };
+    match op {
+        Op::AllReduce { send, op: r, .. } | Op::ReduceScatter { send, op: r, .. } => {
+            reducing(d, send, *r)
+        }
+        Op::AllReduceInPlace { buf, op: r } => d
+            .dtype(dtype_name(buf.dtype()))
+            .count(buf.len())
+            .reduce_op(reduce_name(*r)),
+        Op::Broadcast { buf, root } => d
+            .dtype(dtype_name(buf.dtype()))
+            .count(buf.len())
+            .root(*root),
+        Op::AllGather { send, .. } | Op::AllToAll { send, .. } => {
+            d.dtype(dtype_name(send.dtype())).count(send.len())
+        }
+        Op::Barrier => d,
+        Op::Send { buf, peer, tag } => d
+            .dtype(dtype_name(buf.dtype()))
+            .count(buf.len())
+            .peer(*peer)
+            .tag(u64::from(*tag)),
+        Op::Recv { buf, peer, tag } => d
+            .dtype(dtype_name(buf.dtype()))
+            .count(buf.len())
+            .peer(*peer)
+            .tag(u64::from(*tag)),
+        Op::Batch(ops) => {
+            let (send, recv) = op.sizes();
+            let first = ops.first().map(|o| match o {
+                P2pOp::Send { buf, .. } => buf.dtype(),
+                P2pOp::Recv { buf, .. } => buf.dtype(),
+            });
+            let d = d.count(send + recv);
+            match first {
+                Some(t) => d.dtype(dtype_name(t)),
+                None => d,
+            }
+        }
+    }
+}
+
+/// The log's description of a nonblocking operation (as [`describe_op`]).
+fn describe_request(r: &Request) -> OpDesc {
+    let d = OpDesc::new(r.name());
+    let t = |d: OpDesc, b: &Tensor| d.dtype(dtype_name(b.dtype())).count(b.len());
+    match r {
+        Request::AllReduceInto { send, op, .. } | Request::ReduceScatter { send, op, .. } => {
+            t(d, send).reduce_op(reduce_name(*op))
+        }
+        Request::AllReduce { buf, op } => t(d, buf).reduce_op(reduce_name(*op)),
+        Request::Broadcast { buf, root } => t(d, buf).root(*root),
+        Request::AllGather { send, .. } | Request::AllToAll { send, .. } => t(d, send),
+        Request::Barrier => d,
+        Request::Send { buf, peer, tag } | Request::Recv { buf, peer, tag } => {
+            t(d, buf).peer(*peer).tag(u64::from(*tag))
+        }
     }
 }
 

@@ -1,0 +1,142 @@
+//! `mpi-loop`: a cluster smoke test over MPI, used the way `nccl-tests` is: a loop of f32 sum
+//! all-reduces on the world communicator, each result checked.
+//!
+//! ```text
+//! cargo build --release --examples
+//! mpirun -np N target/release/examples/mpi-loop [--bytes B] [--iters K | --seconds S] [--timeout-ms T] [--trace-dir D]
+//! ```
+//!
+//! `--bytes` is the size of one all-reduce (a multiple of 4; default 1048576), `--iters` the
+//! number of all-reduces (default 100) or `--seconds` how long to loop (the ranks vote after every
+//! all-reduce, with a one-element all-reduce, so that all stop together), `--timeout-ms` the time
+//! limit of each all-reduce (default 30000): every all-reduce is started nonblocking and waited
+//! for at most that long. With `--trace-dir D`, every rank's operation log is written to
+//! `D/rank-<rank>.json` when an operation fails or times out (reason `timeout`), and at the end
+//! of a rank that ended by an error; `grid trace D` reads them.
+//!
+//! Each rank prints exactly one line when it ends, `{"rank":R,"completed":K,"error":null}` or
+//! with `"error":"<message>"`, and exits 0 only if it completed every iteration without error
+//! (1 otherwise; 2 with one line on standard error for invalid options). A rank that ended by an
+//! error exits without `MPI_Finalize` (which would wait for the operation that never finished);
+//! `mpirun` then ends the job.
+
+use backend_mpi::MpiRuntime;
+use grid_core::{Communicator, CommunicatorExt, Error, ReduceOp};
+use grid_programs::smoke::{dump_after_error, install_trace_dir, run_loop, LoopOptions, Outcome};
+use std::io::Write;
+use std::process::ExitCode;
+
+const USAGE: &str = "usage: mpirun -np N mpi-loop [--bytes B] [--iters K | --seconds S] [--timeout-ms T] [--trace-dir D]";
+
+fn parse_args() -> Result<LoopOptions, String> {
+    let mut options = LoopOptions::default();
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        if flag == "--help" || flag == "-h" {
+            return Err(USAGE.to_string());
+        }
+        let value = it
+            .next()
+            .ok_or_else(|| format!("{flag} needs a value; {USAGE}"))?;
+        if !options.flag(&flag, &value)? {
+            return Err(format!("unknown option {flag:?}; {USAGE}"));
+        }
+    }
+    Ok(options)
+}
+
+fn main() -> ExitCode {
+    let options = match parse_args() {
+        Ok(o) => o,
+        Err(e) => {
+            eprintln!("mpi-loop: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    // The recorder comes before MPI: initialising MPI creates the world communicator, whose
+    // world rank then names the dump file.
+    let rt = match &options.trace_dir {
+        Some(dir) => install_trace_dir(dir, None),
+        None => Ok(()),
+    }
+    .and_then(|()| MpiRuntime::init().map_err(|e| e.to_string()));
+    let rt = match rt {
+        Ok(rt) => rt,
+        Err(e) => {
+            // No rank number without MPI: the launcher's, if any.
+            let rank = ["OMPI_COMM_WORLD_RANK", "PMI_RANK"]
+                .iter()
+                .find_map(|v| std::env::var(v).ok()?.parse().ok())
+                .unwrap_or(0);
+            let outcome = Outcome {
+                rank,
+                completed: 0,
+                error: Some(e),
+            };
+            println!("{}", outcome.json_line());
+            return ExitCode::FAILURE;
+        }
+    };
+    let world = rt.world();
+    let rank = world.rank();
+    let mut completed = 0u64;
+    let result = run_loop(
+        rank,
+        world.size(),
+        &options,
+        &mut completed,
+        |send, recv| all_reduce(world, send, recv, &options),
+    );
+    let outcome = Outcome {
+        rank,
+        completed,
+        error: result.as_ref().err().map(Error::to_string),
+    };
+    // The line first: once one rank exits, mpirun may end the others at any moment.
+    println!("{}", outcome.json_line());
+    let _ = std::io::stdout().flush();
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            let reason = match e {
+                Error::Timeout { .. } => "timeout".to_string(),
+                other => format!("failure: {other}"),
+            };
+            if let Some(warning) = dump_after_error(&reason) {
+                eprintln!("mpi-loop: rank {rank}: {warning}");
+            }
+            let _ = std::io::stdout().flush();
+            let _ = std::io::stderr().flush();
+            // Not MPI_Finalize: it would wait for the all-reduce that never finished.
+            std::process::exit(1)
+        }
+    }
+}
+
+/// One all-reduce with a time limit: started nonblocking, waited for at most `--timeout-ms`.
+/// On timeout the all-reduce stays `started` in the operation log, which `main` dumps (reason
+/// `timeout`) after printing the rank's line.
+fn all_reduce(
+    world: &impl Communicator,
+    send: &[f32],
+    recv: &mut [f32],
+    options: &LoopOptions,
+) -> grid_core::Result<()> {
+    let work = world.iall_reduce_into(send.to_vec(), vec![0f32; recv.len()], ReduceOp::Sum)?;
+    match work.into_inner().wait_timeout(options.timeout()) {
+        Ok(result) => {
+            let out = result?.into_vec::<f32>()?;
+            recv.copy_from_slice(&out);
+            Ok(())
+        }
+        Err(still_running) => {
+            // The work is dropped unfinished; the program exits without MPI_Finalize.
+            std::mem::forget(still_running);
+            Err(Error::Timeout {
+                op: "all_reduce",
+                millis: options.timeout_ms,
+                peer: None,
+            })
+        }
+    }
+}
