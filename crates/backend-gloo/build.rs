@@ -50,6 +50,8 @@ fn main() {
         println!("cargo:rustc-link-search=native=/usr/lib");
     }
     println!("cargo:rustc-link-lib=dylib=gloo");
+    // The shim removes rendezvous keys from Redis itself (DEL through Gloo's connection).
+    println!("cargo:rustc-link-lib=dylib=hiredis");
     println!("cargo:rustc-link-lib=dylib=pthread");
 
     let bindings = bindgen::Builder::default()

@@ -10,7 +10,9 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <cstdio>
 #include <exception>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <mutex>
@@ -89,8 +91,85 @@ int32_t classify(const std::string& msg, int32_t fallback) {
 
 }  // namespace
 
+// ---- stores that can remove keys ----------------------------------------------------------------
+//
+// Gloo's Store interface (this version) cannot delete a key. Each store kind is subclassed to
+// add `erase`, using only the protected members the Gloo headers declare: the in-memory map of
+// HashStore, the key-to-file mapping of FileStore and the Redis connection of RedisStore.
+
+namespace {
+
+class ErasableHashStore : public gloo::rendezvous::HashStore {
+ public:
+  void erase(const std::string& key) {
+    std::lock_guard<std::mutex> lock(m_);
+    map_.erase(key);
+  }
+  size_t count() {
+    std::lock_guard<std::mutex> lock(m_);
+    return map_.size();
+  }
+};
+
+class ErasableFileStore : public gloo::rendezvous::FileStore {
+ public:
+  explicit ErasableFileStore(const std::string& path) : FileStore(path) {}
+  void erase(const std::string& key) {
+    std::string path = objectPath(key);
+    // A missing file is fine (already removed); the remembered path goes either way.
+    std::remove(path.c_str());
+    keyFilePaths_.erase(
+        std::remove(keyFilePaths_.begin(), keyFilePaths_.end(), path), keyFilePaths_.end());
+  }
+};
+
+class ErasableRedisStore : public gloo::rendezvous::RedisStore {
+ public:
+  ErasableRedisStore(const std::string& host, int port) : RedisStore(host, port) {}
+  void erase(const std::string& key) {
+    void* reply = redisCommand(redis_, "DEL %b", key.data(), key.size());
+    if (reply == nullptr) {
+      throw std::runtime_error(std::string("redis DEL failed: ") + redis_->errstr);
+    }
+    freeReplyObject(reply);
+  }
+};
+
+// Passes everything to `base` and remembers the keys this rank set.
+class RecordingStore : public gloo::rendezvous::Store {
+ public:
+  explicit RecordingStore(gloo::rendezvous::Store& base) : base_(base) {}
+
+  void set(const std::string& key, const std::vector<char>& data) override {
+    base_.set(key, data);
+    keys_.push_back(key);
+  }
+  std::vector<char> get(const std::string& key) override {
+    return base_.get(key);
+  }
+  void wait(const std::vector<std::string>& keys) override {
+    base_.wait(keys);
+  }
+  void wait(const std::vector<std::string>& keys, const Millis& timeout) override {
+    base_.wait(keys, timeout);
+  }
+  const std::vector<std::string>& keys() const {
+    return keys_;
+  }
+
+ private:
+  gloo::rendezvous::Store& base_;
+  std::vector<std::string> keys_;
+};
+
+}  // namespace
+
 struct gloo_shim_store {
   std::shared_ptr<gloo::rendezvous::Store> store;
+  // Removes one key (full name) from `store`; captures a pointer kept alive by `store`.
+  std::function<void(const std::string&)> erase;
+  // Number of keys, where the store can tell (the in-memory store); else null.
+  std::function<size_t()> count;
 };
 
 struct gloo_shim_device {
@@ -505,14 +584,19 @@ extern "C" {
 int32_t gloo_shim_store_hash_new(gloo_shim_store** out, gloo_shim_status* st) {
   *out = nullptr;
   return guarded(nullptr, st, [&] {
-    *out = new gloo_shim_store{std::make_shared<gloo::rendezvous::HashStore>()};
+    auto store = std::make_shared<ErasableHashStore>();
+    ErasableHashStore* raw = store.get();
+    *out = new gloo_shim_store{
+        store, [raw](const std::string& k) { raw->erase(k); }, [raw] { return raw->count(); }};
   });
 }
 
 int32_t gloo_shim_store_file_new(const char* path, gloo_shim_store** out, gloo_shim_status* st) {
   *out = nullptr;
   return guarded(nullptr, st, [&] {
-    *out = new gloo_shim_store{std::make_shared<gloo::rendezvous::FileStore>(path)};
+    auto store = std::make_shared<ErasableFileStore>(path);
+    ErasableFileStore* raw = store.get();
+    *out = new gloo_shim_store{store, [raw](const std::string& k) { raw->erase(k); }, nullptr};
   });
 }
 
@@ -520,13 +604,15 @@ int32_t gloo_shim_store_redis_new(
     const char* host, int32_t port, gloo_shim_store** out, gloo_shim_status* st) {
   *out = nullptr;
   return guarded(nullptr, st, [&] {
-    *out = new gloo_shim_store{std::make_shared<gloo::rendezvous::RedisStore>(host, port)};
+    auto store = std::make_shared<ErasableRedisStore>(host, port);
+    ErasableRedisStore* raw = store.get();
+    *out = new gloo_shim_store{store, [raw](const std::string& k) { raw->erase(k); }, nullptr};
   });
 }
 
 gloo_shim_store* gloo_shim_store_clone(const gloo_shim_store* store) {
   try {
-    return new gloo_shim_store{store->store};
+    return new gloo_shim_store{store->store, store->erase, store->count};
   } catch (...) {
     return nullptr;
   }
@@ -547,6 +633,14 @@ int32_t gloo_shim_store_set(
     const char* p = static_cast<const char*>(data);
     prefixed.set(key, std::vector<char>(p, p + len));
   });
+}
+
+int64_t gloo_shim_store_count(const gloo_shim_store* store) {
+  try {
+    return store->count ? static_cast<int64_t>(store->count()) : -1;
+  } catch (...) {
+    return -1;
+  }
 }
 
 int32_t gloo_shim_store_get(
@@ -591,7 +685,8 @@ void gloo_shim_device_free(gloo_shim_device* device) {
 
 int32_t gloo_shim_context_connect(
     gloo_shim_store* store, const char* prefix, gloo_shim_device* device, int32_t rank,
-    int32_t size, int64_t timeout_ms, gloo_shim_context** out, gloo_shim_status* st) {
+    int32_t size, int64_t timeout_ms, int32_t remove_keys, gloo_shim_context** out,
+    gloo_shim_status* st) {
   *out = nullptr;
   return guarded(nullptr, st, [&] {
     if (size < 1 || rank < 0 || rank >= size) {
@@ -601,7 +696,8 @@ int32_t gloo_shim_context_connect(
     }
     Millis timeout = to_millis(timeout_ms);
     BoundedStore bounded(store->store, timeout);
-    gloo::rendezvous::PrefixStore prefixed(prefix, bounded);
+    RecordingStore recorded(bounded);
+    gloo::rendezvous::PrefixStore prefixed(prefix, recorded);
     auto ctx = std::make_shared<gloo::rendezvous::Context>(rank, size);
     ctx->setTimeout(timeout);
     ctx->connectFullMesh(prefixed, device->device);
@@ -613,6 +709,18 @@ int32_t gloo_shim_context_connect(
     opts.setTag(kConnectBarrierTag);
     opts.setTimeout(timeout);
     gloo::barrier(opts);
+    // The barrier returned, so every member has entered it, that is, has finished
+    // connectFullMesh and read every key it needs: nobody reads this group's keys again. Each
+    // rank removes the keys it set itself (best effort: a key left behind costs space, not
+    // correctness, and the context is good).
+    if (remove_keys != 0 && store->erase) {
+      for (const auto& key : recorded.keys()) {
+        try {
+          store->erase(key);
+        } catch (...) {
+        }
+      }
+    }
     *out = new gloo_shim_context{std::move(ctx), {}};
   });
 }

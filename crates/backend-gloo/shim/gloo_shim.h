@@ -124,6 +124,8 @@ int32_t gloo_shim_store_set(
     gloo_shim_status* st);
 /* Waits up to timeout_ms for prefix/key and copies its value into buf (capacity cap); *len
  * receives the value's length. GLOO_SHIM_TOO_SMALL when cap < *len (nothing copied). */
+/* Number of keys in the store, where it can tell (the in-memory store); -1 otherwise. */
+int64_t gloo_shim_store_count(const gloo_shim_store* store);
 int32_t gloo_shim_store_get(
     gloo_shim_store* store, const char* prefix, const char* key, int64_t timeout_ms, void* buf,
     size_t cap, size_t* len, gloo_shim_status* st);
@@ -136,10 +138,13 @@ int32_t gloo_shim_device_tcp_new(
 void gloo_shim_device_free(gloo_shim_device* device);
 
 /* Rendezvous of `size` ranks under the store key prefix `prefix` (full mesh of TCP pairs).
- * Every store wait, the connection and, later, every operation on the context use timeout_ms. */
+ * Every store wait, the connection and, later, every operation on the context use timeout_ms.
+ * remove_keys != 0: once the rendezvous completed on every member (after the closing barrier),
+ * the keys this rank set are removed from the store. */
 int32_t gloo_shim_context_connect(
     gloo_shim_store* store, const char* prefix, gloo_shim_device* device, int32_t rank,
-    int32_t size, int64_t timeout_ms, gloo_shim_context** out, gloo_shim_status* st);
+    int32_t size, int64_t timeout_ms, int32_t remove_keys, gloo_shim_context** out,
+    gloo_shim_status* st);
 void gloo_shim_context_free(gloo_shim_context* ctx);
 int32_t gloo_shim_context_rank(const gloo_shim_context* ctx);
 int32_t gloo_shim_context_size(const gloo_shim_context* ctx);

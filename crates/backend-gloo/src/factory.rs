@@ -82,6 +82,40 @@ impl InProcessStore {
             .map_err(|e| store_error("in-process", e))
     }
 
+    /// Number of keys the store holds (every job's, every rank's).
+    ///
+    /// ```
+    /// use backend_gloo::{run_ranks_with, GlooConfig, Rendezvous};
+    /// use grid_core::{Communicator, GroupFactory};
+    /// let store = backend_gloo::InProcessStore::new().unwrap();
+    /// assert_eq!(store.key_count().unwrap(), 0);
+    /// let r = Rendezvous::InProcess(store.clone());
+    /// let world_keys = run_ranks_with(&r, 2, &GlooConfig::new("doc-count"), |f, w| {
+    ///     // A sub-group's keys are removed once every member has connected.
+    ///     drop(f.split(&w, Some(0), w.rank())?);
+    ///     w.barrier()?;
+    ///     store.key_count()
+    /// })
+    /// .unwrap();
+    /// // The world's keys stay: they mark the job id as used.
+    /// assert!(world_keys.iter().all(|n| *n.as_ref().unwrap() > 0));
+    /// assert_eq!(store.key_count().unwrap(), *world_keys[0].as_ref().unwrap());
+    /// ```
+    pub fn key_count(&self) -> Result<usize> {
+        self.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .count()
+            .ok_or_else(|| {
+                LibraryError::new(
+                    BACKEND,
+                    "rendezvous",
+                    "the in-process store cannot count its keys",
+                )
+                .into()
+            })
+    }
+
     fn handle(&self) -> Result<RawStore> {
         self.0
             .lock()
@@ -297,7 +331,10 @@ impl GlooConfig {
 /// rendezvous (a new Gloo context with a full mesh of connections) under the store prefix
 /// `grid-gloo/<job>/<parent name>/s<n>/c<colour>`, as PyTorch does for `new_group`: only the
 /// members take part, and `n` counts the splits of that parent, so successive groups never
-/// share keys.
+/// share keys. Once a group's rendezvous has completed on every member, each member removes
+/// the keys it wrote, so creating and dropping groups does not grow the store (file store: the
+/// key files; Redis: the keys; in-process store: the entries). A world's keys stay: they mark
+/// the job id as used (see [`Rendezvous`]).
 ///
 /// ```
 /// use backend_gloo::{run_ranks, GlooConfig};
@@ -391,7 +428,7 @@ impl GlooFactory {
             });
         }
         let name = format!("w{}", self.worlds.fetch_add(1, Ordering::Relaxed));
-        self.connect(&name, rank, (0..size).collect())
+        self.connect(&name, rank, (0..size).collect(), Keys::Keep)
     }
 
     fn prefix(&self, name: &str) -> String {
@@ -405,6 +442,7 @@ impl GlooFactory {
         name: &str,
         rank: usize,
         global_ranks: Vec<usize>,
+        keys: Keys,
     ) -> Result<GlooCommunicator> {
         let size = global_ranks.len();
         let prefix = self.prefix(name);
@@ -418,6 +456,7 @@ impl GlooFactory {
                 rank,
                 size,
                 self.config.timeout,
+                keys == Keys::Remove,
             )
         }
         .map_err(|e| self.rendezvous_error(name, rank, size, e))?;
@@ -469,6 +508,17 @@ impl GlooFactory {
     }
 }
 
+/// What becomes of a communicator's rendezvous keys once every member has connected.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Keys {
+    /// Kept for the life of the store: a world's keys mark its job id as used, so that a
+    /// second run under the same id fails at once instead of mixing with the first.
+    Keep,
+    /// Removed (each rank removes the keys it set): sub-groups, so that creating and dropping
+    /// groups does not grow the store.
+    Remove,
+}
+
 impl GroupFactory for GlooFactory {
     type Comm = GlooCommunicator;
 
@@ -506,7 +556,8 @@ impl GroupFactory for GlooFactory {
             )
         })?;
         let name = format!("{}/s{seq}/c{color}", parent.comm_name());
-        self.connect(&name, members.rank, members.members).map(Some)
+        self.connect(&name, members.rank, members.members, Keys::Remove)
+            .map(Some)
     }
 }
 

@@ -503,6 +503,15 @@ impl RawStore {
         })
     }
 
+    /// Number of keys in the store, where the store can tell (the in-memory store); `None` for
+    /// file and Redis stores.
+    pub fn count(&self) -> Option<usize> {
+        // SAFETY: `self.ptr` is a live store handle; the shim only reads it (under the store's
+        // own lock for the in-memory store).
+        let n = unsafe { sys::gloo_shim_store_count(self.ptr.as_ptr()) };
+        usize::try_from(n).ok()
+    }
+
     /// Sets `prefix/key` to `data`; fails with [`ShimCode::KeyExists`] if the key exists.
     pub fn set(&mut self, prefix: &str, key: &str, data: &[u8]) -> ShimResult<()> {
         let p = cstring("store prefix", prefix)?;
@@ -674,7 +683,9 @@ fn bytes_of(s: &HostSlice<'_>) -> usize {
 
 impl RawContext {
     /// Rendezvous of `size` ranks under `prefix` in `store` and full-mesh connection on `device`.
-    /// Every wait and, later, every operation is bounded by `timeout`.
+    /// Every wait and, later, every operation is bounded by `timeout`. With `remove_keys`, the
+    /// keys this rank set are removed from the store once the rendezvous completed on every
+    /// member (the shim's closing barrier returned: nobody reads them again).
     pub fn connect(
         store: &mut RawStore,
         prefix: &str,
@@ -682,6 +693,7 @@ impl RawContext {
         rank: usize,
         size: usize,
         timeout: Duration,
+        remove_keys: bool,
     ) -> ShimResult<RawContext> {
         let p = cstring("store prefix", prefix)?;
         let r = i32::try_from(rank)
@@ -700,6 +712,7 @@ impl RawContext {
                 r,
                 s,
                 millis(timeout),
+                i32::from(remove_keys),
                 &mut out,
                 &mut st,
             )

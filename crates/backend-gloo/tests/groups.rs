@@ -128,3 +128,26 @@ fn collection_from_plan() {
         assert!(created >= 5, "only {created} communicators created");
     }
 }
+
+#[test]
+fn in_process_store_forgets_finished_groups() {
+    let store = backend_gloo::InProcessStore::new().unwrap();
+    let rdv = backend_gloo::Rendezvous::InProcess(store.clone());
+    let out = backend_gloo::run_ranks_with(&rdv, 4, &cfg("forget"), |f, w| {
+        let me = w.rank();
+        w.barrier()?;
+        let before = store.key_count()?;
+        for _ in 0..100 {
+            let g = f.split(&w, Some((me % 2) as u32), me)?;
+            drop(g);
+            w.barrier()?;
+        }
+        Ok((before, store.key_count()?))
+    })
+    .unwrap();
+    for (before, after) in all_ok(out) {
+        // The world's keys stay (they mark the job id as used); no group leaves an entry.
+        assert!(before > 0, "the world's keys are in the store");
+        assert_eq!(after, before, "keys left by 100 groups");
+    }
+}

@@ -448,3 +448,93 @@ fn env_errors() {
     assert!(Rendezvous::parse("redis://h:notaport").is_err());
     assert!(Rendezvous::parse("http://x").is_err());
 }
+
+/// Creates and drops 100 sub-groups (4 ranks as threads, two groups of 2 each time) through
+/// `store` and returns the number of keys `count` sees before the first group, after the first
+/// and after the last. Every count is taken after a world barrier, so every member of every
+/// group created so far has finished its rendezvous, and before the next split's all-gather,
+/// which no rank passes until every rank has counted.
+fn churn_groups(
+    store: &Rendezvous,
+    job: &str,
+    count: impl Fn() -> usize + Sync,
+) -> (usize, usize, usize) {
+    use grid_core::GroupFactory;
+    let cfg = GlooConfig::new(job).with_timeout(Duration::from_secs(30));
+    let out = run_ranks_with(store, 4, &cfg, |f, w| {
+        let me = w.rank();
+        w.barrier()?;
+        let before = count();
+        let mut after_first = 0;
+        for i in 0..100 {
+            let g = f
+                .split(&w, Some((me % 2) as u32), me)?
+                .ok_or_else(|| Error::Invalid("no group".into()))?;
+            let mut s = [0i64];
+            g.all_reduce_into(&[me as i64], &mut s, ReduceOp::Sum)?;
+            assert_eq!(s[0], if me % 2 == 0 { 2 } else { 4 });
+            drop(g);
+            w.barrier()?;
+            if i == 0 {
+                after_first = count();
+            }
+        }
+        w.barrier()?;
+        Ok((before, after_first, count()))
+    })
+    .unwrap();
+    let counts: Vec<_> = out
+        .into_iter()
+        .enumerate()
+        .map(|(r, res)| res.unwrap_or_else(|e| panic!("rank {r}: {e}")))
+        .collect();
+    counts[0]
+}
+
+#[test]
+fn file_store_forgets_finished_groups() {
+    if in_child() {
+        return;
+    }
+    let job = unique("forget");
+    let dir = file_store_dir(&job);
+    let files = || std::fs::read_dir(&dir).map(|d| d.count()).unwrap_or(0);
+    let (before, first, last) = churn_groups(&Rendezvous::File(dir.clone()), &job, files);
+    let _ = std::fs::remove_dir_all(&dir);
+    // The world's keys stay (they mark the job id as used); no group leaves a file behind.
+    assert!(before > 0, "the world's keys are in the store");
+    assert_eq!(first, before, "keys left by the first group");
+    assert_eq!(last, first, "keys left by 100 groups");
+}
+
+/// Number of keys in the Redis server on `port` (`DBSIZE` over the wire protocol).
+fn redis_dbsize(port: u16) -> usize {
+    use std::io::{Read, Write};
+    let mut s = TcpStream::connect(("127.0.0.1", port)).expect("connect to redis");
+    s.write_all(b"*1\r\n$6\r\nDBSIZE\r\n").expect("send DBSIZE");
+    let mut reply = Vec::new();
+    let mut byte = [0u8];
+    while !reply.ends_with(b"\r\n") {
+        s.read_exact(&mut byte).expect("read the DBSIZE reply");
+        reply.push(byte[0]);
+    }
+    let text = String::from_utf8_lossy(&reply);
+    text.trim()
+        .strip_prefix(':')
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("unexpected DBSIZE reply {text:?}"))
+}
+
+#[test]
+fn redis_forgets_finished_groups() {
+    if in_child() {
+        return;
+    }
+    let Some(redis) = Redis::start() else { return };
+    let store = Rendezvous::parse(&redis.url()).unwrap();
+    let port = redis.port;
+    let (before, first, last) = churn_groups(&store, &unique("forget"), || redis_dbsize(port));
+    assert!(before > 0, "the world's keys are in the store");
+    assert_eq!(first, before, "keys left by the first group");
+    assert_eq!(last, first, "keys left by 100 groups");
+}

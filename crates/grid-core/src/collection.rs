@@ -281,11 +281,27 @@ impl<C> BuiltCollection<C> {
     }
 }
 
+/// The first rank of `plan` (in increasing order) that is none of `parent`'s global ranks, or
+/// `None` when the plan fits. Costs O(parent size): at most `parent.size() + 1` plan ranks are
+/// looked at before one is missing.
+fn first_missing_rank<C: Communicator + ?Sized>(parent: &C, plan: &LayoutPlan) -> Option<usize> {
+    let ranks: std::collections::HashSet<usize> = (0..parent.size())
+        .map(|i| parent.global_ranks().get(i).copied().unwrap_or(i))
+        .collect();
+    let cfg = plan.config();
+    let end = cfg.rank_offset.saturating_add(cfg.world_size);
+    (cfg.rank_offset..end).find(|r| !ranks.contains(r))
+}
+
 /// Builds this rank's [`ProcessGroupCollection`] of live communicators from `plan`.
 ///
-/// 1. Every rank of `parent` all-gathers the plan's [`LayoutPlan::fingerprint`]; if any rank
-///    holds another plan, **every** rank returns [`Error::PlanMismatch`] (nobody hangs in a
-///    split that the others never enter).
+/// 1. Every rank of `parent` all-gathers the plan's [`LayoutPlan::fingerprint`] together with
+///    whether the plan fits the parent (every plan rank, `rank_offset .. rank_offset +
+///    world_size`, is one of the parent's `global_ranks()`). If any rank holds another plan,
+///    **every** rank returns [`Error::PlanMismatch`]; otherwise, if the plan does not fit,
+///    every rank returns [`Error::PlanDoesNotFit`] naming both sizes. Both are decided from the
+///    gathered values, which are the same on every rank, before any split: nobody hangs in a
+///    split that the others never enter.
 /// 2. For each family level in Megatron's creation order, families whose groups are identical
 ///    to an earlier one's (same [`LayoutPlan::group_signature`], e.g. `dp` and `dp_cp` when
 ///    cp = 1) reuse its communicator; every other family costs **one** `split` of the parent,
@@ -293,8 +309,9 @@ impl<C> BuiltCollection<C> {
 ///    ranks are sorted positions, as torch defines them. Ranks in no group of a family pass no
 ///    colour and get no communicator.
 ///
-/// The parent's `global_ranks()` map its ranks to the plan's ranks; ranks of the parent outside
-/// the plan take part in every call and get an empty collection.
+/// The parent's `global_ranks()` map its ranks to the plan's ranks; the parent may be larger
+/// than the plan (a plan over a sub-range, with a rank offset): ranks of the parent outside the
+/// plan take part in every call and get an empty collection.
 pub fn build_collection<F: GroupFactory>(
     factory: &F,
     parent: &F::Comm,
@@ -302,12 +319,14 @@ pub fn build_collection<F: GroupFactory>(
 ) -> Result<BuiltCollection<F::Comm>> {
     let _span = tracing::debug_span!("build_collection", backend = parent.backend()).entered();
     let fp = plan.fingerprint() as i64;
-    let mut all = vec![0i64; parent.size()];
-    parent.all_gather_into(&[fp], &mut all)?;
+    // -1: the plan fits this rank's view of the parent; else the first plan rank it lacks.
+    let missing = first_missing_rank(parent, plan).map_or(-1, |r| r as i64);
+    let mut all = vec![0i64; 2 * parent.size()];
+    parent.all_gather_into(&[fp, missing], &mut all)?;
     let mismatched: Vec<usize> = all
-        .iter()
+        .chunks_exact(2)
         .enumerate()
-        .filter(|(_, &f)| f != fp)
+        .filter(|(_, v)| v[0] != fp)
         .map(|(i, _)| parent.global_ranks().get(i).copied().unwrap_or(i))
         .collect();
     if !mismatched.is_empty() {
@@ -315,6 +334,20 @@ pub fn build_collection<F: GroupFactory>(
         return Err(Error::PlanMismatch {
             mine: fp as u64,
             mismatched,
+        });
+    }
+    // Every rank gathered the same values, so every rank takes the same decision.
+    if let Some(missing) = all
+        .chunks_exact(2)
+        .filter_map(|v| usize::try_from(v[1]).ok())
+        .min()
+    {
+        let cfg = plan.config();
+        return Err(Error::PlanDoesNotFit {
+            world_size: cfg.world_size,
+            rank_offset: cfg.rank_offset,
+            parent_size: parent.size(),
+            missing,
         });
     }
     let me = parent

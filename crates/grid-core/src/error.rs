@@ -216,6 +216,14 @@ pub enum Error {
     /// Ranks disagree on the plan they build communicators from.
     #[error("ranks hold different layout plans (hash of this rank {mine:#018x}; ranks {mismatched:?} hold another): every rank must build the same plan")]
     PlanMismatch { mine: u64, mismatched: Vec<usize> },
+    /// The plan's ranks are not all ranks of the communicator it is built on.
+    #[error("the plan covers ranks {first}..{end} (world size {world_size} from rank offset {first}) but the parent communicator has {parent_size} ranks and rank {missing} is not one of them: a plan must fit its parent (world size + rank offset <= {parent_size} for a parent over ranks 0..{parent_size}); no group was created", first = rank_offset, end = rank_offset.saturating_add(*world_size))]
+    PlanDoesNotFit {
+        world_size: usize,
+        rank_offset: usize,
+        parent_size: usize,
+        missing: usize,
+    },
     /// An operation that did not finish in time.
     #[error("{op}: timed out after {millis} ms{}", peer.map(|p| format!(" waiting for rank {p}")).unwrap_or_default())]
     Timeout {
@@ -367,6 +375,7 @@ impl Error {
                 | PeerOutOfRange { .. }
                 | Finalized { .. }
                 | PlanMismatch { .. }
+                | PlanDoesNotFit { .. }
                 | Timeout { .. }
                 | PeerFailed { .. }
                 | Backend { .. }

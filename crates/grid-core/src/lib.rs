@@ -80,7 +80,7 @@ pub use collection::{
 pub use hierarchical::{hierarchical_groups, hierarchical_groups_of};
 pub use plan::{
     EmbeddingFn, EmbeddingRule, Family, FamilyLevel, GroupSignature, LayoutConfig, LayoutPlan,
-    DEFAULT_ORDER,
+    CUSTOM_RULE_SAMPLE, DEFAULT_ORDER,
 };
 pub use view::{Coords, RankView};
 mod hypercomm;

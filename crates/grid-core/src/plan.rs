@@ -114,7 +114,9 @@ pub enum EmbeddingRule {
     /// `pipeline_model_parallel_split_rank = 2` rule of older Megatron releases.
     Stages(Vec<i64>),
     /// Any rule: gets the pipeline group (Megatron's order) and returns the members.
-    /// `name` identifies the rule in the plan's fingerprint, so all ranks must use one name.
+    /// `name` and the rule's output on the plan's pipeline groups (a bounded sample on very
+    /// large plans, see [`LayoutPlan::fingerprint`]) enter the plan's fingerprint, so all ranks
+    /// must use one name and one behaviour.
     Custom {
         /// Identifies the rule (part of the plan fingerprint).
         name: String,
@@ -849,10 +851,34 @@ impl LayoutPlan {
 
     /// A 64-bit fingerprint of everything that shapes the groups; equal on every rank that
     /// holds the same plan. Stable across runs and machines (FNV-1a over a canonical text).
+    ///
+    /// A [`EmbeddingRule::Custom`] rule enters with its name **and its behaviour**: its output
+    /// for every pipeline group of the plan, or, past [`CUSTOM_RULE_SAMPLE`] pipeline groups, for
+    /// that many evenly spaced ones (the first and last included). Two rules under one name
+    /// that pick different members on any of those pipelines give different fingerprints, so
+    /// `build_collection` fails with `PlanMismatch` on every rank instead of hanging. What
+    /// still collides: rules that differ only on pipelines outside the sample (plans of more
+    /// than [`CUSTOM_RULE_SAMPLE`] pipelines), and 64-bit hash collisions. The default and
+    /// [`EmbeddingRule::Stages`] rules are fully determined by their parameters and cost
+    /// nothing more; a custom rule costs one call per sampled pipeline.
+    ///
+    /// ```
+    /// use grid_core::{EmbeddingRule, LayoutConfig, LayoutPlan};
+    /// use std::sync::Arc;
+    /// let with = |rule: EmbeddingRule| {
+    ///     let cfg = LayoutConfig { pp: 4, embedding: rule, ..LayoutConfig::new(8) };
+    ///     LayoutPlan::new(cfg).unwrap().fingerprint()
+    /// };
+    /// let first = EmbeddingRule::Custom { name: "mine".into(), rule: Arc::new(|g| vec![g[0]]) };
+    /// let last = EmbeddingRule::Custom { name: "mine".into(), rule: Arc::new(|g| vec![g[g.len() - 1]]) };
+    /// let first_again = EmbeddingRule::Custom { name: "mine".into(), rule: Arc::new(|g| g[..1].to_vec()) };
+    /// assert_ne!(with(first.clone()), with(last));
+    /// assert_eq!(with(first), with(first_again));
+    /// ```
     pub fn fingerprint(&self) -> u64 {
         let c = &self.cfg;
         let text = format!(
-            "grid-core plan v1|w={}|tp={}|pp={}|cp={}|ep={}|etp={}|order={}|vpp={:?}|ndo={}|hcp={:?}|off={}|embd={:?}|pos={:?}",
+            "grid-core plan v1|w={}|tp={}|pp={}|cp={}|ep={}|etp={}|order={}|vpp={:?}|ndo={}|hcp={:?}|off={}|embd={:?}{}|pos={:?}{}",
             c.world_size,
             c.tp,
             c.pp,
@@ -865,12 +891,49 @@ impl LayoutPlan {
             c.hcp_sizes,
             c.rank_offset,
             c.embedding,
-            c.position_embedding
+            self.rule_behaviour(&c.embedding),
+            c.position_embedding,
+            self.rule_behaviour(&c.position_embedding)
         );
         let mut h = Fnv1a::default();
         text.hash(&mut h);
         h.finish()
     }
+
+    /// For a custom rule, `#` and a hash of its raw output on the sampled pipeline groups (see
+    /// [`LayoutPlan::fingerprint`]); empty for the rules their parameters determine.
+    fn rule_behaviour(&self, rule: &EmbeddingRule) -> String {
+        let EmbeddingRule::Custom { rule, .. } = rule else {
+            return String::new();
+        };
+        let n = self.num_pp_groups();
+        let mask = self.pp_mask();
+        let grid = self.dense.grid();
+        let mut h = Fnv1a::default();
+        for i in sample_indices(n, CUSTOM_RULE_SAMPLE) {
+            let members = grid.group_at_masked(&mask, i).to_vec();
+            (i, rule(&members)).hash(&mut h);
+        }
+        format!("#{:016x}", h.finish())
+    }
+}
+
+/// How many pipeline groups at most [`LayoutPlan::fingerprint`] asks a custom embedding rule
+/// about (all of them when the plan has no more).
+pub const CUSTOM_RULE_SAMPLE: usize = 1024;
+
+/// `0..n` when `n <= k`, else `k` (at least 2) evenly spaced indices from 0 to `n - 1` inclusive.
+fn sample_indices(n: usize, k: usize) -> impl Iterator<Item = usize> {
+    let k = k.max(2);
+    let (count, dense) = if n <= k { (n, true) } else { (k, false) };
+    (0..count).map(move |j| {
+        if dense {
+            j
+        } else {
+            // j * (n - 1) / (k - 1) without overflow: both factors are below n.
+            ((j as u128 * (n - 1) as u128) / (k - 1) as u128) as usize
+        }
+    })
 }
 
 /// Identifies the group structure of a family; see [`LayoutPlan::group_signature`].

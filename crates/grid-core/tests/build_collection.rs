@@ -198,3 +198,128 @@ fn a_different_plan_on_one_rank_fails_every_rank() {
         }
     }
 }
+
+#[test]
+fn a_plan_larger_than_the_world_fails_every_rank_before_any_split() {
+    let results = run_ranks(4, |_, world| {
+        let plan = LayoutPlan::new(LayoutConfig {
+            tp: 2,
+            pp: 2,
+            ..LayoutConfig::new(8)
+        })
+        .unwrap();
+        let factory = LocalFactory::new();
+        let err = build_collection(&factory, &world, &plan).err();
+        // Nobody is stuck in a split: the parent still works on every rank.
+        let mut s = [0i64];
+        world
+            .all_reduce_into(&[1i64], &mut s, ReduceOp::Sum)
+            .unwrap();
+        (err, factory.splits(), s[0])
+    });
+    for (rank, (err, splits, sum)) in results.into_iter().enumerate() {
+        match err {
+            Some(Error::PlanDoesNotFit {
+                world_size: 8,
+                rank_offset: 0,
+                parent_size: 4,
+                missing: 4,
+            }) => {}
+            other => panic!("rank {rank}: expected PlanDoesNotFit, got {other:?}"),
+        }
+        assert_eq!(splits, 0, "rank {rank}: no split before the check");
+        assert_eq!(sum, 4);
+    }
+}
+
+#[test]
+fn a_plan_whose_offset_runs_past_the_world_fails_every_rank() {
+    let results = run_ranks(8, |_, world| {
+        let plan = LayoutPlan::new(LayoutConfig {
+            tp: 2,
+            rank_offset: 4,
+            ..LayoutConfig::new(8)
+        })
+        .unwrap();
+        let factory = LocalFactory::new();
+        let err = build_collection(&factory, &world, &plan).err();
+        (err.map(|e| e.to_string()), factory.splits())
+    });
+    for (rank, (err, splits)) in results.into_iter().enumerate() {
+        let msg = err.unwrap_or_else(|| panic!("rank {rank}: the plan was accepted"));
+        assert!(
+            msg.contains("ranks 4..12") && msg.contains("8 ranks") && msg.contains("rank 8 "),
+            "rank {rank}: {msg}"
+        );
+        assert_eq!(splits, 0);
+    }
+}
+
+#[test]
+fn same_name_custom_rules_with_different_behaviour_fail_every_rank() {
+    let results = run_ranks(8, |rank, world| {
+        // One name, two behaviours: rank 5 picks the last stage, everyone else the first.
+        let rule: EmbeddingFn = if rank == 5 {
+            Arc::new(|g: &[usize]| vec![g[g.len() - 1]])
+        } else {
+            Arc::new(|g: &[usize]| vec![g[0]])
+        };
+        let plan = LayoutPlan::new(LayoutConfig {
+            pp: 4,
+            embedding: EmbeddingRule::Custom {
+                name: "tied".into(),
+                rule,
+            },
+            ..LayoutConfig::new(8)
+        })
+        .unwrap();
+        let factory = LocalFactory::new();
+        let err = build_collection(&factory, &world, &plan).err();
+        (err, factory.splits())
+    });
+    for (rank, (err, splits)) in results.into_iter().enumerate() {
+        match err {
+            Some(Error::PlanMismatch { mismatched, .. }) => {
+                if rank == 5 {
+                    assert_eq!(mismatched.len(), 7);
+                } else {
+                    assert_eq!(mismatched, vec![5]);
+                }
+            }
+            other => panic!("rank {rank}: expected PlanMismatch, got {other:?}"),
+        }
+        assert_eq!(splits, 0, "rank {rank}");
+    }
+}
+
+#[test]
+fn same_name_custom_rules_with_the_same_behaviour_build() {
+    let results = run_ranks(8, |rank, world| {
+        // Two closures, one behaviour (written differently on odd ranks).
+        let rule: EmbeddingFn = if rank % 2 == 1 {
+            Arc::new(|g: &[usize]| g[..1].to_vec())
+        } else {
+            Arc::new(|g: &[usize]| vec![g[0]])
+        };
+        let plan = LayoutPlan::new(LayoutConfig {
+            pp: 4,
+            embedding: EmbeddingRule::Custom {
+                name: "tied".into(),
+                rule,
+            },
+            ..LayoutConfig::new(8)
+        })
+        .unwrap();
+        let built = build_collection(&LocalFactory::new(), &world, &plan).unwrap();
+        built
+            .collection
+            .embd
+            .as_ref()
+            .map(|c| c.global_ranks().to_vec())
+    });
+    for (rank, embd) in results.into_iter().enumerate() {
+        // pp groups are {r, r + 2, r + 4, r + 6} for r in 0..2: the first stage is the group.
+        let want = (rank < 2).then(|| vec![rank]);
+        assert_eq!(embd, want, "rank {rank}");
+    }
+}

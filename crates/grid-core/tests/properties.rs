@@ -184,6 +184,48 @@ fn fingerprint_distinguishes_plans() {
 }
 
 #[test]
+fn fingerprint_covers_custom_rule_behaviour_cheaply_at_a_million_ranks() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    let calls = Arc::new(AtomicUsize::new(0));
+    // Picks the first stage everywhere, or the last stage on the last pipeline only.
+    let rule = |odd_last: bool| {
+        let calls = calls.clone();
+        EmbeddingRule::Custom {
+            name: "r".into(),
+            rule: Arc::new(move |g: &[usize]| {
+                calls.fetch_add(1, Ordering::Relaxed);
+                if odd_last && g[0] == (1 << 20) / 2 - 1 {
+                    vec![g[1]]
+                } else {
+                    vec![g[0]]
+                }
+            }),
+        }
+    };
+    let plan = |r: EmbeddingRule| {
+        LayoutPlan::new(LayoutConfig {
+            pp: 2,
+            embedding: r,
+            ..LayoutConfig::new(1 << 20)
+        })
+        .unwrap()
+    };
+    let (a, b) = (plan(rule(false)), plan(rule(true)));
+    let (fa, fb) = (a.fingerprint(), b.fingerprint());
+    // The last pipeline is always in the sample.
+    assert_ne!(fa, fb);
+    assert_eq!(fa, plan(rule(false)).fingerprint());
+    // A bounded sample: 2^19 pipelines, CUSTOM_RULE_SAMPLE calls per fingerprint.
+    assert_eq!(calls.load(Ordering::Relaxed), 3 * CUSTOM_RULE_SAMPLE);
+    // The position rule is unchanged and the default embedding rule costs no call.
+    let d = plan(EmbeddingRule::Default);
+    let before = calls.load(Ordering::Relaxed);
+    assert_ne!(d.fingerprint(), fa);
+    assert_eq!(calls.load(Ordering::Relaxed), before);
+}
+
+#[test]
 fn dp_and_dp_cp_share_a_signature_when_cp_is_one() {
     let p = LayoutPlan::new(LayoutConfig {
         tp: 2,
