@@ -18,12 +18,15 @@
 //!
 //! # Turning it on, and where the dumps go
 //!
-//! * Recording is **on by default**: every communicator ([`crate::Comm`], whatever the backend)
-//!   registers an [`OpLog`] of [`DEFAULT_CAPACITY`] operations with [`Recorder::global`] when it
-//!   is created. `GRID_TRACE_CAPACITY=N` keeps `N` operations per communicator instead;
-//!   `GRID_TRACE_CAPACITY=0` turns recording off for the process ([`Recorder::off`]: no log is
-//!   registered, nothing is recorded or dumped). The cost when on: two short uncontended locks
-//!   and two clock reads per operation (`cargo bench -p grid-core --bench oplog`).
+//! * Recording is **on when there is somewhere to dump**: with `GRID_TRACE_DIR=DIR` set (or a
+//!   recorder installed with [`Recorder::set_global`]), every communicator ([`crate::Comm`],
+//!   whatever the backend) registers an [`OpLog`] of [`DEFAULT_CAPACITY`] operations with
+//!   [`Recorder::global`] when it is created. `GRID_TRACE_CAPACITY=N` keeps `N` operations per
+//!   communicator (and turns recording on without a directory, for a program that dumps with
+//!   [`Recorder::dump_to`]); `GRID_TRACE_CAPACITY=0` turns it off. With neither variable set,
+//!   nothing is recorded and an operation costs nothing extra ([`Recorder::off`]). The cost when
+//!   on: two short uncontended locks and two clock reads (the time-stamp counter) per
+//!   operation, 30-50 ns (`cargo bench -p grid-core --bench oplog`; `docs/performance.md`).
 //! * Dumps need a directory: `GRID_TRACE_DIR=DIR` in the environment, or a program's own
 //!   recorder installed with [`Recorder::set_global`] before its first communicator (what
 //!   `gloo-loop --trace-dir D` and `mpi-loop --trace-dir D` do). Every rank then writes
@@ -646,13 +649,16 @@ impl Recorder {
     }
 
     /// A recorder configured by `GRID_TRACE_DIR` (an empty value is unset) and
-    /// `GRID_TRACE_CAPACITY` (default [`DEFAULT_CAPACITY`]; `0` gives [`Recorder::off`]).
+    /// `GRID_TRACE_CAPACITY`: recording is on with [`DEFAULT_CAPACITY`] when a directory is set,
+    /// with `N` when `GRID_TRACE_CAPACITY=N` is set, and off ([`Recorder::off`]) when neither is
+    /// set or the capacity is `0`.
     pub fn from_env() -> Result<Recorder, TraceError> {
         let dir = std::env::var_os(TRACE_DIR_ENV)
             .filter(|d| !d.is_empty())
             .map(PathBuf::from);
         let capacity = match std::env::var(TRACE_CAPACITY_ENV) {
-            Err(std::env::VarError::NotPresent) => DEFAULT_CAPACITY,
+            Err(std::env::VarError::NotPresent) if dir.is_some() => DEFAULT_CAPACITY,
+            Err(std::env::VarError::NotPresent) => 0,
             Ok(v) => match v.trim().parse::<usize>() {
                 Ok(n) => n,
                 Err(_) => {

@@ -193,14 +193,20 @@ pub fn run_loop(
     }
 }
 
-/// `--trace-dir D`: makes the process's recorder ([`Recorder::set_global`]) dump into `D`,
-/// keeping `GRID_TRACE_CAPACITY` operations per communicator, as `world_rank` (`None`: the
+/// `--trace-dir D`: makes the process's recorder ([`Recorder::set_global`]) record and dump
+/// into `D`, keeping `GRID_TRACE_CAPACITY` (default [`grid_core::oplog::DEFAULT_CAPACITY`])
+/// operations per communicator, as `world_rank` (`None`: the
 /// first communicator created sets it). Must run before the first communicator is created.
 pub fn install_trace_dir(dir: &Path, world_rank: Option<usize>) -> std::result::Result<(), String> {
     let failed = |e: grid_core::oplog::TraceError| format!("--trace-dir {}: {e}", dir.display());
-    let env = Recorder::from_env().map_err(failed)?;
-    let recorder = if env.is_recording() {
-        Recorder::new(Some(dir.to_path_buf()), env.capacity()).map_err(failed)?
+    // A trace directory turns recording on, as `GRID_TRACE_DIR` does: `GRID_TRACE_CAPACITY`
+    // if set (0 keeps it off), else the default capacity.
+    let capacity = match std::env::var_os(grid_core::oplog::TRACE_CAPACITY_ENV) {
+        Some(_) => Recorder::from_env().map_err(failed)?.capacity(),
+        None => grid_core::oplog::DEFAULT_CAPACITY,
+    };
+    let recorder = if capacity > 0 {
+        Recorder::new(Some(dir.to_path_buf()), capacity).map_err(failed)?
     } else {
         Recorder::off(Some(dir.to_path_buf()))
     };
