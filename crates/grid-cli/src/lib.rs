@@ -21,6 +21,7 @@ mod cli;
 mod commands;
 mod error;
 mod out;
+pub mod picture;
 mod values;
 
 pub use error::UsageError;
