@@ -75,8 +75,8 @@ pub enum Command {
 /// What the command line asks for: run a subcommand, or print a help or version text.
 #[derive(Debug)]
 pub enum Parsed {
-    /// Run this subcommand.
-    Run(Command),
+    /// Run this subcommand (boxed: `grid layout`'s options are large).
+    Run(Box<Command>),
     /// Print this text (help or version) and exit with status 0.
     Print(String),
 }
@@ -112,7 +112,7 @@ pub fn parse(args: &[String]) -> Result<Parsed, UsageError> {
     let argv = std::iter::once("grid".to_string()).chain(args.iter().cloned());
     match cmd.try_get_matches_from_mut(argv) {
         Ok(m) => match Cli::from_arg_matches(&m) {
-            Ok(cli) => Ok(Parsed::Run(cli.command)),
+            Ok(cli) => Ok(Parsed::Run(Box::new(cli.command))),
             Err(e) => Err(one_line(&e, &cmd, args)),
         },
         Err(e) => match e.kind() {
