@@ -14,12 +14,13 @@ const USAGE: &str = "
   grid layout --world-size W [--tp N] [--pp N] [--cp N] [--ep N] [--etp N] [--order ORDER]
               [--dist-opt-instances N] [--hcp A,B,...] [--rank-offset O] [--vpp N] [--dp N]
               [--rank R] [--format text|json]
+              [--svg FILE [--color-by FAMILY] [--ranks-per-node N]]
   grid enum --shape S1,S2,... --dims D1,D2,... --group Dx,Dy [--rank-offset O] [--raw]
             [--world-size W] [--rank R] [--format text|json]
   grid hierarchical --ranks R1,R2,... --sizes A,B,... [--rank R] [--format text|json]
   grid rank-generator --order ORDER [--tp N] [--ep N] [--dp N] [--pp N] [--cp N]
                       [--rank-offset O] [--tokens T1,T2,...] [--format text|json]
-  grid pipeline SPEC [--format text|json]
+  grid pipeline SPEC [--format text|json] [--svg FILE]
   grid comm-grid --shape S1,S2,... --dims D1,D2,... [--rank-offset O] [--world-size W]
                  [--rank R] --queries FILE|- [--format text|json]
   grid trace DIR [--format text|json]
@@ -74,8 +75,8 @@ pub enum Command {
 /// What the command line asks for: run a subcommand, or print a help or version text.
 #[derive(Debug)]
 pub enum Parsed {
-    /// Run this subcommand.
-    Run(Command),
+    /// Run this subcommand (boxed: `grid layout`'s options are large).
+    Run(Box<Command>),
     /// Print this text (help or version) and exit with status 0.
     Print(String),
 }
@@ -111,7 +112,7 @@ pub fn parse(args: &[String]) -> Result<Parsed, UsageError> {
     let argv = std::iter::once("grid".to_string()).chain(args.iter().cloned());
     match cmd.try_get_matches_from_mut(argv) {
         Ok(m) => match Cli::from_arg_matches(&m) {
-            Ok(cli) => Ok(Parsed::Run(cli.command)),
+            Ok(cli) => Ok(Parsed::Run(Box::new(cli.command))),
             Err(e) => Err(one_line(&e, &cmd, args)),
         },
         Err(e) => match e.kind() {

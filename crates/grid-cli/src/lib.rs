@@ -21,6 +21,7 @@ mod cli;
 mod commands;
 mod error;
 mod out;
+pub mod picture;
 mod values;
 
 pub use error::UsageError;
@@ -99,7 +100,7 @@ pub fn run(args: &[String], w: &mut dyn Write) -> Result<(), Failure> {
     let mut out = out::Out::new(w);
     match cli::parse(args)? {
         Parsed::Print(text) => out.raw(&text)?,
-        Parsed::Run(cmd) => match &cmd {
+        Parsed::Run(cmd) => match cmd.as_ref() {
             Command::Layout(a) => layout::run(a, &mut out)?,
             Command::Enum(a) => enumerate::run(a, &mut out)?,
             Command::Hierarchical(a) => hierarchical::run(a, &mut out)?,

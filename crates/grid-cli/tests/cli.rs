@@ -443,7 +443,7 @@ fn argument_errors_exit_2_with_one_line() {
         (&["pipeline"], "grid: error: grid pipeline: SPEC is required"),
         (
             &["pipeline", "a.json", "--bogus"],
-            "grid: error: grid pipeline: unknown option '--bogus' (valid: --format)",
+            "grid: error: grid pipeline: unknown option '--bogus' (valid: --format, --svg)",
         ),
         (
             &["comm-grid", "--shape", "2,2,2", "--dims", "a,b,c"],

@@ -16,7 +16,12 @@ JSON with --rank:    {\"world_size\", \"dp\", \"expert_tp\", \"expert_dp\", \"ra
                       \"pp_next\", \"pp_prev\", \"is_first_stage\", \"is_last_stage\"}
 Families: tp pp mp embd pos_embd cp tp_cp hcp ep expt_tp tp_ep tp_ep_pp tp_dp tp_dp_cp dp dp_cp
           expt_dp intra_dp_cp intra_expt_dp inter_dist_opt intra_dist_opt
-The hcp family (a list of levels) appears only with --hcp, in the text and in the JSON.";
+The hcp family (a list of levels) appears only with --hcp, in the text and in the JSON.
+--svg FILE writes a picture instead of the listing: one block of cells per pipeline stage, one
+row per dp index, one column per (cp, tp) pair, each cell a rank coloured by its group of
+--color-by FAMILY (default tp; hcp[L] for a level of --hcp), with a legend and, with
+--ranks-per-node N, thick lines between nodes. stdout then shows one line naming the file.
+At most 65536 ranks; an unwritable FILE exits with status 2.";
 
 /// Options of `grid layout`.
 #[derive(Debug, clap::Args)]
@@ -63,6 +68,79 @@ pub struct Args {
     rank: Option<usize>,
     #[command(flatten)]
     format: FormatArg,
+    /// Write a picture of the layout (SVG) to FILE instead of listing the groups
+    #[arg(long, value_name = "FILE", value_hint = clap::ValueHint::FilePath, conflicts_with_all = ["rank", "format"])]
+    svg: Option<String>,
+    /// With --svg: the family whose groups colour the cells (default tp)
+    #[arg(long, value_name = "FAMILY", requires = "svg")]
+    color_by: Option<String>,
+    /// With --svg: ranks per node, to draw node boundaries
+    #[arg(long, value_name = "N", value_parser = positive, requires = "svg")]
+    ranks_per_node: Option<usize>,
+}
+
+/// The family level named by `--color-by`: a family name, or `hcp[L]` for a level of `--hcp`.
+fn color_family(plan: &LayoutPlan, name: &str) -> Result<FamilyLevel> {
+    let valid = || {
+        let mut v: Vec<String> = Family::ALL
+            .iter()
+            .filter(|f| plan.has(**f))
+            .filter(|f| **f != Family::Hcp)
+            .map(|f| f.name().to_string())
+            .collect();
+        v.extend(hcp_levels(plan).iter().map(|l| l.to_string()));
+        v.join(", ")
+    };
+    let fl = if let Some(level) = name.strip_prefix("hcp[").and_then(|r| r.strip_suffix(']')) {
+        let level: usize = level.parse().map_err(|_| {
+            usage!(
+                "grid layout: unknown --color-by family '{name}': valid families are {}",
+                valid()
+            )
+        })?;
+        FamilyLevel {
+            family: Family::Hcp,
+            level,
+        }
+    } else {
+        let family = Family::from_name(name).map_err(|_| {
+            usage!(
+                "grid layout: unknown --color-by family '{name}': valid families are {}",
+                valid()
+            )
+        })?;
+        if family == Family::Hcp {
+            FamilyLevel { family, level: 0 }
+        } else {
+            family.into()
+        }
+    };
+    let present = if fl.family == Family::Hcp {
+        hcp_levels(plan).contains(&fl)
+    } else {
+        plan.has(fl.family)
+    };
+    if !present {
+        return Err(usage!(
+            "grid layout: --color-by {name}: this layout has no {name} groups; valid families are {}",
+            valid()
+        ));
+    }
+    Ok(fl)
+}
+
+/// `grid layout --svg FILE`.
+fn picture(
+    a: &Args,
+    plan: &LayoutPlan,
+    path: &str,
+    out: &mut Out<'_>,
+) -> std::result::Result<(), Failure> {
+    let family = color_family(plan, a.color_by.as_deref().unwrap_or("tp"))?;
+    let pic = crate::picture::LayoutPicture::new(plan, family, a.ranks_per_node)?;
+    crate::picture::write_file("layout", path, &pic.to_svg())?;
+    out.line(&pic.summary(path, family))?;
+    Ok(())
 }
 
 fn layout_plan(a: &Args) -> Result<LayoutPlan> {
@@ -96,6 +174,9 @@ fn layout_plan(a: &Args) -> Result<LayoutPlan> {
 /// `grid layout`.
 pub fn run(a: &Args, out: &mut Out<'_>) -> std::result::Result<(), Failure> {
     let plan = layout_plan(a)?;
+    if let Some(path) = &a.svg {
+        return picture(a, &plan, path, out);
+    }
     match a.rank {
         Some(rank) => {
             let view = plan.rank_view(rank)?;

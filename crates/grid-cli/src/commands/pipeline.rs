@@ -30,6 +30,9 @@ pub struct Args {
     spec: String,
     #[command(flatten)]
     format: FormatArg,
+    /// Write a picture of the pipeline (SVG) to FILE instead of printing the plan
+    #[arg(long, value_name = "FILE", value_hint = clap::ValueHint::FilePath, conflicts_with = "format")]
+    svg: Option<String>,
 }
 
 /// `grid pipeline`.
@@ -37,6 +40,12 @@ pub fn run(a: &Args, out: &mut Out<'_>) -> std::result::Result<(), Failure> {
     let path = a.spec.as_str();
     let plan = multimodule::PipelinePlan::from_spec_file(path)
         .map_err(|e| usage!("grid pipeline: {path}: {e}"))?;
+    if let Some(svg) = &a.svg {
+        let pic = crate::picture::PipelinePicture::new(&plan, path)?;
+        crate::picture::write_file("pipeline", svg, &pic.to_svg())?;
+        out.line(&pic.summary(svg))?;
+        return Ok(());
+    }
     match a.format.format {
         Format::Json => out.line(&plan.to_json())?,
         Format::Text => out.raw(&plan.to_text())?,
