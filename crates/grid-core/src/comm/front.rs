@@ -64,15 +64,18 @@ pub struct Comm<B: Backend> {
     backend: B,
     name: String,
     seq: AtomicU64,
+    pub(super) agree: super::agree::Agreement,
 }
 
 impl<B: Backend> Comm<B> {
     /// Puts `backend` behind the front end, with a descriptive `name`.
     pub fn new(backend: B, name: impl Into<String>) -> Comm<B> {
+        let agree = super::agree::Agreement::new(&backend);
         Comm {
             backend,
             name: name.into(),
             seq: AtomicU64::new(0),
+            agree,
         }
     }
     /// The backend.
@@ -325,6 +328,7 @@ impl<B: Backend> Comm<B> {
             nonblocking = false
         );
         let _g = span.enter();
+        self.agree_op(&op, seq)?;
         self.backend.run(Validated::new(op, seq))
     }
 
@@ -346,6 +350,7 @@ impl<B: Backend> Comm<B> {
             nonblocking = true
         );
         let _g = span.enter();
+        self.agree_request(&r, seq)?;
         self.backend.start(Validated::new(r, seq))
     }
 }
