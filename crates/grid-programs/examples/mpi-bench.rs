@@ -15,9 +15,8 @@
 //! * `mpi-bench in-place`: all_reduce in place (`all_reduce_in_place`, `MPI_IN_PLACE`, no copy)
 //!   against out of place (`all_reduce_into`, separate send and receive buffers) through this
 //!   crate, 1 MiB to 64 MiB, alternating iteration by iteration.
-//!
-//! * `mpi-bench check-cost`: all_reduce (f32, sum, in place) with mismatch checking off against
-//!   on (`MismatchCheck::All`: one 14-integer all-reduce before each call), 8 B to 8 MiB,
+//! * `mpi-bench check-cost`: all_reduce (f32, in place) with mismatch checking off against
+//!   on (`MismatchCheck::All`: one 14-integer all-reduce before each call), max, 8 B to 8 MiB,
 //!   alternating sample by sample; the cost of the check in µs and as a fraction of the call.
 //!
 //! Without a launcher, `mpi-bench` runs itself: `overhead` at 1 rank, `collectives` and
@@ -183,7 +182,7 @@ fn check_cost(quick: bool) -> Result<(), String> {
     let e = |e: grid_core::Error| e.to_string();
     let (me, n) = (comm.rank(), comm.size());
     if me == 0 {
-        println!("## Cost of mismatch checking, {n} ranks (all_reduce in place, f32, sum)\n");
+        println!("## Cost of mismatch checking, {n} ranks (all_reduce in place, f32, max)\n");
         println!("Off against `MismatchCheck::All` on the same communicator, alternating sample by sample. A sample is the mean of back-to-back calls (100 at 8 B, 50 at 4 KiB, 20 at 64 KiB, 5 at 1 MiB, 1 at 8 MiB); time = median over samples of the slowest rank. Load average: {}.\n", load_average().unwrap_or_else(|| "unknown".into()));
         println!(
             "{}",

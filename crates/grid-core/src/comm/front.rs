@@ -22,7 +22,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 /// 3. the next sequence number of this communicator, and a `trace`-level `tracing` span
 ///    `comm` with the operation, the communicator's name, the backend, the sequence number and
 ///    the sizes;
-/// 4. the backend, which receives the operation as a [`Validated`] value.
+/// 4. for a collective, when mismatch checking is on ([`crate::MismatchCheck`],
+///    [`Comm::set_mismatch_check`], `GRID_DEBUG=detail`): one small exchange through the
+///    backend in which every rank checks that all ranks agree on the operation, dtype, counts,
+///    root and reduction; on disagreement every rank returns [`Error::CollectiveMismatch`]
+///    naming the ranks and their values, and the backend never sees the operation;
+/// 5. the backend, which receives the operation as a [`Validated`] value.
 ///
 /// The communicator has a descriptive name (`"world"`, a family name such as `"tp"`, or what
 /// its factory chose) that appears in spans and errors.
