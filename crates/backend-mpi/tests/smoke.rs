@@ -69,6 +69,17 @@ mpi_test!(
     timeout = 60,
     |rt| {
         let w = rt.world();
+        if std::env::var_os("GRID_DEBUG").is_none() {
+            // The MPI default: collectives of at least 64 KiB on every rank are checked.
+            if w.mismatch_check() != grid_core::MismatchCheck::Above(64 << 10) {
+                return Err(format!("default mode {:?}", w.mismatch_check()));
+            }
+            let n = if w.rank() == 0 { 16384 } else { 32768 };
+            match w.all_reduce_in_place(&mut vec![1i32; n][..], ReduceOp::Sum) {
+                Err(Error::CollectiveMismatch { field: "count", .. }) => {}
+                other => return Err(format!("64 KiB against 128 KiB by default: {other:?}")),
+            }
+        }
         w.set_mismatch_check(grid_core::MismatchCheck::All);
         let n = if w.rank() == 0 { 4 } else { 65536 };
         let mut v = vec![1i32; n];
