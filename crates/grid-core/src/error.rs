@@ -270,7 +270,7 @@ pub enum Error {
     /// rank's sequence number, the first field that differs, and every rank's value of it
     /// (communicator rank, value). Every rank of the communicator gets this error.
     #[error(
-        "{op} #{seq} on communicator '{comm}': ranks disagree on {field}: {}",
+        "{op} #{seq} on communicator '{comm}': ranks disagree on {field}: {} (every rank must make the same collective call)",
         crate::comm::describe_values(values)
     )]
     CollectiveMismatch {
