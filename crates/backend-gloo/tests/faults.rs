@@ -245,3 +245,39 @@ fn stale_file_store() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A count that differs between ranks aborts the process inside libgloo when it reaches the
+/// library; with mismatch checking on, every rank gets the typed error first and the
+/// communicator stays usable.
+#[test]
+fn mismatch_checking_turns_a_count_mismatch_into_an_error() {
+    let cfg = GlooConfig::new("mismatch-check").with_timeout(ms(10_000));
+    let out = run_ranks(2, &cfg, |_f, world| {
+        world.set_mismatch_check(grid_core::MismatchCheck::All);
+        let n = if world.rank() == 0 { 4 } else { 65536 };
+        let mut v = vec![1.0f32; n];
+        let e = world.all_reduce_in_place(&mut v[..], ReduceOp::Sum);
+        // Nothing reached Gloo: the next, agreeing collective runs normally.
+        let mut s = [world.rank() as i64 + 1];
+        world.all_reduce_in_place(&mut s[..], ReduceOp::Sum)?;
+        Ok((e, s[0]))
+    })
+    .unwrap();
+    for (rank, r) in out.into_iter().enumerate() {
+        let (e, sum) = r.unwrap();
+        match e {
+            Err(Error::CollectiveMismatch {
+                op: "all_reduce",
+                field: "count",
+                values,
+                ..
+            }) => assert_eq!(
+                values,
+                vec![(0, "4".to_string()), (1, "65536".to_string())],
+                "rank {rank}"
+            ),
+            other => panic!("rank {rank}: expected a collective mismatch, got {other:?}"),
+        }
+        assert_eq!(sum, 3, "rank {rank}");
+    }
+}

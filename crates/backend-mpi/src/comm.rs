@@ -5,7 +5,7 @@ use crate::raw::{self, Immediate, P2p, Pending, RawError};
 use crate::stage::{self, Plan};
 use grid_core::{
     Backend, BufMut, BufRef, Comm, DType, Error, HostBuffer, HostSlice, HostSliceMut, LibraryError,
-    Memory, Op, P2pOp, ReduceOp, Request, Result, Tensor, Validated, Work,
+    Memory, MismatchCheck, Op, P2pOp, ReduceOp, Request, Result, Tensor, Validated, Work,
 };
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -191,6 +191,14 @@ impl Backend for MpiBackend {
         // Every dtype moves; every reduction runs (halves via f32, integer averages via i64;
         // see the `stage` module docs).
         true
+    }
+    /// Collectives of at least 64 KiB on every rank are checked by default: a count that
+    /// differs between ranks can crash Open MPI's all-reduce (a segmentation fault), and at
+    /// 64 KiB and above the check (one all-reduce of 14 integers) costs about 3 % of the call
+    /// or less (`mpi-bench check-cost`, docs/communicators.md). `GRID_DEBUG=detail` checks
+    /// every collective, `GRID_DEBUG=off` none.
+    fn mismatch_check_default(&self) -> MismatchCheck {
+        MismatchCheck::Above(64 << 10)
     }
     /// MPI tags are non-negative C `int`s.
     fn max_tag(&self) -> u32 {

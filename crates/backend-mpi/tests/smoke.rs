@@ -60,6 +60,61 @@ mpi_test!(mpi_helper_hangs_np2, np = 2, timeout = 60, |rt| {
     w.barrier().map_err(|e| e.to_string())
 });
 
+// A count of 65536 against 4 made one rank segfault inside Open MPI's all-reduce; with
+// mismatch checking on, both ranks get the typed error naming both counts, and the
+// communicator stays usable (nothing reached MPI).
+mpi_test!(
+    mpi_mismatch_check_catches_a_count_mismatch_np2,
+    np = 2,
+    timeout = 60,
+    |rt| {
+        let w = rt.world();
+        if std::env::var_os("GRID_DEBUG").is_none() {
+            // The MPI default: collectives of at least 64 KiB on every rank are checked.
+            if w.mismatch_check() != grid_core::MismatchCheck::Above(64 << 10) {
+                return Err(format!("default mode {:?}", w.mismatch_check()));
+            }
+            let n = if w.rank() == 0 { 16384 } else { 32768 };
+            match w.all_reduce_in_place(&mut vec![1i32; n][..], ReduceOp::Sum) {
+                Err(Error::CollectiveMismatch { field: "count", .. }) => {}
+                other => return Err(format!("64 KiB against 128 KiB by default: {other:?}")),
+            }
+        }
+        w.set_mismatch_check(grid_core::MismatchCheck::All);
+        let n = if w.rank() == 0 { 4 } else { 65536 };
+        let mut v = vec![1i32; n];
+        match w.all_reduce_in_place(&mut v[..], ReduceOp::Sum) {
+            Err(Error::CollectiveMismatch {
+                op: "all_reduce",
+                field: "count",
+                values,
+                ..
+            }) if values == [(0, "4".to_string()), (1, "65536".to_string())] => {}
+            other => return Err(format!("count 4 against 65536: {other:?}")),
+        }
+        // Same-size disagreements that MPI itself cannot see: element type and broadcast root.
+        let r = if w.rank() == 0 {
+            w.all_reduce_in_place(&mut [1f32; 4][..], ReduceOp::Sum)
+        } else {
+            w.all_reduce_in_place(&mut [1i32; 4][..], ReduceOp::Sum)
+        };
+        if !matches!(r, Err(Error::CollectiveMismatch { field: "dtype", .. })) {
+            return Err(format!("f32 against i32: {r:?}"));
+        }
+        let r = w.broadcast_into(&mut [0u8; 8][..], w.rank());
+        if !matches!(r, Err(Error::CollectiveMismatch { field: "root", .. })) {
+            return Err(format!("different roots: {r:?}"));
+        }
+        let mut s = [w.rank() as i64 + 1];
+        w.all_reduce_in_place(&mut s[..], ReduceOp::Sum)
+            .map_err(|e| e.to_string())?;
+        if s[0] != 3 {
+            return Err(format!("sum after the mismatches: {}", s[0]));
+        }
+        Ok(())
+    }
+);
+
 fn self_exe() -> String {
     std::env::current_exe()
         .map(|p| p.to_string_lossy().into_owned())

@@ -273,6 +273,21 @@ pub enum Error {
         len: usize,
         parts: usize,
     },
+    /// Mismatch checking ([`crate::MismatchCheck`]) found that the ranks disagree about a
+    /// collective: which operation (as this rank called it), on which communicator, this
+    /// rank's sequence number, the first field that differs, and every rank's value of it
+    /// (communicator rank, value). Every rank of the communicator gets this error.
+    #[error(
+        "{op} #{seq} on communicator '{comm}': ranks disagree on {field}: {} (every rank must make the same collective call)",
+        crate::comm::describe_values(values)
+    )]
+    CollectiveMismatch {
+        op: &'static str,
+        comm: String,
+        seq: u64,
+        field: &'static str,
+        values: Vec<(usize, String)>,
+    },
 }
 
 /// The details of [`Error::Library`]: a backend library's failure with everything known about
@@ -383,6 +398,7 @@ impl Error {
                 | SelfPeer { .. }
                 | TagOutOfRange { .. }
                 | Indivisible { .. }
+                | CollectiveMismatch { .. }
         )
     }
 

@@ -62,8 +62,8 @@ mod rankgen;
 pub use comm::{
     color_key_for, kernels, split_members, Backend, BufMut, BufRef, Comm, Communicator,
     CommunicatorExt, DType, DeviceBuffer, Element, GroupFactory, HostBuffer, HostSlice,
-    HostSliceMut, Memory, Op, OwnedOp, P2pOp, ReduceOp, Request, SplitEntry, SplitMembers, Tensor,
-    TypedWork, Validated, Work,
+    HostSliceMut, Memory, MismatchCheck, Op, OwnedOp, P2pOp, ReduceOp, Request, SplitEntry,
+    SplitMembers, Tensor, TypedWork, Validated, Work,
 };
 pub use error::{Error, LibraryError, Result};
 pub use grid::{GridSpec, GroupList, HyperGrid};

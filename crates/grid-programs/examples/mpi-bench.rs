@@ -15,13 +15,17 @@
 //! * `mpi-bench in-place`: all_reduce in place (`all_reduce_in_place`, `MPI_IN_PLACE`, no copy)
 //!   against out of place (`all_reduce_into`, separate send and receive buffers) through this
 //!   crate, 1 MiB to 64 MiB, alternating iteration by iteration.
+//! * `mpi-bench check-cost`: all_reduce (f32, in place) with mismatch checking off against
+//!   on (`MismatchCheck::All`: one 14-integer all-reduce before each call), max, 8 B to 8 MiB,
+//!   alternating sample by sample; the cost of the check in µs and as a fraction of the call.
 //!
 //! Without a launcher, `mpi-bench` runs itself: `overhead` at 1 rank, `collectives` and
-//! `in-place` at 2 and 4 ranks and `collection` at 8 ranks, and prints one markdown report. `--quick` uses fewer iterations.
+//! `in-place` and `check-cost` at 2 and 4 ranks and `collection` at 8 ranks, and prints one markdown report. `--quick` uses fewer iterations.
 
 use backend_mpi::{testing, MpiFactory, MpiRuntime};
 use grid_core::{
-    build_collection, Communicator, CommunicatorExt, GroupFactory, LayoutPlan, ReduceOp,
+    build_collection, Communicator, CommunicatorExt, GroupFactory, LayoutPlan, MismatchCheck,
+    ReduceOp,
 };
 use grid_programs::collectives::{bandwidth, sizes, Op};
 use grid_programs::demo::config;
@@ -45,8 +49,9 @@ fn main() -> ExitCode {
             Some("collection") => collection(quick),
             Some("overhead") => overhead(quick),
             Some("in-place") => in_place(quick),
+            Some("check-cost") => check_cost(quick),
             Some(other) => Err(format!(
-                "unknown mode '{other}': use collectives, collection, overhead or in-place"
+                "unknown mode '{other}': use collectives, collection, overhead, in-place or check-cost"
             )),
         }
     } else {
@@ -172,6 +177,103 @@ fn in_place(quick: bool) -> Result<(), String> {
     Ok(())
 }
 
+/// All-reduce with mismatch checking off against on, same communicator, alternating sample by
+/// sample: what the check (one all-reduce of 14 integers before the call) costs per call.
+fn check_cost(quick: bool) -> Result<(), String> {
+    let rt = MpiRuntime::init().map_err(|e| e.to_string())?;
+    let comm = rt.world();
+    let e = |e: grid_core::Error| e.to_string();
+    let (me, n) = (comm.rank(), comm.size());
+    if me == 0 {
+        println!("## Cost of mismatch checking, {n} ranks (all_reduce in place, f32, max)\n");
+        println!("Off against `MismatchCheck::All` on the same communicator, alternating sample by sample. A sample is the mean of back-to-back calls (100 at 8 B, 50 at 4 KiB, 20 at 64 KiB, 5 at 1 MiB, 1 at 8 MiB); time = median over samples of the slowest rank. Load average: {}.\n", load_average().unwrap_or_else(|| "unknown".into()));
+        println!(
+            "{}",
+            header(&[
+                ">bytes",
+                ">samples",
+                ">off µs",
+                ">checked µs",
+                ">check µs",
+                ">check / off"
+            ])
+        );
+    }
+    for (bytes, reps) in [
+        (8usize, 100usize),
+        (4 << 10, 50),
+        (64 << 10, 20),
+        (1 << 20, 5),
+        (8 << 20, 1),
+    ] {
+        let samples = if quick { 10 } else { 40 };
+        let len = bytes / 4;
+        let mut buf: Vec<f32> = vec![1.0; len];
+        let mut t_off = Vec::with_capacity(samples);
+        let mut t_on = Vec::with_capacity(samples);
+        for it in 0..2 + samples {
+            let mut one = |on: bool| -> Result<f64, String> {
+                comm.set_mismatch_check(if on {
+                    MismatchCheck::All
+                } else {
+                    MismatchCheck::Off
+                });
+                comm.barrier().map_err(e)?;
+                let t = Instant::now();
+                for _ in 0..reps {
+                    // Max keeps the values at 1 however many calls run.
+                    comm.all_reduce_in_place(&mut buf[..], ReduceOp::Max)
+                        .map_err(e)?;
+                }
+                Ok(t.elapsed().as_secs_f64() / reps as f64)
+            };
+            let (a, b) = if it % 2 == 0 {
+                let a = one(false)?;
+                (a, one(true)?)
+            } else {
+                let b = one(true)?;
+                (one(false)?, b)
+            };
+            if it >= 2 {
+                t_off.push(a);
+                t_on.push(b);
+            }
+        }
+        comm.set_mismatch_check(MismatchCheck::Off);
+        if buf.iter().any(|v| *v != 1.0) {
+            return Err(format!(
+                "all_reduce of {bytes} bytes returned a wrong maximum"
+            ));
+        }
+        let mut m_off = vec![0f64; samples];
+        let mut m_on = vec![0f64; samples];
+        comm.all_reduce_into(&t_off[..], &mut m_off[..], ReduceOp::Max)
+            .map_err(e)?;
+        comm.all_reduce_into(&t_on[..], &mut m_on[..], ReduceOp::Max)
+            .map_err(e)?;
+        let off = median(&m_off).unwrap_or(0.0);
+        let on = median(&m_on).unwrap_or(0.0);
+        if me == 0 {
+            println!(
+                "| {} | {samples} | {:.1} | {:.1} | {:.1} | {:.1} % |",
+                bytes_label(bytes),
+                off * 1e6,
+                on * 1e6,
+                (on - off) * 1e6,
+                if off > 0.0 {
+                    (on - off) / off * 100.0
+                } else {
+                    0.0
+                },
+            );
+        }
+    }
+    if me == 0 {
+        println!();
+    }
+    Ok(())
+}
+
 fn driver(quick: bool) -> Result<(), String> {
     let exe = std::env::current_exe()
         .map_err(|e| e.to_string())?
@@ -195,8 +297,10 @@ fn driver(quick: bool) -> Result<(), String> {
         (1, "overhead"),
         (2, "collectives"),
         (2, "in-place"),
+        (2, "check-cost"),
         (4, "collectives"),
         (4, "in-place"),
+        (4, "check-cost"),
         (8, "collection"),
     ] {
         let mut a = vec![mode];

@@ -1,5 +1,6 @@
 //! The execution trait a backend implements behind the front end ([`super::Comm`]).
 
+use super::agree::MismatchCheck;
 use super::buffer::Memory;
 use super::dtype::{DType, ReduceOp};
 use super::op::{Op, Request, Validated};
@@ -54,6 +55,11 @@ pub trait Backend: Send + Sync + 'static {
     fn run(&self, op: Validated<Op<'_>>) -> Result<()>;
     /// Starts one validated nonblocking operation on owned buffers.
     fn start(&self, op: Validated<Request>) -> Result<Box<dyn Work>>;
+    /// The mismatch-checking mode a communicator of this backend starts with when
+    /// `GRID_DEBUG` selects none ([`MismatchCheck`]; `Off` unless the backend overrides it).
+    fn mismatch_check_default(&self) -> MismatchCheck {
+        MismatchCheck::Off
+    }
     /// Waits for everything enqueued so far (stream synchronisation on GPUs).
     fn synchronize(&self) -> Result<()> {
         Ok(())

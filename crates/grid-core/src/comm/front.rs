@@ -27,8 +27,14 @@ use std::time::Duration;
 ///    the sizes;
 /// 4. the operation log (below): the operation is recorded as posted (and started, for a
 ///    blocking call);
-/// 5. the backend, which receives the operation as a [`Validated`] value;
-/// 6. the operation log again: completed, or failed with the error (a nonblocking operation is
+/// 5. for a collective, when mismatch checking is on ([`crate::MismatchCheck`],
+///    [`Comm::set_mismatch_check`], `GRID_DEBUG=detail`): one small exchange through the
+///    backend in which every rank checks that all ranks agree on the operation, dtype, counts,
+///    root and reduction; on disagreement every rank returns [`Error::CollectiveMismatch`]
+///    naming the ranks and their values (recorded as the operation's failure), and the backend
+///    never sees the operation;
+/// 6. the backend, which receives the operation as a [`Validated`] value;
+/// 7. the operation log again: completed, or failed with the error (a nonblocking operation is
 ///    recorded started when the backend accepted it and completed or failed when its [`Work`]
 ///    is waited for).
 ///
@@ -101,6 +107,7 @@ pub struct Comm<B: Backend> {
     seq: AtomicU64,
     recorder: &'static Recorder,
     log: Option<Arc<OpLog>>,
+    pub(super) agree: super::agree::Agreement,
 }
 
 impl<B: Backend> Comm<B> {
@@ -132,12 +139,14 @@ impl<B: Backend> Comm<B> {
                 tracing::warn!("{e}; SIGUSR1 will not dump the operation log");
             }
         }
+        let agree = super::agree::Agreement::new(&backend);
         Comm {
             backend,
             name,
             seq: AtomicU64::new(0),
             recorder,
             log,
+            agree,
         }
     }
 
@@ -414,7 +423,9 @@ impl<B: Backend> Comm<B> {
             nonblocking = false
         );
         let _g = span.enter();
-        let result = self.backend.run(Validated::new(op, seq));
+        let result = self
+            .agree_op(&op, seq)
+            .and_then(|()| self.backend.run(Validated::new(op, seq)));
         if let (Some(log), Some(h)) = (&self.log, handle) {
             ended(log, self.recorder, name, h, &result);
         }
@@ -439,7 +450,9 @@ impl<B: Backend> Comm<B> {
             nonblocking = true
         );
         let _g = span.enter();
-        let started = self.backend.start(Validated::new(r, seq));
+        let started = self
+            .agree_request(&r, seq)
+            .and_then(|()| self.backend.start(Validated::new(r, seq)));
         let (Some(log), Some(h)) = (&self.log, handle) else {
             return started;
         };

@@ -47,6 +47,7 @@
 //! buffers), `op` (typed operations), `backend` (the execution trait), `front` (the front end),
 //! [`kernels`] and `split`.
 
+mod agree;
 mod backend;
 mod buffer;
 mod dtype;
@@ -55,6 +56,8 @@ pub mod kernels;
 mod op;
 mod split;
 
+pub(crate) use agree::describe_values;
+pub use agree::MismatchCheck;
 pub use backend::Backend;
 pub use buffer::{BufMut, BufRef, DeviceBuffer, Memory, Tensor};
 pub use dtype::{DType, Element, HostBuffer, HostSlice, HostSliceMut, ReduceOp};

@@ -1,0 +1,472 @@
+//! Mismatch checking: before a collective runs, every rank checks that all ranks agree on
+//! what it is (operation, element type, counts, root, reduction, position among the
+//! communicator's collectives), so that a disagreement becomes a typed error on **every** rank
+//! ([`Error::CollectiveMismatch`]) instead of a hang, a crash inside the library or wrong data.
+//!
+//! # How
+//! Each rank describes the collective as a [`Fingerprint`] of `k` integers `f`, and the ranks
+//! run **one small all-reduce** through the backend itself (so it works on every backend): the
+//! maximum of the `2k` integers `[f, -f]`, which yields every field's maximum and (negated)
+//! minimum. If they are equal for every field, everyone agrees and the real operation runs.
+//! Otherwise the ranks all-gather their fingerprints (`k` integers each), and every rank
+//! returns the same error naming the first field that differs and every rank's value of it.
+//! Both exchanges are fixed-size `i64` collectives on host memory, built by the front end and
+//! always well formed, so they cannot themselves disagree.
+//!
+//! # Sequence numbers
+//! The exchanges take no sequence number of their own: they reach the backend under the
+//! checked operation's number, so `seq` keeps counting the operations the user issued (the
+//! same on every rank whether the check is on or off) and errors and the operation log name
+//! the user's operation. The fingerprint carries a separate **collective number** (how many
+//! collectives this rank issued on the communicator before this one), not `seq`, because
+//! point-to-point operations also take sequence numbers and ranks of a pipeline legitimately
+//! issue different numbers of them.
+//!
+//! # What is checked
+//! * every collective: all-reduce (in place and out of place compare alike), broadcast,
+//!   all-gather, reduce-scatter, all-to-all, and barrier (its operation only: it has no data);
+//! * nonblocking collectives are checked when they are started, and **only in the `All` mode**
+//!   (`GRID_DEBUG=detail`, or [`super::Comm::set_mismatch_check`]): [`super::Communicator::start`]
+//!   then blocks for the exchange until every member has started the same collective (on a
+//!   backend that runs one communicator's collectives in order it also waits for those started
+//!   before). That turns a legal overlap into a deadlock when one rank's start depends on a
+//!   message another rank sends only after its own start (a data-parallel all-reduce started
+//!   before a pipeline send the peer needs before it starts its own), so a size threshold
+//!   ([`MismatchCheck::Above`], a backend's default) never applies to them: a debugging mode may
+//!   change timing, a default must not;
+//! * **point-to-point is not checked**: a send and its receive concern two ranks, not the whole
+//!   group, so a group-wide exchange would make every rank wait for pairs it is not part of;
+//!   the backends check a received message's length against the buffer instead;
+//! * a communicator of one rank is never checked (nothing to disagree with).
+//!
+//! # Modes
+//! [`MismatchCheck::Off`], [`MismatchCheck::All`] and [`MismatchCheck::Above`] (only collectives
+//! that move at least that many bytes on this rank). A communicator starts with
+//! `GRID_DEBUG=detail` → `All`, `GRID_DEBUG=off` → `Off`, otherwise its backend's default
+//! ([`super::Backend::mismatch_check_default`], `Off` unless the backend says otherwise); then
+//! [`super::Comm::set_mismatch_check`] changes it for that communicator. Communicators split
+//! from it start from the same rules (environment, then backend default), not from the
+//! parent's setter.
+//!
+//! `Above(bytes)` is decided by each rank from its own operation. When every rank's operation
+//! is at or above the threshold every disagreement is caught; when every rank's is below,
+//! nothing is checked. When ranks straddle it (one rank's count is large, another's small) the
+//! ranks above run the exchange while the ranks below run their real operation against it: the
+//! outcome is then the backend's (usually an error, but not guaranteed). Use `All` where that
+//! matters: every rank then checks every collective.
+
+use super::backend::Backend;
+use super::buffer::{BufMut, BufRef, Tensor};
+use super::dtype::{DType, ReduceOp};
+use super::front::Comm;
+use super::op::{Op, Request, Validated};
+use crate::error::{Error, Result};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// When a communicator checks that all ranks agree on a collective before running it.
+///
+/// ```
+/// use grid_core::MismatchCheck;
+/// assert!(MismatchCheck::All.applies(0));
+/// assert!(!MismatchCheck::Off.applies(1 << 30));
+/// assert!(MismatchCheck::Above(65536).applies(65536));
+/// assert!(!MismatchCheck::Above(65536).applies(65535));
+/// assert_eq!(MismatchCheck::from_env_value("DETAIL"), Some(MismatchCheck::All));
+/// assert_eq!(MismatchCheck::from_env_value("info"), None);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MismatchCheck {
+    /// No check.
+    Off,
+    /// Every collective (including barriers).
+    All,
+    /// Collectives whose larger buffer on this rank holds at least this many bytes.
+    Above(usize),
+}
+
+const OFF: u64 = u64::MAX;
+
+impl MismatchCheck {
+    /// Whether a collective moving `bytes` (its larger buffer on this rank) is checked.
+    pub fn applies(self, bytes: usize) -> bool {
+        match self {
+            MismatchCheck::Off => false,
+            MismatchCheck::All => true,
+            MismatchCheck::Above(t) => bytes >= t,
+        }
+    }
+
+    /// The mode a value of `GRID_DEBUG` selects: `detail` → `All`, `off` → `Off` (either
+    /// case); any other value (`info`, empty) selects nothing, leaving the backend's default.
+    pub fn from_env_value(v: &str) -> Option<MismatchCheck> {
+        if v.eq_ignore_ascii_case("detail") {
+            Some(MismatchCheck::All)
+        } else if v.eq_ignore_ascii_case("off") {
+            Some(MismatchCheck::Off)
+        } else {
+            None
+        }
+    }
+
+    fn encode(self) -> u64 {
+        match self {
+            MismatchCheck::Off => OFF,
+            MismatchCheck::All => 0,
+            MismatchCheck::Above(t) => (t as u64).min(OFF - 1),
+        }
+    }
+
+    fn decode(v: u64) -> MismatchCheck {
+        match v {
+            OFF => MismatchCheck::Off,
+            0 => MismatchCheck::All,
+            t => MismatchCheck::Above(usize::try_from(t).unwrap_or(usize::MAX)),
+        }
+    }
+}
+
+/// The per-communicator state of the check: the mode and the number of collectives issued.
+#[derive(Debug)]
+pub(super) struct Agreement {
+    mode: AtomicU64,
+    collectives: AtomicU64,
+}
+
+impl Agreement {
+    /// The starting mode: `GRID_DEBUG` when it selects one, else the backend's default.
+    pub(super) fn new<B: Backend>(backend: &B) -> Agreement {
+        let env = std::env::var("GRID_DEBUG").ok();
+        let mode = env
+            .as_deref()
+            .and_then(MismatchCheck::from_env_value)
+            .unwrap_or_else(|| backend.mismatch_check_default());
+        Agreement {
+            mode: AtomicU64::new(mode.encode()),
+            collectives: AtomicU64::new(0),
+        }
+    }
+}
+
+/// What each rank says a collective is. Fields, in the order they are compared and reported:
+/// operation, collective number, element type, count (send side), receive count, root,
+/// reduction; `-1` where the operation has no such field.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Fingerprint([i64; FIELDS]);
+
+const FIELDS: usize = 7;
+const FIELD_NAMES: [&str; FIELDS] = [
+    "operation",
+    "collective number",
+    "dtype",
+    "count",
+    "receive count",
+    "root",
+    "reduce op",
+];
+const OPS: [&str; 6] = [
+    "all_reduce",
+    "broadcast",
+    "all_gather",
+    "reduce_scatter",
+    "all_to_all",
+    "barrier",
+];
+
+fn int(v: usize) -> i64 {
+    i64::try_from(v).unwrap_or(i64::MAX)
+}
+
+fn code<T: PartialEq>(all: &[T], v: T) -> i64 {
+    all.iter().position(|x| *x == v).map_or(-1, int)
+}
+
+impl Fingerprint {
+    fn new(
+        op: &'static str,
+        dtype: Option<DType>,
+        counts: (usize, usize),
+        root: Option<usize>,
+        reduce: Option<ReduceOp>,
+    ) -> Fingerprint {
+        Fingerprint([
+            code(&OPS, op),
+            0,
+            dtype.map_or(-1, |d| code(&DType::ALL, d)),
+            int(counts.0),
+            int(counts.1),
+            root.map_or(-1, int),
+            reduce.map_or(-1, |r| code(&ReduceOp::ALL, r)),
+        ])
+    }
+
+    /// The fingerprint of a blocking operation, with the bytes of its larger buffer; `None`
+    /// for point-to-point operations (not checked).
+    pub(crate) fn of_op(op: &Op<'_>) -> Option<(Fingerprint, usize)> {
+        let name = op.name();
+        let sizes = op.sizes();
+        let (dtype, root, reduce) = match op {
+            Op::AllReduce { send, op, .. } => (Some(send.dtype()), None, Some(*op)),
+            Op::AllReduceInPlace { buf, op } => (Some(buf.dtype()), None, Some(*op)),
+            Op::Broadcast { buf, root } => (Some(buf.dtype()), Some(*root), None),
+            Op::AllGather { send, .. } | Op::AllToAll { send, .. } => {
+                (Some(send.dtype()), None, None)
+            }
+            Op::ReduceScatter { send, op, .. } => (Some(send.dtype()), None, Some(*op)),
+            Op::Barrier => (None, None, None),
+            Op::Send { .. } | Op::Recv { .. } | Op::Batch(_) => return None,
+        };
+        Some(Self::with_bytes(name, dtype, sizes, root, reduce))
+    }
+
+    /// The fingerprint of a nonblocking operation, with the bytes of its larger buffer; `None`
+    /// for point-to-point operations (not checked).
+    pub(crate) fn of_request(r: &Request) -> Option<(Fingerprint, usize)> {
+        let name = r.name();
+        let sizes = r.sizes();
+        let d = |t: &Tensor| Some(t.dtype());
+        let (dtype, root, reduce) = match r {
+            Request::AllReduceInto { send, op, .. } => (d(send), None, Some(*op)),
+            Request::AllReduce { buf, op } => (d(buf), None, Some(*op)),
+            Request::Broadcast { buf, root } => (d(buf), Some(*root), None),
+            Request::AllGather { send, .. } | Request::AllToAll { send, .. } => {
+                (d(send), None, None)
+            }
+            Request::ReduceScatter { send, op, .. } => (d(send), None, Some(*op)),
+            Request::Barrier => (None, None, None),
+            Request::Send { .. } | Request::Recv { .. } => return None,
+        };
+        Some(Self::with_bytes(name, dtype, sizes, root, reduce))
+    }
+
+    fn with_bytes(
+        name: &'static str,
+        dtype: Option<DType>,
+        sizes: (usize, usize),
+        root: Option<usize>,
+        reduce: Option<ReduceOp>,
+    ) -> (Fingerprint, usize) {
+        let width = dtype.map_or(0, DType::size_bytes);
+        let bytes = sizes.0.max(sizes.1).saturating_mul(width);
+        (Fingerprint::new(name, dtype, sizes, root, reduce), bytes)
+    }
+
+    /// Field `i`'s value as an error message shows it.
+    fn show(field: usize, v: i64) -> String {
+        let pick = |names: &[String]| {
+            usize::try_from(v)
+                .ok()
+                .and_then(|i| names.get(i).cloned())
+                .unwrap_or_else(|| format!("none ({v})"))
+        };
+        match field {
+            0 => pick(&OPS.map(String::from)),
+            2 => pick(&DType::ALL.map(|d| d.to_string())),
+            6 => pick(&ReduceOp::ALL.map(|r| r.to_string())),
+            5 if v < 0 => "none".to_string(),
+            _ => v.to_string(),
+        }
+    }
+
+    /// The first field on which the ranks' fingerprints (`all`, `FIELDS` integers per rank, in
+    /// rank order) differ, with every rank's value of it; `None` when they all agree.
+    fn first_difference(all: &[i64]) -> Option<(&'static str, Vec<(usize, String)>)> {
+        let ranks: Vec<&[i64]> = all.chunks_exact(FIELDS).collect();
+        let first = ranks.first()?;
+        (0..FIELDS)
+            .find(|&f| ranks.iter().any(|r| r[f] != first[f]))
+            .map(|f| {
+                let values = ranks
+                    .iter()
+                    .enumerate()
+                    .map(|(rank, r)| (rank, Fingerprint::show(f, r[f])))
+                    .collect();
+                (FIELD_NAMES[f], values)
+            })
+    }
+}
+
+/// Formats the ranks' values of a mismatch, grouping ranks that hold the same value:
+/// `rank 0: 4, rank 1: 65536` or `ranks 0, 2, 3: 4, rank 1: 65536`.
+pub(crate) fn describe_values(values: &[(usize, String)]) -> String {
+    let mut groups: Vec<(&str, Vec<usize>)> = Vec::new();
+    for (rank, v) in values {
+        match groups.iter_mut().find(|(g, _)| *g == v.as_str()) {
+            Some((_, ranks)) => ranks.push(*rank),
+            None => groups.push((v.as_str(), vec![*rank])),
+        }
+    }
+    groups
+        .iter()
+        .map(|(v, ranks)| {
+            let list = ranks
+                .iter()
+                .map(usize::to_string)
+                .collect::<Vec<_>>()
+                .join(", ");
+            let word = if ranks.len() == 1 { "rank" } else { "ranks" };
+            format!("{word} {list}: {v}")
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+impl<B: Backend> Comm<B> {
+    /// This communicator's mismatch-checking mode (see [`MismatchCheck`] and the module docs
+    /// of the front end).
+    pub fn mismatch_check(&self) -> MismatchCheck {
+        MismatchCheck::decode(self.agree.mode.load(Ordering::Relaxed))
+    }
+
+    /// Sets this communicator's mismatch-checking mode. Every rank of the communicator must
+    /// set the same mode before the same collective (a rank that checks while another does not
+    /// runs the check's exchange against the other's real operation). Communicators split from
+    /// this one do not inherit it.
+    pub fn set_mismatch_check(&self, mode: MismatchCheck) {
+        self.agree.mode.store(mode.encode(), Ordering::Relaxed);
+    }
+
+    /// The check for a blocking operation, after validation and before the backend runs it.
+    pub(super) fn agree_op(&self, op: &Op<'_>, seq: u64) -> Result<()> {
+        match Fingerprint::of_op(op) {
+            Some((f, bytes)) => self.agree(op.name(), f, bytes, seq, false),
+            None => Ok(()),
+        }
+    }
+
+    /// The check for a nonblocking operation, after validation and before the backend starts it.
+    pub(super) fn agree_request(&self, r: &Request, seq: u64) -> Result<()> {
+        match Fingerprint::of_request(r) {
+            Some((f, bytes)) => self.agree(r.name(), f, bytes, seq, true),
+            None => Ok(()),
+        }
+    }
+
+    fn agree(
+        &self,
+        op: &'static str,
+        mut f: Fingerprint,
+        bytes: usize,
+        seq: u64,
+        nonblocking: bool,
+    ) -> Result<()> {
+        let n = self.agree.collectives.fetch_add(1, Ordering::Relaxed);
+        let size = self.inner().size();
+        let check = match self.mismatch_check() {
+            MismatchCheck::All => true,
+            // A threshold never blocks a nonblocking start (see the module docs).
+            mode @ MismatchCheck::Above(_) => !nonblocking && mode.applies(bytes),
+            MismatchCheck::Off => false,
+        };
+        if size < 2 || !check {
+            return Ok(());
+        }
+        f.0[1] = i64::try_from(n).unwrap_or(i64::MAX);
+        let mut both = [0i64; 2 * FIELDS];
+        for (i, v) in f.0.iter().enumerate() {
+            both[i] = *v;
+            both[FIELDS + i] = -*v;
+        }
+        let exchange = Op::AllReduceInPlace {
+            buf: BufMut::from(&mut both[..]),
+            op: ReduceOp::Max,
+        };
+        self.inner().run(Validated::new(exchange, seq))?;
+        if (0..FIELDS).all(|i| both[i] == -both[FIELDS + i]) {
+            return Ok(());
+        }
+        let mut all = vec![0i64; FIELDS * size];
+        let gather = Op::AllGather {
+            send: BufRef::from(&f.0[..]),
+            recv: BufMut::from(&mut all[..]),
+        };
+        self.inner().run(Validated::new(gather, seq))?;
+        let (field, values) = Fingerprint::first_difference(&all).ok_or_else(|| {
+            // The all-reduce saw a difference that the all-gather does not show: a rank
+            // changed its fingerprint between the two, which the front end never does.
+            Error::Invalid(format!(
+                "{op} #{seq} on communicator '{}': the mismatch check's two exchanges disagree",
+                self.comm_name()
+            ))
+        })?;
+        Err(Error::CollectiveMismatch {
+            op,
+            comm: self.comm_name().to_string(),
+            seq,
+            field,
+            values,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fingerprints_name_the_first_differing_field_and_every_rank() {
+        let a = Fingerprint::new(
+            "all_reduce",
+            Some(DType::F32),
+            (4, 4),
+            None,
+            Some(ReduceOp::Sum),
+        );
+        let b = Fingerprint::new(
+            "all_reduce",
+            Some(DType::I32),
+            (4, 4),
+            None,
+            Some(ReduceOp::Max),
+        );
+        let all = [a.0, a.0, b.0].concat();
+        let (field, values) = Fingerprint::first_difference(&all).unwrap();
+        assert_eq!(field, "dtype");
+        assert_eq!(
+            values,
+            vec![(0, "f32".into()), (1, "f32".into()), (2, "i32".into())]
+        );
+        assert_eq!(describe_values(&values), "ranks 0, 1: f32, rank 2: i32");
+        assert_eq!(Fingerprint::first_difference(&[a.0, a.0].concat()), None);
+        let bar = Fingerprint::new("barrier", None, (0, 0), None, None);
+        let (field, values) = Fingerprint::first_difference(&[a.0, bar.0].concat()).unwrap();
+        assert_eq!(field, "operation");
+        assert_eq!(
+            describe_values(&values),
+            "rank 0: all_reduce, rank 1: barrier"
+        );
+        let r0 = Fingerprint::new("broadcast", Some(DType::U8), (8, 8), Some(0), None);
+        let r1 = Fingerprint::new("broadcast", Some(DType::U8), (8, 8), Some(1), None);
+        let (field, values) = Fingerprint::first_difference(&[r0.0, r1.0].concat()).unwrap();
+        assert_eq!(
+            (field, describe_values(&values).as_str()),
+            ("root", "rank 0: 0, rank 1: 1")
+        );
+    }
+
+    #[test]
+    fn modes_round_trip_and_thresholds_count_the_larger_buffer() {
+        for m in [
+            MismatchCheck::Off,
+            MismatchCheck::All,
+            MismatchCheck::Above(1),
+            MismatchCheck::Above(65536),
+        ] {
+            assert_eq!(MismatchCheck::decode(m.encode()), m);
+        }
+        let send = [0f64; 3];
+        let mut recv = [0f64; 6];
+        let (_, bytes) = Fingerprint::of_op(&Op::AllGather {
+            send: BufRef::from(&send[..]),
+            recv: BufMut::from(&mut recv[..]),
+        })
+        .unwrap();
+        assert_eq!(bytes, 48);
+        assert!(Fingerprint::of_op(&Op::Send {
+            buf: BufRef::from(&send[..]),
+            peer: 1,
+            tag: 0
+        })
+        .is_none());
+        assert_eq!(Fingerprint::of_request(&Request::Barrier).unwrap().1, 0);
+    }
+}
