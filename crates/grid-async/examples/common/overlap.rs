@@ -11,6 +11,9 @@
 //! peers. If waiting blocked a worker thread, both workers would be blocked for `delay` and the
 //! timer would miss its ticks; the report's `max_gap` shows that it did not.
 
+// Shared by the examples and the test; each uses part of it.
+#![allow(dead_code)]
+
 use grid_async::{AsyncCommunicator, AsyncCommunicatorExt};
 use grid_core::ReduceOp;
 use std::sync::atomic::{AtomicBool, Ordering};
