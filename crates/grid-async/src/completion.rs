@@ -74,7 +74,10 @@ pub struct Completion {
 
 enum Inner {
     /// Finished before it started (the start was refused), or already delivered.
-    Ready(Option<Result<Tensor>>),
+    Ready {
+        op: &'static str,
+        result: Option<Result<Tensor>>,
+    },
     /// Running; the completion thread fills the slot.
     Running { op: &'static str, slot: Arc<Slot> },
 }
@@ -82,9 +85,17 @@ enum Inner {
 impl std::fmt::Debug for Completion {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match &self.inner {
-            Inner::Ready(r) => f
+            Inner::Ready { op, result } => f
                 .debug_struct("Completion")
-                .field("state", &if r.is_some() { "ready" } else { "delivered" })
+                .field("op", op)
+                .field(
+                    "state",
+                    &if result.is_some() {
+                        "ready"
+                    } else {
+                        "delivered"
+                    },
+                )
                 .finish(),
             Inner::Running { op, .. } => f
                 .debug_struct("Completion")
@@ -96,11 +107,14 @@ impl std::fmt::Debug for Completion {
 }
 
 impl Completion {
-    /// A future that resolves at once to `result` (used for an operation whose start failed:
-    /// the error is delivered by the first poll).
-    pub fn ready(result: Result<Tensor>) -> Completion {
+    /// A future that resolves at once to `result`, for the operation `op` (used for an
+    /// operation whose start failed: the error is delivered by the first poll).
+    pub fn ready(op: &'static str, result: Result<Tensor>) -> Completion {
         Completion {
-            inner: Inner::Ready(Some(result)),
+            inner: Inner::Ready {
+                op,
+                result: Some(result),
+            },
         }
     }
 
@@ -121,7 +135,7 @@ impl Completion {
     /// True once the result is available (a poll would return it), or was returned.
     pub fn is_completed(&self) -> bool {
         match &self.inner {
-            Inner::Ready(_) => true,
+            Inner::Ready { .. } => true,
             Inner::Running { slot, .. } => {
                 let s = lock(&slot.state);
                 s.result.is_some() || s.delivered
@@ -142,7 +156,9 @@ impl Future for Completion {
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<Tensor>> {
         match &mut self.inner {
-            Inner::Ready(r) => Poll::Ready(r.take().unwrap_or_else(|| Err(polled_again("async")))),
+            Inner::Ready { op, result } => {
+                Poll::Ready(result.take().unwrap_or_else(|| Err(polled_again(op))))
+            }
             Inner::Running { op, slot } => {
                 let mut s = lock(&slot.state);
                 if let Some(r) = s.result.take() {

@@ -289,7 +289,7 @@ impl<C: Communicator + ?Sized> AsyncComm<C> {
         let op = request.name();
         match self.comm.start(request) {
             Ok(work) => Completion::spawn(op, work),
-            Err(e) => Completion::ready(Err(e)),
+            Err(e) => Completion::ready(op, Err(e)),
         }
     }
 }
