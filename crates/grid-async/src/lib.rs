@@ -44,10 +44,11 @@
 //!   as `start` does; awaiting only waits for completion. Collectives on one communicator are
 //!   therefore started in the order of the calls, which must be the same on every rank, as
 //!   for blocking calls, whatever order the futures are awaited or polled in.
-//! * The started operation's [`Work`] goes to a **completion thread** of a small shared pool
-//!   (module [`completion`]), which blocks in [`Work::wait`] and then wakes the future's
-//!   waker. No executor thread blocks while an operation is in flight, and nothing polls in a
-//!   loop: the blocking happens on the completion thread, which is not an executor thread.
+//! * The started operation's [`Work`](grid_core::Work) goes to a **completion thread** of a
+//!   small shared pool (module [`completion`]), which blocks in
+//!   [`Work::wait`](grid_core::Work::wait) and then wakes the future's waker. No executor
+//!   thread blocks while an operation is in flight, and nothing polls in a loop: the blocking
+//!   happens on the completion thread, which is not an executor thread.
 //!   The pool keeps one thread per operation in flight (so completions never queue behind each
 //!   other) and lets a thread idle for [`completion::IDLE_EXIT`] exit. Cost per operation: a
 //!   channel send to an idle completion thread (a thread start when none is idle), and one
@@ -63,7 +64,8 @@
 //!
 //! ## Buffers
 //! Buffers are **owned**: a method takes its input as a [`Tensor`] (or a `Vec<T>` through
-//! [`AsyncCommunicatorExt`]) and its future returns the result buffer, as [`Work::wait`] does.
+//! [`AsyncCommunicatorExt`]) and its future returns the result buffer, as
+//! [`Work::wait`](grid_core::Work::wait) does.
 //! Owning is what makes a dropped future sound: a future that borrowed the caller's buffer
 //! could be dropped (or leaked) while the library still writes into it.
 //! Point-to-point batches ([`Communicator::batch_p2p`]) have no nonblocking form in grid-core
@@ -113,7 +115,8 @@ pub trait AsyncCommunicator: Send + Sync {
     /// World ranks of the members, in communicator-rank order.
     fn global_ranks(&self) -> &[usize];
 
-    /// Starts `request` and resolves to its result buffer (the buffer [`Work::wait`] returns:
+    /// Starts `request` and resolves to its result buffer (the buffer
+    /// [`Work::wait`](grid_core::Work::wait) returns:
     /// the in-place buffer for all-reduce, broadcast and receive, `recv` for the two-buffer
     /// collectives, the sent buffer for a send, an empty buffer for the barrier).
     async fn run(&self, request: Request) -> Result<Tensor>;
