@@ -405,23 +405,35 @@ impl<B: Backend> Comm<B> {
         }
     }
 
+    /// The `trace`-level span of one operation: the operation, the communicator's name, the
+    /// backend, the sequence number and the elements sent and received.
+    #[inline]
+    fn span(
+        &self,
+        op: &'static str,
+        seq: u64,
+        (send, recv): (usize, usize),
+        nonblocking: bool,
+    ) -> tracing::Span {
+        tracing::trace_span!(
+            "comm",
+            op,
+            comm = %self.name,
+            backend = self.backend.name(),
+            seq,
+            send,
+            recv,
+            nonblocking
+        )
+    }
+
     /// Validates, numbers, records, traces and runs a blocking operation.
     fn call(&self, op: Op<'_>) -> Result<()> {
         let name = op.name();
         self.backend.check_live(name)?;
         self.validate(&op)?;
         let (seq, handle) = self.number(|| describe_op(&op), true);
-        let (send, recv) = op.sizes();
-        let span = tracing::trace_span!(
-            "comm",
-            op = name,
-            comm = %self.name,
-            backend = self.backend.name(),
-            seq,
-            send,
-            recv,
-            nonblocking = false
-        );
+        let span = self.span(name, seq, op.sizes(), false);
         let _g = span.enter();
         let result = self
             .agree_op(&op, seq)
@@ -438,17 +450,7 @@ impl<B: Backend> Comm<B> {
         self.backend.check_live(name)?;
         self.validate_request(&r)?;
         let (seq, handle) = self.number(|| describe_request(&r), false);
-        let (send, recv) = r.sizes();
-        let span = tracing::trace_span!(
-            "comm",
-            op = name,
-            comm = %self.name,
-            backend = self.backend.name(),
-            seq,
-            send,
-            recv,
-            nonblocking = true
-        );
+        let span = self.span(name, seq, r.sizes(), true);
         let _g = span.enter();
         let started = self
             .agree_request(&r, seq)
