@@ -26,7 +26,7 @@ use backend_gloo::{
 };
 use grid_core::{Communicator, CommunicatorExt, HostSlice, HostSliceMut, MismatchCheck, ReduceOp};
 use grid_programs::collectives::{bandwidth, sizes, Op};
-use grid_programs::stats::{load_average, median, slowest_per_sample};
+use grid_programs::stats::{alternating, load_average, median, slowest_per_sample};
 use grid_programs::table::{bytes_label, header};
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
@@ -324,13 +324,7 @@ fn check_cost(n: usize, quick: bool) -> Result<(), String> {
                     }
                     Ok(t.elapsed().as_secs_f64() / reps as f64)
                 };
-                let (a, b) = if it % 2 == 0 {
-                    let a = one(false)?;
-                    (a, one(true)?)
-                } else {
-                    let b = one(true)?;
-                    (one(false)?, b)
-                };
+                let (a, b) = alternating(it, &mut one)?;
                 if it >= 2 {
                     off.push(a);
                     on.push(b);

@@ -29,7 +29,7 @@ use grid_core::{
 };
 use grid_programs::collectives::{bandwidth, sizes, Op};
 use grid_programs::demo::config;
-use grid_programs::stats::{load_average, median};
+use grid_programs::stats::{alternating, load_average, median};
 use grid_programs::table::{bytes_label, header};
 use mpi::collective::{CommunicatorCollectives, Root, SystemOperation};
 use mpi::topology::Communicator as _;
@@ -135,16 +135,10 @@ fn in_place(quick: bool) -> Result<(), String> {
                 .map_err(e)?;
                 Ok(t.elapsed().as_secs_f64())
             };
-            let (a, b) = if it % 2 == 0 {
-                let a = one(true)?;
-                (a, one(false)?)
-            } else {
-                let b = one(false)?;
-                (one(true)?, b)
-            };
+            let (out_of_place, in_place) = alternating(it, &mut one)?;
             if it >= 2 {
-                t_in.push(a);
-                t_out.push(b);
+                t_in.push(in_place);
+                t_out.push(out_of_place);
             }
         }
         // The results agree (and are the sum over ranks).
@@ -227,13 +221,7 @@ fn check_cost(quick: bool) -> Result<(), String> {
                 }
                 Ok(t.elapsed().as_secs_f64() / reps as f64)
             };
-            let (a, b) = if it % 2 == 0 {
-                let a = one(false)?;
-                (a, one(true)?)
-            } else {
-                let b = one(true)?;
-                (one(false)?, b)
-            };
+            let (a, b) = alternating(it, &mut one)?;
             if it >= 2 {
                 t_off.push(a);
                 t_on.push(b);
@@ -400,13 +388,13 @@ fn collectives(quick: bool) -> Result<(), String> {
             };
             for it in 0..warm + iters {
                 // Alternate which goes first, so drift and cache effects hit both equally.
-                let (a, b) = if it % 2 == 0 {
-                    let a = run_ours(&mut recv[..])?;
-                    (a, run_direct(&mut recv[..])?)
-                } else {
-                    let b = run_direct(&mut recv[..])?;
-                    (run_ours(&mut recv[..])?, b)
-                };
+                let (a, b) = alternating(it, |direct| {
+                    if direct {
+                        run_direct(&mut recv[..])
+                    } else {
+                        run_ours(&mut recv[..])
+                    }
+                })?;
                 if it >= warm {
                     t_ours.push(a);
                     t_direct.push(b);

@@ -91,6 +91,30 @@ pub fn timed_median<T>(runs: usize, mut f: impl FnMut() -> T) -> Duration {
     median(&times).unwrap_or(Duration::ZERO)
 }
 
+/// One paired sample of two alternatives, A = `run(false)` and B = `run(true)`, run back to back
+/// with the order alternating by `iteration` (A first on even iterations, B first on odd ones),
+/// so drift and cache effects hit both alike. Returns `(A, B)`.
+///
+/// ```
+/// let mut order = Vec::new();
+/// for it in 0..2 {
+///     grid_programs::stats::alternating(it, |b| { order.push(b); Ok::<_, ()>(0.0) }).unwrap();
+/// }
+/// assert_eq!(order, [false, true, true, false]);
+/// ```
+pub fn alternating<E>(
+    iteration: usize,
+    mut run: impl FnMut(bool) -> Result<f64, E>,
+) -> Result<(f64, f64), E> {
+    if iteration.is_multiple_of(2) {
+        let a = run(false)?;
+        Ok((a, run(true)?))
+    } else {
+        let b = run(true)?;
+        Ok((run(false)?, b))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
