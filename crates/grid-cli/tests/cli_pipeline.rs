@@ -66,3 +66,15 @@ fn pipeline_spec_file() {
     }
     std::fs::remove_dir_all(&dir).expect("cleanup");
 }
+
+/// An endless or huge input is refused at once (status 2, one line), never read into memory.
+#[test]
+fn pipeline_refuses_an_endless_input() {
+    let started = std::time::Instant::now();
+    let (code, out, err) = run(&["pipeline", "/dev/zero"]);
+    assert_eq!(code, 2, "stdout {out:?} stderr {err:?}");
+    assert!(out.is_empty(), "{out}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(err.contains("larger than 64 MiB"), "{err}");
+    assert!(started.elapsed() < std::time::Duration::from_secs(10));
+}

@@ -78,7 +78,7 @@ pub use pipeline::{ModuleInputs, MultiModulePipelineCommunicator};
 pub use plan::{BridgeSummary, ModuleStage, PipelinePlan, RankModuleInfo, RankPlan, Role, Route};
 pub use pool::BufferPool;
 pub use routing::{BridgeEnd, BridgePlan, PartRoute, Side};
-pub use spec::{DimMapping, ModuleSpec, PipelineSpec};
+pub use spec::{DimMapping, ModuleSpec, PipelineSpec, MAX_SPEC_BYTES};
 pub use stages::StageTable;
 pub use tensor::{batch_split_sizes, split_at_batch_dim, tensor_split_sizes, Activation};
 pub use wire::ShapeMode;

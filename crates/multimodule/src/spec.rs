@@ -197,6 +197,10 @@ pub struct PipelineSpec {
     colocated: Vec<Vec<String>>,
 }
 
+/// The largest spec file [`PipelineSpec::from_file`] reads (64 MiB); a larger or endless input
+/// is an [`Error::Io`] at once.
+pub const MAX_SPEC_BYTES: u64 = 64 << 20;
+
 impl PipelineSpec {
     /// Builds and validates a spec from modules (in order) and edges `(upstream, downstream)`.
     ///
@@ -237,11 +241,25 @@ impl PipelineSpec {
 
     /// Reads a spec file: TOML if the name ends in `.toml`, JSON otherwise.
     pub fn from_file(path: impl AsRef<Path>) -> Result<PipelineSpec> {
+        use std::io::Read;
         let path = path.as_ref();
-        let text = std::fs::read_to_string(path).map_err(|e| Error::Io {
+        let io = |message: String| Error::Io {
             path: path.display().to_string(),
-            message: e.to_string(),
-        })?;
+            message,
+        };
+        // Read at most one byte past the cap, so that an endless or huge input (`/dev/zero`, a
+        // wrong file) is refused at once instead of filling the memory.
+        let mut text = String::new();
+        std::fs::File::open(path)
+            .and_then(|f| f.take(MAX_SPEC_BYTES + 1).read_to_string(&mut text))
+            .map_err(|e| io(e.to_string()))?;
+        if text.len() as u64 > MAX_SPEC_BYTES {
+            return Err(io(format!(
+                "the file is larger than {} MiB, the limit for a pipeline spec (a spec names \
+                 modules by their grid sizes, so even a million-rank pipeline needs a few KB)",
+                MAX_SPEC_BYTES >> 20
+            )));
+        }
         if path
             .extension()
             .is_some_and(|e| e.eq_ignore_ascii_case("toml"))
