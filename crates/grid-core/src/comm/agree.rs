@@ -181,6 +181,24 @@ fn code<T: PartialEq>(all: &[T], v: T) -> i64 {
     all.iter().position(|x| *x == v).map_or(-1, int)
 }
 
+/// What a fingerprint is made of, kept as it is until the mode says the operation is checked:
+/// encoding it (the operation's code is found by name) is skipped for the operations a size
+/// threshold lets through.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Pending {
+    name: &'static str,
+    dtype: Option<DType>,
+    sizes: (usize, usize),
+    root: Option<usize>,
+    reduce: Option<ReduceOp>,
+}
+
+impl Pending {
+    fn fingerprint(self) -> Fingerprint {
+        Fingerprint::new(self.name, self.dtype, self.sizes, self.root, self.reduce)
+    }
+}
+
 impl Fingerprint {
     fn new(
         op: &'static str,
@@ -202,7 +220,7 @@ impl Fingerprint {
 
     /// The fingerprint of a blocking operation, with the bytes of its larger buffer; `None`
     /// for point-to-point operations (not checked).
-    pub(crate) fn of_op(op: &Op<'_>) -> Option<(Fingerprint, usize)> {
+    pub(crate) fn of_op(op: &Op<'_>) -> Option<(Pending, usize)> {
         let name = op.name();
         let sizes = op.sizes();
         let (dtype, root, reduce) = match op {
@@ -221,7 +239,7 @@ impl Fingerprint {
 
     /// The fingerprint of a nonblocking operation, with the bytes of its larger buffer; `None`
     /// for point-to-point operations (not checked).
-    pub(crate) fn of_request(r: &Request) -> Option<(Fingerprint, usize)> {
+    pub(crate) fn of_request(r: &Request) -> Option<(Pending, usize)> {
         let name = r.name();
         let sizes = r.sizes();
         let d = |t: &Tensor| Some(t.dtype());
@@ -245,10 +263,19 @@ impl Fingerprint {
         sizes: (usize, usize),
         root: Option<usize>,
         reduce: Option<ReduceOp>,
-    ) -> (Fingerprint, usize) {
+    ) -> (Pending, usize) {
         let width = dtype.map_or(0, DType::size_bytes);
         let bytes = sizes.0.max(sizes.1).saturating_mul(width);
-        (Fingerprint::new(name, dtype, sizes, root, reduce), bytes)
+        (
+            Pending {
+                name,
+                dtype,
+                sizes,
+                root,
+                reduce,
+            },
+            bytes,
+        )
     }
 
     /// Field `i`'s value as an error message shows it.
@@ -351,12 +378,17 @@ impl<B: Backend> Comm<B> {
     fn agree(
         &self,
         op: &'static str,
-        mut f: Fingerprint,
+        pending: Pending,
         bytes: usize,
         seq: u64,
         nonblocking: bool,
     ) -> Result<()> {
-        let n = self.agree.collectives.fetch_add(1, Ordering::Relaxed);
+        // The number of collectives issued while checking was on. Collectives of one
+        // communicator are issued in one order by one thread at a time (concurrent collectives
+        // on one communicator have no defined order on any backend), so a plain load and store
+        // suffices: no read-modify-write on every operation.
+        let n = self.agree.collectives.load(Ordering::Relaxed);
+        self.agree.collectives.store(n + 1, Ordering::Relaxed);
         let size = self.inner().size();
         let check = match self.mismatch_check() {
             MismatchCheck::All => true,
@@ -367,6 +399,7 @@ impl<B: Backend> Comm<B> {
         if size < 2 || !check {
             return Ok(());
         }
+        let mut f = pending.fingerprint();
         f.0[1] = i64::try_from(n).unwrap_or(i64::MAX);
         let mut both = [0i64; 2 * FIELDS];
         for (i, v) in f.0.iter().enumerate() {
