@@ -50,9 +50,11 @@ impl DType {
     }
 }
 
-impl fmt::Display for DType {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let s = match self {
+impl DType {
+    /// The lowercase name (`f32`, `bf16`, ...), as `Display` writes it and the operation log
+    /// records it.
+    pub fn name(self) -> &'static str {
+        match self {
             DType::F32 => "f32",
             DType::F64 => "f64",
             DType::I32 => "i32",
@@ -60,8 +62,13 @@ impl fmt::Display for DType {
             DType::U8 => "u8",
             DType::F16 => "f16",
             DType::BF16 => "bf16",
-        };
-        f.write_str(s)
+        }
+    }
+}
+
+impl fmt::Display for DType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
     }
 }
 

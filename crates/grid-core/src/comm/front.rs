@@ -568,19 +568,6 @@ impl Work for LoggedWork {
     }
 }
 
-/// The element type's name as the log records it (`f32`, `bf16`, ...).
-fn dtype_name(d: DType) -> &'static str {
-    match d {
-        DType::F32 => "f32",
-        DType::F64 => "f64",
-        DType::I32 => "i32",
-        DType::I64 => "i64",
-        DType::U8 => "u8",
-        DType::F16 => "f16",
-        DType::BF16 => "bf16",
-    }
-}
-
 /// The reduction's name as the log records it (`sum`, `max`, ...).
 fn reduce_name(r: ReduceOp) -> &'static str {
     match r {
@@ -598,7 +585,7 @@ fn reduce_name(r: ReduceOp) -> &'static str {
 fn describe_op(op: &Op<'_>) -> OpDesc {
     let d = OpDesc::new(op.name());
     let reducing = |d: OpDesc, b: &BufRef<'_>, r: ReduceOp| {
-        d.dtype(dtype_name(b.dtype()))
+        d.dtype(b.dtype().name())
             .count(b.len())
             .reduce_op(reduce_name(r))
     };
@@ -607,24 +594,21 @@ fn describe_op(op: &Op<'_>) -> OpDesc {
             reducing(d, send, *r)
         }
         Op::AllReduceInPlace { buf, op: r } => d
-            .dtype(dtype_name(buf.dtype()))
+            .dtype(buf.dtype().name())
             .count(buf.len())
             .reduce_op(reduce_name(*r)),
-        Op::Broadcast { buf, root } => d
-            .dtype(dtype_name(buf.dtype()))
-            .count(buf.len())
-            .root(*root),
+        Op::Broadcast { buf, root } => d.dtype(buf.dtype().name()).count(buf.len()).root(*root),
         Op::AllGather { send, .. } | Op::AllToAll { send, .. } => {
-            d.dtype(dtype_name(send.dtype())).count(send.len())
+            d.dtype(send.dtype().name()).count(send.len())
         }
         Op::Barrier => d,
         Op::Send { buf, peer, tag } => d
-            .dtype(dtype_name(buf.dtype()))
+            .dtype(buf.dtype().name())
             .count(buf.len())
             .peer(*peer)
             .tag(u64::from(*tag)),
         Op::Recv { buf, peer, tag } => d
-            .dtype(dtype_name(buf.dtype()))
+            .dtype(buf.dtype().name())
             .count(buf.len())
             .peer(*peer)
             .tag(u64::from(*tag)),
@@ -636,7 +620,7 @@ fn describe_op(op: &Op<'_>) -> OpDesc {
             });
             let d = d.count(send + recv);
             match first {
-                Some(t) => d.dtype(dtype_name(t)),
+                Some(t) => d.dtype(t.name()),
                 None => d,
             }
         }
@@ -646,7 +630,7 @@ fn describe_op(op: &Op<'_>) -> OpDesc {
 /// The log's description of a nonblocking operation (as [`describe_op`]).
 fn describe_request(r: &Request) -> OpDesc {
     let d = OpDesc::new(r.name());
-    let t = |d: OpDesc, b: &Tensor| d.dtype(dtype_name(b.dtype())).count(b.len());
+    let t = |d: OpDesc, b: &Tensor| d.dtype(b.dtype().name()).count(b.len());
     match r {
         Request::AllReduceInto { send, op, .. } | Request::ReduceScatter { send, op, .. } => {
             t(d, send).reduce_op(reduce_name(*op))
