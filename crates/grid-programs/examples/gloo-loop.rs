@@ -4,7 +4,7 @@
 //! ```text
 //! cargo build --release --examples
 //! target/release/examples/gloo-loop --rank R --world-size N --store file:DIR|redis://HOST:PORT/PREFIX \
-//!     [--bytes B] [--iters K | --seconds S] [--timeout-ms T] [--trace-dir D]
+//!     [--bytes B] [--iters K | --seconds S] [--timeout-ms T] [--trace-dir D] [--fault RANK:KIND@ITER]
 //! ```
 //!
 //! Start one process per rank `0..N`, all with the same `--world-size` and `--store`:
@@ -20,17 +20,26 @@
 //! written to `D/rank-<rank>.json` when an operation fails or times out, and at the end of a
 //! rank that ended by an error; `grid trace D` reads them.
 //!
+//! `--fault RANK:KIND@ITER` is a testing aid: give every rank the same one, and rank `RANK`
+//! misbehaves at iteration `ITER` (needs `--iters`): `kill` (SIGKILL to itself), `skip` (leaves
+//! one all-reduce out), `count`, `dtype`, `op`, `root` (disagrees with the others on that
+//! field of the collective), `long-send` (sends more than its partner posted to receive). The
+//! table in `grid_programs::smoke::FaultKind` says exactly what each does;
+//! docs/when-a-job-fails.md shows what the other ranks then see.
+//!
 //! Each rank prints exactly one line when it ends, `{"rank":R,"completed":K,"error":null}` or
 //! with `"error":"<message>"`, and exits 0 only if it completed every iteration without error
 //! (1 otherwise; 2 with one line on standard error for invalid options).
 
 use backend_gloo::{GlooConfig, GlooFactory, Rendezvous};
-use grid_core::{Communicator, CommunicatorExt, Error, ReduceOp};
-use grid_programs::smoke::{dump_after_error, install_trace_dir, run_loop, LoopOptions, Outcome};
+use grid_core::Error;
+use grid_programs::smoke::{
+    dump_after_error, install_trace_dir, run_loop, LoopOptions, Outcome, Waits,
+};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-const USAGE: &str = "usage: gloo-loop --rank R --world-size N --store file:DIR|redis://HOST:PORT/PREFIX [--bytes B] [--iters K | --seconds S] [--timeout-ms T] [--trace-dir D]";
+const USAGE: &str = "usage: gloo-loop --rank R --world-size N --store file:DIR|redis://HOST:PORT/PREFIX [--bytes B] [--iters K | --seconds S] [--timeout-ms T] [--trace-dir D] [--fault RANK:KIND@ITER (a testing aid; KIND: kill, skip, count, dtype, op, root, long-send)]";
 
 /// The command line.
 struct Args {
@@ -101,6 +110,7 @@ fn parse_args() -> Result<Args, String> {
             other => return Err(format!("unknown option {other:?}; {USAGE}")),
         }
     }
+    options.check()?;
     let (Some(rank), Some(world_size), Some((store, job))) = (rank, world_size, store) else {
         return Err(format!(
             "--rank, --world-size and --store are required; {USAGE}"
@@ -151,23 +161,18 @@ fn run(args: &Args, completed: &mut u64) -> Result<(), String> {
     }
     let e = |e: Error| e.to_string();
     let config = GlooConfig::new(args.job.clone()).with_timeout(args.options.timeout());
-    let result = GlooFactory::new(&args.store, config)
-        .and_then(|f| f.world(args.rank, args.world_size))
-        .map_err(e)
-        .and_then(|world| {
-            run_loop(
-                world.rank(),
-                world.size(),
-                &args.options,
-                completed,
-                |send, recv| world.all_reduce_into(send, recv, ReduceOp::Sum),
-            )
-            .map_err(e)
-        });
+    let world =
+        GlooFactory::new(&args.store, config).and_then(|f| f.world(args.rank, args.world_size));
+    let result = match &world {
+        Ok(world) => run_loop(world, &args.options, Waits::Backend, completed).map_err(e),
+        Err(err) => Err(e(err.clone())),
+    };
+    // Dumped while the world communicator is alive: a dump holds the live communicators' logs.
     if let Err(msg) = &result {
         if let Some(warning) = dump_after_error(&format!("failure: {msg}")) {
             eprintln!("gloo-loop: rank {}: {warning}", args.rank);
         }
     }
+    drop(world);
     result
 }
