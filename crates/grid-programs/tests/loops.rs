@@ -1,43 +1,14 @@
 //! The smoke-test programs `gloo-loop` and `mpi-loop` (examples of this crate, built by
 //! `cargo test` beside the tests): their JSON line, exit status and operation-log dumps.
 
+mod common;
+
+use common::{example, fresh_dir};
 use grid_core::oplog::TraceDump;
 use grid_core::trace::analyze;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
-
-/// `target/<profile>/examples/<name>`, beside this test's own `deps/` directory, brought up to
-/// date with `cargo build --example` first (a no-op when the test run built the examples; a
-/// run of only this test target does not, and would otherwise find a stale program).
-fn example(name: &str) -> PathBuf {
-    let exe = std::env::current_exe().expect("the test's own path");
-    let profile_dir = exe
-        .parent()
-        .and_then(Path::parent)
-        .expect("target/<profile>/deps/<test>");
-    let path = profile_dir.join("examples").join(name);
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let mut c = Command::new(cargo);
-    c.args(["build", "--quiet", "-p", "grid-programs", "--example", name]);
-    if profile_dir.file_name().is_some_and(|p| p == "release") {
-        c.arg("--release");
-    }
-    let status = c.status().expect("cargo runs");
-    assert!(status.success(), "building the example {name} failed");
-    assert!(path.is_file(), "{} was not built", path.display());
-    path
-}
-
-/// A fresh, empty directory under the system's temporary directory.
-fn fresh_dir(what: &str) -> PathBuf {
-    let nanos = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos());
-    let d = std::env::temp_dir().join(format!("grid-{what}-{}-{nanos}", std::process::id()));
-    std::fs::create_dir_all(&d).expect("create a temporary directory");
-    d
-}
+use std::time::{Duration, Instant};
 
 fn spawn_rank(exe: &Path, rank: usize, size: usize, store: &Path, extra: &[&str]) -> Child {
     Command::new(exe)
