@@ -136,6 +136,7 @@ fn all_reduce(
                 op: "all_reduce",
                 millis: options.timeout_ms,
                 peer: None,
+                at: None,
             })
         }
     }
