@@ -129,11 +129,13 @@ fn to_error(
                 world(peer),
                 e.message
             ),
+            at: None,
         },
         (ShimCode::Timeout, None) => Error::Timeout {
             op,
             millis: u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX),
             peer: None,
+            at: None,
         },
         (code, None) => LibraryError::new(BACKEND, op, e.message)
             .comm(comm)
@@ -507,9 +509,10 @@ impl GlooBackend {
         &self.inner.ctx
     }
 
-    /// Marks this communicator aborted on this rank: later calls return [`Error::Finalized`]
-    /// (operations already started finish first). Local, like `ncclCommAbort`: the peers see
-    /// nothing until their own calls fail or time out.
+    /// The backend's part of [`grid_core::Communicator::abort`] (call that one: it also marks
+    /// the front end, so every later call returns [`Error::Aborted`]): marks the Gloo context
+    /// aborted on this rank. Local, like `ncclCommAbort`: the peers see nothing until their
+    /// own calls fail or time out.
     ///
     /// ```
     /// # use backend_gloo::{run_ranks, GlooConfig};
@@ -519,7 +522,7 @@ impl GlooBackend {
     ///     Ok(w.barrier().unwrap_err())
     /// })
     /// .unwrap();
-    /// assert!(matches!(r[0].as_ref().unwrap(), Error::Finalized { state: "aborted", .. }));
+    /// assert!(matches!(r[0].as_ref().unwrap(), Error::Aborted { op: "barrier", .. }));
     /// ```
     pub fn abort(&self) {
         let mut f = self.inner.failure.lock().unwrap_or_else(|e| e.into_inner());
@@ -670,6 +673,12 @@ impl Backend for GlooBackend {
     fn check_live(&self, op: &'static str) -> Result<()> {
         self.inner.alive(op)
     }
+    fn default_time_limit(&self) -> grid_core::TimeLimit {
+        grid_core::TimeLimit::After(self.timeout())
+    }
+    fn abort(&self) {
+        GlooBackend::abort(self)
+    }
 
     fn run(&self, op: Validated<Op<'_>>) -> Result<()> {
         let inner = &*self.inner;
@@ -815,7 +824,8 @@ mod tests {
                 Error::Timeout {
                     op: "broadcast",
                     millis: 1500,
-                    peer: None
+                    peer: None,
+                    at: None
                 }
             ),
             "{e}"

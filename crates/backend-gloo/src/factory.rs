@@ -490,6 +490,7 @@ impl GlooFactory {
                 op: "rendezvous",
                 millis: u64::try_from(self.config.timeout.as_millis()).unwrap_or(u64::MAX),
                 peer: None,
+                at: None,
             },
             ShimCode::Invalid => Error::Invalid(format!("rendezvous of '{name}': {}", e.message)),
             code => LibraryError::new(

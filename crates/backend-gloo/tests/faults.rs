@@ -43,7 +43,7 @@ fn collective_timeout_is_configurable() {
         .unwrap();
         let (e, took, again) = out[0].as_ref().unwrap().clone().unwrap();
         assert!(
-            matches!(e, Error::Timeout { op: "all_reduce", millis, peer: None } if millis == timeout.as_millis() as u64),
+            matches!(e, Error::Timeout { op: "all_reduce", millis, peer: None, at: Some(_) } if millis == timeout.as_millis() as u64),
             "{e}"
         );
         within(took, timeout, ms(1500));

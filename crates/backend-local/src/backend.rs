@@ -1,11 +1,11 @@
 //! [`LocalBackend`] (the execution trait over shared memory), [`LocalWork`] and
 //! [`LocalFactory`].
 
-use crate::state::{mismatch, Group, Kind, Part, Ticket, BACKEND};
+use crate::state::{mismatch, Group, Kind, Part, Ticket, Until, BACKEND};
 use grid_core::{
     kernels, split_members, Backend, BufMut, BufRef, Comm, DType, Error, GroupFactory, HostBuffer,
     HostSlice, HostSliceMut, Memory, Op, P2pOp, ReduceOp, Request, Result, SplitEntry, Tensor,
-    Validated, Work,
+    TimeLimit, Validated, Work,
 };
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -24,6 +24,8 @@ pub struct LocalBackend {
     /// Collective calls so far (the round number of the next one).
     coll: AtomicU64,
     finished: AtomicBool,
+    /// Set by `abort()` (through the front end); every wait of this rank checks it.
+    aborted: Arc<AtomicBool>,
 }
 
 impl LocalBackend {
@@ -33,6 +35,7 @@ impl LocalBackend {
             rank,
             coll: AtomicU64::new(0),
             finished: AtomicBool::new(false),
+            aborted: Arc::new(AtomicBool::new(false)),
         }
     }
 
@@ -59,8 +62,8 @@ impl LocalBackend {
         self.coll.fetch_add(1, Ordering::Relaxed)
     }
 
-    fn deadline(&self) -> Instant {
-        Instant::now() + self.group.timeout()
+    fn until(&self, limit: TimeLimit) -> Until<'_> {
+        Until::limit(limit, &self.aborted)
     }
 
     /// Deposits this rank's part of the next collective round and returns its number.
@@ -79,10 +82,16 @@ impl LocalBackend {
     }
 
     /// Blocks until round `seq` is complete and writes this rank's result into `out`.
-    fn end(&self, seq: u64, kind: &Kind, out: Option<HostSliceMut<'_>>) -> Result<()> {
+    fn end(
+        &self,
+        seq: u64,
+        kind: &Kind,
+        out: Option<HostSliceMut<'_>>,
+        limit: TimeLimit,
+    ) -> Result<()> {
         let parts = self
             .group
-            .collect(seq, kind.name(), self.deadline(), true)?
+            .collect(seq, kind.name(), &self.until(limit), true)?
             .ok_or_else(|| Error::Invalid("local: a strict wait returned nothing".into()))?;
         complete(&self.group, self.rank, kind, &parts, out)
     }
@@ -92,15 +101,22 @@ impl LocalBackend {
         kind: Kind,
         data: Option<HostBuffer>,
         out: Option<HostSliceMut<'_>>,
+        limit: TimeLimit,
     ) -> Result<()> {
         let seq = self.begin(kind.clone(), data)?;
-        self.end(seq, &kind, out)
+        self.end(seq, &kind, out, limit)
     }
 
-    fn recv_into(&self, t: &Ticket, op: &'static str, mut out: HostSliceMut<'_>) -> Result<()> {
+    fn recv_into(
+        &self,
+        t: &Ticket,
+        op: &'static str,
+        mut out: HostSliceMut<'_>,
+        until: &Until<'_>,
+    ) -> Result<()> {
         let msg = self
             .group
-            .take(t, op, self.deadline(), true)?
+            .take(t, op, until, true)?
             .ok_or_else(|| Error::Invalid("local: a strict wait returned nothing".into()))?;
         deliver(op, &msg, &mut out)
     }
@@ -246,12 +262,26 @@ impl Backend for LocalBackend {
         }
     }
 
+    fn default_time_limit(&self) -> TimeLimit {
+        TimeLimit::After(self.group.timeout())
+    }
+
+    /// Sets this rank's abort flag and wakes every wait of the group; the woken waits of this
+    /// rank return [`Error::Aborted`] (their deposits stay on the board: the other ranks see
+    /// this rank's part of a collective it had entered, and time out on the ones it never
+    /// enters).
+    fn abort(&self) {
+        self.aborted.store(true, Ordering::Release);
+        self.group.wake_all();
+    }
+
     fn run(&self, op: Validated<Op<'_>>) -> Result<()> {
+        let limit = op.time_limit();
         match op.into_op() {
             Op::AllReduce { send, recv, op } => {
                 let (s, r) = (host("all_reduce", send)?, host_mut("all_reduce", recv)?);
                 let kind = Kind::AllReduce(op, s.dtype(), s.len());
-                self.collective(kind, Some(s.to_owned_buffer()), Some(r))
+                self.collective(kind, Some(s.to_owned_buffer()), Some(r), limit)
             }
             Op::AllReduceInPlace { buf, op } => {
                 // The shared-memory transport needs this rank's contribution where the other
@@ -259,18 +289,18 @@ impl Backend for LocalBackend {
                 // straight into `buf`.
                 let b = host_mut("all_reduce", buf)?;
                 let kind = Kind::AllReduce(op, b.dtype(), b.len());
-                self.collective(kind, Some(b.as_slice().to_owned_buffer()), Some(b))
+                self.collective(kind, Some(b.as_slice().to_owned_buffer()), Some(b), limit)
             }
             Op::Broadcast { buf, root } => {
                 let b = host_mut("broadcast", buf)?;
                 let kind = Kind::Broadcast(root, b.dtype(), b.len());
                 let d = (root == self.rank).then(|| b.as_slice().to_owned_buffer());
-                self.collective(kind, d, Some(b))
+                self.collective(kind, d, Some(b), limit)
             }
             Op::AllGather { send, recv } => {
                 let (s, r) = (host("all_gather", send)?, host_mut("all_gather", recv)?);
                 let kind = Kind::AllGather(s.dtype(), s.len());
-                self.collective(kind, Some(s.to_owned_buffer()), Some(r))
+                self.collective(kind, Some(s.to_owned_buffer()), Some(r), limit)
             }
             Op::ReduceScatter { send, recv, op } => {
                 let (s, r) = (
@@ -278,25 +308,25 @@ impl Backend for LocalBackend {
                     host_mut("reduce_scatter", recv)?,
                 );
                 let kind = Kind::ReduceScatter(op, s.dtype(), s.len());
-                self.collective(kind, Some(s.to_owned_buffer()), Some(r))
+                self.collective(kind, Some(s.to_owned_buffer()), Some(r), limit)
             }
             Op::AllToAll { send, recv } => {
                 let (s, r) = (host("all_to_all", send)?, host_mut("all_to_all", recv)?);
                 let kind = Kind::AllToAll(s.dtype(), s.len());
-                self.collective(kind, Some(s.to_owned_buffer()), Some(r))
+                self.collective(kind, Some(s.to_owned_buffer()), Some(r), limit)
             }
-            Op::Barrier => self.collective(Kind::Barrier, None, None),
+            Op::Barrier => self.collective(Kind::Barrier, None, None, limit),
             Op::Send { buf, peer, tag } => {
                 let b = host("send", buf)?;
                 let t = self.group.post(self.rank, peer, tag, b.to_owned_buffer());
                 self.group
-                    .wait_consumed(&t, "send", self.deadline(), true)
+                    .wait_consumed(&t, "send", &self.until(limit), true)
                     .map(|_| ())
             }
             Op::Recv { buf, peer, tag } => {
                 let b = host_mut("recv", buf)?;
                 let t = self.group.reserve(peer, self.rank, tag);
-                self.recv_into(&t, "recv", b)
+                self.recv_into(&t, "recv", b, &self.until(limit))
             }
             Op::Batch(ops) => {
                 const OP: &str = "batch_p2p";
@@ -315,11 +345,12 @@ impl Backend for LocalBackend {
                         }
                     }
                 }
+                let until = self.until(limit);
                 for (t, b) in recvs {
-                    self.recv_into(&t, OP, b)?;
+                    self.recv_into(&t, OP, b, &until)?;
                 }
                 for t in &sends {
-                    self.group.wait_consumed(t, OP, self.deadline(), true)?;
+                    self.group.wait_consumed(t, OP, &until, true)?;
                 }
                 Ok(())
             }
@@ -328,6 +359,7 @@ impl Backend for LocalBackend {
 
     fn start(&self, op: Validated<Request>) -> Result<Box<dyn Work>> {
         let owned = |name, t: Tensor| t.host_only(name, BACKEND);
+        let limit = op.time_limit();
         let request = op.into_op();
         let name = request.name();
         let pending = match request {
@@ -391,6 +423,8 @@ impl Backend for LocalBackend {
             group: self.group.clone(),
             rank: self.rank,
             op: name,
+            limit,
+            aborted: Arc::clone(&self.aborted),
             pending: Some(pending),
         }))
     }
@@ -414,20 +448,23 @@ enum Pending {
 }
 
 /// The [`Work`] handle of the local backend. The input was deposited when the operation
-/// started; waiting collects the result. Dropping an unfinished handle waits for it (up to the
-/// world's time-out), so the other ranks' rounds and messages are not left behind.
+/// started; waiting collects the result, for at most the operation's time limit (counted from
+/// the wait). Dropping an unfinished handle waits for it (up to that limit, or until the
+/// communicator is aborted), so the other ranks' rounds and messages are not left behind.
 #[derive(Debug)]
 pub struct LocalWork {
     group: Arc<Group>,
     rank: usize,
     op: &'static str,
+    limit: TimeLimit,
+    aborted: Arc<AtomicBool>,
     pending: Option<Pending>,
 }
 
 impl LocalWork {
     /// Finishes the operation by `deadline`: `Ok(None)` (pending kept) when it passed and
     /// `strict` is false.
-    fn finish(&mut self, deadline: Instant, strict: bool) -> Result<Option<Tensor>> {
+    fn finish(&mut self, until: &Until<'_>, strict: bool) -> Result<Option<Tensor>> {
         let g = self.group.clone();
         let op = self.op;
         let Some(p) = self.pending.take() else {
@@ -436,7 +473,7 @@ impl LocalWork {
             )));
         };
         match p {
-            Pending::Coll { seq, kind, mut out } => match g.collect(seq, op, deadline, strict)? {
+            Pending::Coll { seq, kind, mut out } => match g.collect(seq, op, until, strict)? {
                 None => {
                     self.pending = Some(Pending::Coll { seq, kind, out });
                     Ok(None)
@@ -451,14 +488,14 @@ impl LocalWork {
                 }
             },
             Pending::Send { t, buf } => {
-                if g.wait_consumed(&t, op, deadline, strict)? {
+                if g.wait_consumed(&t, op, until, strict)? {
                     Ok(Some(Tensor::Host(buf)))
                 } else {
                     self.pending = Some(Pending::Send { t, buf });
                     Ok(None)
                 }
             }
-            Pending::Recv { t, mut buf } => match g.take(&t, op, deadline, strict)? {
+            Pending::Recv { t, mut buf } => match g.take(&t, op, until, strict)? {
                 None => {
                     self.pending = Some(Pending::Recv { t, buf });
                     Ok(None)
@@ -483,8 +520,9 @@ impl Work for LocalWork {
     }
 
     fn wait(mut self: Box<Self>) -> Result<Tensor> {
-        let deadline = Instant::now() + self.group.timeout();
-        self.finish(deadline, true)?
+        let aborted = Arc::clone(&self.aborted);
+        let until = Until::limit(self.limit, &aborted);
+        self.finish(&until, true)?
             .ok_or_else(|| Error::Invalid("local: a strict wait returned nothing".into()))
     }
 
@@ -492,7 +530,13 @@ impl Work for LocalWork {
         mut self: Box<Self>,
         timeout: Duration,
     ) -> std::result::Result<Result<Tensor>, Box<dyn Work>> {
-        match self.finish(Instant::now() + timeout, false) {
+        let aborted = Arc::clone(&self.aborted);
+        let until = Until {
+            deadline: Some(Instant::now() + timeout),
+            limit: TimeLimit::After(timeout),
+            abort: &aborted,
+        };
+        match self.finish(&until, false) {
             Ok(Some(t)) => Ok(Ok(t)),
             Ok(None) => Err(self),
             Err(e) => Ok(Err(e)),
@@ -503,9 +547,10 @@ impl Work for LocalWork {
 impl Drop for LocalWork {
     fn drop(&mut self) {
         if self.pending.is_some() {
-            let deadline = Instant::now() + self.group.timeout();
+            let aborted = Arc::clone(&self.aborted);
+            let until = Until::limit(self.limit, &aborted);
             // Errors cannot be reported from drop; the wait only keeps the rounds in step.
-            let _ = self.finish(deadline, true);
+            let _ = self.finish(&until, true);
         }
     }
 }
@@ -550,8 +595,8 @@ impl GroupFactory for LocalFactory {
         key: usize,
     ) -> Result<Option<LocalComm>> {
         const OP: &str = "split";
+        parent.ensure_usable(OP)?;
         let b = parent.inner();
-        b.check_live(OP)?;
         self.splits.fetch_add(1, Ordering::Relaxed);
         let seq = b.next();
         b.group.deposit(
@@ -565,7 +610,12 @@ impl GroupFactory for LocalFactory {
         )?;
         let parts = b
             .group
-            .collect(seq, OP, b.deadline(), true)?
+            .collect(
+                seq,
+                OP,
+                &b.until(grid_core::Communicator::time_limit(parent)),
+                true,
+            )?
             .ok_or_else(|| Error::Invalid("local: a strict wait returned nothing".into()))?;
         complete(&b.group, b.rank, &Kind::Split, &parts, None)?;
         let entries = parts

@@ -2,8 +2,9 @@
 //! holding the rounds of its collectives and the mailboxes of its messages.
 
 use crate::backend::{LocalBackend, LocalComm};
-use grid_core::{Comm, DType, Error, HostBuffer, LibraryError, ReduceOp, Result};
+use grid_core::{Comm, DType, Error, HostBuffer, LibraryError, ReduceOp, Result, TimeLimit};
 use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -237,29 +238,62 @@ impl Group {
         self.world.config.timeout
     }
 
-    fn timeout_error(&self, op: &'static str, peer: Option<usize>) -> Error {
-        Error::Timeout {
-            op,
-            millis: u64::try_from(self.timeout().as_millis()).unwrap_or(u64::MAX),
-            peer: peer.and_then(|p| self.global.get(p).copied()),
-        }
+    /// Wakes every wait on this group (after a rank's abort flag was set), under the lock so
+    /// that no waiter can miss it between its check and its sleep.
+    pub(crate) fn wake_all(&self) {
+        let _st = lock(&self.state);
+        self.cv.notify_all();
     }
 
-    /// Waits on the condition variable until `deadline`; false when it passed.
+    /// Waits on the condition variable until woken, the deadline passed or the rank aborted.
     fn wait<'a>(
         &self,
         st: MutexGuard<'a, GroupState>,
-        deadline: Instant,
-    ) -> (MutexGuard<'a, GroupState>, bool) {
-        let now = Instant::now();
-        if now >= deadline {
-            return (st, false);
+        until: &Until<'_>,
+    ) -> (MutexGuard<'a, GroupState>, Waited) {
+        if until.abort.load(Ordering::Acquire) {
+            return (st, Waited::Aborted);
         }
-        let (st, _) = self
-            .cv
-            .wait_timeout(st, deadline - now)
-            .unwrap_or_else(|p| p.into_inner());
-        (st, true)
+        let st = match until.deadline {
+            None => self.cv.wait(st).unwrap_or_else(|p| p.into_inner()),
+            Some(deadline) => {
+                let now = Instant::now();
+                if now >= deadline {
+                    return (st, Waited::Expired);
+                }
+                self.cv
+                    .wait_timeout(st, deadline - now)
+                    .unwrap_or_else(|p| p.into_inner())
+                    .0
+            }
+        };
+        (st, Waited::Woken)
+    }
+
+    /// The error of a wait that ended without its message or round: aborted, or (strict)
+    /// timed out waiting for communicator rank `peer`; `Ok(())` for an expired non-strict wait.
+    fn ended(
+        &self,
+        w: Waited,
+        until: &Until<'_>,
+        op: &'static str,
+        peer: usize,
+        strict: bool,
+    ) -> Result<()> {
+        match w {
+            Waited::Aborted => Err(Error::Aborted {
+                op,
+                reason: "the communicator was aborted on this rank".into(),
+                at: None,
+            }),
+            Waited::Expired if strict => Err(Error::Timeout {
+                op,
+                millis: until.limit.as_millis(),
+                peer: Some(peer),
+                at: None,
+            }),
+            _ => Ok(()),
+        }
     }
 
     // ---- collectives -------------------------------------------------------------------------
@@ -301,7 +335,7 @@ impl Group {
         &self,
         seq: u64,
         op: &'static str,
-        deadline: Instant,
+        until: &Until<'_>,
         strict: bool,
     ) -> Result<Option<Vec<Arc<Part>>>> {
         let n = self.size();
@@ -328,14 +362,11 @@ impl Group {
                     return Ok(Some(parts));
                 }
                 Some(peer) => {
-                    let (s, alive) = self.wait(st, deadline);
+                    let (s, w) = self.wait(st, until);
                     st = s;
-                    if !alive {
-                        return if strict {
-                            Err(self.timeout_error(op, Some(peer)))
-                        } else {
-                            Ok(None)
-                        };
+                    if w != Waited::Woken {
+                        self.ended(w, until, op, peer, strict)?;
+                        return Ok(None);
                     }
                 }
             }
@@ -407,7 +438,7 @@ impl Group {
         &self,
         t: &Ticket,
         op: &'static str,
-        deadline: Instant,
+        until: &Until<'_>,
         strict: bool,
     ) -> Result<Option<HostBuffer>> {
         let mut st = lock(&self.state);
@@ -422,14 +453,11 @@ impl Group {
                     return Ok(Some(m));
                 }
             }
-            let (s, alive) = self.wait(st, deadline);
+            let (s, w) = self.wait(st, until);
             st = s;
-            if !alive {
-                return if strict {
-                    Err(self.timeout_error(op, Some(t.0 .0)))
-                } else {
-                    Ok(None)
-                };
+            if w != Waited::Woken {
+                self.ended(w, until, op, t.0 .0, strict)?;
+                return Ok(None);
             }
         }
     }
@@ -451,7 +479,7 @@ impl Group {
         &self,
         t: &Ticket,
         op: &'static str,
-        deadline: Instant,
+        until: &Until<'_>,
         strict: bool,
     ) -> Result<bool> {
         if !self.world.config.rendezvous {
@@ -464,10 +492,10 @@ impl Group {
                     return Ok(true);
                 }
             }
-            let (s, alive) = self.wait(st, deadline);
+            let (s, w) = self.wait(st, until);
             st = s;
-            if !alive {
-                if !strict {
+            if w != Waited::Woken {
+                if w == Waited::Expired && !strict {
                     return Ok(false);
                 }
                 // A send that failed delivers nothing: withdraw the message unless the
@@ -478,10 +506,40 @@ impl Group {
                     }
                     l.msgs.remove(&t.1);
                 }
-                return Err(self.timeout_error(op, Some(t.0 .1)));
+                drop(st);
+                self.ended(w, until, op, t.0 .1, true)?;
+                return Ok(false);
             }
         }
     }
+}
+
+/// How long a wait may last and what ends it early: the deadline (`None`: no limit), the time
+/// limit it came from (for the error), and the rank's abort flag.
+#[derive(Debug)]
+pub(crate) struct Until<'a> {
+    pub(crate) deadline: Option<Instant>,
+    pub(crate) limit: TimeLimit,
+    pub(crate) abort: &'a AtomicBool,
+}
+
+impl<'a> Until<'a> {
+    /// A wait bounded by `limit` from now.
+    pub(crate) fn limit(limit: TimeLimit, abort: &'a AtomicBool) -> Until<'a> {
+        Until {
+            deadline: limit.deadline_from(Instant::now()),
+            limit,
+            abort,
+        }
+    }
+}
+
+/// How one sleep on the condition variable ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Waited {
+    Woken,
+    Expired,
+    Aborted,
 }
 
 /// The error for ranks that disagree about a collective.

@@ -26,12 +26,23 @@ fn a_rank_that_never_arrives_is_a_timeout_naming_it() {
     .unwrap();
     for (rank, res) in r.into_iter().enumerate().take(2) {
         match res {
-            Some(Err(Error::Timeout { op, peer, millis })) => {
+            Some(Err(Error::Timeout {
+                op,
+                peer,
+                millis,
+                at,
+            })) => {
                 assert_eq!(
                     (op, peer, millis),
                     ("all_reduce", Some(2), 300),
                     "rank {rank}"
-                )
+                );
+                // The front end names where it ran: communicator, members, sequence number.
+                let at = at.expect("the front end adds the site");
+                assert_eq!(
+                    (at.comm.as_str(), at.ranks.as_slice(), at.seq),
+                    ("world", &[0, 1, 2][..], Some(0))
+                );
             }
             other => panic!("rank {rank}: expected a time-out, got {other:?}"),
         }

@@ -204,6 +204,13 @@ impl Backend for MpiBackend {
     fn max_tag(&self) -> u32 {
         i32::MAX as u32
     }
+    /// No limit: MPI operations are not yet run under a deadline (issue #11).
+    fn default_time_limit(&self) -> grid_core::TimeLimit {
+        grid_core::TimeLimit::Unlimited
+    }
+    /// The front end refuses every later operation; an MPI operation already blocked in the
+    /// library is not woken yet (issue #11: MPI operations under a deadline).
+    fn abort(&self) {}
     fn check_live(&self, op: &'static str) -> Result<()> {
         if self.finished.load(Ordering::Acquire) {
             return Err(Error::Finalized {

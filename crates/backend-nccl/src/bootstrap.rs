@@ -60,6 +60,7 @@ pub fn exchange_unique_id(
             message: format!(
                 "bootstrap ranks {failed:?} could not set up NCCL (each reports its reason); no NCCL communicator was created"
             ),
+            at: None,
         });
     }
     bootstrap.broadcast(BufMut::from(&mut id[..]), 0)?;

@@ -167,6 +167,7 @@ mod tests {
             op: "barrier",
             millis: 5,
             peer: None,
+            at: None,
         };
         assert_eq!(annotate(t.clone(), "barrier", "world"), t);
         // An error already named after the operation keeps its message.

@@ -71,8 +71,8 @@ fn gloo_timeout_and_abort_resolve_the_futures() {
     assert!(
         matches!(
             aborted,
-            Err(Error::Finalized {
-                state: "aborted",
+            Err(Error::Aborted {
+                op: "all_reduce",
                 ..
             })
         ),

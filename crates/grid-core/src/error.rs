@@ -1,6 +1,11 @@
 //! The crate's one error type.
 
-use crate::comm::DType;
+use crate::comm::{DType, OpSite};
+
+/// ` #seq on communicator 'name' (world ranks ...)`, or nothing when the site is unknown.
+fn site(at: &Option<Box<OpSite>>) -> String {
+    at.as_ref().map(|a| a.to_string()).unwrap_or_default()
+}
 
 /// Everything that can go wrong in `grid-core`: invalid layouts (each variant names the violated
 /// condition and the numbers involved) and communication failures reported by a backend through
@@ -224,19 +229,33 @@ pub enum Error {
         parent_size: usize,
         missing: usize,
     },
-    /// An operation that did not finish in time.
-    #[error("{op}: timed out after {millis} ms{}", peer.map(|p| format!(" waiting for rank {p}")).unwrap_or_default())]
+    /// An operation that did not finish within its time limit ([`crate::TimeLimit`]): the
+    /// operation, where it ran (communicator, members, sequence number; added by the front
+    /// end), how long it waited, and the communicator rank it was waiting for where known.
+    #[error("{op}{}: timed out after {millis} ms{}", site(at), peer.map(|p| format!(" waiting for rank {p}")).unwrap_or_default())]
     Timeout {
         op: &'static str,
         millis: u64,
         peer: Option<usize>,
+        at: Option<Box<OpSite>>,
     },
-    /// A peer rank failed or disappeared.
-    #[error("{op}: peer rank {peer} failed: {message}")]
+    /// A peer rank failed or disappeared: the operation, where it ran (added by the front
+    /// end), the communicator rank blamed, and what this rank saw.
+    #[error("{op}{}: peer rank {peer} failed: {message}", site(at))]
     PeerFailed {
         op: &'static str,
         peer: usize,
         message: String,
+        at: Option<Box<OpSite>>,
+    },
+    /// An operation on a communicator that was aborted ([`crate::Communicator::abort`]) or
+    /// failed earlier ([`crate::Communicator::failure`]): every pending and later operation
+    /// returns this, with the reason.
+    #[error("{op}{}: {reason}", site(at))]
+    Aborted {
+        op: &'static str,
+        reason: String,
+        at: Option<Box<OpSite>>,
     },
     /// A failure reported by the backend library, with its message only (the form of the
     /// backends not yet behind the front end; [`Error::Library`] carries more).
@@ -310,6 +329,8 @@ pub struct LibraryError {
     pub op: &'static str,
     /// The communicator's descriptive name (empty when unknown).
     pub comm: String,
+    /// The operation's sequence number on the communicator (set by the front end).
+    pub seq: Option<u64>,
     /// The library's error code (`MPI_ERR_*` number, `ncclResult_t`, ...), when it has one.
     pub code: Option<i64>,
     /// The library's error class or kind (`MPI_ERR_TRUNCATE`, `ncclRemoteError`, ...).
@@ -325,6 +346,7 @@ impl LibraryError {
             backend,
             op,
             comm: String::new(),
+            seq: None,
             code: None,
             class: None,
             message: message.into(),
@@ -350,6 +372,9 @@ impl LibraryError {
 impl std::fmt::Display for LibraryError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "{}: {}", self.backend, self.op)?;
+        if let Some(s) = self.seq {
+            write!(f, " #{s}")?;
+        }
         if !self.comm.is_empty() {
             write!(f, " on communicator '{}'", self.comm)?;
         }
@@ -371,13 +396,50 @@ impl From<LibraryError> for Error {
 }
 
 impl Error {
+    /// Adds where an operation ran (communicator name, members, sequence number) to the errors
+    /// that carry it ([`Error::Timeout`], [`Error::PeerFailed`], [`Error::Aborted`], and the
+    /// name and number of an [`Error::Library`]) when the backend left it out; other errors are
+    /// returned unchanged. The front end calls it for every failed operation.
+    ///
+    /// ```
+    /// use grid_core::{Error, OpSite};
+    /// let e = Error::Timeout { op: "barrier", millis: 10, peer: Some(1), at: None };
+    /// let site = || OpSite { comm: "tp".into(), ranks: vec![4, 5], seq: Some(7) };
+    /// assert_eq!(
+    ///     e.with_site(site).to_string(),
+    ///     "barrier #7 on communicator 'tp' (world ranks 4, 5): timed out after 10 ms waiting for rank 1"
+    /// );
+    /// ```
+    pub fn with_site(mut self, site: impl FnOnce() -> OpSite) -> Error {
+        match &mut self {
+            Error::Timeout { at, .. }
+            | Error::PeerFailed { at, .. }
+            | Error::Aborted { at, .. }
+                if at.is_none() =>
+            {
+                *at = Some(Box::new(site()));
+            }
+            Error::Library(l) if l.comm.is_empty() || l.seq.is_none() => {
+                let s = site();
+                if l.comm.is_empty() {
+                    l.comm = s.comm;
+                }
+                if l.seq.is_none() {
+                    l.seq = s.seq;
+                }
+            }
+            _ => {}
+        }
+        self
+    }
+
     /// True for errors of communication (arguments of a communicator call, a backend or peer
     /// failure, a time-out, a finished communicator, a plan mismatch between ranks); false for
     /// errors of topology (layouts, grids, order strings, groups).
     ///
     /// ```
     /// use grid_core::Error;
-    /// assert!(Error::Timeout { op: "barrier", millis: 10, peer: None }.is_communication());
+    /// assert!(Error::Timeout { op: "barrier", millis: 10, peer: None, at: None }.is_communication());
     /// assert!(!Error::NonPositive { what: "tp".into(), value: 0 }.is_communication());
     /// ```
     pub fn is_communication(&self) -> bool {
@@ -393,6 +455,7 @@ impl Error {
                 | PlanDoesNotFit { .. }
                 | Timeout { .. }
                 | PeerFailed { .. }
+                | Aborted { .. }
                 | Backend { .. }
                 | Library(_)
                 | SelfPeer { .. }

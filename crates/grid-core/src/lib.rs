@@ -60,10 +60,10 @@ mod group;
 mod rankgen;
 
 pub use comm::{
-    color_key_for, kernels, split_members, Backend, BufMut, BufRef, Comm, Communicator,
-    CommunicatorExt, DType, DeviceBuffer, Element, GroupFactory, HostBuffer, HostSlice,
-    HostSliceMut, Memory, MismatchCheck, Op, OwnedOp, P2pOp, ReduceOp, Request, SplitEntry,
-    SplitMembers, Tensor, TypedWork, Validated, Work,
+    color_key_for, compact_ranks, kernels, split_members, Backend, BufMut, BufRef, Comm,
+    Communicator, CommunicatorExt, DType, DeviceBuffer, Element, Failure, GroupFactory, HostBuffer,
+    HostSlice, HostSliceMut, Limited, Memory, MismatchCheck, Op, OpSite, OwnedOp, P2pOp, ReduceOp,
+    Request, SplitEntry, SplitMembers, Tensor, TimeLimit, TypedWork, Validated, Work,
 };
 pub use error::{Error, LibraryError, Result};
 pub use grid::{GridSpec, GroupList, HyperGrid};

@@ -23,8 +23,9 @@
 //! `--fault RANK:KIND@ITER` is a testing aid: give every rank the same one, and rank `RANK`
 //! misbehaves at iteration `ITER` (needs `--iters`): `kill` (SIGKILL to itself), `skip` (leaves
 //! one all-reduce out), `count`, `dtype`, `op`, `root` (disagrees with the others on that
-//! field of the collective), `long-send` (sends more than its partner posted to receive). The
-//! table in `grid_programs::smoke::FaultKind` says exactly what each does;
+//! field of the collective), `long-send` (sends more than its partner posted to receive),
+//! `abort` (stalls, and the others' watchdog threads call `abort()` on their stuck all-reduce).
+//! The table in `grid_programs::smoke::FaultKind` says exactly what each does;
 //! docs/when-a-job-fails.md shows what the other ranks then see.
 //!
 //! Each rank prints exactly one line when it ends, `{"rank":R,"completed":K,"error":null}` or
@@ -32,14 +33,13 @@
 //! (1 otherwise; 2 with one line on standard error for invalid options).
 
 use backend_gloo::{GlooConfig, GlooFactory, Rendezvous};
-use grid_core::Error;
 use grid_programs::smoke::{
     dump_after_error, install_trace_dir, run_loop, LoopOptions, Outcome, Waits,
 };
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-const USAGE: &str = "usage: gloo-loop --rank R --world-size N --store file:DIR|redis://HOST:PORT/PREFIX [--bytes B] [--iters K | --seconds S] [--timeout-ms T] [--trace-dir D] [--fault RANK:KIND@ITER (a testing aid; KIND: kill, skip, count, dtype, op, root, long-send)]";
+const USAGE: &str = "usage: gloo-loop --rank R --world-size N --store file:DIR|redis://HOST:PORT/PREFIX [--bytes B] [--iters K | --seconds S] [--timeout-ms T] [--trace-dir D] [--fault RANK:KIND@ITER (a testing aid; KIND: kill, skip, count, dtype, op, root, long-send, abort)]";
 
 /// The command line.
 struct Args {
@@ -159,20 +159,19 @@ fn run(args: &Args, completed: &mut u64) -> Result<(), String> {
     if let Some(dir) = &args.options.trace_dir {
         install_trace_dir(dir, Some(args.rank))?;
     }
-    let e = |e: Error| e.to_string();
     let config = GlooConfig::new(args.job.clone()).with_timeout(args.options.timeout());
     let world =
         GlooFactory::new(&args.store, config).and_then(|f| f.world(args.rank, args.world_size));
     let result = match &world {
-        Ok(world) => run_loop(world, &args.options, Waits::Backend, completed).map_err(e),
-        Err(err) => Err(e(err.clone())),
+        Ok(world) => run_loop(world, &args.options, Waits::Backend, completed),
+        Err(err) => Err(err.clone()),
     };
     // Dumped while the world communicator is alive: a dump holds the live communicators' logs.
-    if let Err(msg) = &result {
-        if let Some(warning) = dump_after_error(&format!("failure: {msg}")) {
+    if let Err(err) = &result {
+        if let Some(warning) = dump_after_error(err) {
             eprintln!("gloo-loop: rank {}: {warning}", args.rank);
         }
     }
     drop(world);
-    result
+    result.map_err(|e| e.to_string())
 }

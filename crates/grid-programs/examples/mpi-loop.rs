@@ -17,7 +17,8 @@
 //! `--fault RANK:KIND@ITER` is a testing aid: rank `RANK` misbehaves at iteration `ITER` (needs
 //! `--iters`): `kill` (SIGKILL to itself), `skip` (leaves one all-reduce out), `count`, `dtype`,
 //! `op`, `root` (disagrees with the others on that field of the collective), `long-send` (sends
-//! more than its partner posted to receive). The table in `grid_programs::smoke::FaultKind`
+//! more than its partner posted to receive), `abort` (stalls, and the others' watchdog threads
+//! call `abort()` on their stuck all-reduce). The table in `grid_programs::smoke::FaultKind`
 //! says exactly what each does; docs/when-a-job-fails.md shows what the other ranks then see.
 //! By default `mpirun` ends the whole job as soon as one rank dies or exits with an error; to
 //! let every rank report, run with `--enable-recovery --mca orte_abort_on_non_zero_status 0`.
@@ -36,7 +37,7 @@ use grid_programs::smoke::{
 use std::io::Write;
 use std::process::ExitCode;
 
-const USAGE: &str = "usage: mpirun -np N mpi-loop [--bytes B] [--iters K | --seconds S] [--timeout-ms T] [--trace-dir D] [--fault RANK:KIND@ITER (a testing aid; KIND: kill, skip, count, dtype, op, root, long-send)]";
+const USAGE: &str = "usage: mpirun -np N mpi-loop [--bytes B] [--iters K | --seconds S] [--timeout-ms T] [--trace-dir D] [--fault RANK:KIND@ITER (a testing aid; KIND: kill, skip, count, dtype, op, root, long-send, abort)]";
 
 fn parse_args() -> Result<LoopOptions, String> {
     let mut options = LoopOptions::default();
@@ -108,11 +109,7 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            let reason = match e {
-                Error::Timeout { .. } => "timeout".to_string(),
-                other => format!("failure: {other}"),
-            };
-            if let Some(warning) = dump_after_error(&reason) {
+            if let Some(warning) = dump_after_error(&e) {
                 eprintln!("mpi-loop: rank {rank}: {warning}");
             }
             let _ = std::io::stdout().flush();

@@ -14,8 +14,11 @@
 //! ```
 
 use grid_core::oplog::Recorder;
-use grid_core::{Communicator, CommunicatorExt, Element, Error, ReduceOp, Result, Tensor, Work};
+use grid_core::{
+    Communicator, CommunicatorExt, Element, Error, OpSite, ReduceOp, Result, Tensor, Work,
+};
 use std::path::{Path, PathBuf};
+use std::sync::mpsc::RecvTimeoutError;
 use std::time::{Duration, Instant};
 
 /// When the loop ends.
@@ -199,6 +202,7 @@ impl Outcome {
 /// | `op` | rank `RANK` reduces with max instead of sum |
 /// | `root` | every rank broadcasts instead of all-reducing, from root 0, except rank `RANK`, which names root 1 |
 /// | `long-send` | every rank exchanges with its pair instead of all-reducing (ranks 2i and 2i+1; `RANK` sends in its pair, the even rank in the others; an even world size is needed); rank `RANK` sends twice as many elements as its partner posted |
+/// | `abort` | rank `RANK` stalls for the timeout without entering the all-reduce, then ends with an error naming the fault; every other rank is stuck in the all-reduce, and a second thread of each calls [`Communicator::abort`] on the world communicator after a third of the timeout |
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FaultKind {
     /// `kill`.
@@ -215,11 +219,13 @@ pub enum FaultKind {
     Root,
     /// `long-send`.
     LongSend,
+    /// `abort`.
+    Abort,
 }
 
 impl FaultKind {
     /// Every kind, in the order of the table above.
-    pub const ALL: [FaultKind; 7] = [
+    pub const ALL: [FaultKind; 8] = [
         FaultKind::Kill,
         FaultKind::Skip,
         FaultKind::Count,
@@ -227,6 +233,7 @@ impl FaultKind {
         FaultKind::Op,
         FaultKind::Root,
         FaultKind::LongSend,
+        FaultKind::Abort,
     ];
 
     /// The kind's name on the command line.
@@ -239,6 +246,7 @@ impl FaultKind {
             FaultKind::Op => "op",
             FaultKind::Root => "root",
             FaultKind::LongSend => "long-send",
+            FaultKind::Abort => "abort",
         }
     }
 }
@@ -254,7 +262,7 @@ impl FaultKind {
 /// assert_eq!((f.rank, f.kind, f.iter), (2, FaultKind::LongSend, 5));
 /// assert_eq!(f.to_string(), "2:long-send@5");
 /// let e = "2:crash@5".parse::<Fault>().unwrap_err();
-/// assert!(e.contains("kill, skip, count, dtype, op, root, long-send"), "{e}");
+/// assert!(e.contains("kill, skip, count, dtype, op, root, long-send, abort"), "{e}");
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Fault {
@@ -333,7 +341,13 @@ impl<C: Communicator + ?Sized> Exec<'_, C> {
                     op,
                     millis: u64::try_from(limit.as_millis()).unwrap_or(u64::MAX),
                     peer: None,
-                })
+                    at: None,
+                }
+                .with_site(|| OpSite {
+                    comm: self.comm.name().to_string(),
+                    ranks: self.comm.global_ranks().to_vec(),
+                    seq: None,
+                }))
             }
         }
     }
@@ -502,6 +516,30 @@ pub fn run_loop<C: Communicator + ?Sized>(
                     )?;
                 }
             }
+            Some(FaultKind::Abort) if mine => {
+                std::thread::sleep(options.timeout());
+                return Err(fault_error(
+                    here,
+                    "stalled for the timeout instead of entering all-reduce",
+                ));
+            }
+            Some(FaultKind::Abort) => {
+                let delay = options.timeout() / 3;
+                std::thread::scope(|s| {
+                    let (tx, rx) = std::sync::mpsc::channel::<()>();
+                    s.spawn(move || {
+                        // A watchdog: abort the world communicator unless the all-reduce
+                        // finished first.
+                        if rx.recv_timeout(delay) == Err(RecvTimeoutError::Timeout) {
+                            comm.abort();
+                        }
+                    });
+                    let r = exec.all_reduce(&send, &mut recv, ReduceOp::Sum);
+                    drop(tx);
+                    r
+                })?;
+                check_values(&what, &recv, expected, &why)?;
+            }
             _ => {
                 exec.all_reduce(&send, &mut recv, ReduceOp::Sum)?;
                 check_values(&what, &recv, expected, &why)?;
@@ -580,17 +618,21 @@ pub fn install_trace_dir(dir: &Path, world_rank: Option<usize>) -> std::result::
     Ok(())
 }
 
-/// At the end of a rank that ended by an error: writes its operation log with `reason` unless
-/// the front end already did (an operation that failed dumps by itself, with the more precise
-/// reason). Covers a failure to meet the others, a wrong result and a program-side timeout.
-/// Returns a warning to print when the dump fails.
-pub fn dump_after_error(reason: &str) -> Option<String> {
+/// At the end of a rank that ended by `error`: writes its operation log (again, if an
+/// operation that failed, an `abort()` or SIGUSR1 dumped it earlier), so that the file holds
+/// every communicator's state when the rank gave up, dumped at that moment. The reason is the
+/// front end's: `timeout`, `abort`, or `failure: <error>` (a failure to meet the others, a wrong
+/// result, an injected fault). Returns a warning to print when the dump fails.
+pub fn dump_after_error(error: &Error) -> Option<String> {
     let recorder = Recorder::global();
-    if recorder.trace_dir().is_none() || recorder.dumps_written() > 0 {
-        return None;
-    }
+    recorder.trace_dir()?;
+    let reason = match error {
+        Error::Timeout { .. } => "timeout".to_string(),
+        Error::Aborted { .. } | Error::Finalized { .. } => "abort".to_string(),
+        other => format!("failure: {other}"),
+    };
     recorder
-        .dump(reason)
+        .dump(&reason)
         .err()
         .map(|e| format!("cannot dump the operation log: {e}"))
 }

@@ -8,7 +8,8 @@
 //!   segfault) except the rank the scenario kills;
 //! * every rank that is not deliberately delayed by its fault returns its error within the
 //!   timeout plus [`MARGIN`] of posting the operation it failed in (from its own operation
-//!   log: the dump's time against the last operation's posting time);
+//!   log: the dump's time against the last operation's posting time); a rank whose watchdog
+//!   called `abort()` returns an error saying so within [`ABORT_MARGIN`] of the call;
 //! * `grid trace --format json` on the dumps names the culprit: the killed or skipping rank as
 //!   the world communicator's only `missing_ranks`, or the disagreement in `mismatches` at the
 //!   fault's sequence number, with the faulty rank's value apart from every other rank's;
@@ -47,6 +48,9 @@ const BYTES: usize = 4096;
 const TIMEOUT_MS: u64 = 3000;
 /// How much later than its timeout a rank may return its error (docs/when-a-job-fails.md).
 const MARGIN: Duration = Duration::from_secs(2);
+/// How much later than the `abort()` call (a third of the timeout after the operation was
+/// posted) a stuck operation must return (docs/when-a-job-fails.md): well before its timeout.
+const ABORT_MARGIN: Duration = Duration::from_secs(1);
 /// A scenario that has not ended after this long is a hang.
 const HANG: Duration = Duration::from_secs(30);
 
@@ -334,6 +338,11 @@ fn check_fault(label: &str, kind: &str, detail: bool, ends: &[RankEnd], trace: &
                 }
                 match v["error"].as_str() {
                     Some(e) if !e.is_empty() => {
+                        if kind == "abort" && r != FAULTY && !e.contains("aborted") {
+                            problems.push(format!(
+                                "rank {r}: its watchdog called abort(), so the error must say \"aborted\": {e}"
+                            ));
+                        }
                         if let (true, Culprit::Mismatch { check: Some(f), .. }) = (detail, culprit)
                         {
                             let want = format!("ranks disagree on {f}");
@@ -379,10 +388,21 @@ fn check_fault(label: &str, kind: &str, detail: bool, ends: &[RankEnd], trace: &
                     "{label}: rank {r} returned {waited:?} after posting {} #{}",
                     op.op, op.seq
                 );
-                if waited > timeout() + MARGIN {
+                let bound = if kind == "abort" {
+                    timeout() / 3 + ABORT_MARGIN
+                } else {
+                    timeout() + MARGIN
+                };
+                if waited > bound {
                     problems.push(format!(
-                        "rank {r} returned its error {waited:?} after posting {} #{}: more than the timeout {:?} + margin {MARGIN:?}",
-                        op.op, op.seq, timeout()
+                        "rank {r} returned its error {waited:?} after posting {} #{}: more than {bound:?} ({})",
+                        op.op,
+                        op.seq,
+                        if kind == "abort" {
+                            "abort() a third of the timeout in, plus the abort margin"
+                        } else {
+                            "the timeout plus the margin"
+                        }
                     ));
                 }
             }
@@ -491,6 +511,7 @@ scenarios!(gloo_file {
     gloo_file_op: "op", false;
     gloo_file_op_checked: "op", true;
     gloo_file_long_send: "long-send", false;
+    gloo_file_abort: "abort", false;
 });
 
 scenarios!(gloo_redis {
@@ -505,6 +526,7 @@ scenarios!(gloo_redis {
     gloo_redis_op: "op", false;
     gloo_redis_op_checked: "op", true;
     gloo_redis_long_send: "long-send", false;
+    gloo_redis_abort: "abort", false;
 });
 
 // Test names carry `mpi_`: nextest runs them one at a time (.config/nextest.toml).
@@ -520,6 +542,7 @@ scenarios!(mpi_fault {
     mpi_fault_op: "op", false;
     mpi_fault_op_checked: "op", true;
     mpi_fault_long_send: "long-send", false;
+    mpi_fault_abort: "abort", false;
 });
 
 /// Checks a rendezvous scenario: every rank ends on its own, with one JSON line whose error

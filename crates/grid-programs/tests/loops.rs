@@ -325,7 +325,10 @@ fn mpi_loop_timeout_reports_and_dumps_the_started_all_reduce() {
         .find(|l| l.starts_with('{'))
         .unwrap_or_else(|| panic!("no JSON line in {}", out.output));
     let v: serde_json::Value = serde_json::from_str(line).expect("JSON");
-    assert_eq!(v["error"], "all_reduce: timed out after 1 ms", "{v}");
+    assert_eq!(
+        v["error"], "all_reduce on communicator 'world' (world ranks 0, 1): timed out after 1 ms",
+        "{v}"
+    );
     assert_eq!(v["completed"], 0, "{v}");
     // The first rank to exit makes mpirun end the other, which may not have dumped yet: at
     // least one dump, and every dump names the timeout and holds the started all-reduce.

@@ -270,6 +270,13 @@ impl Backend for NcclBackend {
     fn check_live(&self, op: &'static str) -> Result<()> {
         self.shared.check_live(op)
     }
+    fn default_time_limit(&self) -> grid_core::TimeLimit {
+        grid_core::TimeLimit::After(self.shared.timeout)
+    }
+    /// `ncclCommAbort` on this communicator ([`NcclBackend::abort`]).
+    fn abort(&self) {
+        NcclBackend::abort(self);
+    }
     fn run(&self, op: Validated<Op<'_>>) -> Result<()> {
         let op = op.into_op();
         let name = op.name();

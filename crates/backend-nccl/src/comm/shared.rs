@@ -240,6 +240,7 @@ impl Shared {
                 op,
                 millis: u64::try_from(self.timeout.as_millis()).unwrap_or(u64::MAX),
                 peer: None,
+                at: None,
             }))
         }
     }

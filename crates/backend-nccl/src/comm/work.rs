@@ -317,6 +317,7 @@ impl Work for NcclWork {
                     op: self.op,
                     millis,
                     peer: None,
+                    at: None,
                 })))
             }
             Err(e) => Ok(Err(self.annotate(e))),

@@ -60,6 +60,7 @@ use super::backend::Backend;
 use super::buffer::{BufMut, BufRef, Tensor};
 use super::dtype::{DType, ReduceOp};
 use super::front::Comm;
+use super::lifecycle::TimeLimit;
 use super::op::{Op, Request, Validated};
 use crate::error::{Error, Result};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -354,23 +355,23 @@ impl<B: Backend> Comm<B> {
     }
 
     /// The check for a blocking operation, after validation and before the backend runs it.
-    pub(super) fn agree_op(&self, op: &Op<'_>, seq: u64) -> Result<()> {
+    pub(super) fn agree_op(&self, op: &Op<'_>, seq: u64, limit: TimeLimit) -> Result<()> {
         if self.mismatch_check() == MismatchCheck::Off {
             return Ok(()); // nothing to count or compare: one relaxed load per operation
         }
         match Fingerprint::of_op(op) {
-            Some((f, bytes)) => self.agree(op.name(), f, bytes, seq, false),
+            Some((f, bytes)) => self.agree(op.name(), f, bytes, seq, limit, false),
             None => Ok(()),
         }
     }
 
     /// The check for a nonblocking operation, after validation and before the backend starts it.
-    pub(super) fn agree_request(&self, r: &Request, seq: u64) -> Result<()> {
+    pub(super) fn agree_request(&self, r: &Request, seq: u64, limit: TimeLimit) -> Result<()> {
         if self.mismatch_check() == MismatchCheck::Off {
             return Ok(());
         }
         match Fingerprint::of_request(r) {
-            Some((f, bytes)) => self.agree(r.name(), f, bytes, seq, true),
+            Some((f, bytes)) => self.agree(r.name(), f, bytes, seq, limit, true),
             None => Ok(()),
         }
     }
@@ -381,6 +382,7 @@ impl<B: Backend> Comm<B> {
         pending: Pending,
         bytes: usize,
         seq: u64,
+        limit: TimeLimit,
         nonblocking: bool,
     ) -> Result<()> {
         // The number of collectives issued while checking was on. Collectives of one
@@ -410,7 +412,7 @@ impl<B: Backend> Comm<B> {
             buf: BufMut::from(&mut both[..]),
             op: ReduceOp::Max,
         };
-        self.inner().run(Validated::new(exchange, seq))?;
+        self.inner().run(Validated::new(exchange, seq, limit))?;
         if (0..FIELDS).all(|i| both[i] == -both[FIELDS + i]) {
             return Ok(());
         }
@@ -419,7 +421,7 @@ impl<B: Backend> Comm<B> {
             send: BufRef::from(&f.0[..]),
             recv: BufMut::from(&mut all[..]),
         };
-        self.inner().run(Validated::new(gather, seq))?;
+        self.inner().run(Validated::new(gather, seq, limit))?;
         let (field, values) = Fingerprint::first_difference(&all).ok_or_else(|| {
             // The all-reduce saw a difference that the all-gather does not show: a rank
             // changed its fingerprint between the two, which the front end never does.

@@ -3,6 +3,7 @@
 use super::agree::MismatchCheck;
 use super::buffer::Memory;
 use super::dtype::{DType, ReduceOp};
+use super::lifecycle::TimeLimit;
 use super::op::{Op, Request, Validated};
 use super::Work;
 use crate::error::Result;
@@ -60,6 +61,18 @@ pub trait Backend: Send + Sync + 'static {
     fn mismatch_check_default(&self) -> MismatchCheck {
         MismatchCheck::Off
     }
+    /// The time limit the communicator's operations get unless the program sets another
+    /// ([`super::Communicator::set_time_limit`], or per operation): the backend's configured
+    /// timeout.
+    fn default_time_limit(&self) -> TimeLimit;
+    /// Called by [`super::Communicator::abort`] after the front end marked the communicator
+    /// aborted (so no new operation reaches the backend): wake every operation of this rank
+    /// that is blocked on the communicator, blocking or nonblocking, so that it returns an
+    /// error promptly (the front end reports it as [`crate::Error::Aborted`]). Must not block,
+    /// must be safe to call from any thread and more than once, and must leave no buffer in use
+    /// by the library once the woken operation has returned (a backend that cannot cancel an
+    /// operation in its library must say in its documentation what it does instead).
+    fn abort(&self);
     /// Waits for everything enqueued so far (stream synchronisation on GPUs).
     fn synchronize(&self) -> Result<()> {
         Ok(())

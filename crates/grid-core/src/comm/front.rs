@@ -4,6 +4,7 @@
 use super::backend::Backend;
 use super::buffer::{BufMut, BufRef, Memory, Tensor};
 use super::dtype::{DType, ReduceOp};
+use super::lifecycle::{blamed, fails_communicator, Failure, Lifecycle, OpSite, TimeLimit};
 use super::op::{Op, P2pOp, Request, Validated};
 use super::{Communicator, Work};
 use crate::error::{Error, Result};
@@ -90,6 +91,8 @@ use std::time::Duration;
 /// #     fn start(&self, _: Validated<Request>) -> Result<Box<dyn Work>> {
 /// #         Err(Error::Unsupported { op: "start", backend: "solo", what: "nonblocking operations".into() })
 /// #     }
+/// #     fn default_time_limit(&self) -> TimeLimit { TimeLimit::Unlimited }
+/// #     fn abort(&self) {}
 /// # }
 /// let comm = Comm::new(Solo([0]), "world");
 /// let mut out = [0i32; 2];
@@ -104,6 +107,10 @@ use std::time::Duration;
 pub struct Comm<B: Backend> {
     backend: B,
     name: String,
+    /// The name and members, shared with the [`Work`] of nonblocking operations for their
+    /// errors.
+    ident: Arc<Ident>,
+    life: Arc<Lifecycle>,
     seq: AtomicU64,
     recorder: &'static Recorder,
     log: Option<Arc<OpLog>>,
@@ -140,9 +147,16 @@ impl<B: Backend> Comm<B> {
             }
         }
         let agree = super::agree::Agreement::new(&backend);
+        let ident = Arc::new(Ident {
+            name: name.clone(),
+            ranks: backend.global_ranks().to_vec(),
+        });
+        let life = Arc::new(Lifecycle::new(backend.default_time_limit()));
         Comm {
             backend,
             name,
+            ident,
+            life,
             seq: AtomicU64::new(0),
             recorder,
             log,
@@ -162,6 +176,33 @@ impl<B: Backend> Comm<B> {
     /// The communicator's descriptive name.
     pub fn comm_name(&self) -> &str {
         &self.name
+    }
+    /// Aborts the communicator on this rank ([`Communicator::abort`]; here so that it is
+    /// found before a backend method of the same name reached through `Deref`).
+    pub fn abort(&self) {
+        Communicator::abort(self)
+    }
+    /// Why the communicator can no longer be used ([`Communicator::failure`]).
+    pub fn failure(&self) -> Option<Failure> {
+        self.life.failure()
+    }
+    /// The default time limit of its operations ([`Communicator::time_limit`]).
+    pub fn time_limit(&self) -> TimeLimit {
+        self.life.time_limit()
+    }
+    /// Sets the default time limit of its later operations ([`Communicator::set_time_limit`]).
+    pub fn set_time_limit(&self, limit: TimeLimit) {
+        self.life.set_time_limit(limit)
+    }
+    /// `Ok` while the communicator can be used for `op`: not aborted, not failed
+    /// ([`Error::Aborted`] naming why otherwise), and live for its backend
+    /// ([`Backend::check_live`]). Factories call it before a split, which does not pass
+    /// through the operations of the front end.
+    pub fn ensure_usable(&self, op: &'static str) -> Result<()> {
+        if self.life.is_stopped() {
+            return Err(self.refused(op));
+        }
+        self.backend.check_live(op)
     }
     /// How many operations were handed to the backend so far (the next sequence number).
     pub fn ops_issued(&self) -> u64 {
@@ -427,17 +468,28 @@ impl<B: Backend> Comm<B> {
         )
     }
 
+    /// The error of an operation refused because the communicator was aborted or failed.
+    #[cold]
+    fn refused(&self, op: &'static str) -> Error {
+        refusal(&self.life, &self.ident, op)
+    }
+
     /// Validates, numbers, records, traces and runs a blocking operation.
-    fn call(&self, op: Op<'_>) -> Result<()> {
+    fn call(&self, op: Op<'_>, limit: Option<TimeLimit>) -> Result<()> {
         let name = op.name();
+        if self.life.is_stopped() {
+            return Err(self.refused(name));
+        }
         self.backend.check_live(name)?;
         self.validate(&op)?;
+        let limit = limit.unwrap_or_else(|| self.life.time_limit());
         let (seq, handle) = self.number(|| describe_op(&op), true);
         let span = self.span(name, seq, op.sizes(), false);
         let _g = span.enter();
         let result = self
-            .agree_op(&op, seq)
-            .and_then(|()| self.backend.run(Validated::new(op, seq)));
+            .agree_op(&op, seq, limit)
+            .and_then(|()| self.backend.run(Validated::new(op, seq, limit)))
+            .map_err(|e| op_failed(&self.life, &self.ident, name, seq, e));
         if let (Some(log), Some(h)) = (&self.log, handle) {
             ended(log, self.recorder, name, h, &result);
         }
@@ -445,36 +497,107 @@ impl<B: Backend> Comm<B> {
     }
 
     /// Validates, numbers, records, traces and starts a nonblocking operation.
-    fn call_start(&self, r: Request) -> Result<Box<dyn Work>> {
+    fn call_start(&self, r: Request, limit: Option<TimeLimit>) -> Result<Box<dyn Work>> {
         let name = r.name();
+        if self.life.is_stopped() {
+            return Err(self.refused(name));
+        }
         self.backend.check_live(name)?;
         self.validate_request(&r)?;
+        let limit = limit.unwrap_or_else(|| self.life.time_limit());
         let (seq, handle) = self.number(|| describe_request(&r), false);
         let span = self.span(name, seq, r.sizes(), true);
         let _g = span.enter();
         let started = self
-            .agree_request(&r, seq)
-            .and_then(|()| self.backend.start(Validated::new(r, seq)));
-        let (Some(log), Some(h)) = (&self.log, handle) else {
-            return started;
+            .agree_request(&r, seq, limit)
+            .and_then(|()| self.backend.start(Validated::new(r, seq, limit)))
+            .map_err(|e| op_failed(&self.life, &self.ident, name, seq, e));
+        let log = match (&self.log, handle) {
+            (Some(log), Some(h)) => match &started {
+                Ok(_) => {
+                    log.mark_started(h);
+                    Some((Arc::clone(log), self.recorder, h))
+                }
+                Err(e) => {
+                    failed(log, self.recorder, name, h, e);
+                    None
+                }
+            },
+            _ => None,
         };
-        match started {
-            Ok(inner) => {
-                log.mark_started(h);
-                Ok(Box::new(LoggedWork {
-                    inner,
-                    log: Arc::clone(log),
-                    recorder: self.recorder,
-                    op: name,
-                    handle: h,
-                }))
-            }
-            Err(e) => {
-                failed(log, self.recorder, name, h, &e);
-                Err(e)
-            }
+        let inner = started?;
+        Ok(Box::new(FrontWork {
+            inner,
+            life: Arc::clone(&self.life),
+            ident: Arc::clone(&self.ident),
+            op: name,
+            seq,
+            log,
+        }))
+    }
+}
+
+/// A communicator's name and members, for the errors of its operations.
+#[derive(Debug)]
+struct Ident {
+    name: String,
+    ranks: Vec<usize>,
+}
+
+impl Ident {
+    fn site(&self, seq: Option<u64>) -> OpSite {
+        OpSite {
+            comm: self.name.clone(),
+            ranks: self.ranks.clone(),
+            seq,
         }
     }
+}
+
+/// What an operation on an aborted or failed communicator returns.
+#[cold]
+fn refusal(life: &Lifecycle, ident: &Ident, op: &'static str) -> Error {
+    let reason = match life.failure() {
+        Some(f) if f.aborted => {
+            "the communicator was aborted on this rank (abort() was called); create a new one"
+                .to_string()
+        }
+        Some(f) => format!("the communicator failed earlier ({f}); create a new one"),
+        None => "the communicator was aborted; create a new one".to_string(),
+    };
+    Error::Aborted {
+        op,
+        reason,
+        at: Some(Box::new(ident.site(None))),
+    }
+}
+
+/// The error of operation `op` #`seq` that failed with `e`: an error of an aborted
+/// communicator becomes [`Error::Aborted`] (whatever the backend reported when it was woken),
+/// the site is added, and a communication failure fails the communicator.
+#[cold]
+fn op_failed(life: &Lifecycle, ident: &Ident, op: &'static str, seq: u64, e: Error) -> Error {
+    let e = match life.failure() {
+        Some(f) if f.aborted && !matches!(e, Error::Aborted { .. }) => Error::Aborted {
+            op,
+            reason: format!(
+                "the communicator was aborted on this rank (abort() was called) while the operation was in progress (the backend reported: {e})"
+            ),
+            at: None,
+        },
+        _ => e,
+    };
+    let e = e.with_site(|| ident.site(Some(seq)));
+    if fails_communicator(&e) {
+        life.record(Failure {
+            aborted: matches!(e, Error::Aborted { .. }),
+            op,
+            seq: Some(seq),
+            blamed: blamed(&e),
+            message: e.to_string(),
+        });
+    }
+    e
 }
 
 /// Records the end of an operation: completed, or failed (and dumped, see [`failed`]).
@@ -508,63 +631,79 @@ fn failed(log: &OpLog, recorder: &Recorder, op: &'static str, h: OpHandle, e: &E
 fn dump_reason(op: &str, comm: &str, e: &Error) -> String {
     match e {
         Error::Timeout { .. } => "timeout".to_string(),
-        Error::Finalized { .. } => "abort".to_string(),
+        Error::Finalized { .. } | Error::Aborted { .. } => "abort".to_string(),
         other => format!("failure: {op} on {comm}: {other}"),
     }
 }
 
-/// A nonblocking operation's [`Work`], recording its end in the operation log when it is
-/// waited for (a work dropped without a wait stays `started` in the log).
-struct LoggedWork {
+/// A nonblocking operation's [`Work`] behind the front end: its error gets the site and fails
+/// the communicator as a blocking operation's would, and with an operation log it records the
+/// operation's end when it is waited for (a work dropped without a wait stays `started` in the
+/// log).
+struct FrontWork {
     inner: Box<dyn Work>,
-    log: Arc<OpLog>,
-    recorder: &'static Recorder,
+    life: Arc<Lifecycle>,
+    ident: Arc<Ident>,
     op: &'static str,
-    handle: OpHandle,
+    seq: u64,
+    log: Option<(Arc<OpLog>, &'static Recorder, OpHandle)>,
 }
 
-impl Work for LoggedWork {
+impl FrontWork {
+    fn finish(&self, r: Result<Tensor>) -> Result<Tensor> {
+        let r = r.map_err(|e| op_failed(&self.life, &self.ident, self.op, self.seq, e));
+        if let Some((log, recorder, h)) = &self.log {
+            ended(log, recorder, self.op, *h, &r);
+        }
+        r
+    }
+}
+
+impl Work for FrontWork {
     fn is_completed(&mut self) -> bool {
         self.inner.is_completed()
     }
 
     fn wait(self: Box<Self>) -> Result<Tensor> {
-        let LoggedWork {
-            inner,
-            log,
-            recorder,
-            op,
-            handle,
-        } = *self;
+        let mut me = *self;
+        let inner = std::mem::replace(&mut me.inner, Box::new(Done));
         let r = inner.wait();
-        ended(&log, recorder, op, handle, &r);
-        r
+        me.finish(r)
     }
 
     fn wait_timeout(
         self: Box<Self>,
         timeout: Duration,
     ) -> std::result::Result<Result<Tensor>, Box<dyn Work>> {
-        let LoggedWork {
-            inner,
-            log,
-            recorder,
-            op,
-            handle,
-        } = *self;
+        let mut me = *self;
+        let inner = std::mem::replace(&mut me.inner, Box::new(Done));
         match inner.wait_timeout(timeout) {
-            Ok(r) => {
-                ended(&log, recorder, op, handle, &r);
-                Ok(r)
+            Ok(r) => Ok(me.finish(r)),
+            Err(inner) => {
+                me.inner = inner;
+                Err(Box::new(me))
             }
-            Err(inner) => Err(Box::new(LoggedWork {
-                inner,
-                log,
-                recorder,
-                op,
-                handle,
-            })),
         }
+    }
+}
+
+/// The placeholder left in a [`FrontWork`] while its real work is being waited for.
+struct Done;
+
+impl Work for Done {
+    fn is_completed(&mut self) -> bool {
+        true
+    }
+    fn wait(self: Box<Self>) -> Result<Tensor> {
+        Err(Error::Invalid(
+            "internal: a finished work was waited for twice".into(),
+        ))
+    }
+    fn wait_timeout(
+        self: Box<Self>,
+        _: Duration,
+    ) -> std::result::Result<Result<Tensor>, Box<dyn Work>> {
+        Ok(self.wait())
     }
 }
 
@@ -713,40 +852,77 @@ impl<B: Backend> Communicator for Comm<B> {
     fn supports(&self, dtype: DType, op: Option<ReduceOp>) -> bool {
         self.backend.supports(dtype, op)
     }
+    fn abort(&self) {
+        let first = self.life.record(Failure {
+            aborted: true,
+            op: "abort",
+            seq: None,
+            blamed: None,
+            message: "aborted on this rank (abort() was called)".to_string(),
+        });
+        self.backend.abort();
+        if first && self.log.is_some() && self.recorder.trace_dir().is_some() {
+            match self.recorder.dump("abort") {
+                Ok(Some(path)) => {
+                    tracing::info!("operation log dumped to {} (abort)", path.display())
+                }
+                Ok(None) => {}
+                Err(d) => tracing::warn!("cannot dump the operation log (abort): {d}"),
+            }
+        }
+    }
+    fn failure(&self) -> Option<Failure> {
+        self.life.failure()
+    }
+    fn time_limit(&self) -> TimeLimit {
+        self.life.time_limit()
+    }
+    fn set_time_limit(&self, limit: TimeLimit) {
+        self.life.set_time_limit(limit)
+    }
+    fn call_op(&self, op: Op<'_>, limit: Option<TimeLimit>) -> Result<()> {
+        self.call(op, limit)
+    }
+    fn start_op(&self, request: Request, limit: Option<TimeLimit>) -> Result<Box<dyn Work>> {
+        self.call_start(request, limit)
+    }
     fn all_reduce(&self, send: BufRef<'_>, recv: BufMut<'_>, op: ReduceOp) -> Result<()> {
-        self.call(Op::AllReduce { send, recv, op })
+        self.call(Op::AllReduce { send, recv, op }, None)
     }
     fn in_place_all_reduce(&self, buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
-        self.call(Op::AllReduceInPlace { buf, op })
+        self.call(Op::AllReduceInPlace { buf, op }, None)
     }
     fn broadcast(&self, buf: BufMut<'_>, root: usize) -> Result<()> {
-        self.call(Op::Broadcast { buf, root })
+        self.call(Op::Broadcast { buf, root }, None)
     }
     fn all_gather(&self, send: BufRef<'_>, recv: BufMut<'_>) -> Result<()> {
-        self.call(Op::AllGather { send, recv })
+        self.call(Op::AllGather { send, recv }, None)
     }
     fn reduce_scatter(&self, send: BufRef<'_>, recv: BufMut<'_>, op: ReduceOp) -> Result<()> {
-        self.call(Op::ReduceScatter { send, recv, op })
+        self.call(Op::ReduceScatter { send, recv, op }, None)
     }
     fn all_to_all(&self, send: BufRef<'_>, recv: BufMut<'_>) -> Result<()> {
-        self.call(Op::AllToAll { send, recv })
+        self.call(Op::AllToAll { send, recv }, None)
     }
     fn barrier(&self) -> Result<()> {
-        self.call(Op::Barrier)
+        self.call(Op::Barrier, None)
     }
     fn send(&self, buf: BufRef<'_>, peer: usize, tag: u32) -> Result<()> {
-        self.call(Op::Send { buf, peer, tag })
+        self.call(Op::Send { buf, peer, tag }, None)
     }
     fn recv(&self, buf: BufMut<'_>, peer: usize, tag: u32) -> Result<()> {
-        self.call(Op::Recv { buf, peer, tag })
+        self.call(Op::Recv { buf, peer, tag }, None)
     }
     fn batch_p2p(&self, ops: Vec<P2pOp<'_>>) -> Result<()> {
-        self.call(Op::Batch(ops))
+        self.call(Op::Batch(ops), None)
     }
     fn start(&self, request: Request) -> Result<Box<dyn Work>> {
-        self.call_start(request)
+        self.call_start(request, None)
     }
     fn synchronize(&self) -> Result<()> {
+        if self.life.is_stopped() {
+            return Err(self.refused("synchronize"));
+        }
         self.backend.check_live("synchronize")?;
         self.backend.synchronize()
     }
@@ -807,6 +983,10 @@ mod tests {
                 what: "nonblocking operations".into(),
             })
         }
+        fn default_time_limit(&self) -> TimeLimit {
+            TimeLimit::from_millis(100)
+        }
+        fn abort(&self) {}
     }
 
     #[test]

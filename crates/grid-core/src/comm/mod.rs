@@ -53,6 +53,7 @@ mod buffer;
 mod dtype;
 mod front;
 pub mod kernels;
+mod lifecycle;
 mod op;
 mod split;
 
@@ -62,6 +63,7 @@ pub use backend::Backend;
 pub use buffer::{BufMut, BufRef, DeviceBuffer, Memory, Tensor};
 pub use dtype::{DType, Element, HostBuffer, HostSlice, HostSliceMut, ReduceOp};
 pub use front::Comm;
+pub use lifecycle::{compact_ranks, Failure, OpSite, TimeLimit};
 pub use op::{Op, OwnedOp, P2pOp, Request, Validated};
 pub use split::{color_key_for, split_members, SplitEntry, SplitMembers};
 
@@ -159,6 +161,132 @@ pub trait Communicator: Send + Sync {
     fn synchronize(&self) -> Result<()> {
         Ok(())
     }
+
+    // ---- lifecycle (see the `lifecycle` section of the module docs) -------------------------
+
+    /// Aborts this communicator on this rank: non-blocking, thread-safe, idempotent. Every
+    /// operation blocked on it (blocking or nonblocking) and every later one returns
+    /// [`Error::Aborted`]. Local, like `ncclCommAbort`: the other ranks notice through their own
+    /// operations (a lost connection or their time limit). With `GRID_TRACE_DIR` set the first
+    /// abort dumps the operation log with reason `abort`.
+    fn abort(&self);
+    /// Why this communicator can no longer be used: `abort()` was called, or an operation
+    /// failed because communication failed ([`Error::Timeout`], [`Error::PeerFailed`],
+    /// [`Error::Aborted`]; the first such failure is kept). `None` while it is healthy.
+    fn failure(&self) -> Option<Failure>;
+    /// The time limit of this communicator's operations (chosen at creation from the
+    /// backend's configuration, or set by [`Communicator::set_time_limit`]).
+    fn time_limit(&self) -> TimeLimit;
+    /// Sets the default time limit of this communicator's later operations on this rank.
+    fn set_time_limit(&self, limit: TimeLimit);
+    /// Runs a blocking operation given as an [`Op`], with an optional time limit overriding
+    /// the communicator's default for this operation only (`None`: the default). The typed
+    /// methods ([`Communicator::all_reduce`], ...) are this with `None`;
+    /// [`CommunicatorExt::with_time_limit`] is this with `Some`.
+    fn call_op(&self, op: Op<'_>, limit: Option<TimeLimit>) -> Result<()>;
+    /// Starts a nonblocking operation with an optional per-operation time limit (see
+    /// [`Communicator::call_op`]).
+    fn start_op(&self, request: Request, limit: Option<TimeLimit>) -> Result<Box<dyn Work>>;
+}
+
+/// A communicator whose operations use one time limit instead of the communicator's default:
+/// made by [`CommunicatorExt::with_time_limit`]. Everything else (abort, failure, the default
+/// limit) is the underlying communicator's.
+///
+/// ```
+/// # use grid_core::*;
+/// # use std::time::Duration;
+/// # fn f(comm: &dyn Communicator) -> Result<()> {
+/// let mut grads = vec![1.0f32; 1024];
+/// // This all-reduce may wait 30 s; the communicator's other operations keep their default.
+/// comm.with_time_limit(Duration::from_secs(30))
+///     .all_reduce_in_place(&mut grads[..], ReduceOp::Sum)?;
+/// comm.with_time_limit(TimeLimit::Unlimited).barrier()?;
+/// # Ok(()) }
+/// ```
+pub struct Limited<'a, C: Communicator + ?Sized> {
+    comm: &'a C,
+    limit: TimeLimit,
+}
+
+impl<C: Communicator + ?Sized> Communicator for Limited<'_, C> {
+    fn backend(&self) -> &'static str {
+        self.comm.backend()
+    }
+    fn name(&self) -> &str {
+        self.comm.name()
+    }
+    fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+    fn size(&self) -> usize {
+        self.comm.size()
+    }
+    fn global_ranks(&self) -> &[usize] {
+        self.comm.global_ranks()
+    }
+    fn accepts(&self, memory: Memory) -> bool {
+        self.comm.accepts(memory)
+    }
+    fn supports(&self, dtype: DType, op: Option<ReduceOp>) -> bool {
+        self.comm.supports(dtype, op)
+    }
+    fn all_reduce(&self, send: BufRef<'_>, recv: BufMut<'_>, op: ReduceOp) -> Result<()> {
+        self.call_op(Op::AllReduce { send, recv, op }, None)
+    }
+    fn in_place_all_reduce(&self, buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
+        self.call_op(Op::AllReduceInPlace { buf, op }, None)
+    }
+    fn broadcast(&self, buf: BufMut<'_>, root: usize) -> Result<()> {
+        self.call_op(Op::Broadcast { buf, root }, None)
+    }
+    fn all_gather(&self, send: BufRef<'_>, recv: BufMut<'_>) -> Result<()> {
+        self.call_op(Op::AllGather { send, recv }, None)
+    }
+    fn reduce_scatter(&self, send: BufRef<'_>, recv: BufMut<'_>, op: ReduceOp) -> Result<()> {
+        self.call_op(Op::ReduceScatter { send, recv, op }, None)
+    }
+    fn all_to_all(&self, send: BufRef<'_>, recv: BufMut<'_>) -> Result<()> {
+        self.call_op(Op::AllToAll { send, recv }, None)
+    }
+    fn barrier(&self) -> Result<()> {
+        self.call_op(Op::Barrier, None)
+    }
+    fn send(&self, buf: BufRef<'_>, peer: usize, tag: u32) -> Result<()> {
+        self.call_op(Op::Send { buf, peer, tag }, None)
+    }
+    fn recv(&self, buf: BufMut<'_>, peer: usize, tag: u32) -> Result<()> {
+        self.call_op(Op::Recv { buf, peer, tag }, None)
+    }
+    fn batch_p2p(&self, ops: Vec<P2pOp<'_>>) -> Result<()> {
+        self.call_op(Op::Batch(ops), None)
+    }
+    fn start(&self, request: Request) -> Result<Box<dyn Work>> {
+        self.start_op(request, None)
+    }
+    fn synchronize(&self) -> Result<()> {
+        self.comm.synchronize()
+    }
+    fn abort(&self) {
+        self.comm.abort()
+    }
+    fn failure(&self) -> Option<Failure> {
+        self.comm.failure()
+    }
+    fn time_limit(&self) -> TimeLimit {
+        self.limit
+    }
+    fn set_time_limit(&self, limit: TimeLimit) {
+        self.comm.set_time_limit(limit)
+    }
+    /// Runs `op` with this view's limit, or with `limit` when one is given.
+    fn call_op(&self, op: Op<'_>, limit: Option<TimeLimit>) -> Result<()> {
+        self.comm.call_op(op, Some(limit.unwrap_or(self.limit)))
+    }
+    fn start_op(&self, request: Request, limit: Option<TimeLimit>) -> Result<Box<dyn Work>> {
+        self.comm
+            .start_op(request, Some(limit.unwrap_or(self.limit)))
+    }
 }
 
 /// Creates communicators for sub-groups of a parent communicator.
@@ -203,6 +331,14 @@ pub trait GroupFactory {
 /// # Ok(()) }
 /// ```
 pub trait CommunicatorExt: Communicator {
+    /// This communicator with another time limit for the operations called on the returned
+    /// view ([`Limited`]): a [`std::time::Duration`], or [`TimeLimit::Unlimited`].
+    fn with_time_limit(&self, limit: impl Into<TimeLimit>) -> Limited<'_, Self> {
+        Limited {
+            comm: self,
+            limit: limit.into(),
+        }
+    }
     /// Typed all-reduce.
     fn all_reduce_into<T: Element>(&self, send: &[T], recv: &mut [T], op: ReduceOp) -> Result<()> {
         self.all_reduce(T::host(send).into(), T::host_mut(recv).into(), op)

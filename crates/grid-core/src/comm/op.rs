@@ -2,6 +2,7 @@
 
 use super::buffer::{BufMut, BufRef, Tensor};
 use super::dtype::ReduceOp;
+use super::lifecycle::TimeLimit;
 
 /// One operation of a batched point-to-point exchange ([`super::Communicator::batch_p2p`]).
 #[derive(Debug)]
@@ -293,11 +294,18 @@ impl Op<'_> {
 pub struct Validated<T> {
     op: T,
     seq: u64,
+    limit: TimeLimit,
 }
 
 impl<T> Validated<T> {
-    pub(crate) fn new(op: T, seq: u64) -> Validated<T> {
-        Validated { op, seq }
+    pub(crate) fn new(op: T, seq: u64, limit: TimeLimit) -> Validated<T> {
+        Validated { op, seq, limit }
+    }
+    /// How long the operation may wait for its peers (the communicator's default or the
+    /// caller's override, [`super::CommunicatorExt::with_time_limit`]): past it the backend
+    /// returns [`crate::Error::Timeout`]. A backend measures it from when it starts waiting.
+    pub fn time_limit(&self) -> TimeLimit {
+        self.limit
     }
     /// The operation.
     pub fn op(&self) -> &T {
