@@ -736,6 +736,13 @@ void gloo_shim_context_free(gloo_shim_context* ctx) {
   }
 }
 
+void gloo_shim_context_abort(gloo_shim_context* ctx) {
+  try {
+    ctx->ctx->closeConnections();
+  } catch (...) {
+  }
+}
+
 int32_t gloo_shim_context_rank(const gloo_shim_context* ctx) {
   return ctx->ctx->rank;
 }

@@ -146,6 +146,12 @@ int32_t gloo_shim_context_connect(
     int32_t size, int64_t timeout_ms, int32_t remove_keys, gloo_shim_context** out,
     gloo_shim_status* st);
 void gloo_shim_context_free(gloo_shim_context* ctx);
+
+/* Closes every connection of the context (gloo::Context::closeConnections): operations of this
+ * rank blocked on it fail promptly with an I/O error, and the peers see the connections close.
+ * Thread-safe (each pair closes under its own lock); the context stays allocated and can only
+ * be freed. Never throws. */
+void gloo_shim_context_abort(gloo_shim_context* ctx);
 int32_t gloo_shim_context_rank(const gloo_shim_context* ctx);
 int32_t gloo_shim_context_size(const gloo_shim_context* ctx);
 

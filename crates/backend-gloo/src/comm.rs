@@ -85,6 +85,7 @@ impl std::fmt::Debug for GlooBackend {
 struct Job {
     ticket: u64,
     request: Request,
+    limit: Duration,
     done: Arc<Completion>,
 }
 
@@ -98,6 +99,15 @@ pub(crate) struct Inner {
     seq: Sequencer,
     failure: Mutex<Option<String>>,
     splits: AtomicU64,
+}
+
+/// What Gloo is given for "no limit": 30 years, far beyond any job, and small enough that
+/// Gloo's `steady_clock::now() + timeout` cannot overflow its nanosecond count.
+const NO_LIMIT: Duration = Duration::from_secs(30 * 365 * 24 * 3600);
+
+/// The time limit of one operation as Gloo takes it.
+fn op_limit(limit: grid_core::TimeLimit) -> Duration {
+    limit.duration().unwrap_or(NO_LIMIT).min(NO_LIMIT)
 }
 
 fn raw_op(op: ReduceOp) -> RawOp {
@@ -213,6 +223,11 @@ impl Inner {
     /// [`Error::Timeout`], and every other failure [`Error::Library`] with the operation, this
     /// communicator's name, the shim's status code and the class of the C++ exception.
     fn fail(&self, op: &'static str, e: ShimError) -> Error {
+        self.fail_after(op, e, self.timeout)
+    }
+
+    /// [`Inner::fail`] for an operation whose time limit was `limit`.
+    fn fail_after(&self, op: &'static str, e: ShimError, limit: Duration) -> Error {
         if e.code != ShimCode::Invalid {
             let mut f = self.failure.lock().unwrap_or_else(|p| p.into_inner());
             if f.is_none() {
@@ -220,7 +235,7 @@ impl Inner {
             }
             tracing::warn!(communicator = %self.name, op, code = ?e.code, peer = ?e.peer, message = %e.message, "gloo operation failed");
         }
-        to_error(op, e, &self.name, &self.global_ranks, self.timeout)
+        to_error(op, e, &self.name, &self.global_ranks, limit)
     }
 
     /// A failure of this crate's own machinery (a thread that cannot start, a panic), as
@@ -240,6 +255,7 @@ impl Inner {
         mut recv: HostSliceMut<'_>,
         op: ReduceOp,
         tag: u32,
+        limit: Duration,
     ) -> Result<()> {
         const OP: &str = "all_reduce";
         self.alive(OP)?;
@@ -248,49 +264,53 @@ impl Inner {
             // the staging, and the wide buffer is reduced in place.
             let mut wide = wide;
             self.ctx
-                .allreduce_in_place(
-                    wide.as_mut_slice(),
-                    RawOp::Sum,
-                    self.allreduce,
-                    tag,
-                    self.timeout,
-                )
-                .map_err(|e| self.fail(OP, e))?;
+                .allreduce_in_place(wide.as_mut_slice(), RawOp::Sum, self.allreduce, tag, limit)
+                .map_err(|e| self.fail_after(OP, e, limit))?;
             kernels::divide(wide.as_mut_slice(), self.size());
             return narrow(OP, wide.as_slice(), recv);
         }
         let raw = raw_op(op);
         let r = match send {
-            Some(s) => {
-                self.ctx
-                    .allreduce(s, recv.reborrow(), raw, self.allreduce, tag, self.timeout)
-            }
-            None => {
-                self.ctx
-                    .allreduce_in_place(recv.reborrow(), raw, self.allreduce, tag, self.timeout)
-            }
+            Some(s) => self
+                .ctx
+                .allreduce(s, recv.reborrow(), raw, self.allreduce, tag, limit),
+            None => self
+                .ctx
+                .allreduce_in_place(recv.reborrow(), raw, self.allreduce, tag, limit),
         };
-        r.map_err(|e| self.fail(OP, e))?;
+        r.map_err(|e| self.fail_after(OP, e, limit))?;
         if op == ReduceOp::Avg {
             kernels::divide(recv, self.size());
         }
         Ok(())
     }
 
-    fn broadcast(&self, buf: HostSliceMut<'_>, root: usize, tag: u32) -> Result<()> {
+    fn broadcast(
+        &self,
+        buf: HostSliceMut<'_>,
+        root: usize,
+        tag: u32,
+        limit: Duration,
+    ) -> Result<()> {
         const OP: &str = "broadcast";
         self.alive(OP)?;
         self.ctx
-            .broadcast(buf, root, tag, self.timeout)
-            .map_err(|e| self.fail(OP, e))
+            .broadcast(buf, root, tag, limit)
+            .map_err(|e| self.fail_after(OP, e, limit))
     }
 
-    fn all_gather(&self, send: HostSlice<'_>, recv: HostSliceMut<'_>, tag: u32) -> Result<()> {
+    fn all_gather(
+        &self,
+        send: HostSlice<'_>,
+        recv: HostSliceMut<'_>,
+        tag: u32,
+        limit: Duration,
+    ) -> Result<()> {
         const OP: &str = "all_gather";
         self.alive(OP)?;
         self.ctx
-            .allgather(send, recv, tag, self.timeout)
-            .map_err(|e| self.fail(OP, e))
+            .allgather(send, recv, tag, limit)
+            .map_err(|e| self.fail_after(OP, e, limit))
     }
 
     fn reduce_scatter(
@@ -299,6 +319,7 @@ impl Inner {
         mut recv: HostSliceMut<'_>,
         op: ReduceOp,
         tag: u32,
+        limit: Duration,
     ) -> Result<()> {
         const OP: &str = "reduce_scatter";
         self.alive(OP)?;
@@ -312,9 +333,9 @@ impl Inner {
                     RawOp::Sum,
                     self.reduce_scatter,
                     tag,
-                    self.timeout,
+                    limit,
                 )
-                .map_err(|e| self.fail(OP, e))?;
+                .map_err(|e| self.fail_after(OP, e, limit))?;
             kernels::divide(block.as_mut_slice(), self.size());
             return narrow(OP, block.as_slice(), recv);
         }
@@ -325,33 +346,39 @@ impl Inner {
                 raw_op(op),
                 self.reduce_scatter,
                 tag,
-                self.timeout,
+                limit,
             )
-            .map_err(|e| self.fail(OP, e))?;
+            .map_err(|e| self.fail_after(OP, e, limit))?;
         if op == ReduceOp::Avg {
             kernels::divide(recv, self.size());
         }
         Ok(())
     }
 
-    fn all_to_all(&self, send: HostSlice<'_>, recv: HostSliceMut<'_>, tag: u32) -> Result<()> {
+    fn all_to_all(
+        &self,
+        send: HostSlice<'_>,
+        recv: HostSliceMut<'_>,
+        tag: u32,
+        limit: Duration,
+    ) -> Result<()> {
         const OP: &str = "all_to_all";
         self.alive(OP)?;
         self.ctx
-            .alltoall(send, recv, tag, self.timeout)
-            .map_err(|e| self.fail(OP, e))
+            .alltoall(send, recv, tag, limit)
+            .map_err(|e| self.fail_after(OP, e, limit))
     }
 
-    fn barrier(&self, tag: u32) -> Result<()> {
+    fn barrier(&self, tag: u32, limit: Duration) -> Result<()> {
         const OP: &str = "barrier";
         self.alive(OP)?;
         self.ctx
-            .barrier(tag, self.timeout)
-            .map_err(|e| self.fail(OP, e))
+            .barrier(tag, limit)
+            .map_err(|e| self.fail_after(OP, e, limit))
     }
 
     /// Runs a nonblocking collective (on the worker, its turn held) and returns its result buffer.
-    fn exec(&self, request: Request, tag: u32) -> Result<Tensor> {
+    fn exec(&self, request: Request, tag: u32, limit: Duration) -> Result<Tensor> {
         let op = request.name();
         // Host memory: the front end accepted nothing else, so this cannot fail.
         fn h<'t>(op: &'static str, t: &'t mut Tensor) -> Result<HostSliceMut<'t>> {
@@ -359,7 +386,7 @@ impl Inner {
         }
         match request {
             Request::AllReduce { mut buf, op: r } => {
-                self.all_reduce(None, h(op, &mut buf)?, r, tag)?;
+                self.all_reduce(None, h(op, &mut buf)?, r, tag, limit)?;
                 Ok(buf)
             }
             Request::AllReduceInto {
@@ -372,15 +399,16 @@ impl Inner {
                     h(op, &mut recv)?,
                     r,
                     tag,
+                    limit,
                 )?;
                 Ok(recv)
             }
             Request::Broadcast { mut buf, root } => {
-                self.broadcast(h(op, &mut buf)?, root, tag)?;
+                self.broadcast(h(op, &mut buf)?, root, tag, limit)?;
                 Ok(buf)
             }
             Request::AllGather { mut send, mut recv } => {
-                self.all_gather(h(op, &mut send)?.as_slice(), h(op, &mut recv)?, tag)?;
+                self.all_gather(h(op, &mut send)?.as_slice(), h(op, &mut recv)?, tag, limit)?;
                 Ok(recv)
             }
             Request::ReduceScatter {
@@ -388,15 +416,21 @@ impl Inner {
                 mut recv,
                 op: r,
             } => {
-                self.reduce_scatter(h(op, &mut send)?.as_slice(), h(op, &mut recv)?, r, tag)?;
+                self.reduce_scatter(
+                    h(op, &mut send)?.as_slice(),
+                    h(op, &mut recv)?,
+                    r,
+                    tag,
+                    limit,
+                )?;
                 Ok(recv)
             }
             Request::AllToAll { mut send, mut recv } => {
-                self.all_to_all(h(op, &mut send)?.as_slice(), h(op, &mut recv)?, tag)?;
+                self.all_to_all(h(op, &mut send)?.as_slice(), h(op, &mut recv)?, tag, limit)?;
                 Ok(recv)
             }
             Request::Barrier => {
-                self.barrier(tag)?;
+                self.barrier(tag, limit)?;
                 Ok(Tensor::Host(HostBuffer::zeros(DType::U8, 0)))
             }
             Request::Send { .. } | Request::Recv { .. } => Err(self.internal(
@@ -407,11 +441,11 @@ impl Inner {
     }
 
     /// Blocking point-to-point operations, posted together and waited for within the timeout.
-    fn p2p(&self, op: &'static str, ops: &mut [RawP2p<'_>]) -> Result<()> {
+    fn p2p(&self, op: &'static str, ops: &mut [RawP2p<'_>], limit: Duration) -> Result<()> {
         self.alive(op)?;
         self.ctx
-            .p2p(ops, self.timeout)
-            .map_err(|e| self.fail(op, e))
+            .p2p(ops, limit)
+            .map_err(|e| self.fail_after(op, e, limit))
     }
 }
 
@@ -420,7 +454,7 @@ fn worker_loop(inner: Arc<Inner>, rx: Receiver<Job>) {
         let turn = inner.seq.turn(job.ticket);
         let tag = turn.tag();
         let op = job.request.name();
-        let r = catch_unwind(AssertUnwindSafe(|| inner.exec(job.request, tag)));
+        let r = catch_unwind(AssertUnwindSafe(|| inner.exec(job.request, tag, job.limit)));
         // Complete before releasing the turn, so that `synchronize` (which waits for the turns)
         // sees every earlier operation completed.
         job.done.complete(r.unwrap_or_else(|p| {
@@ -562,6 +596,7 @@ impl GlooBackend {
         peer: usize,
         tag: u32,
         is_recv: bool,
+        limit: Duration,
     ) -> Result<Box<dyn Work>> {
         let host = buf.host_only(op, BACKEND)?;
         let pending = self
@@ -572,12 +607,14 @@ impl GlooBackend {
         let done = Completion::new();
         let d = done.clone();
         let inner = self.inner.clone();
-        let timeout = self.inner.timeout;
         std::thread::Builder::new()
             .name(format!("gloo-{op}"))
             .spawn(move || {
-                let (r, data) = pending.wait(timeout);
-                d.complete(r.map(|_| Tensor::Host(data)).map_err(|e| inner.fail(op, e)));
+                let (r, data) = pending.wait(limit);
+                d.complete(
+                    r.map(|_| Tensor::Host(data))
+                        .map_err(|e| inner.fail_after(op, e, limit)),
+                );
             })
             .map_err(|e| {
                 self.inner.internal(
@@ -590,7 +627,7 @@ impl GlooBackend {
 
     /// A batch: messages of this rank to itself are matched here, in order, by tag (Gloo has
     /// no self-connection); the others go to Gloo together.
-    fn batch(&self, ops: Vec<P2pOp<'_>>) -> Result<()> {
+    fn batch(&self, ops: Vec<P2pOp<'_>>, limit: Duration) -> Result<()> {
         const OP: &str = "batch_p2p";
         let me = self.inner.rank();
         let mut remote = Vec::with_capacity(ops.len());
@@ -641,7 +678,7 @@ impl GlooBackend {
         if remote.is_empty() {
             return Ok(());
         }
-        self.inner.p2p(OP, &mut remote)
+        self.inner.p2p(OP, &mut remote, limit)
     }
 }
 
@@ -676,67 +713,74 @@ impl Backend for GlooBackend {
     fn default_time_limit(&self) -> grid_core::TimeLimit {
         grid_core::TimeLimit::After(self.timeout())
     }
+    /// Marks the context aborted and closes its connections, so that an operation of this rank
+    /// blocked in Gloo fails promptly (and the peers see the connections close).
     fn abort(&self) {
-        GlooBackend::abort(self)
+        GlooBackend::abort(self);
+        self.inner.ctx.close_connections();
     }
 
     fn run(&self, op: Validated<Op<'_>>) -> Result<()> {
         let inner = &*self.inner;
+        let limit = op_limit(op.time_limit());
         match op.into_op() {
             Op::AllReduce { send, recv, op } => {
                 const OP: &str = "all_reduce";
                 let (send, recv) = (send.host_only(OP, BACKEND)?, recv.host_only(OP, BACKEND)?);
                 let turn = inner.seq.enter();
-                inner.all_reduce(Some(send), recv, op, turn.tag())
+                inner.all_reduce(Some(send), recv, op, turn.tag(), limit)
             }
             Op::AllReduceInPlace { buf, op } => {
                 let buf = buf.host_only("all_reduce", BACKEND)?;
                 let turn = inner.seq.enter();
-                inner.all_reduce(None, buf, op, turn.tag())
+                inner.all_reduce(None, buf, op, turn.tag(), limit)
             }
             Op::Broadcast { buf, root } => {
                 let buf = buf.host_only("broadcast", BACKEND)?;
                 let turn = inner.seq.enter();
-                inner.broadcast(buf, root, turn.tag())
+                inner.broadcast(buf, root, turn.tag(), limit)
             }
             Op::AllGather { send, recv } => {
                 const OP: &str = "all_gather";
                 let (send, recv) = (send.host_only(OP, BACKEND)?, recv.host_only(OP, BACKEND)?);
                 let turn = inner.seq.enter();
-                inner.all_gather(send, recv, turn.tag())
+                inner.all_gather(send, recv, turn.tag(), limit)
             }
             Op::ReduceScatter { send, recv, op } => {
                 const OP: &str = "reduce_scatter";
                 let (send, recv) = (send.host_only(OP, BACKEND)?, recv.host_only(OP, BACKEND)?);
                 let turn = inner.seq.enter();
-                inner.reduce_scatter(send, recv, op, turn.tag())
+                inner.reduce_scatter(send, recv, op, turn.tag(), limit)
             }
             Op::AllToAll { send, recv } => {
                 const OP: &str = "all_to_all";
                 let (send, recv) = (send.host_only(OP, BACKEND)?, recv.host_only(OP, BACKEND)?);
                 let turn = inner.seq.enter();
-                inner.all_to_all(send, recv, turn.tag())
+                inner.all_to_all(send, recv, turn.tag(), limit)
             }
             Op::Barrier => {
                 let turn = inner.seq.enter();
-                inner.barrier(turn.tag())
+                inner.barrier(turn.tag(), limit)
             }
             Op::Send { buf, peer, tag } => {
                 let data = buf.host_only("send", BACKEND)?;
-                inner.p2p("send", &mut [RawP2p::Send { data, peer, tag }])
+                inner.p2p("send", &mut [RawP2p::Send { data, peer, tag }], limit)
             }
             Op::Recv { buf, peer, tag } => {
                 let data = buf.host_only("recv", BACKEND)?;
-                inner.p2p("recv", &mut [RawP2p::Recv { data, peer, tag }])
+                inner.p2p("recv", &mut [RawP2p::Recv { data, peer, tag }], limit)
             }
-            Op::Batch(ops) => self.batch(ops),
+            Op::Batch(ops) => self.batch(ops, limit),
         }
     }
 
     fn start(&self, request: Validated<Request>) -> Result<Box<dyn Work>> {
+        let limit = op_limit(request.time_limit());
         match request.into_op() {
-            Request::Send { buf, peer, tag } => self.start_p2p("send", buf, peer, tag, false),
-            Request::Recv { buf, peer, tag } => self.start_p2p("recv", buf, peer, tag, true),
+            Request::Send { buf, peer, tag } => {
+                self.start_p2p("send", buf, peer, tag, false, limit)
+            }
+            Request::Recv { buf, peer, tag } => self.start_p2p("recv", buf, peer, tag, true, limit),
             request => {
                 let op = request.name();
                 let done = Completion::new();
@@ -747,6 +791,7 @@ impl Backend for GlooBackend {
                     tx.send(Job {
                         ticket,
                         request,
+                        limit,
                         done: d,
                     })
                     .map_err(|_| worker_gone(op, &inner.name))

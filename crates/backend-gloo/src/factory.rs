@@ -8,8 +8,8 @@ use crate::ffi::{
     ShimError,
 };
 use grid_core::{
-    split_members, Backend, Comm, Communicator, CommunicatorExt, Error, GroupFactory, LibraryError,
-    Result, SplitEntry,
+    split_members, Comm, Communicator, CommunicatorExt, Error, GroupFactory, LibraryError, Result,
+    SplitEntry,
 };
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -530,7 +530,7 @@ impl GroupFactory for GlooFactory {
         key: usize,
     ) -> Result<Option<GlooCommunicator>> {
         const OP: &str = "split";
-        parent.check_live(OP)?;
+        parent.ensure_usable(OP)?;
         let seq = parent.next_split();
         let me = parent.rank();
         // Colour, key and world rank of every parent rank (grid-core's split arithmetic).

@@ -682,6 +682,15 @@ fn bytes_of(s: &HostSlice<'_>) -> usize {
 }
 
 impl RawContext {
+    /// Closes every connection of the context: operations of this rank blocked on it fail
+    /// promptly (an I/O error), the peers see the connections close. Callable from any thread
+    /// while operations run; afterwards the context can only fail or be dropped.
+    pub fn close_connections(&self) {
+        // SAFETY: live handle (owned by self); the shim catches every exception and Gloo closes
+        // each pair under the pair's own lock, so concurrent operations see a closed pair.
+        unsafe { sys::gloo_shim_context_abort(self.ptr.as_ptr()) }
+    }
+
     /// Rendezvous of `size` ranks under `prefix` in `store` and full-mesh connection on `device`.
     /// Every wait and, later, every operation is bounded by `timeout`. With `remove_keys`, the
     /// keys this rank set are removed from the store once the rendezvous completed on every

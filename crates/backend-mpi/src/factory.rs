@@ -2,7 +2,7 @@
 
 use crate::comm::{MpiBackend, MpiCommunicator};
 use grid_core::comm::check;
-use grid_core::{Backend, Communicator, Error, GroupFactory, Result};
+use grid_core::{Communicator, Error, GroupFactory, Result};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// Creates MPI communicators for sub-groups. Stateless apart from counters of the collective
@@ -79,7 +79,7 @@ impl GroupFactory for MpiFactory {
         key: usize,
     ) -> Result<Option<MpiCommunicator>> {
         const OP: &str = "split";
-        parent.check_live(OP)?;
+        parent.ensure_usable(OP)?;
         if let Some(c) = color {
             if c > i32::MAX as u32 {
                 return Err(Error::Invalid(format!("split: colour {c} exceeds the MPI limit {} (colours must be non-negative ints)", i32::MAX)));
@@ -113,7 +113,7 @@ impl GroupFactory for MpiFactory {
         ranks: &[usize],
     ) -> Result<Option<MpiCommunicator>> {
         const OP: &str = "create_group";
-        parent.check_live(OP)?;
+        parent.ensure_usable(OP)?;
         let sorted = check::group_members(OP, ranks, parent.size())?;
         let _s = tracing::debug_span!(
             "mpi.create_group",

@@ -10,7 +10,7 @@ use crate::probe;
 use crate::split::{nccl_color, nccl_key};
 use cudarc::driver::CudaContext;
 use grid_core::{
-    split_members, Backend, BufMut, BufRef, Communicator, Error, GroupFactory, Result, SplitEntry,
+    split_members, BufMut, BufRef, Communicator, Error, GroupFactory, Result, SplitEntry,
 };
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -181,7 +181,7 @@ impl GroupFactory for NcclFactory {
         key: usize,
     ) -> Result<Option<NcclCommunicator>> {
         const OP: &str = "split";
-        Backend::check_live(parent.inner(), OP)?;
+        parent.ensure_usable(OP)?;
         let c = nccl_color(color)?;
         let k = nccl_key(key)?;
         if self.version < MIN_SPLIT_VERSION {

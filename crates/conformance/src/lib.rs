@@ -19,7 +19,9 @@
 //! plus the error cases (typed, with the numbers: `LengthMismatch { expected, actual }`, ...):
 //! mismatched lengths, mismatched dtypes, roots and peers out of range,
 //! unsupported dtypes or memory, calls on a finished communicator (when the backend exposes a
-//! finish operation, see [`Options::finish`]), and a plan mismatch across ranks
+//! finish operation, see [`Options::finish`]), the lifecycle on every backend (the default
+//! time limit and its per-operation override, `abort()` from another thread unblocking a stuck
+//! receive, `Error::Aborted` for every later call, `failure()`), and a plan mismatch across ranks
 //! (`build_collection` must fail with [`grid_core::Error::PlanMismatch`] on every rank).
 //!
 //! # How to call it
@@ -32,7 +34,7 @@
 //! }
 //! # }
 //! ```
-//! A backend with a finish/abort operation passes it through [`Options`]:
+//! A backend with a finish operation passes it through [`Options`]:
 //! ```no_run
 //! # fn demo<F: grid_core::GroupFactory>(factory: &F, world: &F::Comm, finish: fn(&F::Comm)) where F::Comm: 'static {
 //! let opts = grid_conformance::Options { finish: Some(Box::new(finish)), ..Default::default() };
@@ -67,6 +69,7 @@ mod ctx;
 mod errors;
 mod finish;
 mod layouts;
+mod lifecycle;
 mod nonblocking;
 mod subgroups;
 mod values;
@@ -77,6 +80,7 @@ use errors::errors;
 use finish::finished;
 use grid_core::{Communicator, GroupFactory, LayoutConfig};
 use layouts::{layout, plan_mismatch};
+use lifecycle::lifecycle;
 use nonblocking::nonblocking;
 use std::fmt;
 use subgroups::subgroups;
@@ -256,7 +260,7 @@ pub fn run_all<F: GroupFactory>(factory: &F, world: &F::Comm) -> Result<Report, 
 /// Runs every section: `parent` (every operation, dtype and reduction, nonblocking forms,
 /// error cases), `subgroups` (split by parity, split with a non-member, create_group of the
 /// first and last rank, each with the operation sweep), `finish` (if [`Options::finish`]),
-/// `layouts` (every family of each layout through `build_collection`) and `plan_mismatch`.
+/// `lifecycle` (time limits, `abort()`, `failure()`), `layouts` (every family of each layout through `build_collection`) and `plan_mismatch`.
 ///
 /// ```no_run
 /// # fn demo<F: grid_core::GroupFactory>(factory: &F, world: &F::Comm) {
@@ -305,6 +309,10 @@ pub fn run_with<F: GroupFactory>(
         ),
     }
     ctx.agree(parent, "finish")?;
+
+    // 3b. Lifecycle: time limits and abort, on every backend.
+    lifecycle(&mut ctx, factory, world);
+    ctx.agree(parent, "lifecycle")?;
 
     // 4. Layouts.
     let layouts = opts
