@@ -192,6 +192,8 @@ impl Outcome {
 
 /// What a fault does (the `KIND` of `--fault RANK:KIND@ITER`). Every rank is given the same
 /// `--fault`; rank `RANK` is the faulty one, at iteration `ITER` (0 for the first all-reduce).
+/// Where every rank does something else at that iteration (`root`, `long-send`), that
+/// operation stands for the iteration's all-reduce, in `completed` too.
 ///
 /// | kind | what happens at iteration `ITER` |
 /// |---|---|
