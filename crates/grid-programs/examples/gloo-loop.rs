@@ -116,6 +116,13 @@ fn parse_args() -> Result<Args, String> {
             "--rank, --world-size and --store are required; {USAGE}"
         ));
     };
+    if let Some(f) = options.fault.filter(|f| f.rank >= world_size) {
+        return Err(format!(
+            "--fault {f}: rank {} is outside the world of --world-size {world_size} (valid: 0..={})",
+            f.rank,
+            world_size - 1
+        ));
+    }
     if rank >= world_size {
         return Err(format!(
             "--rank {rank}: outside the world of --world-size {world_size} (valid: 0..={})",
