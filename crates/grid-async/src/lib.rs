@@ -80,7 +80,9 @@ pub mod completion;
 pub use completion::{completion_threads, Completion};
 
 use async_trait::async_trait;
-use grid_core::{Communicator, Element, Error, HostBuffer, ReduceOp, Request, Result, Tensor};
+use grid_core::{
+    Communicator, Element, Error, Failure, HostBuffer, ReduceOp, Request, Result, Tensor, TimeLimit,
+};
 use std::future::Future;
 use std::marker::PhantomData;
 use std::pin::Pin;
@@ -120,6 +122,19 @@ pub trait AsyncCommunicator: Send + Sync {
     /// the in-place buffer for all-reduce, broadcast and receive, `recv` for the two-buffer
     /// collectives, the sent buffer for a send, an empty buffer for the barrier).
     async fn run(&self, request: Request) -> Result<Tensor>;
+    /// [`AsyncCommunicator::run`] with a time limit for this operation only, instead of the
+    /// communicator's default ([`grid_core::Communicator::call_op`]).
+    async fn run_limited(&self, request: Request, limit: TimeLimit) -> Result<Tensor>;
+
+    /// Aborts the communicator on this rank ([`grid_core::Communicator::abort`]): every pending
+    /// future resolves to `Error::Aborted`, and so does every later operation.
+    fn abort(&self);
+    /// Why the communicator can no longer be used ([`grid_core::Communicator::failure`]).
+    fn failure(&self) -> Option<Failure>;
+    /// The default time limit of its operations ([`grid_core::Communicator::time_limit`]).
+    fn time_limit(&self) -> TimeLimit;
+    /// Sets that default ([`grid_core::Communicator::set_time_limit`]).
+    fn set_time_limit(&self, limit: TimeLimit);
 
     /// All-reduce of `buf` over all ranks, in place; resolves to the reduced buffer.
     fn all_reduce(&self, buf: Tensor, op: ReduceOp) -> OpFuture<'_, Tensor> {
@@ -289,8 +304,14 @@ impl<C: Communicator + ?Sized> AsyncComm<C> {
     /// Starts `request` now and returns the `'static` future of its result (what
     /// [`AsyncCommunicator::run`] returns, unboxed: it can be spawned as a task of its own).
     pub fn start(&self, request: Request) -> Completion {
+        self.start_limited(request, None)
+    }
+
+    /// [`AsyncComm::start`] with a time limit for this operation (`None`: the communicator's
+    /// default).
+    pub fn start_limited(&self, request: Request, limit: Option<TimeLimit>) -> Completion {
         let op = request.name();
-        match self.comm.start(request) {
+        match self.comm.start_op(request, limit) {
             Ok(work) => Completion::spawn(op, work),
             Err(e) => Completion::ready(op, Err(e)),
         }
@@ -328,5 +349,28 @@ impl<C: Communicator + ?Sized> AsyncCommunicator for AsyncComm<C> {
         Self: 'async_trait,
     {
         Box::pin(self.start(request))
+    }
+    fn run_limited<'life0, 'async_trait>(
+        &'life0 self,
+        request: Request,
+        limit: TimeLimit,
+    ) -> OpFuture<'async_trait, Tensor>
+    where
+        'life0: 'async_trait,
+        Self: 'async_trait,
+    {
+        Box::pin(self.start_limited(request, Some(limit)))
+    }
+    fn abort(&self) {
+        self.comm.abort()
+    }
+    fn failure(&self) -> Option<Failure> {
+        self.comm.failure()
+    }
+    fn time_limit(&self) -> TimeLimit {
+        self.comm.time_limit()
+    }
+    fn set_time_limit(&self, limit: TimeLimit) {
+        self.comm.set_time_limit(limit)
     }
 }

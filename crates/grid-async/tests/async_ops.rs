@@ -3,7 +3,7 @@
 
 use backend_local::{LocalConfig, LocalFactory};
 use grid_async::{AsyncComm, AsyncCommunicator, AsyncCommunicatorExt, Completion};
-use grid_core::{Communicator, DType, Error, ReduceOp, Request, Tensor};
+use grid_core::{Communicator, DType, Error, HostBuffer, ReduceOp, Request, Tensor, TimeLimit};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -212,4 +212,60 @@ fn start_returns_a_static_future_that_can_be_spawned() {
     })
     .unwrap_or_else(|e| panic!("a rank failed: {e}"));
     assert_eq!(out, vec![vec![2], vec![2]]);
+}
+
+#[test]
+fn abort_from_another_task_and_a_per_operation_limit_resolve_pending_futures() {
+    // The default limit is long: the receives below end early only because of the per-operation
+    // limit and the abort.
+    let config = LocalConfig {
+        timeout: Duration::from_secs(60),
+        ..LocalConfig::default()
+    };
+    let out = ranks(2, config, |c| async move {
+        assert_eq!(c.time_limit(), TimeLimit::After(Duration::from_secs(60)));
+        if c.rank() == 0 {
+            // Rank 1 never sends. A 200 ms limit for this receive only.
+            let t0 = Instant::now();
+            let buf = Tensor::Host(HostBuffer::zeros(DType::I32, 1));
+            let r = c
+                .run_limited(
+                    Request::Recv {
+                        buf,
+                        peer: 1,
+                        tag: 7,
+                    },
+                    TimeLimit::After(Duration::from_millis(200)),
+                )
+                .await;
+            let took = t0.elapsed();
+            assert!(
+                matches!(r, Err(Error::Timeout { millis: 200, .. })),
+                "{r:?}"
+            );
+            assert!(took < Duration::from_secs(3), "{took:?}");
+            assert!(c.failure().is_some_and(|f| f.op == "recv" && !f.aborted));
+            Ok(true)
+        } else {
+            // A receive nobody sends to, aborted from another task after 200 ms.
+            let aborter = {
+                let c = Arc::clone(&c);
+                tokio::spawn(async move {
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                    c.abort();
+                })
+            };
+            let t0 = Instant::now();
+            let r = c.recv_vec::<i32>(1, 0, 8).await;
+            let took = t0.elapsed();
+            aborter.await.map_err(|e| Error::Invalid(e.to_string()))?;
+            assert!(matches!(r, Err(Error::Aborted { .. })), "{r:?}");
+            assert!(took < Duration::from_secs(3), "{took:?}");
+            assert!(c.failure().is_some_and(|f| f.aborted));
+            let later = c.barrier().await;
+            assert!(matches!(later, Err(Error::Aborted { .. })), "{later:?}");
+            Ok(true)
+        }
+    });
+    assert_eq!(out, vec![true, true]);
 }
