@@ -98,6 +98,8 @@ pub(crate) struct Inner {
     seq: Sequencer,
     failure: Mutex<Option<String>>,
     splits: AtomicU64,
+    /// Failure records and blame (`crate::blame`); touched only after a failure.
+    blame: Option<crate::blame::Blame>,
 }
 
 fn raw_op(op: ReduceOp) -> RawOp {
@@ -218,7 +220,14 @@ impl Inner {
             }
             tracing::warn!(communicator = %self.name, op, code = ?e.code, peer = ?e.peer, message = %e.message, "gloo operation failed");
         }
-        to_error(op, e, &self.name, &self.global_ranks, self.timeout)
+        match &self.blame {
+            // The rank that failed first, found through the failure records in the store.
+            Some(b) => {
+                let err = to_error(op, e.clone(), &self.name, &self.global_ranks, self.timeout);
+                b.apply(op, &e, err)
+            }
+            None => to_error(op, e, &self.name, &self.global_ranks, self.timeout),
+        }
     }
 
     /// A failure of this crate's own machinery (a thread that cannot start, a panic), as
@@ -451,9 +460,19 @@ impl GlooBackend {
                 seq: Sequencer::default(),
                 failure: Mutex::new(None),
                 splits: AtomicU64::new(0),
+                blame: None,
             }),
             worker: Mutex::new(None),
         }
+    }
+
+    /// Makes failures of this communicator write failure records and blame the rank that
+    /// failed first (`crate::blame`). Called by the factory right after [`GlooBackend::new`].
+    pub(crate) fn with_blame(mut self, blame: crate::blame::Blame) -> GlooBackend {
+        if let Some(inner) = Arc::get_mut(&mut self.inner) {
+            inner.blame = Some(blame);
+        }
+        self
     }
 
     /// The time limit of every operation (and of the rendezvous that created it).

@@ -39,6 +39,7 @@
 // Every `unsafe` block lives in the FFI module `ffi`, next to the invariant it relies on.
 #![deny(unsafe_code)]
 
+mod blame;
 mod comm;
 mod exec;
 mod factory;
