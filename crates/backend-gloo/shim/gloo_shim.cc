@@ -930,6 +930,9 @@ std::shared_ptr<gloo::rendezvous::Context> connect_mesh(
 
   auto ctx = std::make_shared<MeshContext>(rank, size);
   ctx->setTimeout(timeout);
+  // Declared outside the try block: a failing rank announces its failure (in the handlers
+  // below) before its connections close, so a peer that sees them close finds the cause.
+  std::shared_ptr<gloo::transport::Context> tc;
   try {
     // B. pairs, and this rank's addresses
     int local_rank = 0;
@@ -939,7 +942,7 @@ std::shared_ptr<gloo::rendezvous::Context> connect_mesh(
         local_rank++;
       }
     }
-    auto tc = device->device->createContext(rank, size);
+    tc = device->device->createContext(rank, size);
     tc->setTimeout(timeout);
     std::vector<std::vector<char>> mine(static_cast<size_t>(size));
     std::vector<char> all;
@@ -976,6 +979,8 @@ std::shared_ptr<gloo::rendezvous::Context> connect_mesh(
       try {
         tc->getPair(i)->connect(theirs[i]);
       } catch (const std::exception& e) {
+        // A peer that failed first (and announced it) closes its sockets: relay its cause.
+        rdv.check_failed();
         throw RdvError(
             GLOO_SHIM_IO, i,
             "cannot connect to rank " + std::to_string(i) +
@@ -995,6 +1000,7 @@ std::shared_ptr<gloo::rendezvous::Context> connect_mesh(
       try {
         tc->getPair(i)->connect(theirs[i]);
       } catch (const std::exception& e) {
+        rdv.check_failed();
         throw RdvError(
             GLOO_SHIM_IO, i,
             "the connection from rank " + std::to_string(i) + " failed: " + e.what());
@@ -1024,6 +1030,7 @@ std::shared_ptr<gloo::rendezvous::Context> connect_mesh(
                   rank_list(miss) + " never completed their connections (died or stopped during the rendezvous)");
         }
       }
+      rdv.check_failed();
       gloo_shim_status st{};
       st.code = code;
       st.peer = -1;
@@ -1245,6 +1252,24 @@ int32_t gloo_shim_context_connect(
     return rdv_code;
   }
   return rc;
+}
+
+void gloo_shim_context_close(gloo_shim_context* ctx) {
+  if (ctx == nullptr || !ctx->ctx) {
+    return;
+  }
+  for (int i = 0; i < ctx->ctx->size; i++) {
+    if (i == ctx->ctx->rank) {
+      continue;
+    }
+    try {
+      auto& pair = ctx->ctx->getPair(i);
+      if (pair) {
+        pair->close();
+      }
+    } catch (...) {
+    }
+  }
 }
 
 void gloo_shim_context_free(gloo_shim_context* ctx) {

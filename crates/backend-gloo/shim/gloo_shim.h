@@ -160,6 +160,10 @@ int32_t gloo_shim_context_connect(
     int32_t size, int64_t timeout_ms, int32_t remove_keys, gloo_shim_context** out,
     gloo_shim_status* st);
 void gloo_shim_context_free(gloo_shim_context* ctx);
+/* Closes every connection of the context at once (a hard close: the peers see their
+ * connections reset). For a context that failed: the peers blocked on this rank wake up now
+ * instead of at their timeout. Operations on the context fail afterwards. */
+void gloo_shim_context_close(gloo_shim_context* ctx);
 int32_t gloo_shim_context_rank(const gloo_shim_context* ctx);
 int32_t gloo_shim_context_size(const gloo_shim_context* ctx);
 

@@ -24,8 +24,9 @@
 //!
 //! A record can lag behind the broken connection it explains by a few milliseconds (Gloo closes
 //! every connection of a rank that times out before the rank can write), so a rank without a
-//! record is blamed only after [`GRACE`]; the lookups poll every 20 ms until then. Nothing of
-//! this runs unless an operation failed: the success path does not touch the store.
+//! record is blamed only after [`GRACE`] (twice that while several members are silent: one of
+//! them may only be late); the lookups poll every 20 ms until then. Nothing of this runs
+//! unless an operation failed: the success path does not touch the store.
 //!
 //! Records are best effort: a store that cannot be read or written leaves the error as Gloo
 //! reported it.
@@ -37,7 +38,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 /// How long a rank waits for a peer's failure record before it blames the peer for having
-/// none: the bound on what blaming adds to a failed operation (plus the store's own latency).
+/// none: what blaming adds to a failed operation (plus the store's own latency), or twice that
+/// when several members of a collective are silent.
 pub(crate) const GRACE: Duration = Duration::from_secs(1);
 
 /// Interval of the lookups while waiting for records.
@@ -191,7 +193,16 @@ impl Blame {
     /// Records this rank's failure of `op` (`e`: what the shim reported) and returns the rank
     /// that failed first where it can be known. Called once per failed operation; the first
     /// call of a communicator does the work, later ones return its verdict.
-    pub(crate) fn assign(&self, op: &'static str, e: &ShimError) -> Option<Verdict> {
+    ///
+    /// `close` closes this rank's connections of the communicator: called once the record is
+    /// written (for a lost connection or a timeout), so that the peers blocked on this rank
+    /// fail now, find the record, and look further, instead of waiting for their timeout.
+    pub(crate) fn assign(
+        &self,
+        op: &'static str,
+        e: &ShimError,
+        close: impl FnOnce(),
+    ) -> Option<Verdict> {
         let mut cached = self.verdict.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(v) = cached.as_ref() {
             return v.clone();
@@ -222,6 +233,9 @@ impl Blame {
             .set(&self.prefix, &key(self.rank), &record.encode());
         if let Err(w) = &written {
             tracing::warn!(prefix = %self.prefix, rank = self.rank, error = %w, "gloo: cannot record this rank's failure in the store");
+        }
+        if saw != Saw::Own && written.is_ok() {
+            close();
         }
         let verdict = match saw {
             Saw::Own => None,
@@ -260,7 +274,11 @@ impl Blame {
 
     /// Polls the records until [`Blame::grace`] has passed or the answer is certain.
     fn resolve(&self, op: &'static str, saw: Saw) -> Option<Verdict> {
-        let deadline = Instant::now() + self.grace;
+        let start = Instant::now();
+        let deadline = start + self.grace;
+        // While several members are silent, one of them may only be late: wait up to twice
+        // the grace period for them to report before naming the first.
+        let late = start + self.grace * 2;
         let mut known = HashMap::new();
         let collective = !POINT_TO_POINT.contains(&op);
         loop {
@@ -271,13 +289,19 @@ impl Blame {
                         return Some(v);
                     }
                 }
+                Ok(Step::Several(v)) => {
+                    if Instant::now() >= late {
+                        return Some(v);
+                    }
+                }
                 Err(e) => {
                     tracing::warn!(prefix = %self.prefix, error = %e, "gloo: cannot read the failure records; blaming as Gloo reported");
                     return None;
                 }
             }
             let now = Instant::now();
-            std::thread::sleep(POLL.min(deadline.saturating_duration_since(now)));
+            let until = if now < deadline { deadline } else { late };
+            std::thread::sleep(POLL.min(until.saturating_duration_since(now)));
         }
     }
 
@@ -357,7 +381,7 @@ impl Blame {
                     self.named(*one)
                 ),
             })),
-            [first, ..] => Ok(Step::Suspect(Verdict {
+            [first, ..] => Ok(Step::Several(Verdict {
                 blamed: *first,
                 why: format!(
                     "{} ranks reported no failure of this collective while the others did ({}); the first is named",
@@ -376,11 +400,17 @@ impl Blame {
     /// `err` (the error Gloo's report maps to) with the rank that failed first: the blamed peer
     /// of [`Error::PeerFailed`] (its message then says what this rank saw and who failed
     /// first) and of [`Error::Timeout`].
-    pub(crate) fn apply(&self, op: &'static str, e: &ShimError, mut err: Error) -> Error {
+    pub(crate) fn apply(
+        &self,
+        op: &'static str,
+        e: &ShimError,
+        mut err: Error,
+        close: impl FnOnce(),
+    ) -> Error {
         if e.code == ShimCode::Invalid {
             return err;
         }
-        let Some(v) = self.assign(op, e) else {
+        let Some(v) = self.assign(op, e, close) else {
             return err;
         };
         match &mut err {
@@ -402,6 +432,8 @@ enum Step {
     Done(Option<Verdict>),
     /// The best answer so far, certain once the grace period has passed without a change.
     Suspect(Verdict),
+    /// Several members are silent: the first is named after twice the grace period.
+    Several(Verdict),
 }
 
 #[cfg(test)]
@@ -451,9 +483,9 @@ mod tests {
             message: "Timed out".into(),
         };
         // Rank 2 dies (no record); rank 1 loses it; rank 0 loses rank 1 (which exited).
-        let v1 = blame(1).assign("all_reduce", &lost(2)).unwrap();
+        let v1 = blame(1).assign("all_reduce", &lost(2), || {}).unwrap();
         assert_eq!(v1.blamed, 2, "{}", v1.why);
-        let v0 = blame(0).assign("all_reduce", &lost(1)).unwrap();
+        let v0 = blame(0).assign("all_reduce", &lost(1), || {}).unwrap();
         assert_eq!(v0.blamed, 2, "{}", v0.why);
         assert!(
             v0.why.contains("rank 1 had lost its connection"),
@@ -467,17 +499,17 @@ mod tests {
             peer: None,
             message: "enforce fail".into(),
         };
-        assert_eq!(blame(4).assign("broadcast", &own), None);
-        let v5 = blame(5).assign("broadcast", &lost(4)).unwrap();
+        assert_eq!(blame(4).assign("broadcast", &own, || {}), None);
+        let v5 = blame(5).assign("broadcast", &lost(4), || {}).unwrap();
         assert_eq!(v5.blamed, 4);
         assert!(v5.why.contains("on its own"), "{}", v5.why);
         // Rank 3 times out: every member but rank 2 has reported.
-        let v3 = blame(3).assign("all_reduce", &timeout).unwrap();
+        let v3 = blame(3).assign("all_reduce", &timeout, || {}).unwrap();
         assert_eq!(v3.blamed, 2, "{}", v3.why);
         assert!(v3.why.contains("every other member"), "{}", v3.why);
         // Two silent members: the first is named, and the message says so.
         let b = Blame::new(store.clone(), "r".into(), 0, vec![0, 1, 2]);
-        let v = b.assign("barrier", &timeout).unwrap();
+        let v = b.assign("barrier", &timeout, || {}).unwrap();
         assert_eq!(v.blamed, 1);
         assert!(
             v.why.starts_with("2 ranks reported no failure"),
@@ -486,8 +518,8 @@ mod tests {
         );
         // A point-to-point timeout blames nobody by silence.
         let b = Blame::new(store.clone(), "q".into(), 0, vec![0, 1, 2]);
-        assert_eq!(b.assign("recv", &timeout), None);
+        assert_eq!(b.assign("recv", &timeout, || {}), None);
         // The verdict is computed once per communicator.
-        assert_eq!(b.assign("recv", &lost(1)), None);
+        assert_eq!(b.assign("recv", &lost(1), || {}), None);
     }
 }

@@ -224,7 +224,7 @@ impl Inner {
             // The rank that failed first, found through the failure records in the store.
             Some(b) => {
                 let err = to_error(op, e.clone(), &self.name, &self.global_ranks, self.timeout);
-                b.apply(op, &e, err)
+                b.apply(op, &e, err, || self.ctx.close())
             }
             None => to_error(op, e, &self.name, &self.global_ranks, self.timeout),
         }

@@ -782,6 +782,16 @@ impl RawContext {
         })
     }
 
+    /// Closes every connection of the context at once (the peers see them reset); every later
+    /// operation on it fails. For a context that already failed: the peers blocked on this rank
+    /// learn it now rather than at their timeout.
+    pub fn close(&self) {
+        // SAFETY: `self.ptr` is a live context; the shim closes each pair under the pair's own
+        // lock (Gloo's tcp::Pair::close), which is safe while other threads use the context:
+        // their operations fail.
+        unsafe { sys::gloo_shim_context_close(self.ptr.as_ptr()) }
+    }
+
     /// This rank.
     pub fn rank(&self) -> usize {
         self.rank
