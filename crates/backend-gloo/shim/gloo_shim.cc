@@ -770,6 +770,15 @@ class Rendezvous {
       if (left().count() == 0) {
         throw_missing(ranks, next, kind, what, blame);
       }
+      if (store_->count) {
+        // The in-memory store wakes its waiters when a key is set: wait on the next key for
+        // up to 10 ms (then look at the failure key again).
+        try {
+          store_->store->wait({key(kind, ranks.at(next))}, std::max(Millis(1), std::min(left(), Millis(10))));
+        } catch (const std::exception&) {
+        }
+        continue;
+      }
       std::this_thread::sleep_for(std::min(sleep, left()));
       sleep = std::min(sleep * 2, Millis(10));
     }

@@ -737,7 +737,8 @@ pub mod env {
     pub const STORE: &str = "GRID_GLOO_STORE";
     /// Job id (unique per run).
     pub const JOB_ID: &str = "GRID_GLOO_JOB_ID";
-    /// Timeout in milliseconds (optional).
+    /// Timeout in milliseconds (optional; `18446744073709551615`, that is `u64::MAX`, means no
+    /// limit: see [`crate::GlooConfig::timeout`]).
     pub const TIMEOUT_MS: &str = "GRID_GLOO_TIMEOUT_MS";
     /// Listening address (optional, default 127.0.0.1).
     pub const HOSTNAME: &str = "GRID_GLOO_HOSTNAME";
