@@ -201,7 +201,7 @@ impl Blame {
         &self,
         op: &'static str,
         e: &ShimError,
-        close: impl FnOnce(),
+        close: impl FnOnce() + Send,
     ) -> Option<Verdict> {
         let mut cached = self.verdict.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(v) = cached.as_ref() {
@@ -234,13 +234,20 @@ impl Blame {
         if let Err(w) = &written {
             tracing::warn!(prefix = %self.prefix, rank = self.rank, error = %w, "gloo: cannot record this rank's failure in the store");
         }
-        if saw != Saw::Own && written.is_ok() {
-            close();
-        }
         let verdict = match saw {
             Saw::Own => None,
             _ if written.is_err() => None,
-            _ => self.resolve(op, saw),
+            // Closing waits for the transport's event loop once per connection (up to 10 ms
+            // each): it runs beside the lookups, which take the grace period anyway.
+            _ => std::thread::scope(|s| {
+                let closing = std::thread::Builder::new()
+                    .name("gloo-close".into())
+                    .spawn_scoped(s, close);
+                if let Err(e) = &closing {
+                    tracing::warn!(error = %e, "gloo: no thread to close the connections; they close when the communicator is dropped");
+                }
+                self.resolve(op, saw)
+            }),
         };
         if let Some(v) = &verdict {
             tracing::warn!(prefix = %self.prefix, rank = self.rank, blamed = v.blamed, why = %v.why, "gloo: failure blamed");
@@ -405,7 +412,7 @@ impl Blame {
         op: &'static str,
         e: &ShimError,
         mut err: Error,
-        close: impl FnOnce(),
+        close: impl FnOnce() + Send,
     ) -> Error {
         if e.code == ShimCode::Invalid {
             return err;

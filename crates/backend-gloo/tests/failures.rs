@@ -602,10 +602,19 @@ fn u64_max_timeout_means_no_limit() {
 /// `n` ranks loop over all-reduces; rank `victim` gets `signal` (KILL or STOP). Every survivor
 /// must fail within the timeout + 3 s of the signal, blaming the victim, although survivors
 /// exit as soon as they fail (so the others see their connections close too).
-fn survivors_blame_the_victim(test: &'static str, n: usize, victim: usize, signal: &str) {
+fn survivors_blame_the_victim(
+    test: &'static str,
+    n: usize,
+    victim: usize,
+    signal: &str,
+    redis: Option<&Redis>,
+) {
     let timeout = secs(3.0);
     let job = unique("blame");
-    let (dir, url) = file_store(&job);
+    let (dir, mut url) = file_store(&job);
+    if let Some(r) = redis {
+        url = r.url();
+    }
     let mut ranks = Ranks::new(test, n);
     for r in 0..n {
         ranks.start(r, n, &url, &job, timeout.as_millis() as u64);
@@ -660,7 +669,13 @@ fn killed_rank_is_blamed_by_every_survivor() {
     if in_child() {
         return child_loop();
     }
-    survivors_blame_the_victim("killed_rank_is_blamed_by_every_survivor", 8, 3, "KILL");
+    survivors_blame_the_victim(
+        "killed_rank_is_blamed_by_every_survivor",
+        8,
+        3,
+        "KILL",
+        None,
+    );
 }
 
 #[test]
@@ -668,5 +683,27 @@ fn stopped_rank_is_blamed_by_every_survivor() {
     if in_child() {
         return child_loop();
     }
-    survivors_blame_the_victim("stopped_rank_is_blamed_by_every_survivor", 6, 2, "STOP");
+    survivors_blame_the_victim(
+        "stopped_rank_is_blamed_by_every_survivor",
+        6,
+        2,
+        "STOP",
+        None,
+    );
+}
+
+/// The same with the failure records in Redis.
+#[test]
+fn killed_rank_is_blamed_by_every_survivor_redis() {
+    if in_child() {
+        return child_loop();
+    }
+    let Some(redis) = Redis::start() else { return };
+    survivors_blame_the_victim(
+        "killed_rank_is_blamed_by_every_survivor_redis",
+        6,
+        1,
+        "KILL",
+        Some(&redis),
+    );
 }
