@@ -293,3 +293,41 @@ fn mismatch_checking_turns_a_count_mismatch_into_an_error() {
         assert_eq!(sum, 3, "rank {rank}");
     }
 }
+
+/// Timeouts too long for Gloo's deadline arithmetic (which used to make every wait fail at
+/// once) mean no limit: a peer that comes 0.5 s late is waited for.
+#[test]
+fn huge_timeouts_mean_no_limit() {
+    let huge = [
+        GlooConfig::NO_LIMIT,
+        Duration::from_millis(u64::MAX),
+        Duration::from_millis(u64::MAX - 1),
+        Duration::from_secs(200 * 365 * 24 * 3600),
+    ];
+    for (i, timeout) in huge.into_iter().enumerate() {
+        let cfg = GlooConfig::new(format!("huge-timeout-{i}")).with_timeout(timeout);
+        assert!(cfg.has_no_limit(), "{timeout:?}");
+        let out = run_ranks(2, &cfg, |_f, world| {
+            if world.rank() == 1 {
+                std::thread::sleep(ms(500));
+            }
+            let t = Instant::now();
+            let mut sum = [0i32];
+            world.all_reduce_into(&[1i32], &mut sum, ReduceOp::Sum)?;
+            Ok((sum[0], t.elapsed()))
+        })
+        .unwrap();
+        let (sum, waited) = out[0]
+            .as_ref()
+            .unwrap_or_else(|e| panic!("{timeout:?}: {e}"));
+        assert_eq!(*sum, 2, "{timeout:?}");
+        assert!(
+            *waited >= ms(400),
+            "{timeout:?}: rank 0 waited only {waited:?}"
+        );
+        assert_eq!(out[1].as_ref().map(|r| r.0).ok(), Some(2), "{timeout:?}");
+    }
+    assert!(!GlooConfig::new("j")
+        .with_timeout(Duration::from_secs(99 * 365 * 24 * 3600))
+        .has_no_limit());
+}
