@@ -1036,7 +1036,10 @@ std::shared_ptr<gloo::rendezvous::Context> connect_mesh(
           throw RdvError(
               GLOO_SHIM_TIMEOUT, miss.size() == 1 ? miss[0] : -1,
               "rendezvous timed out after " + std::to_string(timeout.count()) + " ms: " +
-                  rank_list(miss) + " never completed their connections (died or stopped during the rendezvous)");
+                  rank_list(miss) +
+                  (miss.size() == 1 ? " never completed its connections"
+                                    : " never completed their connections") +
+                  " (died or stopped during the rendezvous)");
         }
       }
       rdv.check_failed();
