@@ -153,6 +153,19 @@ class ErasableRedisStore : public gloo::rendezvous::RedisStore {
     }
     freeReplyObject(reply);
   }
+  // The failure of a request: a request that ran past the connection's timeout (a stopped
+  // or overloaded server) is reported as a timeout.
+  [[noreturn]] void io_failure(const char* what) {
+    std::string err = redis_->errstr;
+    if (redis_->err == REDIS_ERR_IO && contains(err, "temporarily unavailable")) {
+      throw gloo::IoException(
+          std::string("Timed out waiting for the Redis server (no answer within the time limit: "
+                      "it may be stopped or overloaded): ") +
+          what + ": " + err);
+    }
+    throw gloo::IoException(std::string(what) + " failed: " + err);
+  }
+
   // One EXISTS per key, pipelined in batches (one round trip per batch, not per key).
   void exists(const std::vector<std::string>& keys, std::vector<char>& out) {
     constexpr size_t kBatch = 1024;
@@ -161,21 +174,29 @@ class ErasableRedisStore : public gloo::rendezvous::RedisStore {
       size_t end = std::min(keys.size(), begin + kBatch);
       for (size_t i = begin; i < end; i++) {
         if (redisAppendCommand(redis_, "EXISTS %b", keys[i].data(), keys[i].size()) != REDIS_OK) {
-          throw gloo::IoException(std::string("redis EXISTS failed: ") + redis_->errstr);
+          io_failure("redis EXISTS");
         }
       }
+      // Every reply of the batch is read, even after an unexpected one, so that the
+      // connection stays in step for the next request.
+      std::string unexpected;
       for (size_t i = begin; i < end; i++) {
         void* reply = nullptr;
         if (redisGetReply(redis_, &reply) != REDIS_OK || reply == nullptr) {
-          throw gloo::IoException(std::string("redis EXISTS failed: ") + redis_->errstr);
+          io_failure("redis EXISTS");
         }
         auto* r = static_cast<redisReply*>(reply);
-        bool ok = r->type == REDIS_REPLY_INTEGER;
-        out[i] = ok && r->integer > 0;
-        freeReplyObject(reply);
-        if (!ok) {
-          throw gloo::IoException("redis EXISTS: unexpected reply");
+        if (r->type == REDIS_REPLY_INTEGER) {
+          out[i] = r->integer > 0;
+        } else if (unexpected.empty()) {
+          unexpected = r->type == REDIS_REPLY_ERROR && r->str != nullptr
+              ? std::string(r->str, r->len)
+              : "reply of type " + std::to_string(r->type);
         }
+        freeReplyObject(reply);
+      }
+      if (!unexpected.empty()) {
+        throw gloo::IoException("redis EXISTS: unexpected reply: " + unexpected);
       }
     }
   }

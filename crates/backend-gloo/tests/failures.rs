@@ -4,7 +4,7 @@
 //!
 //! Margins asserted here (documented in docs/backends.md §2.4):
 //! * a rendezvous fails within its timeout + 1.5 s (the deadline is shared by every phase; the
-//!   store is polled every 10 ms at most);
+//!   store is polled every 10 ms at most), or + 2 s when the Redis server stops answering;
 //! * an operation that fails because a rank was killed or stopped fails within the timeout +
 //!   3 s: up to 2 s to find the rank that failed first (`GRACE`, twice when several ranks are
 //!   silent), the rest for the scheduling of 6 to 8 processes on a loaded 2-core machine.
@@ -706,4 +706,52 @@ fn killed_rank_is_blamed_by_every_survivor_redis() {
         "KILL",
         Some(&redis),
     );
+}
+
+/// A Redis server that stops answering (SIGSTOP) in the middle of a rendezvous: the rendezvous
+/// still ends, within the timeout + 2 s (a request to the server is bounded by the time left
+/// plus one second), with an error that says the server did not answer.
+#[test]
+fn redis_stopped_during_rendezvous() {
+    if in_child() {
+        return;
+    }
+    let Some(redis) = Redis::start() else { return };
+    let timeout = secs(3.0);
+    let store = backend_gloo::Rendezvous::parse(&redis.url()).expect("a Redis location");
+    let factory = backend_gloo::GlooFactory::new(
+        &store,
+        backend_gloo::GlooConfig::new(unique("redis-stop")).with_timeout(timeout),
+    )
+    .expect("a factory");
+    let pid = redis.child.id().to_string();
+    let stopper = std::thread::spawn(move || {
+        std::thread::sleep(secs(0.5));
+        Command::new("kill").args(["-STOP", &pid]).status()
+    });
+    let t = Instant::now();
+    // Ranks 1 and 2 never come: rank 0 polls the server when it stops.
+    let e = factory.world(0, 3).map(|_| ()).unwrap_err();
+    let took = t.elapsed();
+    let stopped = stopper.join().expect("the stopping thread");
+    let _ = Command::new("kill")
+        .args(["-CONT", &redis.child.id().to_string()])
+        .status();
+    assert!(
+        stopped.map(|s| s.success()).unwrap_or(false),
+        "kill -STOP redis-server"
+    );
+    eprintln!("{took:?}: {e}");
+    assert!(took <= timeout + secs(2.0), "took {took:?}: {e}");
+    match &e {
+        Error::Library(l) => {
+            assert_eq!(
+                (l.op, l.class.as_deref()),
+                ("rendezvous", Some("timeout")),
+                "{e}"
+            );
+            assert!(l.message.contains("Redis server"), "{e}");
+        }
+        other => panic!("expected a rendezvous timeout, got {other}"),
+    }
 }
