@@ -234,9 +234,10 @@ pub struct GlooConfig {
     /// [`Duration::MAX`] ([`GlooConfig::NO_LIMIT`]) means **no limit**, and so does
     /// `u64::MAX` ms (`GRID_GLOO_TIMEOUT_MS=18446744073709551615`) and any timeout of 100 years
     /// or more (Gloo counts deadlines in 64-bit nanoseconds: such a timeout is handed to it as
-    /// 100 years). An operation that fails still returns at once when Gloo sees a connection
-    /// break; a failed operation may take up to one second more to find the rank that failed
-    /// first (`docs/backends.md` §2.4).
+    /// 100 years).
+    ///
+    /// A failed operation takes about one second more (two when several ranks are silent) to
+    /// find the rank that failed first, which its error names (`docs/backends.md` §2.4).
     pub timeout: Duration,
     /// Address of this host the TCP device listens on (default `127.0.0.1`: single host).
     pub hostname: String,
@@ -261,6 +262,12 @@ impl GlooConfig {
     pub const NO_LIMIT: Duration = Duration::MAX;
 
     /// Whether [`GlooConfig::timeout`] means no limit (100 years or more).
+    ///
+    /// ```
+    /// use backend_gloo::GlooConfig;
+    /// use std::time::Duration;
+    /// assert!(!GlooConfig::new("j").with_timeout(Duration::from_secs(3600)).has_no_limit());
+    /// ```
     pub fn has_no_limit(&self) -> bool {
         self.timeout >= crate::ffi::NO_LIMIT
     }
