@@ -129,6 +129,15 @@ int64_t gloo_shim_store_count(const gloo_shim_store* store);
 int32_t gloo_shim_store_get(
     gloo_shim_store* store, const char* prefix, const char* key, int64_t timeout_ms, void* buf,
     size_t cap, size_t* len, gloo_shim_status* st);
+/* Reads prefix/key without waiting: *found = 1 and the value as in gloo_shim_store_get if the
+ * key exists, *found = 0 otherwise. */
+int32_t gloo_shim_store_try_get(
+    gloo_shim_store* store, const char* prefix, const char* key, void* buf, size_t cap,
+    size_t* len, int32_t* found, gloo_shim_status* st);
+/* Bounds every later request of this handle to a store server (Redis) to timeout_ms
+ * (0: no bound); no effect on the in-memory and file stores, which never block on a server. */
+int32_t gloo_shim_store_set_io_timeout(
+    gloo_shim_store* store, int64_t timeout_ms, gloo_shim_status* st);
 
 /* ---- devices and contexts ------------------------------------------------------------------- */
 
@@ -138,7 +147,12 @@ int32_t gloo_shim_device_tcp_new(
 void gloo_shim_device_free(gloo_shim_device* device);
 
 /* Rendezvous of `size` ranks under the store key prefix `prefix` (full mesh of TCP pairs).
- * Every store wait, the connection and, later, every operation on the context use timeout_ms.
+ * The whole rendezvous (arrival of every rank, address exchange, connections, closing barrier)
+ * ends within timeout_ms (one deadline; a store server request may add up to one second),
+ * and later operations on the context default to it. On a timeout the message lists the ranks
+ * that never arrived or never connected, and st->peer is the rank blamed when exactly one is
+ * known. A rank that fails after every rank arrived announces it in the store, and the ranks
+ * still waiting fail at once with its cause.
  * remove_keys != 0: once the rendezvous completed on every member (after the closing barrier),
  * the keys this rank set are removed from the store. */
 int32_t gloo_shim_context_connect(
@@ -146,12 +160,10 @@ int32_t gloo_shim_context_connect(
     int32_t size, int64_t timeout_ms, int32_t remove_keys, gloo_shim_context** out,
     gloo_shim_status* st);
 void gloo_shim_context_free(gloo_shim_context* ctx);
-
-/* Closes every connection of the context (gloo::Context::closeConnections): operations of this
- * rank blocked on it fail promptly with an I/O error, and the peers see the connections close.
- * Thread-safe (each pair closes under its own lock); the context stays allocated and can only
- * be freed. Never throws. */
-void gloo_shim_context_abort(gloo_shim_context* ctx);
+/* Closes every connection of the context at once (a hard close: the peers see their
+ * connections reset). For a context that failed: the peers blocked on this rank wake up now
+ * instead of at their timeout. Operations on the context fail afterwards. */
+void gloo_shim_context_close(gloo_shim_context* ctx);
 int32_t gloo_shim_context_rank(const gloo_shim_context* ctx);
 int32_t gloo_shim_context_size(const gloo_shim_context* ctx);
 

@@ -99,6 +99,8 @@ pub(crate) struct Inner {
     seq: Sequencer,
     failure: Mutex<Option<String>>,
     splits: AtomicU64,
+    /// Failure records and blame (`crate::blame`); touched only after a failure.
+    blame: Option<crate::blame::Blame>,
 }
 
 /// What Gloo is given for "no limit": 30 years, far beyond any job, and small enough that
@@ -235,7 +237,14 @@ impl Inner {
             }
             tracing::warn!(communicator = %self.name, op, code = ?e.code, peer = ?e.peer, message = %e.message, "gloo operation failed");
         }
-        to_error(op, e, &self.name, &self.global_ranks, limit)
+        match &self.blame {
+            // The rank that failed first, found through the failure records in the store.
+            Some(b) => {
+                let err = to_error(op, e.clone(), &self.name, &self.global_ranks, limit);
+                b.apply(op, &e, err, || self.ctx.close())
+            }
+            None => to_error(op, e, &self.name, &self.global_ranks, limit),
+        }
     }
 
     /// A failure of this crate's own machinery (a thread that cannot start, a panic), as
@@ -487,9 +496,19 @@ impl GlooBackend {
                 seq: Sequencer::default(),
                 failure: Mutex::new(None),
                 splits: AtomicU64::new(0),
+                blame: None,
             }),
             worker: Mutex::new(None),
         }
+    }
+
+    /// Makes failures of this communicator write failure records and blame the rank that
+    /// failed first (`crate::blame`). Called by the factory right after [`GlooBackend::new`].
+    pub(crate) fn with_blame(mut self, blame: crate::blame::Blame) -> GlooBackend {
+        if let Some(inner) = Arc::get_mut(&mut self.inner) {
+            inner.blame = Some(blame);
+        }
+        self
     }
 
     /// The time limit of every operation (and of the rendezvous that created it).
@@ -717,7 +736,7 @@ impl Backend for GlooBackend {
     /// blocked in Gloo fails promptly (and the peers see the connections close).
     fn abort(&self) {
         GlooBackend::abort(self);
-        self.inner.ctx.close_connections();
+        self.inner.ctx.close();
     }
 
     fn run(&self, op: Validated<Op<'_>>) -> Result<()> {

@@ -171,8 +171,15 @@ fn cstring(what: &str, s: &str) -> ShimResult<CString> {
     CString::new(s).map_err(|_| ShimError::invalid(format!("{what} {s:?} contains a NUL byte")))
 }
 
-fn millis(timeout: Duration) -> i64 {
-    i64::try_from(timeout.as_millis())
+/// The longest time limit handed to Gloo: 100 years. Gloo adds time limits to the current time
+/// (and multiplies the connection limit by 5) in 64-bit nanoseconds, so a longer one, such as
+/// `u64::MAX` ms, would overflow and fail at once; 100 years fits and is no limit in practice.
+pub(crate) const NO_LIMIT: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+
+/// `timeout` in milliseconds for the shim: at least 1, at most [`NO_LIMIT`] (which is what
+/// `u64::MAX` ms, [`Duration::MAX`] and every other timeout beyond 100 years become).
+pub(crate) fn millis(timeout: Duration) -> i64 {
+    i64::try_from(timeout.min(NO_LIMIT).as_millis())
         .unwrap_or(i64::MAX)
         .max(1)
 }
@@ -563,6 +570,53 @@ impl RawStore {
         }
     }
 
+    /// Reads `prefix/key` without waiting: `None` if the key does not exist.
+    pub fn try_get(&mut self, prefix: &str, key: &str) -> ShimResult<Option<Vec<u8>>> {
+        let p = cstring("store prefix", prefix)?;
+        let k = cstring("store key", key)?;
+        let mut buf = vec![0u8; 256];
+        loop {
+            let mut st = new_status();
+            let mut len = 0usize;
+            let mut found = 0i32;
+            // SAFETY: live handle; strings alive; `buf` writable for `buf.len()` bytes, the
+            // capacity passed (the shim copies only when the value fits); len/found/st valid
+            // for writes.
+            let rc = unsafe {
+                sys::gloo_shim_store_try_get(
+                    self.ptr.as_ptr(),
+                    p.as_ptr(),
+                    k.as_ptr(),
+                    buf.as_mut_ptr().cast(),
+                    buf.len(),
+                    &mut len,
+                    &mut found,
+                    &mut st,
+                )
+            };
+            if rc == sys::GLOO_SHIM_TOO_SMALL as i32 && len > buf.len() {
+                buf.resize(len, 0);
+                continue;
+            }
+            check(rc, &st)?;
+            if found == 0 {
+                return Ok(None);
+            }
+            buf.truncate(len);
+            return Ok(Some(buf));
+        }
+    }
+
+    /// Bounds every later request of this handle to a store server (Redis) by `timeout`
+    /// (`None`: no bound). The in-memory and file stores never wait on a server: no effect.
+    pub fn set_io_timeout(&mut self, timeout: Option<Duration>) -> ShimResult<()> {
+        let ms = timeout.map(millis).unwrap_or(0);
+        let mut st = new_status();
+        // SAFETY: live handle; st valid for writes.
+        let rc = unsafe { sys::gloo_shim_store_set_io_timeout(self.ptr.as_ptr(), ms, &mut st) };
+        check(rc, &st)
+    }
+
     fn as_ptr(&self) -> *mut sys::gloo_shim_store {
         self.ptr.as_ptr()
     }
@@ -682,15 +736,6 @@ fn bytes_of(s: &HostSlice<'_>) -> usize {
 }
 
 impl RawContext {
-    /// Closes every connection of the context: operations of this rank blocked on it fail
-    /// promptly (an I/O error), the peers see the connections close. Callable from any thread
-    /// while operations run; afterwards the context can only fail or be dropped.
-    pub fn close_connections(&self) {
-        // SAFETY: live handle (owned by self); the shim catches every exception and Gloo closes
-        // each pair under the pair's own lock, so concurrent operations see a closed pair.
-        unsafe { sys::gloo_shim_context_abort(self.ptr.as_ptr()) }
-    }
-
     /// Rendezvous of `size` ranks under `prefix` in `store` and full-mesh connection on `device`.
     /// Every wait and, later, every operation is bounded by `timeout`. With `remove_keys`, the
     /// keys this rank set are removed from the store once the rendezvous completed on every
@@ -735,6 +780,16 @@ impl RawContext {
             size,
             collective: Mutex::new(()),
         })
+    }
+
+    /// Closes every connection of the context at once (the peers see them reset); every later
+    /// operation on it fails. For a context that already failed: the peers blocked on this rank
+    /// learn it now rather than at their timeout.
+    pub fn close(&self) {
+        // SAFETY: `self.ptr` is a live context; the shim closes each pair under the pair's own
+        // lock (Gloo's tcp::Pair::close), which is safe while other threads use the context:
+        // their operations fail.
+        unsafe { sys::gloo_shim_context_close(self.ptr.as_ptr()) }
     }
 
     /// This rank.

@@ -17,8 +17,11 @@
 //!   part), exactly like PyTorch's `new_group` on Gloo.
 //! * Rendezvous ([`Rendezvous`]): in-process (ranks as threads, no launcher), a directory, or
 //!   Redis; every key lives under the job id, so runs never mix.
-//! * Every operation is bounded by [`GlooConfig::timeout`]; a lost peer turns into
-//!   [`grid_core::Error::PeerFailed`] naming the peer.
+//! * Every operation, and each rendezvous as a whole, is bounded by [`GlooConfig::timeout`]
+//!   ([`GlooConfig::NO_LIMIT`]: no limit); a rendezvous that times out lists the ranks that
+//!   never arrived. A lost or stopped peer turns into [`grid_core::Error::PeerFailed`] (or
+//!   [`grid_core::Error::Timeout`]) naming the rank that failed first, found through failure
+//!   records in the store.
 //!
 //! ```
 //! use backend_gloo::{run_ranks, GlooConfig};
@@ -39,6 +42,7 @@
 // Every `unsafe` block lives in the FFI module `ffi`, next to the invariant it relies on.
 #![deny(unsafe_code)]
 
+mod blame;
 mod comm;
 mod exec;
 mod factory;
