@@ -102,7 +102,8 @@ impl GroupFactory for MpiFactory {
             Some(c) => format!("{}/split{n}.{c}", parent.comm_name()),
             None => String::new(),
         };
-        raw.map(|r| MpiBackend::from_raw(r, OP, name)).transpose()
+        raw.map(|r| MpiBackend::from_raw(r, OP, name, parent.configured_timeout()))
+            .transpose()
     }
 
     /// `MPI_Comm_create` over `parent` with the group of `ranks` (sorted ascending, so the new
@@ -127,6 +128,7 @@ impl GroupFactory for MpiFactory {
             .create(&sorted)
             .map_err(|e| parent.err(OP, e))?;
         let name = format!("{}/group{n}", parent.comm_name());
-        raw.map(|r| MpiBackend::from_raw(r, OP, name)).transpose()
+        raw.map(|r| MpiBackend::from_raw(r, OP, name, parent.configured_timeout()))
+            .transpose()
     }
 }

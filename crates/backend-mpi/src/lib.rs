@@ -39,13 +39,17 @@
 #![deny(unsafe_code)]
 
 mod comm;
+mod config;
 mod factory;
 #[allow(unsafe_code)]
 mod raw;
 mod runtime;
 mod stage;
 pub mod testing;
+mod watch;
 
-pub use comm::{MpiBackend, MpiCommunicator};
+pub use comm::{MpiBackend, MpiCommunicator, CHECK_THRESHOLD};
+pub use config::{MpiConfig, SIGTERM_REPORT_ENV, TIMEOUT_ENV};
+pub use watch::{EXIT_ABORTED, EXIT_TIMEOUT, MESSAGE_GRACE, TICK};
 pub use factory::{FactoryCalls, MpiFactory};
 pub use runtime::MpiRuntime;
