@@ -195,7 +195,12 @@ impl MpiBackend {
 
     /// `MPI_IN_PLACE` all-reduce; libraries whose `MPI_IN_PLACE` is unknown go through one
     /// copy of the input.
-    fn reduce_in_place(&self, c: &raw::Comm, mut buf: HostSliceMut<'_>, r: raw::Reduce) -> Result<()> {
+    fn reduce_in_place(
+        &self,
+        c: &raw::Comm,
+        mut buf: HostSliceMut<'_>,
+        r: raw::Reduce,
+    ) -> Result<()> {
         const OP: &str = "all_reduce";
         if raw::in_place_supported() {
             return c.all_reduce_in_place(buf, r).map_err(|e| self.err(OP, e));
@@ -217,13 +222,13 @@ impl MpiBackend {
     fn exec(&self, c: &raw::Comm, check: bool, v: Validated<Op<'_>>) -> Result<()> {
         let (seq, limit) = (v.seq(), v.time_limit());
         let abort = &self.watch.aborted;
-        let watch = |op: &'static str| self.watch.enter(watch::op_index(op), seq, check, limit);
+        let watch = |op: usize| self.watch.enter(op, seq, check, limit);
         match v.into_op() {
             Op::AllReduce { send, recv, op } => {
                 const OP: &str = "all_reduce";
                 let (send, mut recv) = (host(OP, send)?, host_mut(OP, recv)?);
                 let plan = stage::plan(send.dtype(), op, self.size);
-                let _w = watch(OP);
+                let _w = watch(watch::ALL_REDUCE);
                 if plan.wire.is_some() {
                     return self.all_reduce_staged(c, Some(send), recv, plan);
                 }
@@ -238,7 +243,7 @@ impl MpiBackend {
                 const OP: &str = "all_reduce";
                 let mut buf = host_mut(OP, buf)?;
                 let plan = stage::plan(buf.dtype(), op, self.size);
-                let _w = watch(OP);
+                let _w = watch(watch::ALL_REDUCE);
                 if plan.wire.is_some() {
                     return self.all_reduce_staged(c, None, buf, plan);
                 }
@@ -251,20 +256,20 @@ impl MpiBackend {
             Op::Broadcast { buf, root } => {
                 const OP: &str = "broadcast";
                 let buf = host_mut(OP, buf)?;
-                let _w = watch(OP);
+                let _w = watch(watch::BROADCAST);
                 c.broadcast(buf, root).map_err(|e| self.err(OP, e))
             }
             Op::AllGather { send, recv } => {
                 const OP: &str = "all_gather";
                 let (send, recv) = (host(OP, send)?, host_mut(OP, recv)?);
-                let _w = watch(OP);
+                let _w = watch(watch::ALL_GATHER);
                 c.all_gather(send, recv).map_err(|e| self.err(OP, e))
             }
             Op::ReduceScatter { send, recv, op } => {
                 const OP: &str = "reduce_scatter";
                 let (send, mut recv) = (host(OP, send)?, host_mut(OP, recv)?);
                 let plan = stage::plan(send.dtype(), op, self.size);
-                let _w = watch(OP);
+                let _w = watch(watch::REDUCE_SCATTER);
                 match plan.wire {
                     None => {
                         c.reduce_scatter(send, recv.reborrow(), plan.op)
@@ -286,11 +291,11 @@ impl MpiBackend {
             Op::AllToAll { send, recv } => {
                 const OP: &str = "all_to_all";
                 let (send, recv) = (host(OP, send)?, host_mut(OP, recv)?);
-                let _w = watch(OP);
+                let _w = watch(watch::ALL_TO_ALL);
                 c.all_to_all(send, recv).map_err(|e| self.err(OP, e))
             }
             Op::Barrier => {
-                let _w = watch("barrier");
+                let _w = watch(watch::BARRIER);
                 c.barrier().map_err(|e| self.err("barrier", e))
             }
             Op::Send { buf, peer, tag } => {

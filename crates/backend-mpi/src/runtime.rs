@@ -88,7 +88,9 @@ impl MpiRuntime {
             .into());
         }
         let world = raw::Comm::world_dup().map_err(|e| backend_err("init", "world", e));
-        let world = match world.and_then(|c| MpiBackend::from_raw(c, "init", "world".into(), config.timeout)) {
+        let world = match world
+            .and_then(|c| MpiBackend::from_raw(c, "init", "world".into(), config.timeout))
+        {
             Ok(w) => w,
             Err(e) => {
                 raw::mark_finalized();

@@ -38,7 +38,8 @@ pub const TICK: Duration = Duration::from_millis(10);
 /// it kills the job); part of the margin past the time limit.
 pub const MESSAGE_GRACE: Duration = Duration::from_millis(200);
 
-/// The operations a watch can hold, by index.
+/// The operations a watch can hold, by index ([`Watch::enter`] takes the index: no lookup on
+/// the fast path).
 const OPS: [&str; 6] = [
     "all_reduce",
     "broadcast",
@@ -47,10 +48,25 @@ const OPS: [&str; 6] = [
     "all_to_all",
     "barrier",
 ];
+pub(crate) const ALL_REDUCE: usize = 0;
+pub(crate) const BROADCAST: usize = 1;
+pub(crate) const ALL_GATHER: usize = 2;
+pub(crate) const REDUCE_SCATTER: usize = 3;
+pub(crate) const ALL_TO_ALL: usize = 4;
+pub(crate) const BARRIER: usize = 5;
 
-/// The index of a collective's name in the watch's table.
-pub(crate) fn op_index(name: &str) -> usize {
-    OPS.iter().position(|o| *o == name).unwrap_or(0)
+/// A limit in whole milliseconds (`u64::MAX`: none), without the 128-bit arithmetic of
+/// `Duration::as_millis` (this runs on every blocking collective).
+#[inline]
+fn limit_ms(limit: TimeLimit) -> u64 {
+    match limit {
+        TimeLimit::After(d) => d
+            .as_secs()
+            .saturating_mul(1000)
+            .saturating_add(u64::from(d.subsec_millis()))
+            .min(u64::MAX - 1),
+        TimeLimit::Unlimited => u64::MAX,
+    }
 }
 
 /// The blocking collective in flight on one communicator (collectives of one communicator are
@@ -109,7 +125,7 @@ impl Watch {
     #[inline]
     pub(crate) fn enter(&self, op: usize, seq: u64, check: bool, limit: TimeLimit) -> InFlight<'_> {
         self.op.store(op, Ordering::Relaxed);
-        self.limit_ms.store(limit.as_millis(), Ordering::Relaxed);
+        self.limit_ms.store(limit_ms(limit), Ordering::Relaxed);
         self.token.store(
             seq.wrapping_mul(2)
                 .wrapping_add(u64::from(check))
@@ -206,7 +222,10 @@ fn watch_loop(dog: &'static Watchdog) {
             let limit = TimeLimit::from_millis(w.limit_ms.load(Ordering::Relaxed));
             let why = if w.is_aborted() {
                 Some(Stop::Abort)
-            } else if limit.duration().is_some_and(|l| now.duration_since(first) >= l) {
+            } else if limit
+                .duration()
+                .is_some_and(|l| now.duration_since(first) >= l)
+            {
                 Some(Stop::Timeout)
             } else {
                 None
@@ -214,7 +233,10 @@ fn watch_loop(dog: &'static Watchdog) {
             // The same operation must still be in flight (it may have just finished).
             if let Some(why) = why {
                 if w.token.load(Ordering::Acquire) == token {
-                    let op = OPS.get(w.op.load(Ordering::Relaxed)).copied().unwrap_or("collective");
+                    let op = OPS
+                        .get(w.op.load(Ordering::Relaxed))
+                        .copied()
+                        .unwrap_or("collective");
                     end_job(&Ending {
                         op,
                         seq: (token - 1) / 2,
@@ -374,9 +396,15 @@ fn report_sigterm() {
             continue;
         }
         any = true;
-        let op = OPS.get(w.op.load(Ordering::Relaxed)).copied().unwrap_or("collective");
+        let op = OPS
+            .get(w.op.load(Ordering::Relaxed))
+            .copied()
+            .unwrap_or("collective");
         let what = if (token - 1) % 2 == 1 {
-            format!("the mismatch check's exchange before {op} #{}", (token - 1) / 2)
+            format!(
+                "the mismatch check's exchange before {op} #{}",
+                (token - 1) / 2
+            )
         } else {
             format!("{op} #{}", (token - 1) / 2)
         };
@@ -401,7 +429,11 @@ fn report_sigterm() {
     if rec.trace_dir().is_some() {
         match rec.dump("SIGTERM") {
             Ok(Some(p)) => {
-                let _ = writeln!(err, "[backend-mpi] operation log written to {}", p.display());
+                let _ = writeln!(
+                    err,
+                    "[backend-mpi] operation log written to {}",
+                    p.display()
+                );
             }
             Ok(None) => {}
             Err(d) => {

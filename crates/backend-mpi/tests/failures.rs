@@ -35,113 +35,136 @@ fn refuses(c: &backend_mpi::MpiCommunicator, what: &str) -> Result<(), String> {
 // yields Error::Timeout { millis: 300 } promptly, naming the operation, its number and the
 // communicator; the communicator then refuses everything with Error::Aborted. `abort()` from
 // another thread wakes a receive that has no limit; a nonblocking receive is cancelled too.
-mpi_test!(mpi_receive_limits_and_abort_np2, np = 2, timeout = 60, |rt| {
-    let w = rt.world();
-    if w.time_limit() != TimeLimit::from_millis(backend_mpi::MpiConfig::DEFAULT_TIMEOUT_MS) {
-        return Err(format!("default limit {}", w.time_limit()));
-    }
-    let (a, b, c) = (fresh(rt)?, fresh(rt)?, fresh(rt)?);
-    if w.rank() == 0 {
-        // 1. Per-operation limit.
-        let t = Instant::now();
-        let mut buf = [0f32; 4];
-        let r = a.with_time_limit(Duration::from_millis(300)).recv_from(&mut buf[..], 1, 77);
-        let took = t.elapsed();
-        match &r {
-            Err(Error::Timeout { millis: 300, peer: Some(1), .. }) => {}
-            other => return Err(format!("recv with a 300 ms limit: {other:?}")),
+mpi_test!(
+    mpi_receive_limits_and_abort_np2,
+    np = 2,
+    timeout = 60,
+    |rt| {
+        let w = rt.world();
+        if w.time_limit() != TimeLimit::from_millis(backend_mpi::MpiConfig::DEFAULT_TIMEOUT_MS) {
+            return Err(format!("default limit {}", w.time_limit()));
         }
-        if took < Duration::from_millis(300) || took > Duration::from_millis(2000) {
-            return Err(format!("the 300 ms limit took {took:?}"));
-        }
-        let msg = r.unwrap_err().to_string();
-        for part in ["recv #0", "split", "world ranks 0, 1", "300 ms", "rank 1"] {
-            if !msg.contains(part) {
-                return Err(format!("timeout message without {part:?}: {msg}"));
+        let (a, b, c) = (fresh(rt)?, fresh(rt)?, fresh(rt)?);
+        if w.rank() == 0 {
+            // 1. Per-operation limit.
+            let t = Instant::now();
+            let mut buf = [0f32; 4];
+            let r = a
+                .with_time_limit(Duration::from_millis(300))
+                .recv_from(&mut buf[..], 1, 77);
+            let took = t.elapsed();
+            println!("recv with a 300 ms limit returned after {took:?}");
+            match &r {
+                Err(Error::Timeout {
+                    millis: 300,
+                    peer: Some(1),
+                    ..
+                }) => {}
+                other => return Err(format!("recv with a 300 ms limit: {other:?}")),
             }
-        }
-        refuses(&a, "after the timeout")?;
-        // 2. abort() from another thread, the receive having no limit.
-        b.set_time_limit(TimeLimit::Unlimited);
-        let t = Instant::now();
-        let r = std::thread::scope(|s| {
-            s.spawn(|| {
-                std::thread::sleep(Duration::from_millis(200));
-                b.abort();
+            if took < Duration::from_millis(300) || took > Duration::from_millis(2000) {
+                return Err(format!("the 300 ms limit took {took:?}"));
+            }
+            let msg = r.unwrap_err().to_string();
+            for part in ["recv #0", "split", "world ranks 0, 1", "300 ms", "rank 1"] {
+                if !msg.contains(part) {
+                    return Err(format!("timeout message without {part:?}: {msg}"));
+                }
+            }
+            refuses(&a, "after the timeout")?;
+            // 2. abort() from another thread, the receive having no limit.
+            b.set_time_limit(TimeLimit::Unlimited);
+            let t = Instant::now();
+            let r = std::thread::scope(|s| {
+                s.spawn(|| {
+                    std::thread::sleep(Duration::from_millis(200));
+                    b.abort();
+                });
+                b.recv_from(&mut buf[..], 1, 78)
             });
-            b.recv_from(&mut buf[..], 1, 78)
-        });
-        let took = t.elapsed();
-        if !matches!(r, Err(Error::Aborted { .. })) {
-            return Err(format!("recv woken by abort(): {r:?}"));
+            let took = t.elapsed();
+            println!("recv woken by abort() 200 ms after it began, returned after {took:?}");
+            if !matches!(r, Err(Error::Aborted { .. })) {
+                return Err(format!("recv woken by abort(): {r:?}"));
+            }
+            if took > Duration::from_millis(2000) {
+                return Err(format!("abort() took {took:?} to wake the receive"));
+            }
+            refuses(&b, "after abort()")?;
+            // 3. A nonblocking receive past its limit is cancelled.
+            let work = c
+                .with_time_limit(Duration::from_millis(200))
+                .irecv::<i64>(8, 1, 79)
+                .map_err(e)?;
+            let t = Instant::now();
+            match work.wait() {
+                Err(Error::Timeout { millis: 200, .. }) => {}
+                other => return Err(format!("irecv with a 200 ms limit: {other:?}")),
+            }
+            if t.elapsed() > Duration::from_millis(2000) {
+                return Err(format!("irecv timeout took {:?}", t.elapsed()));
+            }
+            refuses(&c, "after the nonblocking timeout")?;
         }
-        if took > Duration::from_millis(2000) {
-            return Err(format!("abort() took {took:?} to wake the receive"));
-        }
-        refuses(&b, "after abort()")?;
-        // 3. A nonblocking receive past its limit is cancelled.
-        let work = c
-            .with_time_limit(Duration::from_millis(200))
-            .irecv::<i64>(8, 1, 79)
+        // Rank 1 never sent anything: the world is still usable on both ranks.
+        let mut s = [1i64];
+        w.all_reduce_in_place(&mut s[..], ReduceOp::Sum)
             .map_err(e)?;
-        let t = Instant::now();
-        match work.wait() {
-            Err(Error::Timeout { millis: 200, .. }) => {}
-            other => return Err(format!("irecv with a 200 ms limit: {other:?}")),
+        if s[0] != 2 {
+            return Err(format!("sum {}", s[0]));
         }
-        if t.elapsed() > Duration::from_millis(2000) {
-            return Err(format!("irecv timeout took {:?}", t.elapsed()));
-        }
-        refuses(&c, "after the nonblocking timeout")?;
+        Ok(())
     }
-    // Rank 1 never sent anything: the world is still usable on both ranks.
-    let mut s = [1i64];
-    w.all_reduce_in_place(&mut s[..], ReduceOp::Sum).map_err(e)?;
-    if s[0] != 2 {
-        return Err(format!("sum {}", s[0]));
-    }
-    Ok(())
-});
+);
 
 // Sends, receives and batches that complete normally are unaffected by a short limit, and a
 // receive that arrives while its wait runs completes.
-mpi_test!(mpi_point_to_point_within_limits_np2, np = 2, timeout = 60, |rt| {
-    let w = rt.world();
-    let c = w.with_time_limit(Duration::from_millis(5000));
-    let peer = 1 - w.rank();
-    for i in 0..200u32 {
-        let big = vec![i as f32; 1 << 16]; // 256 KiB: rendezvous protocol
-        let mut got = vec![0f32; 1 << 16];
-        if w.rank() == 0 {
-            c.send_to(&big[..], peer, i).map_err(e)?;
-            c.recv_from(&mut got[..], peer, i).map_err(e)?;
-        } else {
-            c.recv_from(&mut got[..], peer, i).map_err(e)?;
-            c.send_to(&big[..], peer, i).map_err(e)?;
+mpi_test!(
+    mpi_point_to_point_within_limits_np2,
+    np = 2,
+    timeout = 60,
+    |rt| {
+        let w = rt.world();
+        let c = w.with_time_limit(Duration::from_millis(5000));
+        let peer = 1 - w.rank();
+        for i in 0..200u32 {
+            let big = vec![i as f32; 1 << 16]; // 256 KiB: rendezvous protocol
+            let mut got = vec![0f32; 1 << 16];
+            if w.rank() == 0 {
+                c.send_to(&big[..], peer, i).map_err(e)?;
+                c.recv_from(&mut got[..], peer, i).map_err(e)?;
+            } else {
+                c.recv_from(&mut got[..], peer, i).map_err(e)?;
+                c.send_to(&big[..], peer, i).map_err(e)?;
+            }
+            if got[got.len() - 1] != i as f32 {
+                return Err(format!("round {i}: got {}", got[got.len() - 1]));
+            }
+            let mine = [w.rank() as i32; 3];
+            let mut theirs = [0i32; 3];
+            c.batch_p2p(vec![
+                grid_core::P2pOp::Send {
+                    buf: (&mine[..]).into(),
+                    peer,
+                    tag: 1000 + i,
+                },
+                grid_core::P2pOp::Recv {
+                    buf: (&mut theirs[..]).into(),
+                    peer,
+                    tag: 1000 + i,
+                },
+            ])
+            .map_err(e)?;
+            if theirs != [peer as i32; 3] {
+                return Err(format!("batch round {i}: {theirs:?}"));
+            }
         }
-        if got[got.len() - 1] != i as f32 {
-            return Err(format!("round {i}: got {}", got[got.len() - 1]));
-        }
-        let mine = [w.rank() as i32; 3];
-        let mut theirs = [0i32; 3];
-        c.batch_p2p(vec![
-            grid_core::P2pOp::Send { buf: (&mine[..]).into(), peer, tag: 1000 + i },
-            grid_core::P2pOp::Recv { buf: (&mut theirs[..]).into(), peer, tag: 1000 + i },
-        ])
-        .map_err(e)?;
-        if theirs != [peer as i32; 3] {
-            return Err(format!("batch round {i}: {theirs:?}"));
-        }
+        Ok(())
     }
-    Ok(())
-});
+);
 
 /// Runs a scenario of `mpi_fail_helper_np2` (or `_np4`) under mpirun and returns its output.
-fn scenario(
-    np: usize,
-    name: &str,
-    env: &[(&str, &str)],
-) -> backend_mpi::testing::LaunchOutput {
+fn scenario(np: usize, name: &str, env: &[(&str, &str)]) -> backend_mpi::testing::LaunchOutput {
     let exe = std::env::current_exe()
         .map(|p| p.to_string_lossy().into_owned())
         .unwrap_or_default();
@@ -214,6 +237,22 @@ fn helper(rt: &MpiRuntime) -> Result<(), String> {
                 .all_reduce_in_place(&mut v[..], ReduceOp::Sum);
             Err(format!("rank {me}: the all-reduce of {n} returned {r:?}"))
         }
+        // Rank 1 stops itself (SIGSTOP) in the middle of a loop: nobody gets an error from MPI
+        // and mpirun notices nothing; the others end the job at their 500 ms limit.
+        "sigstop" => {
+            w.set_time_limit(TimeLimit::from_millis(500));
+            let mut v = [1f32; 16];
+            for i in 0.. {
+                if me == 1 && i == 100 {
+                    let _ = std::process::Command::new("kill")
+                        .args(["-STOP", &std::process::id().to_string()])
+                        .status();
+                }
+                w.all_reduce_in_place(&mut v[..], ReduceOp::Sum)
+                    .map_err(e)?;
+            }
+            Ok(())
+        }
         // A loop of all-reduces in which rank 1 kills itself (SIGKILL) at iteration 200.
         "sigkill" => {
             let limit: u64 = std::env::var("LIMIT_MS")
@@ -230,7 +269,8 @@ fn helper(rt: &MpiRuntime) -> Result<(), String> {
                         .status();
                     std::thread::sleep(Duration::from_secs(20));
                 }
-                w.all_reduce_in_place(&mut v[..], ReduceOp::Sum).map_err(e)?;
+                w.all_reduce_in_place(&mut v[..], ReduceOp::Sum)
+                    .map_err(e)?;
                 v.iter_mut().for_each(|x| *x = 1.0);
             }
             Ok(())
@@ -272,11 +312,19 @@ fn mpi_job_ends_at_a_collective_timeout() {
         ],
     );
     // One message, from the rank that waited.
-    assert_eq!(out.output.matches("ending the job").count(), 1, "{}", out.output);
+    assert_eq!(
+        out.output.matches("ending the job").count(),
+        1,
+        "{}",
+        out.output
+    );
     assert!(out.elapsed < Duration::from_secs(15), "{:?}", out.elapsed);
     let log = std::fs::read_to_string(dir.join("rank-0.json")).unwrap_or_default();
     let _ = std::fs::remove_dir_all(&dir);
-    assert!(log.contains("\"all_reduce\"") && log.contains("timeout"), "{log}");
+    assert!(
+        log.contains("\"all_reduce\"") && log.contains("timeout"),
+        "{log}"
+    );
 }
 
 #[test]
@@ -316,13 +364,31 @@ fn mpi_job_straddling_the_check_threshold_ends_cleanly() {
     }
     for (np, count) in [(2, "65536"), (2, "2048"), (4, "16383")] {
         let out = scenario(np, "straddle", &[("COUNT", count)]);
-        assert_ended(&out, EXIT_TIMEOUT, &["did not complete within its time limit of 1000 ms (timeout)"]);
+        assert_ended(
+            &out,
+            EXIT_TIMEOUT,
+            &["did not complete within its time limit of 1000 ms (timeout)"],
+        );
         assert!(
             !out.output.contains("returned"),
             "{np} ranks, {count} against 4: an all-reduce returned:\n{}",
             out.output
         );
     }
+}
+
+#[test]
+fn mpi_job_with_a_stopped_rank_ends_at_the_limit() {
+    if under_launcher() {
+        return;
+    }
+    let out = scenario(4, "sigstop", &[]);
+    assert_ended(
+        &out,
+        EXIT_TIMEOUT,
+        &["all_reduce #100 on communicator 'world' (world ranks 0, 1, 2, 3) did not complete within its time limit of 500 ms (timeout)"],
+    );
+    assert!(out.elapsed < Duration::from_secs(15), "{:?}", out.elapsed);
 }
 
 // What Open MPI 4.1 (Debian 12's 4.1.4) does when a rank dies: the survivors get no error from
@@ -337,15 +403,28 @@ fn mpi_job_when_a_rank_is_killed() {
     }
     // Limit 20 s: mpirun's SIGTERM ends the survivors about 1 s after the death.
     let out = scenario(4, "sigkill", &[("LIMIT_MS", "20000")]);
-    assert!(out.output.contains("rank 1: SIGKILL at iteration 200"), "{}", out.output);
+    assert!(
+        out.output.contains("rank 1: SIGKILL at iteration 200"),
+        "{}",
+        out.output
+    );
     assert!(
         out.output.contains("exited on signal 9 (Killed)"),
         "mpirun did not report the death:\n{}",
         out.output
     );
     assert_ne!(out.code, Some(0), "{}", out.output);
-    assert!(out.elapsed < Duration::from_secs(12), "{:?}: {}", out.elapsed, out.output);
-    assert!(!out.output.contains("FAILED:"), "a survivor got an error: {}", out.output);
+    assert!(
+        out.elapsed < Duration::from_secs(12),
+        "{:?}: {}",
+        out.elapsed,
+        out.output
+    );
+    assert!(
+        !out.output.contains("FAILED:"),
+        "a survivor got an error: {}",
+        out.output
+    );
     // Each survivor says where it was when mpirun's SIGTERM came (mpirun may drop some lines
     // of the ranks it kills: at least one arrives).
     assert!(
@@ -358,7 +437,9 @@ fn mpi_job_when_a_rank_is_killed() {
     let out = scenario(4, "sigkill", &[("LIMIT_MS", "300")]);
     assert!(
         out.output.contains("all_reduce #")
-            && out.output.contains("did not complete within its time limit of 300 ms (timeout)"),
+            && out
+                .output
+                .contains("did not complete within its time limit of 300 ms (timeout)"),
         "{}",
         out.output
     );

@@ -180,7 +180,7 @@ fn check_cost(quick: bool) -> Result<(), String> {
     let (me, n) = (comm.rank(), comm.size());
     if me == 0 {
         println!("## Cost of mismatch checking, {n} ranks (all_reduce in place, f32, max)\n");
-        println!("Off against `MismatchCheck::All` on the same communicator, alternating sample by sample. A sample is the mean of back-to-back calls (100 at 8 B, 50 at 4 KiB, 20 at 64 KiB, 5 at 1 MiB, 1 at 8 MiB); time = median over samples of the slowest rank. Load average: {}.\n", load_average().unwrap_or_else(|| "unknown".into()));
+        println!("Off against `MismatchCheck::All` on the same communicator, alternating sample by sample. A sample is the mean of back-to-back calls (100 at 8 B, 50 at 2 and 4 KiB, 30 at 16 KiB, 20 at 64 KiB, 5 at 1 MiB, 1 at 8 MiB); time = median over samples of the slowest rank. Load average: {}.\n", load_average().unwrap_or_else(|| "unknown".into()));
         println!(
             "{}",
             header(&[
@@ -195,7 +195,9 @@ fn check_cost(quick: bool) -> Result<(), String> {
     }
     for (bytes, reps) in [
         (8usize, 100usize),
+        (2 << 10, 50),
         (4 << 10, 50),
+        (16 << 10, 30),
         (64 << 10, 20),
         (1 << 20, 5),
         (8 << 20, 1),

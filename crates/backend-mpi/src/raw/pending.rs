@@ -5,11 +5,11 @@ use super::wait::{cancel_all, statuses, wait_all, Stop};
 use super::{
     count, cptr, datatype, finalized, in_place, int, mptr, op, rc, same, Comm, RawError, Reduce, R,
 };
-use std::sync::atomic::AtomicBool;
-use std::time::Duration;
 use grid_core::{DType, HostBuffer};
 use mpi::ffi;
 use std::os::raw::{c_int, c_void};
+use std::sync::atomic::AtomicBool;
+use std::time::Duration;
 
 /// What a nonblocking operation runs.
 pub(crate) enum Immediate {
@@ -32,6 +32,10 @@ pub(crate) enum Immediate {
     /// `bufs[0]` received into.
     Recv(usize, u32),
 }
+
+/// What a completed operation hands back: its buffers, and for a receive the element count
+/// that arrived.
+pub(crate) type Completed = (Vec<HostBuffer>, Option<usize>);
 
 /// A started nonblocking MPI operation that owns its buffers until it completed.
 ///
@@ -290,7 +294,7 @@ impl Pending {
         mut self,
         limit: Option<Duration>,
         abort: &AtomicBool,
-    ) -> R<Result<(Vec<HostBuffer>, Option<usize>), Stop>> {
+    ) -> R<Result<Completed, Stop>> {
         if !self.done {
             if finalized() {
                 return Err(RawError::msg(

@@ -143,7 +143,12 @@ pub(crate) fn cancel_all(
     let never = AtomicBool::new(false);
     let mut out = Vec::with_capacity(reqs.len());
     for (r, st) in reqs.iter_mut().zip(statuses.iter_mut()) {
-        let done = match wait_all(std::slice::from_mut(r), std::slice::from_mut(st), Some(grace), &never) {
+        let done = match wait_all(
+            std::slice::from_mut(r),
+            std::slice::from_mut(st),
+            Some(grace),
+            &never,
+        ) {
             Ok(d) => d,
             // The request completed with an error (and was freed): not cancelled.
             Err(_) => {

@@ -412,7 +412,8 @@ impl<B: Backend> Comm<B> {
             buf: BufMut::from(&mut both[..]),
             op: ReduceOp::Max,
         };
-        self.inner().run_check(Validated::new(exchange, seq, limit))?;
+        self.inner()
+            .run_check(Validated::new(exchange, seq, limit))?;
         if (0..FIELDS).all(|i| both[i] == -both[FIELDS + i]) {
             return Ok(());
         }
