@@ -121,13 +121,17 @@ impl MpiBackend {
         self.timeout
     }
 
+    /// Marks the creation of a sub-communicator from this one in flight (watched like a
+    /// blocking collective, under this communicator's current default time limit).
+    pub(crate) fn creating(&self, op: usize, limit: TimeLimit) -> watch::InFlight<'_> {
+        self.watch.enter_creation(op, limit)
+    }
+
     /// Ends the job for an operation that cannot be given up (see the `watch` module).
     #[cold]
     fn stuck(&self, op: &'static str, seq: u64, limit: TimeLimit, why: Stop) -> Infallible {
         watch::end_job(&Ending {
-            op,
-            seq,
-            check: false,
+            what: format!("{op} #{seq}"),
             limit,
             why,
             site: &self.watch.site,
@@ -629,7 +633,8 @@ enum Post {
 /// cancelled and any other operation (which MPI cannot cancel) is abandoned: the wait returns
 /// [`Error::Timeout`] (or the front end's [`Error::Aborted`]) and the buffers are leaked, never
 /// freed, so that MPI can still write them safely. Dropping the work before it completed does
-/// not wait: its buffers are leaked the same way and MPI completes the operation on its own.
+/// not wait: a receive is cancelled (so that it cannot take a later message); any other
+/// operation's buffers are leaked the same way and MPI completes the operation on its own.
 struct MpiWork {
     op: &'static str,
     comm: String,

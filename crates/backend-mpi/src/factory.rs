@@ -2,7 +2,7 @@
 
 use crate::comm::{MpiBackend, MpiCommunicator};
 use grid_core::comm::check;
-use grid_core::{Backend, Communicator, Error, GroupFactory, Result};
+use grid_core::{Communicator, Error, GroupFactory, Result};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// Creates MPI communicators for sub-groups. Stateless apart from counters of the collective
@@ -79,7 +79,8 @@ impl GroupFactory for MpiFactory {
         key: usize,
     ) -> Result<Option<MpiCommunicator>> {
         const OP: &str = "split";
-        parent.check_live(OP)?;
+        // The front end's check: refused once the parent was aborted or failed.
+        parent.ensure_usable(OP)?;
         if let Some(c) = color {
             if c > i32::MAX as u32 {
                 return Err(Error::Invalid(format!("split: colour {c} exceeds the MPI limit {} (colours must be non-negative ints)", i32::MAX)));
@@ -94,6 +95,8 @@ impl GroupFactory for MpiFactory {
         let _s =
             tracing::debug_span!("mpi.split", comm = parent.comm_name(), ?color, key).entered();
         let n = self.splits.fetch_add(1, Ordering::Relaxed);
+        // MPI_Comm_split and the new communicator's duplicate, under the parent's time limit.
+        let _w = parent.creating(crate::watch::SPLIT, parent.time_limit());
         let raw = parent
             .raw()
             .split(color.map(|c| c as usize), key)
@@ -114,7 +117,8 @@ impl GroupFactory for MpiFactory {
         ranks: &[usize],
     ) -> Result<Option<MpiCommunicator>> {
         const OP: &str = "create_group";
-        parent.check_live(OP)?;
+        // The front end's check: refused once the parent was aborted or failed.
+        parent.ensure_usable(OP)?;
         let sorted = check::group_members(OP, ranks, parent.size())?;
         let _s = tracing::debug_span!(
             "mpi.create_group",
@@ -123,6 +127,7 @@ impl GroupFactory for MpiFactory {
         )
         .entered();
         let n = self.creates.fetch_add(1, Ordering::Relaxed);
+        let _w = parent.creating(crate::watch::CREATE_GROUP, parent.time_limit());
         let raw = parent
             .raw()
             .create(&sorted)

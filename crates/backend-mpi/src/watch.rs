@@ -40,13 +40,15 @@ pub const MESSAGE_GRACE: Duration = Duration::from_millis(200);
 
 /// The operations a watch can hold, by index ([`Watch::enter`] takes the index: no lookup on
 /// the fast path).
-const OPS: [&str; 6] = [
+const OPS: [&str; 8] = [
     "all_reduce",
     "broadcast",
     "all_gather",
     "reduce_scatter",
     "all_to_all",
     "barrier",
+    "split",
+    "create_group",
 ];
 pub(crate) const ALL_REDUCE: usize = 0;
 pub(crate) const BROADCAST: usize = 1;
@@ -54,6 +56,26 @@ pub(crate) const ALL_GATHER: usize = 2;
 pub(crate) const REDUCE_SCATTER: usize = 3;
 pub(crate) const ALL_TO_ALL: usize = 4;
 pub(crate) const BARRIER: usize = 5;
+pub(crate) const SPLIT: usize = 6;
+pub(crate) const CREATE_GROUP: usize = 7;
+
+/// What a token in flight is: an operation, the mismatch check's exchange before one, or the
+/// creation of a sub-communicator (which has no sequence number).
+const KIND_OP: u64 = 0;
+const KIND_CHECK: u64 = 1;
+const KIND_CREATE: u64 = 2;
+
+/// The operation a token names, for messages: `all_reduce #12`, `the mismatch check's exchange
+/// before all_reduce #12`, `split (creating a sub-communicator)`.
+fn describe(op: usize, token: u64) -> String {
+    let op = OPS.get(op).copied().unwrap_or("operation");
+    let (kind, n) = ((token - 1) & 3, (token - 1) >> 2);
+    match kind {
+        KIND_CHECK => format!("the mismatch check's exchange before {op} #{n}"),
+        KIND_CREATE => format!("{op} (creating a sub-communicator)"),
+        _ => format!("{op} #{n}"),
+    }
+}
 
 /// A limit in whole milliseconds (`u64::MAX`: none), without the 128-bit arithmetic of
 /// `Duration::as_millis` (this runs on every blocking collective).
@@ -73,8 +95,11 @@ fn limit_ms(limit: TimeLimit) -> u64 {
 /// issued one at a time: MPI requires it), and the communicator's abort flag.
 #[derive(Debug)]
 pub(crate) struct Watch {
-    /// 0: none in flight; otherwise `2 · seq + check + 1`.
+    /// 0: none in flight; otherwise `4 · n + kind + 1` (`n`: the sequence number, or for a
+    /// creation the count of creations; `kind`: `KIND_*`).
     token: AtomicU64,
+    /// Sub-communicators created from this one so far (their tokens' `n`).
+    creations: AtomicU64,
     /// Its time limit in milliseconds (`u64::MAX`: none).
     limit_ms: AtomicU64,
     /// Its name's index in `OPS`.
@@ -108,6 +133,7 @@ impl Watch {
     pub(crate) fn new(site: Site) -> Arc<Watch> {
         let w = Arc::new(Watch {
             token: AtomicU64::new(0),
+            creations: AtomicU64::new(0),
             limit_ms: AtomicU64::new(u64::MAX),
             op: AtomicUsize::new(0),
             aborted: AtomicBool::new(false),
@@ -121,18 +147,26 @@ impl Watch {
         w
     }
 
-    /// Marks blocking collective `op` #`seq` in flight until the guard is dropped.
+    /// Marks blocking collective `op` #`seq` (or the mismatch check's exchange before it,
+    /// `check`) in flight until the guard is dropped.
     #[inline]
     pub(crate) fn enter(&self, op: usize, seq: u64, check: bool, limit: TimeLimit) -> InFlight<'_> {
+        let kind = if check { KIND_CHECK } else { KIND_OP };
+        self.enter_token(op, (seq << 2 | kind).wrapping_add(1).max(1), limit)
+    }
+
+    /// Marks the creation of a sub-communicator from this one (`SPLIT`, `CREATE_GROUP`; a
+    /// collective over this communicator) in flight until the guard is dropped.
+    pub(crate) fn enter_creation(&self, op: usize, limit: TimeLimit) -> InFlight<'_> {
+        let n = self.creations.fetch_add(1, Ordering::Relaxed);
+        self.enter_token(op, (n << 2 | KIND_CREATE).wrapping_add(1).max(1), limit)
+    }
+
+    #[inline]
+    fn enter_token(&self, op: usize, token: u64, limit: TimeLimit) -> InFlight<'_> {
         self.op.store(op, Ordering::Relaxed);
         self.limit_ms.store(limit_ms(limit), Ordering::Relaxed);
-        self.token.store(
-            seq.wrapping_mul(2)
-                .wrapping_add(u64::from(check))
-                .wrapping_add(1)
-                .max(1),
-            Ordering::Release,
-        );
+        self.token.store(token, Ordering::Release);
         InFlight(self)
     }
 
@@ -233,14 +267,8 @@ fn watch_loop(dog: &'static Watchdog) {
             // The same operation must still be in flight (it may have just finished).
             if let Some(why) = why {
                 if w.token.load(Ordering::Acquire) == token {
-                    let op = OPS
-                        .get(w.op.load(Ordering::Relaxed))
-                        .copied()
-                        .unwrap_or("collective");
                     end_job(&Ending {
-                        op,
-                        seq: (token - 1) / 2,
-                        check: (token - 1) % 2 == 1,
+                        what: describe(w.op.load(Ordering::Relaxed), token),
                         limit,
                         why,
                         site: &w.site,
@@ -254,10 +282,8 @@ fn watch_loop(dog: &'static Watchdog) {
 
 /// What ended the job, for its message.
 pub(crate) struct Ending<'a> {
-    pub(crate) op: &'static str,
-    pub(crate) seq: u64,
-    /// The mismatch check's exchange before the operation, not the operation itself.
-    pub(crate) check: bool,
+    /// The operation (`send #3`, see `describe`).
+    pub(crate) what: String,
     pub(crate) limit: TimeLimit,
     pub(crate) why: Stop,
     pub(crate) site: &'a Site,
@@ -276,14 +302,7 @@ impl Ending<'_> {
 
     /// The one message printed to stderr.
     pub(crate) fn message(&self) -> String {
-        let what = if self.check {
-            format!(
-                "the mismatch check's exchange before {} #{}",
-                self.op, self.seq
-            )
-        } else {
-            format!("{} #{}", self.op, self.seq)
-        };
+        let what = &self.what;
         let why = match self.why {
             Stop::Timeout => format!(
                 "did not complete within its time limit of {} (timeout)",
@@ -396,18 +415,7 @@ fn report_sigterm() {
             continue;
         }
         any = true;
-        let op = OPS
-            .get(w.op.load(Ordering::Relaxed))
-            .copied()
-            .unwrap_or("collective");
-        let what = if (token - 1) % 2 == 1 {
-            format!(
-                "the mismatch check's exchange before {op} #{}",
-                (token - 1) / 2
-            )
-        } else {
-            format!("{op} #{}", (token - 1) / 2)
-        };
+        let what = describe(w.op.load(Ordering::Relaxed), token);
         let _ = writeln!(
             err,
             "[backend-mpi] world rank {}: terminated by SIGTERM (mpirun ends the whole job when a process died or exited without MPI_Finalize) while waiting in {what} on communicator '{}' (world ranks {}); time limit {}. MPI reported no error: a rank that never entered the operation is the likely cause.",

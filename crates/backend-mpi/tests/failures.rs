@@ -117,6 +117,39 @@ mpi_test!(
     }
 );
 
+// A nonblocking receive dropped before a message arrived is cancelled: the next message goes to
+// the next receive. A receive whose message arrives while it waits completes normally.
+mpi_test!(
+    mpi_dropped_receive_is_cancelled_np2,
+    np = 2,
+    timeout = 60,
+    |rt| {
+        let w = rt.world();
+        if w.rank() == 0 {
+            drop(w.irecv::<i32>(2, 1, 9).map_err(e)?);
+            w.barrier().map_err(e)?;
+            let mut got = [0i32; 2];
+            w.recv_from(&mut got[..], 1, 9).map_err(e)?;
+            if got != [7, 8] {
+                return Err(format!("the message went elsewhere: {got:?}"));
+            }
+            let mut late = [0i32; 1];
+            w.with_time_limit(Duration::from_millis(5000))
+                .recv_from(&mut late[..], 1, 10)
+                .map_err(e)?;
+            if late != [11] {
+                return Err(format!("late message {late:?}"));
+            }
+        } else {
+            w.barrier().map_err(e)?;
+            w.send_to(&[7i32, 8][..], 0, 9).map_err(e)?;
+            std::thread::sleep(Duration::from_millis(300));
+            w.send_to(&[11i32][..], 0, 10).map_err(e)?;
+        }
+        Ok(())
+    }
+);
+
 // Sends, receives and batches that complete normally are unaffected by a short limit, and a
 // receive that arrives while its wait runs completes.
 mpi_test!(
@@ -207,6 +240,17 @@ fn helper(rt: &MpiRuntime) -> Result<(), String> {
                     w.barrier()
                 });
                 return Err(format!("the barrier returned: {r:?}"));
+            }
+            std::thread::sleep(Duration::from_secs(20));
+            Err("rank 1 outlived the job".into())
+        }
+        // Rank 1 never takes part in the split: rank 0's MPI_Comm_split ends the job at the
+        // world's 500 ms limit.
+        "split-timeout" => {
+            if me == 0 {
+                w.set_time_limit(TimeLimit::from_millis(500));
+                let r = MpiFactory::new().split(w, Some(0), 0);
+                return Err(format!("the split returned: {:?}", r.map(|c| c.is_some())));
             }
             std::thread::sleep(Duration::from_secs(20));
             Err("rank 1 outlived the job".into())
@@ -339,6 +383,19 @@ fn mpi_job_ends_when_a_stuck_collective_is_aborted() {
         &["world rank 0: ending the job (MPI_Abort, exit code 125): barrier #0 on communicator 'world' (world ranks 0, 1) was still in progress when abort() was called on this rank (abort"],
     );
     assert!(out.elapsed < Duration::from_secs(15), "{:?}", out.elapsed);
+}
+
+#[test]
+fn mpi_job_ends_at_a_split_timeout() {
+    if under_launcher() {
+        return;
+    }
+    let out = scenario(2, "split-timeout", &[]);
+    assert_ended(
+        &out,
+        EXIT_TIMEOUT,
+        &["split (creating a sub-communicator) on communicator 'world' (world ranks 0, 1) did not complete within its time limit of 500 ms (timeout)"],
+    );
 }
 
 #[test]

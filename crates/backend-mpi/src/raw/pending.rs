@@ -343,9 +343,9 @@ impl Pending {
 }
 
 impl Drop for Pending {
-    /// A work dropped before it completed does not wait: one last test, and if the operation
-    /// is still active its buffers are leaked (MPI may still use them) and MPI finishes it on
-    /// its own.
+    /// A work dropped before it completed does not wait: one last test; a receive still
+    /// active is cancelled; any other operation still active is abandoned (its buffers leaked,
+    /// since MPI may still use them) and MPI finishes it on its own.
     fn drop(&mut self) {
         if self.done {
             return;
@@ -354,8 +354,22 @@ impl Drop for Pending {
             self.abandon();
             return;
         }
-        if !matches!(self.test(), Ok(true)) {
-            self.abandon();
+        if matches!(self.test(), Ok(true)) {
+            return;
         }
+        if self.is_recv {
+            // A receive left posted would take a later message meant for another receive:
+            // cancel it (its buffer is then free).
+            let mut st = statuses(1);
+            let req = std::slice::from_mut(&mut self.req);
+            if matches!(
+                cancel_all(req, &mut st, Duration::from_secs(1)).as_deref(),
+                Ok([Some(_)])
+            ) {
+                self.done = true;
+                return;
+            }
+        }
+        self.abandon();
     }
 }
