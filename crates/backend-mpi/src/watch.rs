@@ -19,7 +19,7 @@ use grid_core::comm::compact_ranks;
 use grid_core::oplog::Recorder;
 use grid_core::TimeLimit;
 use std::io::Write;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
@@ -77,19 +77,6 @@ fn describe(op: usize, token: u64) -> String {
     }
 }
 
-/// A limit in whole milliseconds (`u64::MAX`: none), without the 128-bit arithmetic of
-/// `Duration::as_millis` (this runs on every blocking collective).
-#[inline]
-fn limit_ms(limit: TimeLimit) -> u64 {
-    match limit {
-        TimeLimit::After(d) => d
-            .as_secs()
-            .saturating_mul(1000)
-            .saturating_add(u64::from(d.subsec_millis()))
-            .min(u64::MAX - 1),
-        TimeLimit::Unlimited => u64::MAX,
-    }
-}
 
 /// The blocking collective in flight on one communicator (collectives of one communicator are
 /// issued one at a time: MPI requires it), and the communicator's abort flag.
@@ -101,7 +88,10 @@ pub(crate) struct Watch {
     /// Sub-communicators created from this one so far (their tokens' `n`).
     creations: AtomicU64,
     /// Its time limit in milliseconds (`u64::MAX`: none).
-    limit_ms: AtomicU64,
+    /// Its time limit: whole seconds (`u64::MAX`: none) and nanoseconds, stored as they are
+    /// (no arithmetic on the fast path).
+    limit_secs: AtomicU64,
+    limit_nanos: AtomicU32,
     /// Its name's index in `OPS`.
     op: AtomicUsize,
     /// Set by `abort()`; checked by every completion loop and by the watchdog.
@@ -134,7 +124,8 @@ impl Watch {
         let w = Arc::new(Watch {
             token: AtomicU64::new(0),
             creations: AtomicU64::new(0),
-            limit_ms: AtomicU64::new(u64::MAX),
+            limit_secs: AtomicU64::new(u64::MAX),
+            limit_nanos: AtomicU32::new(0),
             op: AtomicUsize::new(0),
             aborted: AtomicBool::new(false),
             site,
@@ -165,9 +156,22 @@ impl Watch {
     #[inline]
     fn enter_token(&self, op: usize, token: u64, limit: TimeLimit) -> InFlight<'_> {
         self.op.store(op, Ordering::Relaxed);
-        self.limit_ms.store(limit_ms(limit), Ordering::Relaxed);
+        let (secs, nanos) = match limit {
+            TimeLimit::After(d) => (d.as_secs(), d.subsec_nanos()),
+            TimeLimit::Unlimited => (u64::MAX, 0),
+        };
+        self.limit_secs.store(secs, Ordering::Relaxed);
+        self.limit_nanos.store(nanos, Ordering::Relaxed);
         self.token.store(token, Ordering::Release);
         InFlight(self)
+    }
+
+    /// The time limit of the operation in flight.
+    fn limit(&self) -> TimeLimit {
+        match self.limit_secs.load(Ordering::Relaxed) {
+            u64::MAX => TimeLimit::Unlimited,
+            s => TimeLimit::After(Duration::new(s, self.limit_nanos.load(Ordering::Relaxed))),
+        }
     }
 
     /// Marks the communicator aborted and wakes the watchdog.
@@ -253,7 +257,7 @@ fn watch_loop(dog: &'static Watchdog) {
                     now
                 }
             };
-            let limit = TimeLimit::from_millis(w.limit_ms.load(Ordering::Relaxed));
+            let limit = w.limit();
             let why = if w.is_aborted() {
                 Some(Stop::Abort)
             } else if limit
@@ -422,7 +426,7 @@ fn report_sigterm() {
             w.site.world_rank,
             w.site.comm,
             compact_ranks(&w.site.ranks),
-            TimeLimit::from_millis(w.limit_ms.load(Ordering::Relaxed)),
+            w.limit(),
         );
     }
     if !any {
