@@ -77,7 +77,6 @@ fn describe(op: usize, token: u64) -> String {
     }
 }
 
-
 /// The blocking collective in flight on one communicator (collectives of one communicator are
 /// issued one at a time: MPI requires it), and the communicator's abort flag.
 #[derive(Debug)]

@@ -45,6 +45,7 @@ mpi_test!(
             return Err(format!("default limit {}", w.time_limit()));
         }
         let (a, b, c) = (fresh(rt)?, fresh(rt)?, fresh(rt)?);
+        let (d, f) = (fresh(rt)?, fresh(rt)?);
         if w.rank() == 0 {
             // 1. Per-operation limit.
             let t = Instant::now();
@@ -105,6 +106,37 @@ mpi_test!(
                 return Err(format!("irecv timeout took {:?}", t.elapsed()));
             }
             refuses(&c, "after the nonblocking timeout")?;
+            // 4. A batch whose receive never matches: cancelled, Error::Timeout.
+            let mut never = [0u8; 4];
+            let r = d
+                .with_time_limit(Duration::from_millis(200))
+                .batch_p2p(vec![grid_core::P2pOp::Recv {
+                    buf: (&mut never[..]).into(),
+                    peer: 1,
+                    tag: 80,
+                }]);
+            if !matches!(r, Err(Error::Timeout { millis: 200, .. })) {
+                return Err(format!("batch with a 200 ms limit: {r:?}"));
+            }
+            // 5. A nonblocking send that nobody receives (1 MiB: rendezvous) returns the error from its
+            // wait; its buffer is leaked and the job goes on.
+            let work = f
+                .with_time_limit(Duration::from_millis(200))
+                .isend(vec![0u8; 1 << 20], 1, 81)
+                .map_err(e)?;
+            match work.wait() {
+                Err(Error::Timeout {
+                    millis: 200,
+                    peer: Some(1),
+                    ..
+                }) => {}
+                other => {
+                    return Err(format!(
+                        "isend with a 200 ms limit: {:?}",
+                        other.map(|v| v.len())
+                    ))
+                }
+            }
         }
         // Rank 1 never sent anything: the world is still usable on both ranks.
         let mut s = [1i64];
