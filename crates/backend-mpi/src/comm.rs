@@ -135,7 +135,6 @@ impl MpiBackend {
             limit,
             why,
             site: &self.watch.site,
-            waited: limit.duration().unwrap_or_default(),
         })
     }
 

@@ -224,7 +224,7 @@ fn watch_loop(dog: &'static Watchdog) {
                 .unwrap_or_else(|p| p.into_inner());
             *woken = false;
         }
-        if raw::finalized() {
+        if raw::FINALIZED.load(Ordering::Acquire) {
             return;
         }
         let live: Vec<Arc<Watch>> = {
@@ -275,7 +275,6 @@ fn watch_loop(dog: &'static Watchdog) {
                         limit,
                         why,
                         site: &w.site,
-                        waited: now.duration_since(first),
                     });
                 }
             }
@@ -290,8 +289,6 @@ pub(crate) struct Ending<'a> {
     pub(crate) limit: TimeLimit,
     pub(crate) why: Stop,
     pub(crate) site: &'a Site,
-    /// How long the operation was seen waiting (at least).
-    pub(crate) waited: Duration,
 }
 
 impl Ending<'_> {
@@ -311,13 +308,16 @@ impl Ending<'_> {
                 "did not complete within its time limit of {} (timeout)",
                 self.limit
             ),
-            Stop::Abort => format!(
-                "was still in progress when abort() was called on this rank (abort; it had waited {} ms)",
-                self.waited.as_millis()
-            ),
+            Stop::Abort => {
+                "was still in progress when abort() was called on this rank (abort)".to_string()
+            }
+        };
+        let cause = match self.why {
+            Stop::Timeout => " A rank that never entered the operation (stopped, dead, or issuing another operation) is the likely cause; with GRID_TRACE_DIR set, `grid trace DIR` names it.",
+            Stop::Abort => "",
         };
         format!(
-            "[backend-mpi] world rank {}: ending the job (MPI_Abort, exit code {}): {what} on communicator '{}' (world ranks {}) {why}. MPI cannot cancel this operation, and returning while MPI may still use the caller's buffer would be unsafe, so the job ends here. A rank that never entered the operation (stopped, dead, or issuing another operation) is the likely cause; with GRID_TRACE_DIR set, `grid trace DIR` names it.",
+            "[backend-mpi] world rank {}: ending the job (MPI_Abort, exit code {}): {what} on communicator '{}' (world ranks {}) {why}. MPI cannot cancel this operation, and returning while MPI may still use the caller's buffer would be unsafe, so the job ends here.{cause}",
             self.site.world_rank,
             self.code(),
             self.site.comm,

@@ -7,7 +7,7 @@
 //! caller must then either cancel it ([`cancel_all`]) and see it complete, or never release its
 //! buffers (end the job, or leak them).
 
-use super::{finalized, rc, RawError, R};
+use super::{rc, RawError, FINALIZED, R};
 use mpi::ffi;
 use std::os::raw::c_int;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -78,7 +78,7 @@ pub(crate) fn wait_all(
             std::hint::spin_loop();
             continue;
         }
-        if finalized() {
+        if FINALIZED.load(Ordering::Acquire) {
             return Err(RawError::msg(
                 "MPI was finalized while the operation was pending".into(),
             ));
