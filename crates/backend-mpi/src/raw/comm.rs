@@ -1,7 +1,7 @@
 //! Owned communicator handles and the blocking calls on borrowed host memory: point to point,
 //! batches of it, collectives, splits and group creation, abort.
 
-use super::wait::{cancel_all, null_request, statuses, wait_all, Stop};
+use super::wait::{cancel_all, null_request, status, statuses, wait_all, Stop};
 use super::{
     count, cptr, datatype, finalized, in_place, int, mptr, op, rc, same, RawError, Reduce, R,
 };
@@ -408,7 +408,7 @@ impl Comm {
                 &mut req[0],
             ))?
         };
-        let mut st = statuses(1);
+        let mut st = [status()];
         match wait_all(&mut req, &mut st, limit, abort)? {
             Ok(()) => Ok(()),
             Err(why) => match stuck(why) {},
@@ -446,7 +446,7 @@ impl Comm {
                 &mut req[0],
             ))?
         };
-        let mut st = statuses(1);
+        let mut st = [status()];
         if let Err(why) = wait_all(&mut req, &mut st, limit, abort)? {
             match cancel_all(&mut req, &mut st, CANCEL_GRACE)?[0] {
                 Some(true) => return Ok(Err(why)),

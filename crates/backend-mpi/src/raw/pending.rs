@@ -1,7 +1,7 @@
 //! Nonblocking operations on owned host memory: [`Comm::start`] hands the buffers to MPI and
 //! [`Pending`] keeps them alive (and out of reach) until the request completed.
 
-use super::wait::{cancel_all, statuses, wait_all, Stop};
+use super::wait::{cancel_all, status, wait_all, Stop};
 use super::{
     count, cptr, datatype, finalized, in_place, int, mptr, op, rc, same, Comm, RawError, Reduce, R,
 };
@@ -301,7 +301,7 @@ impl Pending {
                     "MPI was finalized while the operation was pending".into(),
                 ));
             }
-            let mut st = statuses(1);
+            let mut st = [status()];
             let waited = wait_all(std::slice::from_mut(&mut self.req), &mut st, limit, abort);
             match waited {
                 Ok(Ok(())) => self.complete(&st[0])?,
@@ -360,7 +360,7 @@ impl Drop for Pending {
         if self.is_recv {
             // A receive left posted would take a later message meant for another receive:
             // cancel it (its buffer is then free).
-            let mut st = statuses(1);
+            let mut st = [status()];
             let req = std::slice::from_mut(&mut self.req);
             if matches!(
                 cancel_all(req, &mut st, Duration::from_secs(1)).as_deref(),

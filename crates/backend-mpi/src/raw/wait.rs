@@ -118,10 +118,16 @@ pub(crate) fn null_request() -> ffi::MPI_Request {
     unsafe { ffi::RSMPI_REQUEST_NULL }
 }
 
+/// A zeroed status for [`wait_all`] (on the stack: no allocation per call).
+#[inline]
+pub(crate) fn status() -> ffi::MPI_Status {
+    // SAFETY: MPI_Status is a plain C struct of integers, for which all-zero is a valid value.
+    unsafe { std::mem::zeroed() }
+}
+
 /// A zeroed status array for [`wait_all`].
 pub(crate) fn statuses(n: usize) -> Vec<ffi::MPI_Status> {
-    // SAFETY: MPI_Status is a plain C struct of integers, for which all-zero is a valid value.
-    (0..n).map(|_| unsafe { std::mem::zeroed() }).collect()
+    (0..n).map(|_| status()).collect()
 }
 
 /// Asks MPI to cancel every active request of `reqs` (receives; MPI cannot cancel a collective,
