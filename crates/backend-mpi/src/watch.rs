@@ -66,12 +66,13 @@ const KIND_CHECK: u64 = 1;
 const KIND_CREATE: u64 = 2;
 
 /// The operation a token names, for messages: `all_reduce #12`, `the mismatch check's exchange
-/// before all_reduce #12`, `split (creating a sub-communicator)`.
+/// (all_reduce) before operation #12`, `split (creating a sub-communicator)`.
 fn describe(op: usize, token: u64) -> String {
     let op = OPS.get(op).copied().unwrap_or("operation");
     let (kind, n) = ((token - 1) & 3, (token - 1) >> 2);
     match kind {
-        KIND_CHECK => format!("the mismatch check's exchange before {op} #{n}"),
+        // The exchange's own operation (all_reduce or all_gather), not the checked one's.
+        KIND_CHECK => format!("the mismatch check's exchange ({op}) before operation #{n}"),
         KIND_CREATE => format!("{op} (creating a sub-communicator)"),
         _ => format!("{op} #{n}"),
     }

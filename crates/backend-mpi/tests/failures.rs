@@ -528,7 +528,8 @@ fn mpi_job_when_a_rank_is_killed() {
     // Limit 300 ms: the survivors' own limit comes first.
     let out = scenario(4, "sigkill", &[("LIMIT_MS", "300")]);
     assert!(
-        out.output.contains("all_reduce #")
+        out.output
+            .contains("the mismatch check's exchange (all_reduce) before operation #")
             && out
                 .output
                 .contains("did not complete within its time limit of 300 ms (timeout)"),

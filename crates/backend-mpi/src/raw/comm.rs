@@ -503,31 +503,27 @@ impl Comm {
             }
         }
         let mut st = statuses(reqs.len());
-        // After a failed post, the requests already posted are completed without a limit (as
-        // before): they are matched by the peers' own operations.
-        let never = AtomicBool::new(false);
-        let waited = match first_err {
-            Some(_) => wait_all(&mut reqs, &mut st, None, &never),
-            None => wait_all(&mut reqs, &mut st, limit, abort),
-        };
-        let why = match waited {
+        let why = match wait_all(&mut reqs, &mut st, limit, abort) {
+            // Every posted request completed; a post that failed is reported now.
             Ok(Ok(())) => return first_err.map_or(Ok(Ok(())), Err),
-            Ok(Err(why)) => Some(why),
+            Ok(Err(why)) => why,
             Err(e) => {
                 // A request failed: the others may still be active. Cancel what can be.
                 let left = cancel_all(&mut reqs, &mut st, CANCEL_GRACE)?;
                 if left.iter().any(Option::is_none) {
                     match stuck(Stop::Timeout) {}
                 }
-                return Err(e);
+                return Err(first_err.unwrap_or(e));
             }
         };
-        let why = why.unwrap_or(Stop::Timeout);
         let left = cancel_all(&mut reqs, &mut st, CANCEL_GRACE)?;
         if left.iter().any(Option::is_none) {
             match stuck(why) {}
         }
-        Ok(Err(why))
+        match first_err {
+            Some(e) => Err(e),
+            None => Ok(Err(why)),
+        }
     }
 
     /// Terminates every process of the job (`MPI_Abort`); used by the test launcher after a
