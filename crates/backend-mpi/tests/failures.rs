@@ -41,8 +41,13 @@ mpi_test!(
     timeout = 60,
     |rt| {
         let w = rt.world();
-        if w.time_limit() != TimeLimit::from_millis(backend_mpi::MpiConfig::DEFAULT_TIMEOUT_MS) {
-            return Err(format!("default limit {}", w.time_limit()));
+        // The configured default (GRID_MPI_TIMEOUT_MS, else 10 minutes), inherited by splits.
+        let configured = backend_mpi::MpiConfig::from_env().map_err(e)?.timeout;
+        if w.time_limit() != configured || fresh(rt)?.time_limit() != configured {
+            return Err(format!(
+                "default limit {}, configured {configured}",
+                w.time_limit()
+            ));
         }
         let (a, b, c) = (fresh(rt)?, fresh(rt)?, fresh(rt)?);
         let (d, f) = (fresh(rt)?, fresh(rt)?);
