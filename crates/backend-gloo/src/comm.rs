@@ -3,7 +3,8 @@
 
 use crate::exec::{panic_message, worker_gone, Completion, GlooWork, Sequencer};
 use crate::ffi::{
-    AllreduceAlgorithm, RawContext, RawOp, RawP2p, ReduceScatterAlgorithm, ShimCode, ShimError,
+    AllreduceAlgorithm, P2pMismatch, RawContext, RawOp, RawP2p, ReduceScatterAlgorithm, ShimCode,
+    ShimError,
 };
 use grid_core::{
     kernels, Backend, Comm, DType, Error, HostBuffer, HostSlice, HostSliceMut, LibraryError,
@@ -141,6 +142,50 @@ fn to_error(
             .class(code.class())
             .into(),
     }
+}
+
+/// The class of [`Error::Library`] for a receive whose message did not match it.
+pub(crate) const MESSAGE_MISMATCH: &str = "message mismatch";
+
+/// The error of a receive (`op`: `recv`, or `batch_p2p` with the receive's position) on
+/// communicator `comm` whose message had another element type or count ([`P2pMismatch`]):
+/// [`Error::Library`] of class [`MESSAGE_MISMATCH`], naming the sender (communicator and world
+/// rank), the tag, both element types and counts, and what would be valid. The message was
+/// consumed, so the communicator stays usable.
+fn message_mismatch(
+    op: &'static str,
+    m: &P2pMismatch,
+    batch: bool,
+    comm: &str,
+    global_ranks: &[usize],
+) -> Error {
+    let world = global_ranks.get(m.peer).copied().unwrap_or(m.peer);
+    let which = if batch {
+        format!("receive #{} of the batch", m.index)
+    } else {
+        "this receive".to_string()
+    };
+    let (posted, sent) = (m.posted, m.sent);
+    LibraryError::new(
+        BACKEND,
+        op,
+        format!(
+            "rank {peer} (world rank {world}) sent {} {} elements with tag {tag}, but {which} posted {} {} elements: a receive must post exactly the element type and count of the message (here {} {}), or the sender must send {} {}; the message was discarded and the receive buffer left unchanged (the sender's send completed, the communicator remains usable)",
+            sent.1,
+            sent.0,
+            posted.1,
+            posted.0,
+            sent.1,
+            sent.0,
+            posted.1,
+            posted.0,
+            peer = m.peer,
+            tag = m.tag,
+        ),
+    )
+    .comm(comm)
+    .class(MESSAGE_MISMATCH)
+    .into()
 }
 
 /// For an `Avg` of i32 or u8, `input` widened to i64 (the sum of any number of such values
@@ -407,9 +452,21 @@ impl Inner {
     /// Blocking point-to-point operations, posted together and waited for within the timeout.
     fn p2p(&self, op: &'static str, ops: &mut [RawP2p<'_>]) -> Result<()> {
         self.alive(op)?;
-        self.ctx
+        let mismatches = self
+            .ctx
             .p2p(ops, self.timeout)
-            .map_err(|e| self.fail(op, e))
+            .map_err(|e| self.fail(op, e))?;
+        match mismatches.first() {
+            None => Ok(()),
+            Some(m) => Err(self.mismatch(op, m, ops.len() > 1)),
+        }
+    }
+
+    /// The error of a receive whose message did not match it (see [`message_mismatch`]); the
+    /// communicator is not marked failed.
+    fn mismatch(&self, op: &'static str, m: &P2pMismatch, batch: bool) -> Error {
+        tracing::warn!(communicator = %self.name, op, peer = m.peer, tag = m.tag, posted = ?m.posted, sent = ?m.sent, "a received message did not match its receive");
+        message_mismatch(op, m, batch, &self.name, &self.global_ranks)
     }
 }
 
@@ -574,7 +631,11 @@ impl GlooBackend {
             .name(format!("gloo-{op}"))
             .spawn(move || {
                 let (r, data) = pending.wait(timeout);
-                d.complete(r.map(|_| Tensor::Host(data)).map_err(|e| inner.fail(op, e)));
+                d.complete(match r {
+                    Ok(None) => Ok(Tensor::Host(data)),
+                    Ok(Some(m)) => Err(inner.mismatch(op, &m, false)),
+                    Err(e) => Err(inner.fail(op, e)),
+                });
             })
             .map_err(|e| {
                 self.inner.internal(

@@ -51,5 +51,6 @@ pub use factory::{
     Rendezvous,
 };
 pub use ffi::{
-    AllreduceAlgorithm, RawContext, RawOp, RawP2p, ReduceScatterAlgorithm, ShimCode, ShimError,
+    AllreduceAlgorithm, P2pMismatch, RawContext, RawOp, RawP2p, ReduceScatterAlgorithm, ShimCode,
+    ShimError,
 };
