@@ -8,7 +8,7 @@ use crate::ffi::{
 };
 use grid_core::{
     kernels, Backend, Comm, DType, Error, HostBuffer, HostSlice, HostSliceMut, LibraryError,
-    Memory, Op, P2pOp, ReduceOp, Request, Result, Tensor, Validated, Work,
+    Memory, MismatchCheck, Op, P2pOp, ReduceOp, Request, Result, Tensor, Validated, Work,
 };
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -726,6 +726,18 @@ impl Backend for GlooBackend {
 
     fn supports(&self, _dtype: DType, _op: Option<ReduceOp>) -> bool {
         true
+    }
+
+    /// Every collective is checked by default ([`MismatchCheck::All`]): a count or element size
+    /// that differs between ranks, or a rank that skips a collective, makes libgloo throw on
+    /// its transport thread, which terminates the process (SIGABRT), or returns wrong data on
+    /// the other ranks; the check (one all-reduce of 14 integers before the collective) turns
+    /// every such disagreement into [`Error::CollectiveMismatch`] on every rank first. Its cost
+    /// is in docs/performance.md. `GRID_DEBUG=off` or
+    /// [`grid_core::Comm::set_mismatch_check`]`(MismatchCheck::Off)` turns it off; a mismatch
+    /// can then terminate the process.
+    fn mismatch_check_default(&self) -> MismatchCheck {
+        MismatchCheck::All
     }
 
     fn check_live(&self, op: &'static str) -> Result<()> {
