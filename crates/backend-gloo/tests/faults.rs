@@ -79,7 +79,16 @@ fn recv_and_nonblocking_timeouts() {
             .iall_reduce(vec![1i32], ReduceOp::Sum)
             .map(|_| ())
             .unwrap_err();
-        assert!(matches!(e3, Error::Timeout { op: "all_reduce", .. }), "{e3}");
+        assert!(
+            matches!(
+                e3,
+                Error::Timeout {
+                    op: "all_reduce",
+                    ..
+                }
+            ),
+            "{e3}"
+        );
         within(t3.elapsed(), timeout, ms(1500));
         // Without it the start returns at once and the wait times out.
         other.set_mismatch_check(grid_core::MismatchCheck::Off);
