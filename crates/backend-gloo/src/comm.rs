@@ -36,6 +36,24 @@ const ABORTED: &str = "aborted by the user";
 ///   no copy. Out of place, Gloo reads the input and writes the output.
 /// * Point-to-point operations are posted at once (Gloo's unbound buffers), so `isend`/`irecv`
 ///   pairs in any order cannot deadlock; they complete when the peer matches them.
+/// * A receive gets exactly its buffer's length of its element type, or an error: every
+///   message carries its element type and count (messages up to 64 KiB travel with this header
+///   in one Gloo message, copied once on each side; larger ones as the header and then the
+///   payload straight from and into the callers' memory). A message of another length or
+///   element type is consumed and discarded, the receive buffer is left unchanged, and the
+///   receive returns [`Error::Library`] of class `"message mismatch"` naming the sender (rank
+///   and world rank), the tag, both element types and counts and what would be valid; the
+///   sender's send succeeds (as MPI's does) and the communicator remains usable. No message
+///   longer than the memory posted for it ever reaches Gloo (whose check would terminate the
+///   process).
+/// * Every collective is checked by default ([`MismatchCheck::All`], see
+///   [`Backend::mismatch_check_default`]): ranks that disagree on a collective's operation,
+///   count, element type, root or reduction, or a rank that skipped one, get
+///   [`Error::CollectiveMismatch`] on every rank before Gloo sees the collective. A nonblocking
+///   collective is then checked when it is started, so `start` returns only once every member
+///   has started it. `GRID_DEBUG=off` or `set_mismatch_check(MismatchCheck::Off)` turns the
+///   check off; a disagreement can then terminate the process (libgloo throws on its transport
+///   thread) or return wrong data on other ranks.
 /// * Every operation is bounded by the communicator's timeout ([`crate::GlooConfig::timeout`]).
 ///   After a timeout or a lost peer the communicator is unusable (Gloo closes its connections):
 ///   later calls return [`Error::Finalized`].

@@ -19,6 +19,11 @@
 //!   Redis; every key lives under the job id, so runs never mix.
 //! * Every operation is bounded by [`GlooConfig::timeout`]; a lost peer turns into
 //!   [`grid_core::Error::PeerFailed`] naming the peer.
+//! * No disagreement between ranks reaches libgloo (where it would terminate the process or
+//!   return wrong data): point-to-point messages carry their element type and count, so a
+//!   receive gets exactly its length or an error ([`P2pMismatch`]); collectives are
+//!   mismatch-checked by default ([`grid_core::MismatchCheck::All`]; see
+//!   [`GlooCommunicator`]).
 //!
 //! ```
 //! use backend_gloo::{run_ranks, GlooConfig};

@@ -137,7 +137,7 @@ fn checked(test: &str, world: &GlooCommunicator) {
 }
 
 /// Asserts that `e` is the error of a receive whose message did not match it, with the
-/// sender, the tag and both element types and counts in its message, and returns it.
+/// sender, the tag and both element types and counts in its message.
 fn assert_message_mismatch(
     e: Error,
     op: &str,
@@ -236,8 +236,8 @@ fn p2p_child(test: &str) {
     // A batch: the mismatched receive is named by its position, the batch's other operations
     // complete, the data of the matching receive is right.
     if me == 0 {
-        let a = vec![1i64; 6];
-        let b = vec![2i64; 3];
+        let a = [1i64; 6];
+        let b = [2i64; 3];
         world
             .batch_p2p(vec![
                 P2pOp::Send {
