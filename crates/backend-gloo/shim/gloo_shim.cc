@@ -1054,6 +1054,11 @@ int32_t gloo_shim_p2p(
     auto deadline = std::chrono::steady_clock::now() + to_millis(timeout_ms);
     // Unwinding out of this block destroys every transfer, which cancels what is pending and
     // waits until the transport no longer touches its memory.
+    // Every operation is checked before any is posted: a bad one must not leave the others
+    // cancelled in flight.
+    for (size_t i = 0; i < n; i++) {
+      check_op(*c->ctx, ops[i]);
+    }
     std::vector<std::unique_ptr<P2pTransfer>> transfers;
     transfers.reserve(n);
     for (size_t i = 0; i < n; i++) {
