@@ -188,7 +188,7 @@ fn message_mismatch(
         BACKEND,
         op,
         format!(
-            "rank {peer} (world rank {world}) sent {} {} elements with tag {tag}, but {which} posted {} {} elements: a receive must post exactly the element type and count of the message (here {} {}), or the sender must send {} {}; the message was discarded and the receive buffer left unchanged (the sender's send completed, the communicator remains usable)",
+            "rank {peer} (world rank {world}) sent {} {} elements with tag {tag}, but {which} posted {} {} elements: a receive must post the message's element type and count (here {} {}), or the sender must send {} {}; the message was discarded, the receive buffer is unchanged, the sender's send completed and the communicator remains usable",
             sent.1,
             sent.0,
             posted.1,

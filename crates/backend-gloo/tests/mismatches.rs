@@ -125,6 +125,8 @@ fn run_processes(test: &str, n: usize, timeout_ms: u64, envs: &[(&str, &str)]) {
             "{test}: rank {r} did not check its results\n{report}"
         );
     }
+    // Shown with --nocapture: what every rank printed (the errors it checked).
+    eprintln!("{report}");
 }
 
 fn child_world() -> GlooCommunicator {
@@ -200,6 +202,7 @@ fn p2p_child(test: &str) {
         } else {
             let mut buf = vec![-1.0f32; posted];
             let e = world.recv_from(&mut buf[..], peer, tag).unwrap_err();
+            println!("case {i}: {e}");
             assert_message_mismatch(e, "recv", 0, tag, (DType::F32, sent), (DType::F32, posted));
             assert!(
                 buf.iter().all(|&x| x == -1.0),
@@ -387,6 +390,7 @@ fn collectives_child(test: &str) {
     let e = world
         .all_reduce_in_place(&mut v[..], ReduceOp::Sum)
         .unwrap_err();
+    println!("rank {me}: {e}");
     let want = each(&|r| if r == 2 { "65536" } else { "4" }.to_string());
     assert_collective_mismatch(
         e,
