@@ -547,6 +547,9 @@ constexpr size_t kChunk = GLOO_SHIM_P2P_CHUNK;
 // The largest chunk size a receiver accepts from a header (a sanity bound, far above kChunk).
 constexpr uint64_t kMaxChunk = uint64_t(1) << 30;
 
+// Payload bytes copied through staging or scratch memory (gloo_shim_p2p_copied_bytes).
+std::atomic<uint64_t> g_p2p_copied{0};
+
 struct P2pHeader {
   uint32_t magic;
   int32_t dtype;
@@ -663,6 +666,7 @@ class P2pTransfer {
       std::memcpy(staging_.get(), &h, kHeader);
       if (op_.bytes > 0) {
         std::memcpy(staging_.get() + kHeader, op_.ptr, op_.bytes);
+        g_p2p_copied.fetch_add(op_.bytes, std::memory_order_relaxed);
       }
       head_ = ctx_.createUnboundBuffer(staging_.get(), kHeader + op_.bytes);
       head_->send(op_.peer, header_slot(op_.tag), 0, kHeader + op_.bytes);
@@ -706,6 +710,7 @@ class P2pTransfer {
       }
       if (match && h.bytes > 0) {
         std::memcpy(op_.ptr, staging_.get() + kHeader, h.bytes);
+        g_p2p_copied.fetch_add(h.bytes, std::memory_order_relaxed);
       }
       return;
     }
@@ -732,6 +737,7 @@ class P2pTransfer {
       drain->recv(op_.peer, slot, 0, static_cast<size_t>(std::min<uint64_t>(h.chunk, h.bytes - off)));
       wait_recv(*drain, deadline);
     }
+    g_p2p_copied.fetch_add(h.bytes, std::memory_order_relaxed);
   }
 
   void complete(std::chrono::steady_clock::time_point deadline) {
@@ -1074,6 +1080,10 @@ int32_t gloo_shim_p2p(
       t->complete(deadline);
     }
   });
+}
+
+uint64_t gloo_shim_p2p_copied_bytes(void) {
+  return g_p2p_copied.load(std::memory_order_relaxed);
 }
 
 int32_t gloo_shim_post(

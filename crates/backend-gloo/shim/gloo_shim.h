@@ -226,6 +226,10 @@ int32_t gloo_shim_p2p(
 int32_t gloo_shim_post(
     gloo_shim_context* ctx, const gloo_shim_p2p_op* op, gloo_shim_pending** out,
     gloo_shim_status* st);
+/* Payload bytes this process has copied through staging or scratch memory for point-to-point
+ * messages so far (both sides of inline messages, drained payloads); large matching messages
+ * add nothing (they are never copied). A diagnostic for tests and benchmarks. */
+uint64_t gloo_shim_p2p_copied_bytes(void);
 /* Waits for a posted operation; on GLOO_SHIM_OK, *result receives the op with its outputs. */
 int32_t gloo_shim_pending_wait(
     gloo_shim_pending* pending, int64_t timeout_ms, gloo_shim_p2p_op* result,

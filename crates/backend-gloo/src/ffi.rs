@@ -697,6 +697,21 @@ pub struct P2pMismatch {
     pub sent: (DType, u64),
 }
 
+/// Payload bytes this process has copied through staging or scratch memory for point-to-point
+/// messages so far: both sides of messages of up to 64 KiB (sent inline with their header) and
+/// drained mismatched payloads. Larger matching messages add nothing: they go from the sender's
+/// memory to the receiver's without a copy. A diagnostic for tests and benchmarks.
+///
+/// ```
+/// let before = backend_gloo::p2p_copied_bytes();
+/// // ... point-to-point operations ...
+/// assert!(backend_gloo::p2p_copied_bytes() >= before);
+/// ```
+pub fn p2p_copied_bytes() -> u64 {
+    // SAFETY: reads a process-wide atomic counter; no arguments, no preconditions.
+    unsafe { sys::gloo_shim_p2p_copied_bytes() }
+}
+
 /// The op's description for the shim: direction, peer, tag, dtype, count, memory; the outputs
 /// cleared.
 fn raw_op_of(

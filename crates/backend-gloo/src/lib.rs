@@ -56,6 +56,6 @@ pub use factory::{
     Rendezvous,
 };
 pub use ffi::{
-    AllreduceAlgorithm, P2pMismatch, RawContext, RawOp, RawP2p, ReduceScatterAlgorithm, ShimCode,
-    ShimError,
+    p2p_copied_bytes, AllreduceAlgorithm, P2pMismatch, RawContext, RawOp, RawP2p,
+    ReduceScatterAlgorithm, ShimCode, ShimError,
 };

@@ -354,6 +354,42 @@ fn p2p_order_of_one_pair_and_tag() {
     }
 }
 
+/// Large messages go from the sender's memory to the receiver's without a copy; small ones are
+/// copied once on each side (through the staging buffer that carries their header). Ranks are
+/// processes, so each counts only its own copies.
+fn no_copy_child(test: &str) {
+    let w = child_world();
+    let peer = 1 - w.rank();
+    let mut copied = Vec::new();
+    for n in [256usize, 4 << 20] {
+        let before = backend_gloo::p2p_copied_bytes();
+        if w.rank() == 0 {
+            w.send_to(&vec![3.0f32; n][..], peer, 1).unwrap();
+        } else {
+            let mut buf = vec![0.0f32; n];
+            w.recv_from(&mut buf[..], peer, 1).unwrap();
+            assert!(buf.iter().all(|&x| x == 3.0));
+        }
+        copied.push(backend_gloo::p2p_copied_bytes() - before);
+    }
+    assert_eq!(
+        copied,
+        vec![256 * 4, 0],
+        "bytes copied by rank {}",
+        w.rank()
+    );
+    checked(test, &w);
+}
+
+#[test]
+fn p2p_large_messages_are_not_copied() {
+    const T: &str = "p2p_large_messages_are_not_copied";
+    if in_child() {
+        return no_copy_child(T);
+    }
+    run_processes(T, 2, 20_000, &[]);
+}
+
 // ---- collectives -------------------------------------------------------------------------------
 
 /// Asserts a collective mismatch of `op` on `field` with these values (every rank's, in order).
