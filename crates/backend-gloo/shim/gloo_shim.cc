@@ -49,6 +49,8 @@ constexpr uint8_t kP2pSlotPrefix = 0x7A;
 // Slot prefix of the payloads of large point-to-point messages (the other 56 bits: the sending
 // context's message number). 0x7B is taken by the probes of probe_peers.
 constexpr uint8_t kP2pPayloadPrefix = 0x7C;
+// Slot prefix of the receiver's answer to a large message (same 56-bit message number).
+constexpr uint8_t kP2pReplyPrefix = 0x7D;
 
 // Tag of the barrier that ends a rendezvous (never reached by the collective counter in practice).
 constexpr uint32_t kConnectBarrierTag = 0xFFFFFFFFu;
@@ -563,6 +565,16 @@ struct P2pHeader {
 static_assert(sizeof(P2pHeader) == 40, "the header is 40 bytes on every rank");
 constexpr size_t kHeader = sizeof(P2pHeader);
 
+// The receiver's answer to a chunked message: whether it matched, and what the receive posted.
+struct P2pReply {
+  uint32_t magic;
+  int32_t mismatch;
+  int32_t dtype;
+  uint32_t reserved;
+  uint64_t count;
+};
+static_assert(sizeof(P2pReply) == 24, "the answer is 24 bytes on every rank");
+
 size_t dtype_size(int32_t d) {
   switch (d) {
     case GLOO_SHIM_F32:
@@ -587,6 +599,10 @@ uint64_t header_slot(uint32_t tag) {
 
 uint64_t payload_slot(uint64_t seq) {
   return (uint64_t(kP2pPayloadPrefix) << 56) | (seq & ((uint64_t(1) << 56) - 1));
+}
+
+uint64_t reply_slot(uint64_t seq) {
+  return (uint64_t(kP2pReplyPrefix) << 56) | (seq & ((uint64_t(1) << 56) - 1));
 }
 
 void check_peer(const gloo::Context& ctx, int32_t peer) {
@@ -652,8 +668,8 @@ class P2pTransfer {
       : ctx_(ctx), op_(op) {
     check_op(ctx, op);
     op_.mismatch = 0;
-    op_.sent_dtype = -1;
-    op_.sent_count = 0;
+    op_.other_dtype = -1;
+    op_.other_count = 0;
     if (op_.is_recv) {
       staging_.reset(new char[kHeader + kInlineMax]);
       head_ = ctx_.createUnboundBuffer(staging_.get(), kHeader + kInlineMax);
@@ -674,6 +690,10 @@ class P2pTransfer {
     }
     h.chunk = kChunk;
     h.seq = seq.fetch_add(1, std::memory_order_relaxed);
+    // The answer's receive goes first, so its notification reaches the receiver before the
+    // header does and the answer never waits.
+    reply_ = ctx_.createUnboundBuffer(&reply_msg_, sizeof(reply_msg_));
+    reply_->recv(op_.peer, reply_slot(h.seq), 0, sizeof(reply_msg_));
     staging_.reset(new char[kHeader]);
     std::memcpy(staging_.get(), &h, kHeader);
     head_ = ctx_.createUnboundBuffer(staging_.get(), kHeader);
@@ -701,8 +721,8 @@ class P2pTransfer {
     const bool match = h.dtype == op_.dtype && h.count == op_.count;
     if (!match) {
       op_.mismatch = 1;
-      op_.sent_dtype = h.dtype;
-      op_.sent_count = h.count;
+      op_.other_dtype = h.dtype;
+      op_.other_count = h.count;
     }
     if (h.chunk == 0) {
       if (h.bytes > kInlineMax) {
@@ -718,15 +738,19 @@ class P2pTransfer {
       protocol_error(op_, "a chunked payload of an impossible size");
     }
     const uint64_t slot = payload_slot(h.seq);
+    reply_msg_ = P2pReply{kP2pMagic, match ? 0 : 1, op_.dtype, 0, op_.count};
     if (match) {
-      // Straight into the caller's memory: no copy.
+      // Straight into the caller's memory: no copy. The payload's receives go before the
+      // answer, so the payload starts at once and the answer travels beside it.
       body_ = ctx_.createUnboundBuffer(op_.ptr, op_.bytes);
       for (size_t off = 0; off < op_.bytes; off += h.chunk) {
         body_->recv(op_.peer, slot, off, std::min<uint64_t>(h.chunk, op_.bytes - off));
         body_ops_++;
       }
+      send_reply(h.seq);
       return;
     }
+    send_reply(h.seq);
     // Drain the payload through one chunk of scratch memory, so that the sender completes and
     // the pair's next message is not stuck behind this one. The caller's memory stays as it
     // was.
@@ -754,18 +778,44 @@ class P2pTransfer {
         wait_send(*body_, deadline);
       }
     }
+    if (reply_ && !reply_done_) {
+      if (op_.is_recv) {
+        wait_send(*reply_, deadline);
+      } else {
+        wait_recv(*reply_, deadline);
+        const P2pReply& r = reply_msg_;
+        if (r.magic != kP2pMagic || dtype_size(r.dtype) == 0) {
+          protocol_error(op_, "a malformed answer to a large message");
+        }
+        if (r.mismatch != 0) {
+          op_.mismatch = 1;
+          op_.other_dtype = r.dtype;
+          op_.other_count = r.count;
+        }
+      }
+      reply_done_ = true;
+    }
   }
 
  private:
+  void send_reply(uint64_t seq) {
+    reply_ = ctx_.createUnboundBuffer(&reply_msg_, sizeof(reply_msg_));
+    reply_->send(op_.peer, reply_slot(seq), 0, sizeof(reply_msg_));
+  }
+
   gloo::Context& ctx_;
   gloo_shim_p2p_op& op_;
-  // Declared before the unbound buffers that point into it, so it is freed after them.
+  // Declared before the unbound buffers that point into them, so they are freed after them.
   std::unique_ptr<char[]> staging_;
+  P2pReply reply_msg_{};
   std::unique_ptr<gloo::transport::UnboundBuffer> head_;
   std::unique_ptr<gloo::transport::UnboundBuffer> body_;
+  // The answer to a chunked message: received by the sender, sent by the receiver.
+  std::unique_ptr<gloo::transport::UnboundBuffer> reply_;
   size_t body_ops_ = 0;
   bool arrived_ = false;
   bool head_done_ = false;
+  bool reply_done_ = false;
 };
 
 

@@ -110,13 +110,15 @@ typedef struct gloo_shim_p2p_op {
   size_t count;
   void* ptr;
   size_t bytes;
-  /* Outputs (receives only), set when the call returns GLOO_SHIM_OK: mismatch = 1 when the
-   * message that arrived had another element type or count than this receive; sent_dtype and
-   * sent_count then describe it. The message was consumed (and discarded), ptr is untouched
-   * and the connection stays usable. */
+  /* Outputs, set when the call returns GLOO_SHIM_OK: mismatch = 1 when the two sides of the
+   * message disagreed on its element type or count; other_dtype and other_count then give the
+   * other side's: for a receive, what the sender sent (the message was consumed and discarded,
+   * ptr is untouched); for a send of more than GLOO_SHIM_P2P_INLINE_MAX bytes, what the
+   * receiver posted (the receiver discarded the message). A send of up to
+   * GLOO_SHIM_P2P_INLINE_MAX bytes is not told. The connection stays usable either way. */
   int32_t mismatch;
-  int32_t sent_dtype;
-  uint64_t sent_count;
+  int32_t other_dtype;
+  uint64_t other_count;
 } gloo_shim_p2p_op;
 
 /* ---- stores ---------------------------------------------------------------------------------- */
@@ -206,9 +208,13 @@ int32_t gloo_shim_barrier(
  * payload, or receives the chunks straight into the caller's memory; if the element type or
  * count differs from the receive's, it drains the payload (inline: nothing to do; chunks:
  * through one chunk of scratch memory), leaves the caller's memory untouched and reports the
- * mismatch in the op's outputs. The sender's send succeeds either way (as MPI's does): the
- * receiver consumed the message. Headers and chunks of one pair and tag keep their order
- * (Gloo matches messages of one slot first in, first out). */
+ * mismatch in the op's outputs. For a chunked message the receiver also answers on a reply
+ * slot (posted by the sender before its header left: the answer never waits) with what it
+ * posted, so the sender's send reports the mismatch too; the answer travels while the payload
+ * does, so it adds no round trip. A send of up to GLOO_SHIM_P2P_INLINE_MAX bytes succeeds
+ * (as MPI's does): waiting for an answer would double its latency. Headers, chunks and
+ * answers of one pair and tag keep their order (Gloo matches messages of one slot first in,
+ * first out; chunks and answers have slots unique to their message). */
 
 /* Largest payload sent inline with its header (bytes). */
 #define GLOO_SHIM_P2P_INLINE_MAX (64u * 1024u)

@@ -4,7 +4,7 @@
 use crate::exec::{panic_message, worker_gone, Completion, GlooWork, Sequencer};
 use crate::ffi::{
     AllreduceAlgorithm, P2pMismatch, RawContext, RawOp, RawP2p, ReduceScatterAlgorithm, ShimCode,
-    ShimError,
+    ShimError, P2P_INLINE_MAX,
 };
 use grid_core::{
     kernels, Backend, Comm, DType, Error, HostBuffer, HostSlice, HostSliceMut, LibraryError,
@@ -42,8 +42,11 @@ const ABORTED: &str = "aborted by the user";
 ///   payload straight from and into the callers' memory). A message of another length or
 ///   element type is consumed and discarded, the receive buffer is left unchanged, and the
 ///   receive returns [`Error::Library`] of class `"message mismatch"` naming the sender (rank
-///   and world rank), the tag, both element types and counts and what would be valid; the
-///   sender's send succeeds (as MPI's does) and the communicator remains usable. No message
+///   and world rank), the tag, both element types and counts and what would be valid. The
+///   receiver of a message of more than 64 KiB answers its sender (the answer travels beside
+///   the payload: no extra round trip), so that send fails too, with the same class of error
+///   naming the receiver; a smaller send completes (as MPI's does: waiting for an answer would
+///   double its latency). The communicator remains usable. No message
 ///   longer than the memory posted for it ever reaches Gloo (whose check would terminate the
 ///   process).
 /// * Every collective is checked by default ([`MismatchCheck::All`], see
@@ -165,11 +168,11 @@ fn to_error(
 /// The class of [`Error::Library`] for a receive whose message did not match it.
 pub(crate) const MESSAGE_MISMATCH: &str = "message mismatch";
 
-/// The error of a receive (`op`: `recv`, or `batch_p2p` with the receive's position) on
-/// communicator `comm` whose message had another element type or count ([`P2pMismatch`]):
-/// [`Error::Library`] of class [`MESSAGE_MISMATCH`], naming the sender (communicator and world
-/// rank), the tag, both element types and counts, and what would be valid. The message was
-/// consumed, so the communicator stays usable.
+/// The error of a send or receive (`op`: `send`, `recv`, or `batch_p2p` with the operation's
+/// position) on communicator `comm` whose message's two sides disagreed on its element type or
+/// count ([`P2pMismatch`]): [`Error::Library`] of class [`MESSAGE_MISMATCH`], naming the other
+/// rank (communicator and world rank), the tag, both element types and counts, and what would
+/// be valid. The message was consumed, so the communicator stays usable.
 fn message_mismatch(
     op: &'static str,
     m: &P2pMismatch,
@@ -178,32 +181,37 @@ fn message_mismatch(
     global_ranks: &[usize],
 ) -> Error {
     let world = global_ranks.get(m.peer).copied().unwrap_or(m.peer);
-    let which = if batch {
-        format!("receive #{} of the batch", m.index)
-    } else {
-        "this receive".to_string()
-    };
     let (posted, sent) = (m.posted, m.sent);
-    LibraryError::new(
-        BACKEND,
-        op,
+    let (peer, tag) = (m.peer, m.tag);
+    let which = |what: &str| {
+        if batch {
+            format!("{what} #{} of the batch", m.index)
+        } else {
+            format!("this {what}")
+        }
+    };
+    let message = if m.is_recv {
+        // A sender of more than P2P_INLINE_MAX bytes gets this rank's answer and fails too.
+        let bytes = sent.1.saturating_mul(sent.0.size_bytes() as u64);
+        let sender = if bytes > P2P_INLINE_MAX as u64 {
+            "the sender's send fails too"
+        } else {
+            "the sender's send completed"
+        };
         format!(
-            "rank {peer} (world rank {world}) sent {} {} elements with tag {tag}, but {which} posted {} {} elements: a receive must post the message's element type and count (here {} {}), or the sender must send {} {}; the message was discarded, the receive buffer is unchanged, the sender's send completed and the communicator remains usable",
-            sent.1,
-            sent.0,
-            posted.1,
-            posted.0,
-            sent.1,
-            sent.0,
-            posted.1,
-            posted.0,
-            peer = m.peer,
-            tag = m.tag,
-        ),
-    )
-    .comm(comm)
-    .class(MESSAGE_MISMATCH)
-    .into()
+            "rank {peer} (world rank {world}) sent {} {} elements with tag {tag}, but {} posted {} {} elements: a receive must post the message's element type and count (here {} {}), or the sender must send {} {}; the message was discarded, the receive buffer is unchanged, {sender} and the communicator remains usable",
+            sent.1, sent.0, which("receive"), posted.1, posted.0, sent.1, sent.0, posted.1, posted.0,
+        )
+    } else {
+        format!(
+            "rank {peer} (world rank {world}) posted a receive of {} {} elements with tag {tag} for {} of {} {} elements: the receive must post the message's element type and count (here {} {}), or this rank must send {} {}; the receiver discarded the message and the communicator remains usable",
+            posted.1, posted.0, which("send"), sent.1, sent.0, sent.1, sent.0, posted.1, posted.0,
+        )
+    };
+    LibraryError::new(BACKEND, op, message)
+        .comm(comm)
+        .class(MESSAGE_MISMATCH)
+        .into()
 }
 
 /// For an `Avg` of i32 or u8, `input` widened to i64 (the sum of any number of such values
@@ -480,10 +488,10 @@ impl Inner {
         }
     }
 
-    /// The error of a receive whose message did not match it (see [`message_mismatch`]); the
+    /// The error of a message whose two sides disagreed (see [`message_mismatch`]); the
     /// communicator is not marked failed.
     fn mismatch(&self, op: &'static str, m: &P2pMismatch, batch: bool) -> Error {
-        tracing::warn!(communicator = %self.name, op, peer = m.peer, tag = m.tag, posted = ?m.posted, sent = ?m.sent, "a received message did not match its receive");
+        tracing::warn!(communicator = %self.name, op, peer = m.peer, tag = m.tag, posted = ?m.posted, sent = ?m.sent, is_recv = m.is_recv, "the two sides of a message disagreed on its element type or count");
         message_mismatch(op, m, batch, &self.name, &self.global_ranks)
     }
 }

@@ -655,10 +655,11 @@ pub enum RawP2p<'a> {
     },
 }
 
-/// A receive whose message had another element type or count than the receive posted (the
-/// shim's length protocol, see [`RawContext::p2p`]): the message was consumed and discarded,
-/// the receive buffer is untouched, and the connection stays usable. The sender's send
-/// completed normally.
+/// A message whose two sides disagreed on its element type or count (the shim's length
+/// protocol, see [`RawContext::p2p`]). On the receive's side: the message was consumed and
+/// discarded, the receive buffer is untouched. On the send's side (reported for messages of
+/// more than 64 KiB only; smaller sends complete without an answer from the receiver): the
+/// receiver discarded the message. The connection stays usable either way.
 ///
 /// ```
 /// # use backend_gloo::{run_ranks, GlooConfig, RawP2p};
@@ -681,21 +682,33 @@ pub enum RawP2p<'a> {
 /// })
 /// .unwrap();
 /// let m = r[1].as_ref().unwrap().clone().unwrap();
+/// assert!(m.is_recv);
 /// assert_eq!((m.posted, m.sent), ((DType::F32, 8), (DType::F32, 4)));
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct P2pMismatch {
-    /// Position of the receive in the operations passed.
+    /// Position of the operation in the operations passed.
     pub index: usize,
-    /// The sender (context rank).
+    /// Whether the operation is the receive (else the send).
+    pub is_recv: bool,
+    /// The other side (context rank): the sender of a receive, the receiver of a send.
     pub peer: usize,
     /// The tag.
     pub tag: u32,
     /// What the receive posted: element type and count.
-    pub posted: (DType, usize),
+    pub posted: (DType, u64),
     /// What the sender sent: element type and count.
     pub sent: (DType, u64),
 }
+
+/// The largest point-to-point payload (bytes) that travels in one Gloo message with its header
+/// (copied once on each side); larger payloads follow the header without a copy, and their
+/// receiver answers, so that their sender learns of a mismatch too ([`P2pMismatch`]).
+///
+/// ```
+/// assert_eq!(backend_gloo::P2P_INLINE_MAX, 64 << 10);
+/// ```
+pub const P2P_INLINE_MAX: usize = sys::GLOO_SHIM_P2P_INLINE_MAX as usize;
 
 /// Payload bytes this process has copied through staging or scratch memory for point-to-point
 /// messages so far: both sides of messages of up to 64 KiB (sent inline with their header) and
@@ -731,8 +744,8 @@ fn raw_op_of(
         ptr,
         bytes: count * dtype.size_bytes(),
         mismatch: 0,
-        sent_dtype: -1,
-        sent_count: 0,
+        other_dtype: -1,
+        other_count: 0,
     }
 }
 
@@ -741,22 +754,31 @@ fn mismatch_of(index: usize, op: &sys::gloo_shim_p2p_op) -> ShimResult<Option<P2
     if op.mismatch == 0 {
         return Ok(None);
     }
-    let posted = dtype_of_code(op.dtype)
-        .ok_or_else(|| ShimError::invalid(format!("unknown posted dtype code {}", op.dtype)))?;
-    let sent = dtype_of_code(op.sent_dtype).ok_or_else(|| ShimError {
+    let mine = dtype_of_code(op.dtype)
+        .ok_or_else(|| ShimError::invalid(format!("unknown dtype code {}", op.dtype)))?;
+    let other = dtype_of_code(op.other_dtype).ok_or_else(|| ShimError {
         code: ShimCode::Other,
         peer: None,
         message: format!(
-            "rank {} sent a message with an unknown element type code {}",
-            op.peer, op.sent_dtype
+            "rank {} described the message with an unknown element type code {}",
+            op.peer, op.other_dtype
         ),
     })?;
+    let mine = (mine, op.count as u64);
+    let other = (other, op.other_count);
+    let is_recv = op.is_recv != 0;
+    let (posted, sent) = if is_recv {
+        (mine, other)
+    } else {
+        (other, mine)
+    };
     Ok(Some(P2pMismatch {
         index,
+        is_recv,
         peer: usize::try_from(op.peer).unwrap_or(usize::MAX),
         tag: op.tag,
-        posted: (posted, op.count),
-        sent: (sent, op.sent_count),
+        posted,
+        sent,
     }))
 }
 
@@ -1109,8 +1131,9 @@ impl RawContext {
     ///
     /// Every message carries its element type and count (the shim's length protocol, described
     /// in `shim/gloo_shim.h`): a receive gets exactly its buffer's length of its dtype, or its
-    /// buffer stays untouched and the returned list names it ([`P2pMismatch`]); the call
-    /// itself succeeds then, since every message was consumed and the connections are intact.
+    /// buffer stays untouched and the returned list names it ([`P2pMismatch`]), as it names a
+    /// send of more than 64 KiB whose receiver posted something else; the call itself succeeds
+    /// then, since every message was consumed and the connections are intact.
     /// Messages of up to 64 KiB travel with their header in one Gloo message (one copy on each
     /// side); larger ones as a header and then the payload straight from and into the callers'
     /// memory.
@@ -1225,8 +1248,8 @@ unsafe impl Send for RawPending {}
 
 impl RawPending {
     /// Waits up to `timeout` for the operation and returns the buffer (received data for a
-    /// receive) with the receive's mismatch, if its message had another dtype or count (the
-    /// buffer is then untouched). The operation is cancelled if it failed.
+    /// receive) with the mismatch of the message's two sides, if any ([`P2pMismatch`]; a
+    /// receive's buffer is then untouched). The operation is cancelled if it failed.
     pub(crate) fn wait(
         mut self,
         timeout: Duration,

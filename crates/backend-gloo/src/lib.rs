@@ -57,5 +57,5 @@ pub use factory::{
 };
 pub use ffi::{
     p2p_copied_bytes, AllreduceAlgorithm, P2pMismatch, RawContext, RawOp, RawP2p,
-    ReduceScatterAlgorithm, ShimCode, ShimError,
+    ReduceScatterAlgorithm, ShimCode, ShimError, P2P_INLINE_MAX,
 };

@@ -138,8 +138,10 @@ fn checked(test: &str, world: &GlooCommunicator) {
     println!("CHECKED {test} rank {}", world.rank());
 }
 
-/// Asserts that `e` is the error of a receive whose message did not match it, with the
-/// sender, the tag and both element types and counts in its message.
+/// Asserts that `e` is the error of a message whose two sides disagreed, with the other rank,
+/// the tag and both element types and counts in its message: on the receive's side (`op`
+/// `recv` or `batch_p2p` with a receive) naming the sender `peer`, on the send's side (`send`)
+/// naming the receiver `peer`.
 fn assert_message_mismatch(
     e: Error,
     op: &str,
@@ -155,22 +157,36 @@ fn assert_message_mismatch(
                 ("gloo", op, Some("message mismatch")),
                 "{e}"
             );
-            let want_sent = format!(
-                "rank {peer} (world rank {peer}) sent {} {} elements with tag {tag}",
-                sent.1, sent.0
-            );
-            let want_posted = format!("posted {} {} elements", posted.1, posted.0);
-            assert!(l.message.contains(&want_sent), "{e}\nwanted: {want_sent}");
-            assert!(
-                l.message.contains(&want_posted),
-                "{e}\nwanted: {want_posted}"
-            );
+            let wanted = if op == "send" {
+                vec![
+                    format!(
+                        "rank {peer} (world rank {peer}) posted a receive of {} {} elements with tag {tag}",
+                        posted.1, posted.0
+                    ),
+                    format!("send of {} {} elements", sent.1, sent.0),
+                ]
+            } else {
+                vec![
+                    format!(
+                        "rank {peer} (world rank {peer}) sent {} {} elements with tag {tag}",
+                        sent.1, sent.0
+                    ),
+                    format!("posted {} {} elements", posted.1, posted.0),
+                ]
+            };
+            for w in wanted {
+                assert!(l.message.contains(&w), "{e}\nwanted: {w}");
+            }
             assert!(l.comm == "w0", "{e}");
         }
         other => panic!("{op}: expected a message mismatch, got {other:?}"),
     }
     assert!(e.is_communication());
 }
+
+/// Messages of more than this many bytes are answered by their receiver, so their sender learns
+/// of a mismatch too; smaller sends complete without an answer.
+const INLINE_MAX: usize = 64 << 10;
 
 // ---- point to point ----------------------------------------------------------------------------
 
@@ -195,10 +211,23 @@ fn p2p_child(test: &str) {
         let tag = 10 + i as u32;
         if me == 0 {
             let data: Vec<f32> = (0..sent).map(|x| x as f32).collect();
-            // The send completes: the receiver consumed (and discarded) the message.
-            world
-                .send_to(&data[..], peer, tag)
-                .unwrap_or_else(|e| panic!("case {i}: send: {e}"));
+            // The receiver consumed (and discarded) the message. A large send learns of the
+            // mismatch from the receiver's answer; a small one completes.
+            let r = world.send_to(&data[..], peer, tag);
+            if sent * 4 > INLINE_MAX {
+                let e = r.unwrap_err();
+                println!("case {i} (sender): {e}");
+                assert_message_mismatch(
+                    e,
+                    "send",
+                    1,
+                    tag,
+                    (DType::F32, sent),
+                    (DType::F32, posted),
+                );
+            } else {
+                r.unwrap_or_else(|e| panic!("case {i}: send: {e}"));
+            }
         } else {
             let mut buf = vec![-1.0f32; posted];
             let e = world.recv_from(&mut buf[..], peer, tag).unwrap_err();
@@ -213,7 +242,19 @@ fn p2p_child(test: &str) {
     // Another element type of the same size, inline and chunked.
     for (tag, n) in [(30u32, 4usize), (31, 1 << 20)] {
         if me == 0 {
-            world.send_to(&vec![7i32; n][..], peer, tag).unwrap();
+            let r = world.send_to(&vec![7i32; n][..], peer, tag);
+            if n * 4 > INLINE_MAX {
+                assert_message_mismatch(
+                    r.unwrap_err(),
+                    "send",
+                    1,
+                    tag,
+                    (DType::I32, n),
+                    (DType::F32, n),
+                );
+            } else {
+                r.unwrap();
+            }
         } else {
             let mut buf = vec![0.5f32; n];
             let e = world.recv_from(&mut buf[..], peer, tag).unwrap_err();
@@ -221,20 +262,21 @@ fn p2p_child(test: &str) {
             assert!(buf.iter().all(|&x| x == 0.5));
         }
     }
-    // Nonblocking: the receive's wait returns the error, the send's wait succeeds.
+    // Nonblocking: the receive's wait returns the error; the send's wait succeeds for a small
+    // message and returns the error for a large one.
     if me == 0 {
         let w = world.isend(vec![1u8; 16], peer, 40).unwrap();
         assert_eq!(w.wait().unwrap(), vec![1u8; 16]);
+        let w = world.isend(vec![1u8; 100_000], peer, 41).unwrap();
+        let e = w.wait().unwrap_err();
+        assert_message_mismatch(e, "send", 1, 41, (DType::U8, 100_000), (DType::U8, 50));
     } else {
         let w = world.irecv::<u8>(8, peer, 40).unwrap();
-        assert_message_mismatch(
-            w.wait().unwrap_err(),
-            "recv",
-            0,
-            40,
-            (DType::U8, 16),
-            (DType::U8, 8),
-        );
+        let e = w.wait().unwrap_err();
+        assert_message_mismatch(e, "recv", 0, 40, (DType::U8, 16), (DType::U8, 8));
+        let w = world.irecv::<u8>(50, peer, 41).unwrap();
+        let e = w.wait().unwrap_err();
+        assert_message_mismatch(e, "recv", 0, 41, (DType::U8, 100_000), (DType::U8, 50));
     }
     // A batch: the mismatched receive is named by its position, the batch's other operations
     // complete, the data of the matching receive is right.
