@@ -8,6 +8,7 @@
 #include "gloo_shim.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <cstdio>
@@ -48,10 +49,15 @@ namespace {
 
 using Millis = std::chrono::milliseconds;
 
-// Slot prefix of user point-to-point messages. Gloo's collectives use prefixes 0x01..0x08
-// (gloo/types.h) and the legacy algorithms small slot numbers (prefix 0), so user tags never
-// collide with a collective.
+// Slot prefix of user point-to-point messages (their headers, and small messages whole). Gloo's
+// collectives use prefixes 0x01..0x08 (gloo/types.h) and the legacy algorithms small slot
+// numbers (prefix 0), so user tags never collide with a collective.
 constexpr uint8_t kP2pSlotPrefix = 0x7A;
+// Slot prefix of the payloads of large point-to-point messages (the other 56 bits: the sending
+// context's message number). 0x7B is taken by the probes of probe_peers.
+constexpr uint8_t kP2pPayloadPrefix = 0x7C;
+// Slot prefix of the receiver's answer to a large message (same 56-bit message number).
+constexpr uint8_t kP2pReplyPrefix = 0x7D;
 
 // Tag of the barrier that ends a rendezvous (never reached by the collective counter in practice).
 constexpr uint32_t kConnectBarrierTag = 0xFFFFFFFFu;
@@ -258,6 +264,9 @@ struct gloo_shim_context {
   // Every rank makes the same calls in the same order, so every rank makes the same decision
   // (and takes the same slots). Owned; deleted before `ctx` (see drop_hd).
   HdCache* hd = nullptr;
+  // Sequence number of the next large point-to-point message sent from this context: names its
+  // payload slot (see the length protocol in gloo_shim.h).
+  std::atomic<uint64_t> p2p_seq{0};
 };
 
 namespace {
@@ -269,12 +278,6 @@ void drop_hd(gloo_shim_context* c) {
 }
 
 }  // namespace
-
-struct gloo_shim_pending {
-  std::shared_ptr<gloo::rendezvous::Context> ctx;
-  std::unique_ptr<gloo::transport::UnboundBuffer> buf;
-  bool is_recv;
-};
 
 namespace {
 
@@ -594,8 +597,69 @@ void run_reduce_scatter_ar(
       recv_count * sizeof(T));
 }
 
-uint64_t p2p_slot(uint32_t tag) {
+// ---- point to point: the length protocol (described in gloo_shim.h) ---------------------------
+
+// "GRDP": the first four bytes of every point-to-point header.
+constexpr uint32_t kP2pMagic = 0x50445247u;
+constexpr size_t kInlineMax = GLOO_SHIM_P2P_INLINE_MAX;
+constexpr size_t kChunk = GLOO_SHIM_P2P_CHUNK;
+// The largest chunk size a receiver accepts from a header (a sanity bound, far above kChunk).
+constexpr uint64_t kMaxChunk = uint64_t(1) << 30;
+
+// Payload bytes copied through staging or scratch memory (gloo_shim_p2p_copied_bytes).
+std::atomic<uint64_t> g_p2p_copied{0};
+
+struct P2pHeader {
+  uint32_t magic;
+  int32_t dtype;
+  uint64_t count;
+  uint64_t bytes;
+  // 0: the payload follows the header in the same message. Otherwise the payload comes in
+  // chunks of this many bytes (the last one shorter) on payload slot `seq`.
+  uint64_t chunk;
+  uint64_t seq;
+};
+static_assert(sizeof(P2pHeader) == 40, "the header is 40 bytes on every rank");
+constexpr size_t kHeader = sizeof(P2pHeader);
+
+// The receiver's answer to a chunked message: whether it matched, and what the receive posted.
+struct P2pReply {
+  uint32_t magic;
+  int32_t mismatch;
+  int32_t dtype;
+  uint32_t reserved;
+  uint64_t count;
+};
+static_assert(sizeof(P2pReply) == 24, "the answer is 24 bytes on every rank");
+
+size_t dtype_size(int32_t d) {
+  switch (d) {
+    case GLOO_SHIM_F32:
+    case GLOO_SHIM_I32:
+      return 4;
+    case GLOO_SHIM_F64:
+    case GLOO_SHIM_I64:
+      return 8;
+    case GLOO_SHIM_U8:
+      return 1;
+    case GLOO_SHIM_F16:
+    case GLOO_SHIM_BF16:
+      return 2;
+    default:
+      return 0;
+  }
+}
+
+uint64_t header_slot(uint32_t tag) {
   return gloo::Slot::build(kP2pSlotPrefix, tag);
+}
+
+uint64_t payload_slot(uint64_t seq) {
+  return (uint64_t(kP2pPayloadPrefix) << 56) | (seq & ((uint64_t(1) << 56) - 1));
+}
+
+uint64_t reply_slot(uint64_t seq) {
+  return (uint64_t(kP2pReplyPrefix) << 56) | (seq & ((uint64_t(1) << 56) - 1));
 }
 
 void check_peer(const gloo::Context& ctx, int32_t peer) {
@@ -606,25 +670,30 @@ void check_peer(const gloo::Context& ctx, int32_t peer) {
   }
 }
 
-std::unique_ptr<gloo::transport::UnboundBuffer> post(
-    gloo::Context& ctx, const gloo_shim_p2p_op& op) {
+void check_op(const gloo::Context& ctx, const gloo_shim_p2p_op& op) {
   check_peer(ctx, op.peer);
-  void* ptr = op.bytes == 0 ? nullptr : op.ptr;
-  auto buf = ctx.createUnboundBuffer(ptr, op.bytes);
-  if (op.is_recv) {
-    buf->recv(op.peer, p2p_slot(op.tag), 0, op.bytes);
-  } else {
-    buf->send(op.peer, p2p_slot(op.tag), 0, op.bytes);
+  size_t width = dtype_size(op.dtype);
+  if (width == 0) {
+    throw std::invalid_argument("unknown dtype " + std::to_string(op.dtype));
   }
-  return buf;
+  if (op.count > std::numeric_limits<size_t>::max() / width || op.count * width != op.bytes) {
+    throw std::invalid_argument(
+        "buffer of " + std::to_string(op.bytes) + " bytes does not hold " +
+        std::to_string(op.count) + " elements of " + std::to_string(width) + " bytes");
+  }
+  if (op.bytes > 0 && op.ptr == nullptr) {
+    throw std::invalid_argument("null buffer of " + std::to_string(op.bytes) + " bytes");
+  }
 }
 
-void wait_one(gloo::transport::UnboundBuffer& buf, bool is_recv, Millis timeout) {
-  if (is_recv) {
-    buf.waitRecv(timeout);
-  } else {
-    buf.waitSend(timeout);
-  }
+// A protocol violation: a message on a point-to-point slot that this shim did not make (or a
+// header that does not describe itself consistently). The connection's state is unknown
+// afterwards, so this is a failure of the communicator, not a mismatch.
+[[noreturn]] void protocol_error(const gloo_shim_p2p_op& op, const std::string& what) {
+  throw std::runtime_error(
+      "point-to-point protocol violation in a message from rank " + std::to_string(op.peer) +
+      " with tag " + std::to_string(op.tag) + ": " + what +
+      " (every rank must run the same version of this library)");
 }
 
 Millis remaining(std::chrono::steady_clock::time_point deadline) {
@@ -1086,7 +1155,190 @@ std::shared_ptr<gloo::rendezvous::Context> connect_mesh(
   return ctx;
 }
 
+// Gloo's waits return false only when another thread called abortWait*, which the shim never
+// does; treat it as a failure rather than a completion.
+void wait_recv(gloo::transport::UnboundBuffer& b, std::chrono::steady_clock::time_point dl) {
+  if (!b.waitRecv(remaining(dl))) {
+    throw std::runtime_error("a receive was interrupted");
+  }
+}
+
+void wait_send(gloo::transport::UnboundBuffer& b, std::chrono::steady_clock::time_point dl) {
+  if (!b.waitSend(remaining(dl))) {
+    throw std::runtime_error("a send was interrupted");
+  }
+}
+
+// One posted point-to-point operation under the length protocol. `arrive` (receives only)
+// waits for the header and acts on it; `complete` waits for everything still in flight.
+// Destroying it cancels what is still pending and waits until Gloo no longer touches the
+// memory (the unbound buffers go before the staging memory they point into).
+class P2pTransfer {
+ public:
+  P2pTransfer(gloo::Context& ctx, std::atomic<uint64_t>& seq, gloo_shim_p2p_op& op)
+      : ctx_(ctx), op_(op) {
+    check_op(ctx, op);
+    op_.mismatch = 0;
+    op_.other_dtype = -1;
+    op_.other_count = 0;
+    if (op_.is_recv) {
+      staging_.reset(new char[kHeader + kInlineMax]);
+      head_ = ctx_.createUnboundBuffer(staging_.get(), kHeader + kInlineMax);
+      head_->recv(op_.peer, header_slot(op_.tag), 0, kHeader + kInlineMax);
+      return;
+    }
+    P2pHeader h{kP2pMagic, op_.dtype, op_.count, op_.bytes, 0, 0};
+    if (op_.bytes <= kInlineMax) {
+      staging_.reset(new char[kHeader + op_.bytes]);
+      std::memcpy(staging_.get(), &h, kHeader);
+      if (op_.bytes > 0) {
+        std::memcpy(staging_.get() + kHeader, op_.ptr, op_.bytes);
+        g_p2p_copied.fetch_add(op_.bytes, std::memory_order_relaxed);
+      }
+      head_ = ctx_.createUnboundBuffer(staging_.get(), kHeader + op_.bytes);
+      head_->send(op_.peer, header_slot(op_.tag), 0, kHeader + op_.bytes);
+      return;
+    }
+    h.chunk = kChunk;
+    h.seq = seq.fetch_add(1, std::memory_order_relaxed);
+    // The answer's receive goes first, so its notification reaches the receiver before the
+    // header does and the answer never waits.
+    reply_ = ctx_.createUnboundBuffer(&reply_msg_, sizeof(reply_msg_));
+    reply_->recv(op_.peer, reply_slot(h.seq), 0, sizeof(reply_msg_));
+    staging_.reset(new char[kHeader]);
+    std::memcpy(staging_.get(), &h, kHeader);
+    head_ = ctx_.createUnboundBuffer(staging_.get(), kHeader);
+    head_->send(op_.peer, header_slot(op_.tag), 0, kHeader);
+    body_ = ctx_.createUnboundBuffer(op_.ptr, op_.bytes);
+    for (size_t off = 0; off < op_.bytes; off += kChunk) {
+      body_->send(op_.peer, payload_slot(h.seq), off, std::min(kChunk, op_.bytes - off));
+      body_ops_++;
+    }
+  }
+
+  void arrive(std::chrono::steady_clock::time_point deadline) {
+    if (!op_.is_recv || arrived_) {
+      return;
+    }
+    wait_recv(*head_, deadline);
+    arrived_ = true;
+    P2pHeader h;
+    std::memcpy(&h, staging_.get(), kHeader);
+    size_t width = dtype_size(h.dtype);
+    if (h.magic != kP2pMagic || width == 0 || h.count > h.bytes / width ||
+        h.count * width != h.bytes) {
+      protocol_error(op_, "malformed header");
+    }
+    const bool match = h.dtype == op_.dtype && h.count == op_.count;
+    if (!match) {
+      op_.mismatch = 1;
+      op_.other_dtype = h.dtype;
+      op_.other_count = h.count;
+    }
+    if (h.chunk == 0) {
+      if (h.bytes > kInlineMax) {
+        protocol_error(op_, "an inline payload larger than the inline limit");
+      }
+      if (match && h.bytes > 0) {
+        std::memcpy(op_.ptr, staging_.get() + kHeader, h.bytes);
+        g_p2p_copied.fetch_add(h.bytes, std::memory_order_relaxed);
+      }
+      return;
+    }
+    if (h.chunk > kMaxChunk || h.bytes <= kInlineMax) {
+      protocol_error(op_, "a chunked payload of an impossible size");
+    }
+    const uint64_t slot = payload_slot(h.seq);
+    reply_msg_ = P2pReply{kP2pMagic, match ? 0 : 1, op_.dtype, 0, op_.count};
+    if (match) {
+      // Straight into the caller's memory: no copy. The payload's receives go before the
+      // answer, so the payload starts at once and the answer travels beside it.
+      body_ = ctx_.createUnboundBuffer(op_.ptr, op_.bytes);
+      for (size_t off = 0; off < op_.bytes; off += h.chunk) {
+        body_->recv(op_.peer, slot, off, std::min<uint64_t>(h.chunk, op_.bytes - off));
+        body_ops_++;
+      }
+      send_reply(h.seq);
+      return;
+    }
+    send_reply(h.seq);
+    // Drain the payload through one chunk of scratch memory, so that the sender completes and
+    // the pair's next message is not stuck behind this one. The caller's memory stays as it
+    // was.
+    const size_t scratch_bytes = static_cast<size_t>(std::min<uint64_t>(h.chunk, h.bytes));
+    std::unique_ptr<char[]> scratch(new char[scratch_bytes]);
+    auto drain = ctx_.createUnboundBuffer(scratch.get(), scratch_bytes);
+    for (uint64_t off = 0; off < h.bytes; off += h.chunk) {
+      drain->recv(op_.peer, slot, 0, static_cast<size_t>(std::min<uint64_t>(h.chunk, h.bytes - off)));
+      wait_recv(*drain, deadline);
+    }
+    g_p2p_copied.fetch_add(h.bytes, std::memory_order_relaxed);
+  }
+
+  void complete(std::chrono::steady_clock::time_point deadline) {
+    if (op_.is_recv) {
+      arrive(deadline);
+    } else if (!head_done_) {
+      wait_send(*head_, deadline);
+      head_done_ = true;
+    }
+    for (; body_ops_ > 0; body_ops_--) {
+      if (op_.is_recv) {
+        wait_recv(*body_, deadline);
+      } else {
+        wait_send(*body_, deadline);
+      }
+    }
+    if (reply_ && !reply_done_) {
+      if (op_.is_recv) {
+        wait_send(*reply_, deadline);
+      } else {
+        wait_recv(*reply_, deadline);
+        const P2pReply& r = reply_msg_;
+        if (r.magic != kP2pMagic || dtype_size(r.dtype) == 0) {
+          protocol_error(op_, "a malformed answer to a large message");
+        }
+        if (r.mismatch != 0) {
+          op_.mismatch = 1;
+          op_.other_dtype = r.dtype;
+          op_.other_count = r.count;
+        }
+      }
+      reply_done_ = true;
+    }
+  }
+
+ private:
+  void send_reply(uint64_t seq) {
+    reply_ = ctx_.createUnboundBuffer(&reply_msg_, sizeof(reply_msg_));
+    reply_->send(op_.peer, reply_slot(seq), 0, sizeof(reply_msg_));
+  }
+
+  gloo::Context& ctx_;
+  gloo_shim_p2p_op& op_;
+  // Declared before the unbound buffers that point into them, so they are freed after them.
+  std::unique_ptr<char[]> staging_;
+  P2pReply reply_msg_{};
+  std::unique_ptr<gloo::transport::UnboundBuffer> head_;
+  std::unique_ptr<gloo::transport::UnboundBuffer> body_;
+  // The answer to a chunked message: received by the sender, sent by the receiver.
+  std::unique_ptr<gloo::transport::UnboundBuffer> reply_;
+  size_t body_ops_ = 0;
+  bool arrived_ = false;
+  bool head_done_ = false;
+  bool reply_done_ = false;
+};
+
+
 }  // namespace
+
+// A posted operation: its own copy of the op (the transfer writes the outputs into it), the
+// context it runs on, and the transfer (destroyed first: declared last).
+struct gloo_shim_pending {
+  std::shared_ptr<gloo::rendezvous::Context> ctx;
+  gloo_shim_p2p_op op;
+  std::unique_ptr<P2pTransfer> transfer;
+};
 
 extern "C" {
 
@@ -1436,17 +1688,32 @@ int32_t gloo_shim_p2p(
     gloo_shim_status* st) {
   return guarded(c->ctx.get(), st, [&] {
     auto deadline = std::chrono::steady_clock::now() + to_millis(timeout_ms);
-    // Destroying an unbound buffer cancels its pending operation and waits until the transport
-    // no longer touches its memory, so unwinding out of this block leaves no access behind.
-    std::vector<std::unique_ptr<gloo::transport::UnboundBuffer>> bufs;
-    bufs.reserve(n);
+    // Unwinding out of this block destroys every transfer, which cancels what is pending and
+    // waits until the transport no longer touches its memory.
+    // Every operation is checked before any is posted: a bad one must not leave the others
+    // cancelled in flight.
     for (size_t i = 0; i < n; i++) {
-      bufs.push_back(post(*c->ctx, ops[i]));
+      check_op(*c->ctx, ops[i]);
     }
+    std::vector<std::unique_ptr<P2pTransfer>> transfers;
+    transfers.reserve(n);
     for (size_t i = 0; i < n; i++) {
-      wait_one(*bufs[i], ops[i].is_recv != 0, remaining(deadline));
+      transfers.emplace_back(new P2pTransfer(*c->ctx, c->p2p_seq, ops[i]));
+    }
+    // Every header first (each receive posts its payload as soon as its header is read), then
+    // everything else. The peers posted all of their sends when their own calls began, so no
+    // wait here depends on a later step of this call.
+    for (auto& t : transfers) {
+      t->arrive(deadline);
+    }
+    for (auto& t : transfers) {
+      t->complete(deadline);
     }
   });
+}
+
+uint64_t gloo_shim_p2p_copied_bytes(void) {
+  return g_p2p_copied.load(std::memory_order_relaxed);
 }
 
 int32_t gloo_shim_post(
@@ -1454,15 +1721,19 @@ int32_t gloo_shim_post(
     gloo_shim_status* st) {
   *out = nullptr;
   return guarded(c->ctx.get(), st, [&] {
-    auto buf = post(*c->ctx, *op);
-    *out = new gloo_shim_pending{c->ctx, std::move(buf), op->is_recv != 0};
+    std::unique_ptr<gloo_shim_pending> p(new gloo_shim_pending{c->ctx, *op, nullptr});
+    p->transfer.reset(new P2pTransfer(*c->ctx, c->p2p_seq, p->op));
+    *out = p.release();
   });
 }
 
 int32_t gloo_shim_pending_wait(
-    gloo_shim_pending* pending, int64_t timeout_ms, gloo_shim_status* st) {
+    gloo_shim_pending* pending, int64_t timeout_ms, gloo_shim_p2p_op* result,
+    gloo_shim_status* st) {
   return guarded(pending->ctx.get(), st, [&] {
-    wait_one(*pending->buf, pending->is_recv, to_millis(timeout_ms));
+    auto deadline = std::chrono::steady_clock::now() + to_millis(timeout_ms);
+    pending->transfer->complete(deadline);
+    *result = pending->op;
   });
 }
 

@@ -22,6 +22,11 @@
 //!   never arrived. A lost or stopped peer turns into [`grid_core::Error::PeerFailed`] (or
 //!   [`grid_core::Error::Timeout`]) naming the rank that failed first, found through failure
 //!   records in the store.
+//! * No disagreement between ranks reaches libgloo (where it would terminate the process or
+//!   return wrong data): point-to-point messages carry their element type and count, so a
+//!   receive gets exactly its length or an error ([`P2pMismatch`]); collectives are
+//!   mismatch-checked by default ([`grid_core::MismatchCheck::All`]; see
+//!   [`GlooCommunicator`]).
 //!
 //! ```
 //! use backend_gloo::{run_ranks, GlooConfig};
@@ -55,5 +60,6 @@ pub use factory::{
     Rendezvous,
 };
 pub use ffi::{
-    AllreduceAlgorithm, RawContext, RawOp, RawP2p, ReduceScatterAlgorithm, ShimCode, ShimError,
+    p2p_copied_bytes, AllreduceAlgorithm, P2pMismatch, RawContext, RawOp, RawP2p,
+    ReduceScatterAlgorithm, ShimCode, ShimError, P2P_INLINE_MAX,
 };

@@ -67,8 +67,9 @@ fn recv_and_nonblocking_timeouts() {
     let cfg = GlooConfig::new("p2p-timeout").with_timeout(timeout);
     let gate = Barrier::new(2);
     let out = run_ranks(2, &cfg, |f, world| {
-        // A second communicator for the nonblocking part (the first one dies with the timeout).
+        // Other communicators for the nonblocking part (the first one dies with the timeout).
         let other = f.create_group(&world, &[0, 1])?.expect("member");
+        let checked = f.create_group(&world, &[0, 1])?.expect("member");
         if world.rank() == 1 {
             gate.wait();
             return Ok(None);
@@ -76,6 +77,27 @@ fn recv_and_nonblocking_timeouts() {
         let t = Instant::now();
         let e = world.recv_from(&mut [0u8; 4], 1, 3).unwrap_err();
         let took = t.elapsed();
+        // With mismatch checking on (Gloo's default), starting a collective runs the check's
+        // exchange, which waits for the peer: the start itself times out.
+        assert_eq!(checked.mismatch_check(), grid_core::MismatchCheck::All);
+        let t3 = Instant::now();
+        let e3 = checked
+            .iall_reduce(vec![1i32], ReduceOp::Sum)
+            .map(|_| ())
+            .unwrap_err();
+        assert!(
+            matches!(
+                e3,
+                Error::Timeout {
+                    op: "all_reduce",
+                    ..
+                }
+            ),
+            "{e3}"
+        );
+        within(t3.elapsed(), timeout, ms(1500));
+        // Without it the start returns at once and the wait times out.
+        other.set_mismatch_check(grid_core::MismatchCheck::Off);
         let w = other.iall_reduce(vec![1i32], ReduceOp::Sum)?.into_inner();
         let w = match w.wait_timeout(ms(50)) {
             Ok(r) => panic!("completed without the peer: {r:?}"),
