@@ -8,6 +8,7 @@
 #include "gloo_shim.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <cstdio>
@@ -18,7 +19,13 @@
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
+
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/time.h>
+#include <unistd.h>
 
 #include <gloo/allgather.h>
 #include <gloo/allreduce.h>
@@ -33,6 +40,7 @@
 #include <gloo/rendezvous/hash_store.h>
 #include <gloo/rendezvous/prefix_store.h>
 #include <gloo/rendezvous/redis_store.h>
+#include <gloo/transport/tcp/address.h>
 #include <gloo/transport/tcp/device.h>
 #include <gloo/transport/unbound_buffer.h>
 #include <gloo/types.h>
@@ -41,10 +49,15 @@ namespace {
 
 using Millis = std::chrono::milliseconds;
 
-// Slot prefix of user point-to-point messages. Gloo's collectives use prefixes 0x01..0x08
-// (gloo/types.h) and the legacy algorithms small slot numbers (prefix 0), so user tags never
-// collide with a collective.
+// Slot prefix of user point-to-point messages (their headers, and small messages whole). Gloo's
+// collectives use prefixes 0x01..0x08 (gloo/types.h) and the legacy algorithms small slot
+// numbers (prefix 0), so user tags never collide with a collective.
 constexpr uint8_t kP2pSlotPrefix = 0x7A;
+// Slot prefix of the payloads of large point-to-point messages (the other 56 bits: the sending
+// context's message number). 0x7B is taken by the probes of probe_peers.
+constexpr uint8_t kP2pPayloadPrefix = 0x7C;
+// Slot prefix of the receiver's answer to a large message (same 56-bit message number).
+constexpr uint8_t kP2pReplyPrefix = 0x7D;
 
 // Tag of the barrier that ends a rendezvous (never reached by the collective counter in practice).
 constexpr uint32_t kConnectBarrierTag = 0xFFFFFFFFu;
@@ -105,6 +118,13 @@ class ErasableHashStore : public gloo::rendezvous::HashStore {
     std::lock_guard<std::mutex> lock(m_);
     map_.erase(key);
   }
+  void exists(const std::vector<std::string>& keys, std::vector<char>& out) {
+    std::lock_guard<std::mutex> lock(m_);
+    out.resize(keys.size());
+    for (size_t i = 0; i < keys.size(); i++) {
+      out[i] = map_.count(keys[i]) != 0;
+    }
+  }
   size_t count() {
     std::lock_guard<std::mutex> lock(m_);
     return map_.size();
@@ -121,6 +141,12 @@ class ErasableFileStore : public gloo::rendezvous::FileStore {
     keyFilePaths_.erase(
         std::remove(keyFilePaths_.begin(), keyFilePaths_.end(), path), keyFilePaths_.end());
   }
+  void exists(const std::vector<std::string>& keys, std::vector<char>& out) {
+    out.resize(keys.size());
+    for (size_t i = 0; i < keys.size(); i++) {
+      out[i] = check({keys[i]});
+    }
+  }
 };
 
 class ErasableRedisStore : public gloo::rendezvous::RedisStore {
@@ -133,33 +159,65 @@ class ErasableRedisStore : public gloo::rendezvous::RedisStore {
     }
     freeReplyObject(reply);
   }
-};
-
-// Passes everything to `base` and remembers the keys this rank set.
-class RecordingStore : public gloo::rendezvous::Store {
- public:
-  explicit RecordingStore(gloo::rendezvous::Store& base) : base_(base) {}
-
-  void set(const std::string& key, const std::vector<char>& data) override {
-    base_.set(key, data);
-    keys_.push_back(key);
-  }
-  std::vector<char> get(const std::string& key) override {
-    return base_.get(key);
-  }
-  void wait(const std::vector<std::string>& keys) override {
-    base_.wait(keys);
-  }
-  void wait(const std::vector<std::string>& keys, const Millis& timeout) override {
-    base_.wait(keys, timeout);
-  }
-  const std::vector<std::string>& keys() const {
-    return keys_;
+  // The failure of a request: a request that ran past the connection's timeout (a stopped
+  // or overloaded server) is reported as a timeout.
+  [[noreturn]] void io_failure(const char* what) {
+    std::string err = redis_->errstr;
+    if (redis_->err == REDIS_ERR_IO && contains(err, "temporarily unavailable")) {
+      throw gloo::IoException(
+          std::string("Timed out waiting for the Redis server (no answer within the time limit: "
+                      "it may be stopped or overloaded): ") +
+          what + ": " + err);
+    }
+    throw gloo::IoException(std::string(what) + " failed: " + err);
   }
 
- private:
-  gloo::rendezvous::Store& base_;
-  std::vector<std::string> keys_;
+  // One EXISTS per key, pipelined in batches (one round trip per batch, not per key).
+  void exists(const std::vector<std::string>& keys, std::vector<char>& out) {
+    constexpr size_t kBatch = 1024;
+    out.assign(keys.size(), 0);
+    for (size_t begin = 0; begin < keys.size(); begin += kBatch) {
+      size_t end = std::min(keys.size(), begin + kBatch);
+      for (size_t i = begin; i < end; i++) {
+        if (redisAppendCommand(redis_, "EXISTS %b", keys[i].data(), keys[i].size()) != REDIS_OK) {
+          io_failure("redis EXISTS");
+        }
+      }
+      // Every reply of the batch is read, even after an unexpected one, so that the
+      // connection stays in step for the next request.
+      std::string unexpected;
+      for (size_t i = begin; i < end; i++) {
+        void* reply = nullptr;
+        if (redisGetReply(redis_, &reply) != REDIS_OK || reply == nullptr) {
+          io_failure("redis EXISTS");
+        }
+        auto* r = static_cast<redisReply*>(reply);
+        if (r->type == REDIS_REPLY_INTEGER) {
+          out[i] = r->integer > 0;
+        } else if (unexpected.empty()) {
+          unexpected = r->type == REDIS_REPLY_ERROR && r->str != nullptr
+              ? std::string(r->str, r->len)
+              : "reply of type " + std::to_string(r->type);
+        }
+        freeReplyObject(reply);
+      }
+      if (!unexpected.empty()) {
+        throw gloo::IoException("redis EXISTS: unexpected reply: " + unexpected);
+      }
+    }
+  }
+  // Bounds every later request on this connection (0: no bound). hiredis reports a request
+  // that runs past it as an error, which the caller sees as an I/O failure.
+  void io_timeout(int64_t ms) {
+    struct timeval tv = {};
+    if (ms > 0) {
+      tv.tv_sec = static_cast<time_t>(ms / 1000);
+      tv.tv_usec = static_cast<suseconds_t>((ms % 1000) * 1000);
+    }
+    if (redisSetTimeout(redis_, tv) != REDIS_OK) {
+      throw gloo::IoException(std::string("redis: cannot set a timeout: ") + redis_->errstr);
+    }
+  }
 };
 
 }  // namespace
@@ -170,6 +228,11 @@ struct gloo_shim_store {
   std::function<void(const std::string&)> erase;
   // Number of keys, where the store can tell (the in-memory store); else null.
   std::function<size_t()> count;
+  // Whether each of the keys (full names) exists, without waiting: out[i] != 0 if keys[i] does.
+  std::function<void(const std::vector<std::string>&, std::vector<char>&)> exists;
+  // Bounds each request to a store server in milliseconds (0: no bound); null for the stores
+  // that need none (in memory, files).
+  std::function<void(int64_t)> io_timeout;
 };
 
 struct gloo_shim_device {
@@ -201,6 +264,9 @@ struct gloo_shim_context {
   // Every rank makes the same calls in the same order, so every rank makes the same decision
   // (and takes the same slots). Owned; deleted before `ctx` (see drop_hd).
   HdCache* hd = nullptr;
+  // Sequence number of the next large point-to-point message sent from this context: names its
+  // payload slot (see the length protocol in gloo_shim.h).
+  std::atomic<uint64_t> p2p_seq{0};
 };
 
 namespace {
@@ -212,12 +278,6 @@ void drop_hd(gloo_shim_context* c) {
 }
 
 }  // namespace
-
-struct gloo_shim_pending {
-  std::shared_ptr<gloo::rendezvous::Context> ctx;
-  std::unique_ptr<gloo::transport::UnboundBuffer> buf;
-  bool is_recv;
-};
 
 namespace {
 
@@ -537,8 +597,69 @@ void run_reduce_scatter_ar(
       recv_count * sizeof(T));
 }
 
-uint64_t p2p_slot(uint32_t tag) {
+// ---- point to point: the length protocol (described in gloo_shim.h) ---------------------------
+
+// "GRDP": the first four bytes of every point-to-point header.
+constexpr uint32_t kP2pMagic = 0x50445247u;
+constexpr size_t kInlineMax = GLOO_SHIM_P2P_INLINE_MAX;
+constexpr size_t kChunk = GLOO_SHIM_P2P_CHUNK;
+// The largest chunk size a receiver accepts from a header (a sanity bound, far above kChunk).
+constexpr uint64_t kMaxChunk = uint64_t(1) << 30;
+
+// Payload bytes copied through staging or scratch memory (gloo_shim_p2p_copied_bytes).
+std::atomic<uint64_t> g_p2p_copied{0};
+
+struct P2pHeader {
+  uint32_t magic;
+  int32_t dtype;
+  uint64_t count;
+  uint64_t bytes;
+  // 0: the payload follows the header in the same message. Otherwise the payload comes in
+  // chunks of this many bytes (the last one shorter) on payload slot `seq`.
+  uint64_t chunk;
+  uint64_t seq;
+};
+static_assert(sizeof(P2pHeader) == 40, "the header is 40 bytes on every rank");
+constexpr size_t kHeader = sizeof(P2pHeader);
+
+// The receiver's answer to a chunked message: whether it matched, and what the receive posted.
+struct P2pReply {
+  uint32_t magic;
+  int32_t mismatch;
+  int32_t dtype;
+  uint32_t reserved;
+  uint64_t count;
+};
+static_assert(sizeof(P2pReply) == 24, "the answer is 24 bytes on every rank");
+
+size_t dtype_size(int32_t d) {
+  switch (d) {
+    case GLOO_SHIM_F32:
+    case GLOO_SHIM_I32:
+      return 4;
+    case GLOO_SHIM_F64:
+    case GLOO_SHIM_I64:
+      return 8;
+    case GLOO_SHIM_U8:
+      return 1;
+    case GLOO_SHIM_F16:
+    case GLOO_SHIM_BF16:
+      return 2;
+    default:
+      return 0;
+  }
+}
+
+uint64_t header_slot(uint32_t tag) {
   return gloo::Slot::build(kP2pSlotPrefix, tag);
+}
+
+uint64_t payload_slot(uint64_t seq) {
+  return (uint64_t(kP2pPayloadPrefix) << 56) | (seq & ((uint64_t(1) << 56) - 1));
+}
+
+uint64_t reply_slot(uint64_t seq) {
+  return (uint64_t(kP2pReplyPrefix) << 56) | (seq & ((uint64_t(1) << 56) - 1));
 }
 
 void check_peer(const gloo::Context& ctx, int32_t peer) {
@@ -549,25 +670,30 @@ void check_peer(const gloo::Context& ctx, int32_t peer) {
   }
 }
 
-std::unique_ptr<gloo::transport::UnboundBuffer> post(
-    gloo::Context& ctx, const gloo_shim_p2p_op& op) {
+void check_op(const gloo::Context& ctx, const gloo_shim_p2p_op& op) {
   check_peer(ctx, op.peer);
-  void* ptr = op.bytes == 0 ? nullptr : op.ptr;
-  auto buf = ctx.createUnboundBuffer(ptr, op.bytes);
-  if (op.is_recv) {
-    buf->recv(op.peer, p2p_slot(op.tag), 0, op.bytes);
-  } else {
-    buf->send(op.peer, p2p_slot(op.tag), 0, op.bytes);
+  size_t width = dtype_size(op.dtype);
+  if (width == 0) {
+    throw std::invalid_argument("unknown dtype " + std::to_string(op.dtype));
   }
-  return buf;
+  if (op.count > std::numeric_limits<size_t>::max() / width || op.count * width != op.bytes) {
+    throw std::invalid_argument(
+        "buffer of " + std::to_string(op.bytes) + " bytes does not hold " +
+        std::to_string(op.count) + " elements of " + std::to_string(width) + " bytes");
+  }
+  if (op.bytes > 0 && op.ptr == nullptr) {
+    throw std::invalid_argument("null buffer of " + std::to_string(op.bytes) + " bytes");
+  }
 }
 
-void wait_one(gloo::transport::UnboundBuffer& buf, bool is_recv, Millis timeout) {
-  if (is_recv) {
-    buf.waitRecv(timeout);
-  } else {
-    buf.waitSend(timeout);
-  }
+// A protocol violation: a message on a point-to-point slot that this shim did not make (or a
+// header that does not describe itself consistently). The connection's state is unknown
+// afterwards, so this is a failure of the communicator, not a mismatch.
+[[noreturn]] void protocol_error(const gloo_shim_p2p_op& op, const std::string& what) {
+  throw std::runtime_error(
+      "point-to-point protocol violation in a message from rank " + std::to_string(op.peer) +
+      " with tag " + std::to_string(op.tag) + ": " + what +
+      " (every rank must run the same version of this library)");
 }
 
 Millis remaining(std::chrono::steady_clock::time_point deadline) {
@@ -575,7 +701,644 @@ Millis remaining(std::chrono::steady_clock::time_point deadline) {
   return left.count() > 0 ? left : Millis(1);
 }
 
+// ---- rendezvous with one deadline -------------------------------------------------------------
+//
+// Gloo's connectFullMesh waits for each peer's key in turn and, on the listening side of a TCP
+// pair, for the peer's connection up to 5 x the timeout; it creates every pair (one listening
+// socket each) before it knows whether the other ranks exist, and it cannot say who is missing.
+// This rendezvous does the same work with Gloo's public transport interface, in phases that
+// all share one deadline:
+//   A. arrival: set a<rank> (this host's name), wait for a<i> of every rank. Nothing that grows
+//      with the world size is created before every rank has arrived, so a mistyped, far too
+//      large world size fails at the deadline, listing the ranks that never arrived.
+//   B. pairs: create one pair per peer and set <rank> = every pair's address (Gloo's layout).
+//   C. wait for <i> of every peer, then connect every pair on which this rank is the client
+//      (the side Gloo picks by comparing addresses): quick, or refused at once by a dead peer.
+//   D. set c<rank>, wait for c<j> of every peer that connects to this rank, then complete those
+//      pairs (their connections are already made: no wait of 5 x the timeout on a dead peer).
+//   E. a barrier over the new context (every member completed its connections).
+// A rank that fails after arriving writes the key `failed` (who failed, whom it blames, why),
+// and every rank still waiting in the store fails at once with that cause instead of waiting
+// for the deadline. The store is polled every 1-10 ms.
+
+// A rendezvous failure: status code, the communicator rank blamed (-1: none) and the message.
+struct RdvError : std::runtime_error {
+  int32_t code;
+  int32_t peer;
+  // True when the failure was another rank's, read from the store (not announced again).
+  bool relayed;
+  RdvError(int32_t c, int32_t p, const std::string& m, bool r = false)
+      : std::runtime_error(m), code(c), peer(p), relayed(r) {}
+};
+
+// Ascending ranks: an explicit list, or [lo, hi) without `skip` (no list is built, so a huge
+// world size costs nothing until its ranks exist).
+struct RankSet {
+  const std::vector<int>* list = nullptr;
+  int lo = 0;
+  int hi = 0;
+  int skip = -1;
+  size_t count() const {
+    if (list != nullptr) {
+      return list->size();
+    }
+    size_t n = hi > lo ? static_cast<size_t>(hi - lo) : 0;
+    return (skip >= lo && skip < hi) ? n - 1 : n;
+  }
+  int at(size_t i) const {
+    if (list != nullptr) {
+      return (*list)[i];
+    }
+    int r = lo + static_cast<int>(i);
+    return (skip >= lo && r >= skip) ? r + 1 : r;
+  }
+};
+
+// A gloo::rendezvous::Context whose transport context is built by this rendezvous (Gloo's
+// connectFullMesh sets the same two protected members).
+class MeshContext : public gloo::rendezvous::Context {
+ public:
+  using gloo::rendezvous::Context::Context;
+  void adopt(
+      std::shared_ptr<gloo::transport::Device> dev,
+      std::shared_ptr<gloo::transport::Context> tc) {
+    device_ = std::move(dev);
+    transportContext_ = std::move(tc);
+  }
+};
+
+// "ranks 2, 5-7, 9": ascending ranks as ranges, at most `max_items` items, then "... (N more)".
+std::string rank_list(const std::vector<int>& ranks, size_t max_items = 12) {
+  std::string out;
+  size_t items = 0;
+  size_t i = 0;
+  while (i < ranks.size()) {
+    size_t j = i;
+    while (j + 1 < ranks.size() && ranks[j + 1] == ranks[j] + 1) {
+      j++;
+    }
+    if (items == max_items) {
+      out += ", ... (" + std::to_string(ranks.size() - i) + " more)";
+      break;
+    }
+    out += (items == 0 ? "" : ", ") + std::to_string(ranks[i]);
+    if (j > i) {
+      out += (j == i + 1 ? ", " : "-") + std::to_string(ranks[j]);
+    }
+    items++;
+    i = j + 1;
+  }
+  return (ranks.size() == 1 ? "rank " : "ranks ") + out;
+}
+
+std::string plural(size_t n, const char* one, const char* many) {
+  return std::to_string(n) + " " + (n == 1 ? one : many);
+}
+
+class Rendezvous {
+ public:
+  Rendezvous(gloo_shim_store* store, std::string prefix, int rank, int size, Millis timeout)
+      : store_(store),
+        prefix_(std::move(prefix)),
+        rank_(rank),
+        size_(size),
+        timeout_(timeout),
+        end_(std::chrono::steady_clock::now() + timeout) {}
+
+  std::string key(const char* kind, int r) const {
+    return prefix_ + "/" + kind + std::to_string(r);
+  }
+
+  Millis left() const {
+    auto l = std::chrono::duration_cast<Millis>(end_ - std::chrono::steady_clock::now());
+    return l.count() > 0 ? l : Millis(0);
+  }
+
+  void set(const std::string& k, const std::string& value) {
+    bound_io();
+    store_->store->set(k, std::vector<char>(value.begin(), value.end()));
+    keys_.push_back(k);
+  }
+
+  void set(const std::string& k, const std::vector<char>& value) {
+    bound_io();
+    store_->store->set(k, value);
+    keys_.push_back(k);
+  }
+
+  // The value of a key known to exist.
+  std::vector<char> get(const std::string& k) {
+    bound_io();
+    BoundedStore bounded(store_->store, Millis(1000));
+    return bounded.get(k);
+  }
+
+  // Waits until key kind<j> exists for every j of `ranks` (ascending). Throws at the deadline
+  // (listing the ranks whose key is missing, `what` says what they did not do) or as soon as
+  // another rank announced a failure.
+  // `blame`: a single missing rank is the one blamed (not for arrival: a rank that never
+  // arrived may not exist at all, when the world size is wrong).
+  void wait_all(const RankSet& ranks, const char* kind, const char* what, bool blame) {
+    size_t next = 0;
+    auto sleep = Millis(1);
+    std::vector<std::string> one(1);
+    std::vector<char> found;
+    while (true) {
+      bound_io();
+      while (next < ranks.count()) {
+        one[0] = key(kind, ranks.at(next));
+        store_->exists(one, found);
+        if (!found[0]) {
+          break;
+        }
+        next++;
+      }
+      if (next == ranks.count()) {
+        return;
+      }
+      check_failed();
+      if (left().count() == 0) {
+        throw_missing(ranks, next, kind, what, blame);
+      }
+      if (store_->count) {
+        // The in-memory store wakes its waiters when a key is set: wait on the next key for
+        // up to 10 ms (then look at the failure key again).
+        try {
+          store_->store->wait({key(kind, ranks.at(next))}, std::max(Millis(1), std::min(left(), Millis(10))));
+        } catch (const std::exception&) {
+        }
+        continue;
+      }
+      std::this_thread::sleep_for(std::min(sleep, left()));
+      sleep = std::min(sleep * 2, Millis(10));
+    }
+  }
+
+  // Throws the failure another rank announced, if any.
+  void check_failed() {
+    std::vector<std::string> k{prefix_ + "/failed"};
+    std::vector<char> found;
+    store_->exists(k, found);
+    if (!found[0]) {
+      return;
+    }
+    auto v = get(k[0]);
+    std::string text(v.begin(), v.end());
+    // "<reporter> <blamed> <code>\n<message>"
+    int reporter = -1, blamed = -1, code = GLOO_SHIM_IO;
+    auto nl = text.find('\n');
+    std::sscanf(text.substr(0, nl).c_str(), "%d %d %d", &reporter, &blamed, &code);
+    std::string msg = nl == std::string::npos ? text : text.substr(nl + 1);
+    throw RdvError(
+        code, blamed, "rank " + std::to_string(reporter) + " failed during the rendezvous: " + msg,
+        true);
+  }
+
+  // Announces this rank's failure to the ranks still waiting (best effort, first one wins).
+  void announce(int32_t blamed, int32_t code, const std::string& msg) noexcept {
+    try {
+      bound_io();
+      std::string v = std::to_string(rank_) + " " + std::to_string(blamed) + " " +
+          std::to_string(code) + "\n" + msg;
+      store_->store->set(prefix_ + "/failed", std::vector<char>(v.begin(), v.end()));
+    } catch (...) {
+    }
+  }
+
+  // The ranks among `ranks` whose key kind<r> is missing (checked in batches, at most 2 s).
+  std::vector<int> missing(const RankSet& ranks, size_t from, const char* kind, bool* complete) {
+    std::vector<int> out;
+    std::vector<std::string> keys;
+    std::vector<char> found;
+    auto stop = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+    *complete = true;
+    for (size_t begin = from; begin < ranks.count(); begin += 4096) {
+      if (std::chrono::steady_clock::now() > stop) {
+        *complete = false;
+        break;
+      }
+      size_t end = std::min(ranks.count(), begin + 4096);
+      keys.clear();
+      for (size_t i = begin; i < end; i++) {
+        keys.push_back(key(kind, ranks.at(i)));
+      }
+      store_->exists(keys, found);
+      for (size_t i = begin; i < end; i++) {
+        if (!found[i - begin]) {
+          out.push_back(ranks.at(i));
+        }
+      }
+    }
+    return out;
+  }
+
+  [[noreturn]] void throw_missing(
+      const RankSet& ranks, size_t from, const char* kind, const char* what, bool blame) {
+    bool complete = true;
+    auto miss = missing(ranks, from, kind, &complete);
+    std::string msg = "rendezvous of " + plural(size_, "rank", "ranks") + " timed out after " +
+        std::to_string(timeout_.count()) + " ms: " +
+        (complete ? plural(miss.size(), "rank", "ranks") : "at least " + plural(miss.size(), "rank", "ranks")) +
+        " of " + std::to_string(ranks.count()) + " " + what + ": " + rank_list(miss);
+    if (!complete) {
+      msg += " (the rest were not checked)";
+    }
+    int32_t blamed = blame && miss.size() == 1 && complete ? miss[0] : -1;
+    throw RdvError(GLOO_SHIM_TIMEOUT, blamed, msg);
+  }
+
+  const std::vector<std::string>& keys() const {
+    return keys_;
+  }
+
+ private:
+  // A store server (Redis) request may not outlast the deadline (plus a second for the
+  // request itself); with no deadline in sight, no bound.
+  void bound_io() {
+    if (store_->io_timeout) {
+      store_->io_timeout(left().count() + 1000);
+    }
+  }
+
+  gloo_shim_store* store_;
+  std::string prefix_;
+  int rank_;
+  int size_;
+  Millis timeout_;
+  std::chrono::steady_clock::time_point end_;
+  std::vector<std::string> keys_;
+};
+
+// Whether this rank is the connecting side of the pair whose own listening address is `self`
+// and whose peer listens at `peer` (Gloo's rule in tcp::Pair::connect: the larger address
+// connects).
+bool is_client(const std::vector<char>& self, const std::vector<char>& peer) {
+  gloo::transport::tcp::Address a(self);
+  gloo::transport::tcp::Address b(peer);
+  const auto& sa = a.getSockaddr();
+  const auto& sb = b.getSockaddr();
+  if (sa.ss_family != sb.ss_family) {
+    throw std::invalid_argument("address family mismatch between peers");
+  }
+  int rv = 0;
+  if (sa.ss_family == AF_INET) {
+    auto* x = reinterpret_cast<const struct sockaddr_in*>(&sa);
+    auto* y = reinterpret_cast<const struct sockaddr_in*>(&sb);
+    rv = std::memcmp(&x->sin_addr, &y->sin_addr, sizeof(struct in_addr));
+    if (rv == 0) {
+      rv = x->sin_port - y->sin_port;
+    }
+  } else if (sa.ss_family == AF_INET6) {
+    auto* x = reinterpret_cast<const struct sockaddr_in6*>(&sa);
+    auto* y = reinterpret_cast<const struct sockaddr_in6*>(&sb);
+    rv = std::memcmp(&x->sin6_addr, &y->sin6_addr, sizeof(struct in6_addr));
+    if (rv == 0) {
+      rv = x->sin6_port - y->sin6_port;
+    }
+  } else {
+    throw std::invalid_argument("unknown address family");
+  }
+  return rv > 0;
+}
+
+// The whole rendezvous (phases A-E above); returns the connected context.
+std::shared_ptr<gloo::rendezvous::Context> connect_mesh(
+    gloo_shim_store* store, const std::string& prefix, gloo_shim_device* device, int rank,
+    int size, Millis timeout, std::vector<std::string>* keys_set) {
+  Rendezvous rdv(store, prefix, rank, size, timeout);
+  std::vector<int> others;
+  auto record_keys = [&] { *keys_set = rdv.keys(); };
+
+  // A. arrival
+  char host[256] = {};
+  if (gethostname(host, sizeof(host) - 1) != 0) {
+    std::snprintf(host, sizeof(host), "unknown");
+  }
+  rdv.set(rdv.key("a", rank), std::string(host));
+  record_keys();
+  RankSet everyone;
+  everyone.lo = 0;
+  everyone.hi = size;
+  everyone.skip = rank;
+  rdv.wait_all(everyone, "a", "never arrived", false);
+  for (int i = 0; i < size; i++) {
+    if (i != rank) {
+      others.push_back(i);
+    }
+  }
+
+  auto ctx = std::make_shared<MeshContext>(rank, size);
+  ctx->setTimeout(timeout);
+  // Declared outside the try block: a failing rank announces its failure (in the handlers
+  // below) before its connections close, so a peer that sees them close finds the cause.
+  std::shared_ptr<gloo::transport::Context> tc;
+  try {
+    // B. pairs, and this rank's addresses
+    int local_rank = 0;
+    for (int i = 0; i < rank; i++) {
+      auto v = rdv.get(rdv.key("a", i));
+      if (std::string(v.begin(), v.end()) == host) {
+        local_rank++;
+      }
+    }
+    tc = device->device->createContext(rank, size);
+    tc->setTimeout(timeout);
+    std::vector<std::vector<char>> mine(static_cast<size_t>(size));
+    std::vector<char> all;
+    for (int i : others) {
+      auto& pair = tc->createPair(i);
+      pair->setLocalRank(local_rank);
+      mine[i] = pair->address().bytes();
+      all.insert(all.end(), mine[i].begin(), mine[i].end());
+    }
+    rdv.set(rdv.key("", rank), all);
+    record_keys();
+
+    // C. every peer's addresses; connect where this rank is the client
+    RankSet peers;
+    peers.list = &others;
+    rdv.wait_all(peers, "", "arrived but never published their addresses", true);
+    std::vector<std::vector<char>> theirs(static_cast<size_t>(size));
+    std::vector<int> listening;
+    for (int i : others) {
+      auto v = rdv.get(rdv.key("", i));
+      size_t per = v.size() / static_cast<size_t>(size - 1);
+      size_t at = static_cast<size_t>(rank > i ? rank - 1 : rank) * per;
+      if (per == 0 || v.size() % static_cast<size_t>(size - 1) != 0) {
+        throw RdvError(
+            GLOO_SHIM_OTHER, i,
+            "rank " + std::to_string(i) + " published addresses for a different world size (" +
+                std::to_string(v.size()) + " bytes)");
+      }
+      theirs[i].assign(v.begin() + at, v.begin() + at + per);
+      if (!is_client(mine[i], theirs[i])) {
+        listening.push_back(i);
+        continue;
+      }
+      try {
+        tc->getPair(i)->connect(theirs[i]);
+      } catch (const std::exception& e) {
+        // A peer that failed first (and announced it) closes its sockets: relay its cause.
+        rdv.check_failed();
+        throw RdvError(
+            GLOO_SHIM_IO, i,
+            "cannot connect to rank " + std::to_string(i) +
+                " (it published its address, then died or closed it): " + e.what());
+      }
+    }
+
+    // D. the pairs on which the peers connect to this rank
+    rdv.set(rdv.key("c", rank), std::string("1"));
+    record_keys();
+    RankSet connecting;
+    connecting.list = &listening;
+    rdv.wait_all(
+        connecting, "c", "never connected to this rank (died or stopped during the rendezvous)",
+        true);
+    for (int i : listening) {
+      try {
+        tc->getPair(i)->connect(theirs[i]);
+      } catch (const std::exception& e) {
+        rdv.check_failed();
+        throw RdvError(
+            GLOO_SHIM_IO, i,
+            "the connection from rank " + std::to_string(i) + " failed: " + e.what());
+      }
+    }
+    ctx->adopt(device->device, std::move(tc));
+
+    // E. every member has completed its connections
+    try {
+      gloo::BarrierOptions opts(ctx);
+      opts.setTag(kConnectBarrierTag);
+      opts.setTimeout(std::max(rdv.left(), Millis(1)));
+      gloo::barrier(opts);
+    } catch (const RdvError&) {
+      throw;
+    } catch (const std::exception& e) {
+      std::string msg = e.what();
+      int32_t code = classify(msg, GLOO_SHIM_IO);
+      if (code == GLOO_SHIM_TIMEOUT) {
+        // Who never completed its connections?
+        bool complete = true;
+        auto miss = rdv.missing(peers, 0, "c", &complete);
+        if (!miss.empty()) {
+          throw RdvError(
+              GLOO_SHIM_TIMEOUT, miss.size() == 1 ? miss[0] : -1,
+              "rendezvous timed out after " + std::to_string(timeout.count()) + " ms: " +
+                  rank_list(miss) +
+                  (miss.size() == 1 ? " never completed its connections"
+                                    : " never completed their connections") +
+                  " (died or stopped during the rendezvous)");
+        }
+      }
+      rdv.check_failed();
+      gloo_shim_status st{};
+      st.code = code;
+      st.peer = -1;
+      set_message(&st, "closing barrier of the rendezvous: " + msg);
+      probe_peers(ctx.get(), &st);
+      throw RdvError(code, st.peer, st.message);
+    }
+  } catch (const RdvError& e) {
+    if (!e.relayed) {
+      rdv.announce(e.peer, e.code, e.what());
+    }
+    record_keys();
+    throw;
+  } catch (const std::exception& e) {
+    rdv.announce(-1, classify(e.what(), GLOO_SHIM_OTHER), e.what());
+    record_keys();
+    throw;
+  }
+  record_keys();
+  return ctx;
+}
+
+// Gloo's waits return false only when another thread called abortWait*, which the shim never
+// does; treat it as a failure rather than a completion.
+void wait_recv(gloo::transport::UnboundBuffer& b, std::chrono::steady_clock::time_point dl) {
+  if (!b.waitRecv(remaining(dl))) {
+    throw std::runtime_error("a receive was interrupted");
+  }
+}
+
+void wait_send(gloo::transport::UnboundBuffer& b, std::chrono::steady_clock::time_point dl) {
+  if (!b.waitSend(remaining(dl))) {
+    throw std::runtime_error("a send was interrupted");
+  }
+}
+
+// One posted point-to-point operation under the length protocol. `arrive` (receives only)
+// waits for the header and acts on it; `complete` waits for everything still in flight.
+// Destroying it cancels what is still pending and waits until Gloo no longer touches the
+// memory (the unbound buffers go before the staging memory they point into).
+class P2pTransfer {
+ public:
+  P2pTransfer(gloo::Context& ctx, std::atomic<uint64_t>& seq, gloo_shim_p2p_op& op)
+      : ctx_(ctx), op_(op) {
+    check_op(ctx, op);
+    op_.mismatch = 0;
+    op_.other_dtype = -1;
+    op_.other_count = 0;
+    if (op_.is_recv) {
+      staging_.reset(new char[kHeader + kInlineMax]);
+      head_ = ctx_.createUnboundBuffer(staging_.get(), kHeader + kInlineMax);
+      head_->recv(op_.peer, header_slot(op_.tag), 0, kHeader + kInlineMax);
+      return;
+    }
+    P2pHeader h{kP2pMagic, op_.dtype, op_.count, op_.bytes, 0, 0};
+    if (op_.bytes <= kInlineMax) {
+      staging_.reset(new char[kHeader + op_.bytes]);
+      std::memcpy(staging_.get(), &h, kHeader);
+      if (op_.bytes > 0) {
+        std::memcpy(staging_.get() + kHeader, op_.ptr, op_.bytes);
+        g_p2p_copied.fetch_add(op_.bytes, std::memory_order_relaxed);
+      }
+      head_ = ctx_.createUnboundBuffer(staging_.get(), kHeader + op_.bytes);
+      head_->send(op_.peer, header_slot(op_.tag), 0, kHeader + op_.bytes);
+      return;
+    }
+    h.chunk = kChunk;
+    h.seq = seq.fetch_add(1, std::memory_order_relaxed);
+    // The answer's receive goes first, so its notification reaches the receiver before the
+    // header does and the answer never waits.
+    reply_ = ctx_.createUnboundBuffer(&reply_msg_, sizeof(reply_msg_));
+    reply_->recv(op_.peer, reply_slot(h.seq), 0, sizeof(reply_msg_));
+    staging_.reset(new char[kHeader]);
+    std::memcpy(staging_.get(), &h, kHeader);
+    head_ = ctx_.createUnboundBuffer(staging_.get(), kHeader);
+    head_->send(op_.peer, header_slot(op_.tag), 0, kHeader);
+    body_ = ctx_.createUnboundBuffer(op_.ptr, op_.bytes);
+    for (size_t off = 0; off < op_.bytes; off += kChunk) {
+      body_->send(op_.peer, payload_slot(h.seq), off, std::min(kChunk, op_.bytes - off));
+      body_ops_++;
+    }
+  }
+
+  void arrive(std::chrono::steady_clock::time_point deadline) {
+    if (!op_.is_recv || arrived_) {
+      return;
+    }
+    wait_recv(*head_, deadline);
+    arrived_ = true;
+    P2pHeader h;
+    std::memcpy(&h, staging_.get(), kHeader);
+    size_t width = dtype_size(h.dtype);
+    if (h.magic != kP2pMagic || width == 0 || h.count > h.bytes / width ||
+        h.count * width != h.bytes) {
+      protocol_error(op_, "malformed header");
+    }
+    const bool match = h.dtype == op_.dtype && h.count == op_.count;
+    if (!match) {
+      op_.mismatch = 1;
+      op_.other_dtype = h.dtype;
+      op_.other_count = h.count;
+    }
+    if (h.chunk == 0) {
+      if (h.bytes > kInlineMax) {
+        protocol_error(op_, "an inline payload larger than the inline limit");
+      }
+      if (match && h.bytes > 0) {
+        std::memcpy(op_.ptr, staging_.get() + kHeader, h.bytes);
+        g_p2p_copied.fetch_add(h.bytes, std::memory_order_relaxed);
+      }
+      return;
+    }
+    if (h.chunk > kMaxChunk || h.bytes <= kInlineMax) {
+      protocol_error(op_, "a chunked payload of an impossible size");
+    }
+    const uint64_t slot = payload_slot(h.seq);
+    reply_msg_ = P2pReply{kP2pMagic, match ? 0 : 1, op_.dtype, 0, op_.count};
+    if (match) {
+      // Straight into the caller's memory: no copy. The payload's receives go before the
+      // answer, so the payload starts at once and the answer travels beside it.
+      body_ = ctx_.createUnboundBuffer(op_.ptr, op_.bytes);
+      for (size_t off = 0; off < op_.bytes; off += h.chunk) {
+        body_->recv(op_.peer, slot, off, std::min<uint64_t>(h.chunk, op_.bytes - off));
+        body_ops_++;
+      }
+      send_reply(h.seq);
+      return;
+    }
+    send_reply(h.seq);
+    // Drain the payload through one chunk of scratch memory, so that the sender completes and
+    // the pair's next message is not stuck behind this one. The caller's memory stays as it
+    // was.
+    const size_t scratch_bytes = static_cast<size_t>(std::min<uint64_t>(h.chunk, h.bytes));
+    std::unique_ptr<char[]> scratch(new char[scratch_bytes]);
+    auto drain = ctx_.createUnboundBuffer(scratch.get(), scratch_bytes);
+    for (uint64_t off = 0; off < h.bytes; off += h.chunk) {
+      drain->recv(op_.peer, slot, 0, static_cast<size_t>(std::min<uint64_t>(h.chunk, h.bytes - off)));
+      wait_recv(*drain, deadline);
+    }
+    g_p2p_copied.fetch_add(h.bytes, std::memory_order_relaxed);
+  }
+
+  void complete(std::chrono::steady_clock::time_point deadline) {
+    if (op_.is_recv) {
+      arrive(deadline);
+    } else if (!head_done_) {
+      wait_send(*head_, deadline);
+      head_done_ = true;
+    }
+    for (; body_ops_ > 0; body_ops_--) {
+      if (op_.is_recv) {
+        wait_recv(*body_, deadline);
+      } else {
+        wait_send(*body_, deadline);
+      }
+    }
+    if (reply_ && !reply_done_) {
+      if (op_.is_recv) {
+        wait_send(*reply_, deadline);
+      } else {
+        wait_recv(*reply_, deadline);
+        const P2pReply& r = reply_msg_;
+        if (r.magic != kP2pMagic || dtype_size(r.dtype) == 0) {
+          protocol_error(op_, "a malformed answer to a large message");
+        }
+        if (r.mismatch != 0) {
+          op_.mismatch = 1;
+          op_.other_dtype = r.dtype;
+          op_.other_count = r.count;
+        }
+      }
+      reply_done_ = true;
+    }
+  }
+
+ private:
+  void send_reply(uint64_t seq) {
+    reply_ = ctx_.createUnboundBuffer(&reply_msg_, sizeof(reply_msg_));
+    reply_->send(op_.peer, reply_slot(seq), 0, sizeof(reply_msg_));
+  }
+
+  gloo::Context& ctx_;
+  gloo_shim_p2p_op& op_;
+  // Declared before the unbound buffers that point into them, so they are freed after them.
+  std::unique_ptr<char[]> staging_;
+  P2pReply reply_msg_{};
+  std::unique_ptr<gloo::transport::UnboundBuffer> head_;
+  std::unique_ptr<gloo::transport::UnboundBuffer> body_;
+  // The answer to a chunked message: received by the sender, sent by the receiver.
+  std::unique_ptr<gloo::transport::UnboundBuffer> reply_;
+  size_t body_ops_ = 0;
+  bool arrived_ = false;
+  bool head_done_ = false;
+  bool reply_done_ = false;
+};
+
+
 }  // namespace
+
+// A posted operation: its own copy of the op (the transfer writes the outputs into it), the
+// context it runs on, and the transfer (destroyed first: declared last).
+struct gloo_shim_pending {
+  std::shared_ptr<gloo::rendezvous::Context> ctx;
+  gloo_shim_p2p_op op;
+  std::unique_ptr<P2pTransfer> transfer;
+};
 
 extern "C" {
 
@@ -587,7 +1350,9 @@ int32_t gloo_shim_store_hash_new(gloo_shim_store** out, gloo_shim_status* st) {
     auto store = std::make_shared<ErasableHashStore>();
     ErasableHashStore* raw = store.get();
     *out = new gloo_shim_store{
-        store, [raw](const std::string& k) { raw->erase(k); }, [raw] { return raw->count(); }};
+        store, [raw](const std::string& k) { raw->erase(k); }, [raw] { return raw->count(); },
+        [raw](const std::vector<std::string>& k, std::vector<char>& o) { raw->exists(k, o); },
+        nullptr};
   });
 }
 
@@ -596,7 +1361,10 @@ int32_t gloo_shim_store_file_new(const char* path, gloo_shim_store** out, gloo_s
   return guarded(nullptr, st, [&] {
     auto store = std::make_shared<ErasableFileStore>(path);
     ErasableFileStore* raw = store.get();
-    *out = new gloo_shim_store{store, [raw](const std::string& k) { raw->erase(k); }, nullptr};
+    *out = new gloo_shim_store{
+        store, [raw](const std::string& k) { raw->erase(k); }, nullptr,
+        [raw](const std::vector<std::string>& k, std::vector<char>& o) { raw->exists(k, o); },
+        nullptr};
   });
 }
 
@@ -606,13 +1374,17 @@ int32_t gloo_shim_store_redis_new(
   return guarded(nullptr, st, [&] {
     auto store = std::make_shared<ErasableRedisStore>(host, port);
     ErasableRedisStore* raw = store.get();
-    *out = new gloo_shim_store{store, [raw](const std::string& k) { raw->erase(k); }, nullptr};
+    *out = new gloo_shim_store{
+        store, [raw](const std::string& k) { raw->erase(k); }, nullptr,
+        [raw](const std::vector<std::string>& k, std::vector<char>& o) { raw->exists(k, o); },
+        [raw](int64_t ms) { raw->io_timeout(ms); }};
   });
 }
 
 gloo_shim_store* gloo_shim_store_clone(const gloo_shim_store* store) {
   try {
-    return new gloo_shim_store{store->store, store->erase, store->count};
+    return new gloo_shim_store{
+        store->store, store->erase, store->count, store->exists, store->io_timeout};
   } catch (...) {
     return nullptr;
   }
@@ -664,6 +1436,42 @@ int32_t gloo_shim_store_get(
   return rc;
 }
 
+int32_t gloo_shim_store_try_get(
+    gloo_shim_store* store, const char* prefix, const char* key, void* buf, size_t cap,
+    size_t* len, int32_t* found, gloo_shim_status* st) {
+  *len = 0;
+  *found = 0;
+  int32_t rc = guarded(nullptr, st, [&] {
+    std::string full = std::string(prefix) + "/" + key;
+    std::vector<char> present;
+    store->exists({full}, present);
+    if (!present[0]) {
+      return;
+    }
+    // The key exists; a bounded wait covers a removal racing with this read.
+    BoundedStore bounded(store->store, Millis(1000));
+    auto value = bounded.get(full);
+    *found = 1;
+    *len = value.size();
+    if (value.size() <= cap && !value.empty()) {
+      std::memcpy(buf, value.data(), value.size());
+    }
+  });
+  if (rc == GLOO_SHIM_OK && *len > cap) {
+    return fail(st, GLOO_SHIM_TOO_SMALL, "value larger than the buffer");
+  }
+  return rc;
+}
+
+int32_t gloo_shim_store_set_io_timeout(
+    gloo_shim_store* store, int64_t timeout_ms, gloo_shim_status* st) {
+  return guarded(nullptr, st, [&] {
+    if (store->io_timeout) {
+      store->io_timeout(timeout_ms);
+    }
+  });
+}
+
 // ---- devices and contexts ------------------------------------------------------------------------
 
 int32_t gloo_shim_device_tcp_new(
@@ -688,33 +1496,33 @@ int32_t gloo_shim_context_connect(
     int32_t size, int64_t timeout_ms, int32_t remove_keys, gloo_shim_context** out,
     gloo_shim_status* st) {
   *out = nullptr;
-  return guarded(nullptr, st, [&] {
+  // A failure of the rendezvous itself keeps its code and the rank it blames.
+  bool rdv_failed = false;
+  int32_t rdv_code = GLOO_SHIM_OTHER;
+  int32_t rdv_peer = -1;
+  std::string rdv_message;
+  int32_t rc = guarded(nullptr, st, [&] {
     if (size < 1 || rank < 0 || rank >= size) {
       throw std::invalid_argument(
           "rank " + std::to_string(rank) + " of size " + std::to_string(size) +
           ": need 0 <= rank < size");
     }
-    Millis timeout = to_millis(timeout_ms);
-    BoundedStore bounded(store->store, timeout);
-    RecordingStore recorded(bounded);
-    gloo::rendezvous::PrefixStore prefixed(prefix, recorded);
-    auto ctx = std::make_shared<gloo::rendezvous::Context>(rank, size);
-    ctx->setTimeout(timeout);
-    ctx->connectFullMesh(prefixed, device->device);
-    // connectFullMesh returns when this rank's own connections are up, not the peers': a peer
-    // that is still connecting would see "connection closed" if this rank dropped the context
-    // at once. A barrier makes the rendezvous complete on every member before any returns.
-    // Its tag is reserved: user collectives take tags from a counter starting at 0.
-    gloo::BarrierOptions opts(ctx);
-    opts.setTag(kConnectBarrierTag);
-    opts.setTimeout(timeout);
-    gloo::barrier(opts);
-    // The barrier returned, so every member has entered it, that is, has finished
-    // connectFullMesh and read every key it needs: nobody reads this group's keys again. Each
-    // rank removes the keys it set itself (best effort: a key left behind costs space, not
-    // correctness, and the context is good).
+    std::vector<std::string> keys_set;
+    std::shared_ptr<gloo::rendezvous::Context> ctx;
+    try {
+      ctx = connect_mesh(store, prefix, device, rank, size, to_millis(timeout_ms), &keys_set);
+    } catch (const RdvError& e) {
+      rdv_failed = true;
+      rdv_code = e.code;
+      rdv_peer = e.peer;
+      rdv_message = e.what();
+      return;
+    }
+    // The closing barrier returned, so every member has finished its connections and read
+    // every key it needs: nobody reads this group's keys again. Each rank removes the keys it
+    // set itself (best effort: a key left behind costs space, not correctness).
     if (remove_keys != 0 && store->erase) {
-      for (const auto& key : recorded.keys()) {
+      for (const auto& key : keys_set) {
         try {
           store->erase(key);
         } catch (...) {
@@ -723,6 +1531,30 @@ int32_t gloo_shim_context_connect(
     }
     *out = new gloo_shim_context{std::move(ctx), {}};
   });
+  if (rdv_failed) {
+    fail(st, rdv_code, rdv_message);
+    st->peer = rdv_peer;
+    return rdv_code;
+  }
+  return rc;
+}
+
+void gloo_shim_context_close(gloo_shim_context* ctx) {
+  if (ctx == nullptr || !ctx->ctx) {
+    return;
+  }
+  for (int i = 0; i < ctx->ctx->size; i++) {
+    if (i == ctx->ctx->rank) {
+      continue;
+    }
+    try {
+      auto& pair = ctx->ctx->getPair(i);
+      if (pair) {
+        pair->close();
+      }
+    } catch (...) {
+    }
+  }
 }
 
 void gloo_shim_context_free(gloo_shim_context* ctx) {
@@ -732,13 +1564,6 @@ void gloo_shim_context_free(gloo_shim_context* ctx) {
   }
   try {
     delete ctx;
-  } catch (...) {
-  }
-}
-
-void gloo_shim_context_abort(gloo_shim_context* ctx) {
-  try {
-    ctx->ctx->closeConnections();
   } catch (...) {
   }
 }
@@ -863,17 +1688,32 @@ int32_t gloo_shim_p2p(
     gloo_shim_status* st) {
   return guarded(c->ctx.get(), st, [&] {
     auto deadline = std::chrono::steady_clock::now() + to_millis(timeout_ms);
-    // Destroying an unbound buffer cancels its pending operation and waits until the transport
-    // no longer touches its memory, so unwinding out of this block leaves no access behind.
-    std::vector<std::unique_ptr<gloo::transport::UnboundBuffer>> bufs;
-    bufs.reserve(n);
+    // Unwinding out of this block destroys every transfer, which cancels what is pending and
+    // waits until the transport no longer touches its memory.
+    // Every operation is checked before any is posted: a bad one must not leave the others
+    // cancelled in flight.
     for (size_t i = 0; i < n; i++) {
-      bufs.push_back(post(*c->ctx, ops[i]));
+      check_op(*c->ctx, ops[i]);
     }
+    std::vector<std::unique_ptr<P2pTransfer>> transfers;
+    transfers.reserve(n);
     for (size_t i = 0; i < n; i++) {
-      wait_one(*bufs[i], ops[i].is_recv != 0, remaining(deadline));
+      transfers.emplace_back(new P2pTransfer(*c->ctx, c->p2p_seq, ops[i]));
+    }
+    // Every header first (each receive posts its payload as soon as its header is read), then
+    // everything else. The peers posted all of their sends when their own calls began, so no
+    // wait here depends on a later step of this call.
+    for (auto& t : transfers) {
+      t->arrive(deadline);
+    }
+    for (auto& t : transfers) {
+      t->complete(deadline);
     }
   });
+}
+
+uint64_t gloo_shim_p2p_copied_bytes(void) {
+  return g_p2p_copied.load(std::memory_order_relaxed);
 }
 
 int32_t gloo_shim_post(
@@ -881,15 +1721,19 @@ int32_t gloo_shim_post(
     gloo_shim_status* st) {
   *out = nullptr;
   return guarded(c->ctx.get(), st, [&] {
-    auto buf = post(*c->ctx, *op);
-    *out = new gloo_shim_pending{c->ctx, std::move(buf), op->is_recv != 0};
+    std::unique_ptr<gloo_shim_pending> p(new gloo_shim_pending{c->ctx, *op, nullptr});
+    p->transfer.reset(new P2pTransfer(*c->ctx, c->p2p_seq, p->op));
+    *out = p.release();
   });
 }
 
 int32_t gloo_shim_pending_wait(
-    gloo_shim_pending* pending, int64_t timeout_ms, gloo_shim_status* st) {
+    gloo_shim_pending* pending, int64_t timeout_ms, gloo_shim_p2p_op* result,
+    gloo_shim_status* st) {
   return guarded(pending->ctx.get(), st, [&] {
-    wait_one(*pending->buf, pending->is_recv, to_millis(timeout_ms));
+    auto deadline = std::chrono::steady_clock::now() + to_millis(timeout_ms);
+    pending->transfer->complete(deadline);
+    *result = pending->op;
   });
 }
 

@@ -95,14 +95,30 @@ typedef struct gloo_shim_device gloo_shim_device;
 typedef struct gloo_shim_context gloo_shim_context;
 typedef struct gloo_shim_pending gloo_shim_pending;
 
-/* One point-to-point operation of a batch (gloo_shim_p2p). */
+/* One point-to-point operation (gloo_shim_p2p, gloo_shim_post).
+ *
+ * Every message carries a header with its element type and count (the shim's length protocol,
+ * see "point to point" below), so a receive gets exactly the message it posted or is told what
+ * arrived instead; Gloo never sees a message longer than the memory posted for it. */
 typedef struct gloo_shim_p2p_op {
   /* 0 = send, 1 = recv. */
   int32_t is_recv;
   int32_t peer;
   uint32_t tag;
+  /* Element type (GLOO_SHIM_F32..) and count of ptr; bytes = count * element size. */
+  int32_t dtype;
+  size_t count;
   void* ptr;
   size_t bytes;
+  /* Outputs, set when the call returns GLOO_SHIM_OK: mismatch = 1 when the two sides of the
+   * message disagreed on its element type or count; other_dtype and other_count then give the
+   * other side's: for a receive, what the sender sent (the message was consumed and discarded,
+   * ptr is untouched); for a send of more than GLOO_SHIM_P2P_INLINE_MAX bytes, what the
+   * receiver posted (the receiver discarded the message). A send of up to
+   * GLOO_SHIM_P2P_INLINE_MAX bytes is not told. The connection stays usable either way. */
+  int32_t mismatch;
+  int32_t other_dtype;
+  uint64_t other_count;
 } gloo_shim_p2p_op;
 
 /* ---- stores ---------------------------------------------------------------------------------- */
@@ -129,6 +145,15 @@ int64_t gloo_shim_store_count(const gloo_shim_store* store);
 int32_t gloo_shim_store_get(
     gloo_shim_store* store, const char* prefix, const char* key, int64_t timeout_ms, void* buf,
     size_t cap, size_t* len, gloo_shim_status* st);
+/* Reads prefix/key without waiting: *found = 1 and the value as in gloo_shim_store_get if the
+ * key exists, *found = 0 otherwise. */
+int32_t gloo_shim_store_try_get(
+    gloo_shim_store* store, const char* prefix, const char* key, void* buf, size_t cap,
+    size_t* len, int32_t* found, gloo_shim_status* st);
+/* Bounds every later request of this handle to a store server (Redis) to timeout_ms
+ * (0: no bound); no effect on the in-memory and file stores, which never block on a server. */
+int32_t gloo_shim_store_set_io_timeout(
+    gloo_shim_store* store, int64_t timeout_ms, gloo_shim_status* st);
 
 /* ---- devices and contexts ------------------------------------------------------------------- */
 
@@ -138,7 +163,12 @@ int32_t gloo_shim_device_tcp_new(
 void gloo_shim_device_free(gloo_shim_device* device);
 
 /* Rendezvous of `size` ranks under the store key prefix `prefix` (full mesh of TCP pairs).
- * Every store wait, the connection and, later, every operation on the context use timeout_ms.
+ * The whole rendezvous (arrival of every rank, address exchange, connections, closing barrier)
+ * ends within timeout_ms (one deadline; a store server request may add up to one second),
+ * and later operations on the context default to it. On a timeout the message lists the ranks
+ * that never arrived or never connected, and st->peer is the rank blamed when exactly one is
+ * known. A rank that fails after every rank arrived announces it in the store, and the ranks
+ * still waiting fail at once with its cause.
  * remove_keys != 0: once the rendezvous completed on every member (after the closing barrier),
  * the keys this rank set are removed from the store. */
 int32_t gloo_shim_context_connect(
@@ -146,12 +176,10 @@ int32_t gloo_shim_context_connect(
     int32_t size, int64_t timeout_ms, int32_t remove_keys, gloo_shim_context** out,
     gloo_shim_status* st);
 void gloo_shim_context_free(gloo_shim_context* ctx);
-
-/* Closes every connection of the context (gloo::Context::closeConnections): operations of this
- * rank blocked on it fail promptly with an I/O error, and the peers see the connections close.
- * Thread-safe (each pair closes under its own lock); the context stays allocated and can only
- * be freed. Never throws. */
-void gloo_shim_context_abort(gloo_shim_context* ctx);
+/* Closes every connection of the context at once (a hard close: the peers see their
+ * connections reset). For a context that failed: the peers blocked on this rank wake up now
+ * instead of at their timeout. Operations on the context fail afterwards. */
+void gloo_shim_context_close(gloo_shim_context* ctx);
 int32_t gloo_shim_context_rank(const gloo_shim_context* ctx);
 int32_t gloo_shim_context_size(const gloo_shim_context* ctx);
 
@@ -184,10 +212,36 @@ int32_t gloo_shim_alltoall(
 int32_t gloo_shim_barrier(
     gloo_shim_context* ctx, uint32_t tag, int64_t timeout_ms, gloo_shim_status* st);
 
-/* ---- point to point --------------------------------------------------------------------------- */
+/* ---- point to point --------------------------------------------------------------------------- *
+ *
+ * The length protocol. A send of B bytes travels as:
+ *  - B <= GLOO_SHIM_P2P_INLINE_MAX: ONE Gloo message, header + payload (copied through a staging
+ *    buffer on both sides), on the slot of the tag;
+ *  - larger: the header alone on the slot of the tag, then the payload straight from the
+ *    caller's memory (no copy) in chunks of at most GLOO_SHIM_P2P_CHUNK bytes on a payload slot
+ *    that the header names (unique per message of the sending context, so messages of one
+ *    pair and tag can never take each other's payload).
+ * A receive always posts a staging buffer of GLOO_SHIM_P2P_INLINE_MAX + header bytes for the
+ * first message (the largest a sender can make it), reads the header, then copies the inline
+ * payload, or receives the chunks straight into the caller's memory; if the element type or
+ * count differs from the receive's, it drains the payload (inline: nothing to do; chunks:
+ * through one chunk of scratch memory), leaves the caller's memory untouched and reports the
+ * mismatch in the op's outputs. For a chunked message the receiver also answers on a reply
+ * slot (posted by the sender before its header left: the answer never waits) with what it
+ * posted, so the sender's send reports the mismatch too; the answer travels while the payload
+ * does, so it adds no round trip. A send of up to GLOO_SHIM_P2P_INLINE_MAX bytes succeeds
+ * (as MPI's does): waiting for an answer would double its latency. Headers, chunks and
+ * answers of one pair and tag keep their order (Gloo matches messages of one slot first in,
+ * first out; chunks and answers have slots unique to their message). */
+
+/* Largest payload sent inline with its header (bytes). */
+#define GLOO_SHIM_P2P_INLINE_MAX (64u * 1024u)
+/* Largest chunk of a large payload (bytes). */
+#define GLOO_SHIM_P2P_CHUNK (4u * 1024u * 1024u)
 
 /* Posts every operation of ops (in order), then waits for all of them. On failure the remaining
- * operations are cancelled before returning: no buffer is touched after the call returns. */
+ * operations are cancelled before returning: no buffer is touched after the call returns. A
+ * receive whose message does not match it is not a failure: see the op's outputs. */
 int32_t gloo_shim_p2p(
     gloo_shim_context* ctx, gloo_shim_p2p_op* ops, size_t n, int64_t timeout_ms,
     gloo_shim_status* st);
@@ -196,8 +250,14 @@ int32_t gloo_shim_p2p(
 int32_t gloo_shim_post(
     gloo_shim_context* ctx, const gloo_shim_p2p_op* op, gloo_shim_pending** out,
     gloo_shim_status* st);
+/* Payload bytes this process has copied through staging or scratch memory for point-to-point
+ * messages so far (both sides of inline messages, drained payloads); large matching messages
+ * add nothing (they are never copied). A diagnostic for tests and benchmarks. */
+uint64_t gloo_shim_p2p_copied_bytes(void);
+/* Waits for a posted operation; on GLOO_SHIM_OK, *result receives the op with its outputs. */
 int32_t gloo_shim_pending_wait(
-    gloo_shim_pending* pending, int64_t timeout_ms, gloo_shim_status* st);
+    gloo_shim_pending* pending, int64_t timeout_ms, gloo_shim_p2p_op* result,
+    gloo_shim_status* st);
 void gloo_shim_pending_free(gloo_shim_pending* pending);
 
 #ifdef __cplusplus

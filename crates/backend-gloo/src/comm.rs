@@ -3,11 +3,12 @@
 
 use crate::exec::{panic_message, worker_gone, Completion, GlooWork, Sequencer};
 use crate::ffi::{
-    AllreduceAlgorithm, RawContext, RawOp, RawP2p, ReduceScatterAlgorithm, ShimCode, ShimError,
+    AllreduceAlgorithm, P2pMismatch, RawContext, RawOp, RawP2p, ReduceScatterAlgorithm, ShimCode,
+    ShimError, P2P_INLINE_MAX,
 };
 use grid_core::{
     kernels, Backend, Comm, DType, Error, HostBuffer, HostSlice, HostSliceMut, LibraryError,
-    Memory, Op, P2pOp, ReduceOp, Request, Result, Tensor, Validated, Work,
+    Memory, MismatchCheck, Op, P2pOp, ReduceOp, Request, Result, Tensor, Validated, Work,
 };
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -35,6 +36,27 @@ const ABORTED: &str = "aborted by the user";
 ///   no copy. Out of place, Gloo reads the input and writes the output.
 /// * Point-to-point operations are posted at once (Gloo's unbound buffers), so `isend`/`irecv`
 ///   pairs in any order cannot deadlock; they complete when the peer matches them.
+/// * A receive gets exactly its buffer's length of its element type, or an error: every
+///   message carries its element type and count (messages up to 64 KiB travel with this header
+///   in one Gloo message, copied once on each side; larger ones as the header and then the
+///   payload straight from and into the callers' memory). A message of another length or
+///   element type is consumed and discarded, the receive buffer is left unchanged, and the
+///   receive returns [`Error::Library`] of class `"message mismatch"` naming the sender (rank
+///   and world rank), the tag, both element types and counts and what would be valid. The
+///   receiver of a message of more than 64 KiB answers its sender (the answer travels beside
+///   the payload: no extra round trip), so that send fails too, with the same class of error
+///   naming the receiver; a smaller send completes (as MPI's does: waiting for an answer would
+///   double its latency). The communicator remains usable. No message
+///   longer than the memory posted for it ever reaches Gloo (whose check would terminate the
+///   process).
+/// * Every collective is checked by default ([`MismatchCheck::All`], see
+///   [`Backend::mismatch_check_default`]): ranks that disagree on a collective's operation,
+///   count, element type, root or reduction, or a rank that skipped one, get
+///   [`Error::CollectiveMismatch`] on every rank before Gloo sees the collective. A nonblocking
+///   collective is then checked when it is started, so `start` returns only once every member
+///   has started it. `GRID_DEBUG=off` or `set_mismatch_check(MismatchCheck::Off)` turns the
+///   check off; a disagreement can then terminate the process (libgloo throws on its transport
+///   thread) or return wrong data on other ranks.
 /// * Every operation is bounded by the communicator's timeout ([`crate::GlooConfig::timeout`]).
 ///   After a timeout or a lost peer the communicator is unusable (Gloo closes its connections):
 ///   later calls return [`Error::Finalized`].
@@ -99,6 +121,8 @@ pub(crate) struct Inner {
     seq: Sequencer,
     failure: Mutex<Option<String>>,
     splits: AtomicU64,
+    /// Failure records and blame (`crate::blame`); touched only after a failure.
+    blame: Option<crate::blame::Blame>,
 }
 
 /// What Gloo is given for "no limit": 30 years, far beyond any job, and small enough that
@@ -153,6 +177,55 @@ fn to_error(
             .class(code.class())
             .into(),
     }
+}
+
+/// The class of [`Error::Library`] for a receive whose message did not match it.
+pub(crate) const MESSAGE_MISMATCH: &str = "message mismatch";
+
+/// The error of a send or receive (`op`: `send`, `recv`, or `batch_p2p` with the operation's
+/// position) on communicator `comm` whose message's two sides disagreed on its element type or
+/// count ([`P2pMismatch`]): [`Error::Library`] of class [`MESSAGE_MISMATCH`], naming the other
+/// rank (communicator and world rank), the tag, both element types and counts, and what would
+/// be valid. The message was consumed, so the communicator stays usable.
+fn message_mismatch(
+    op: &'static str,
+    m: &P2pMismatch,
+    batch: bool,
+    comm: &str,
+    global_ranks: &[usize],
+) -> Error {
+    let world = global_ranks.get(m.peer).copied().unwrap_or(m.peer);
+    let (posted, sent) = (m.posted, m.sent);
+    let (peer, tag) = (m.peer, m.tag);
+    let which = |what: &str| {
+        if batch {
+            format!("{what} #{} of the batch", m.index)
+        } else {
+            format!("this {what}")
+        }
+    };
+    let message = if m.is_recv {
+        // A sender of more than P2P_INLINE_MAX bytes gets this rank's answer and fails too.
+        let bytes = sent.1.saturating_mul(sent.0.size_bytes() as u64);
+        let sender = if bytes > P2P_INLINE_MAX as u64 {
+            "the sender's send fails too"
+        } else {
+            "the sender's send completed"
+        };
+        format!(
+            "rank {peer} (world rank {world}) sent {} {} elements with tag {tag}, but {} posted {} {} elements: a receive must post the message's element type and count (here {} {}), or the sender must send {} {}; the message was discarded, the receive buffer is unchanged, {sender} and the communicator remains usable",
+            sent.1, sent.0, which("receive"), posted.1, posted.0, sent.1, sent.0, posted.1, posted.0,
+        )
+    } else {
+        format!(
+            "rank {peer} (world rank {world}) posted a receive of {} {} elements with tag {tag} for {} of {} {} elements: the receive must post the message's element type and count (here {} {}), or this rank must send {} {}; the receiver discarded the message and the communicator remains usable",
+            posted.1, posted.0, which("send"), sent.1, sent.0, sent.1, sent.0, posted.1, posted.0,
+        )
+    };
+    LibraryError::new(BACKEND, op, message)
+        .comm(comm)
+        .class(MESSAGE_MISMATCH)
+        .into()
 }
 
 /// For an `Avg` of i32 or u8, `input` widened to i64 (the sum of any number of such values
@@ -235,7 +308,14 @@ impl Inner {
             }
             tracing::warn!(communicator = %self.name, op, code = ?e.code, peer = ?e.peer, message = %e.message, "gloo operation failed");
         }
-        to_error(op, e, &self.name, &self.global_ranks, limit)
+        match &self.blame {
+            // The rank that failed first, found through the failure records in the store.
+            Some(b) => {
+                let err = to_error(op, e.clone(), &self.name, &self.global_ranks, limit);
+                b.apply(op, &e, err, || self.ctx.close())
+            }
+            None => to_error(op, e, &self.name, &self.global_ranks, limit),
+        }
     }
 
     /// A failure of this crate's own machinery (a thread that cannot start, a panic), as
@@ -443,9 +523,21 @@ impl Inner {
     /// Blocking point-to-point operations, posted together and waited for within the timeout.
     fn p2p(&self, op: &'static str, ops: &mut [RawP2p<'_>], limit: Duration) -> Result<()> {
         self.alive(op)?;
-        self.ctx
+        let mismatches = self
+            .ctx
             .p2p(ops, limit)
-            .map_err(|e| self.fail_after(op, e, limit))
+            .map_err(|e| self.fail_after(op, e, limit))?;
+        match mismatches.first() {
+            None => Ok(()),
+            Some(m) => Err(self.mismatch(op, m, ops.len() > 1)),
+        }
+    }
+
+    /// The error of a message whose two sides disagreed (see [`message_mismatch`]); the
+    /// communicator is not marked failed.
+    fn mismatch(&self, op: &'static str, m: &P2pMismatch, batch: bool) -> Error {
+        tracing::warn!(communicator = %self.name, op, peer = m.peer, tag = m.tag, posted = ?m.posted, sent = ?m.sent, is_recv = m.is_recv, "the two sides of a message disagreed on its element type or count");
+        message_mismatch(op, m, batch, &self.name, &self.global_ranks)
     }
 }
 
@@ -487,9 +579,19 @@ impl GlooBackend {
                 seq: Sequencer::default(),
                 failure: Mutex::new(None),
                 splits: AtomicU64::new(0),
+                blame: None,
             }),
             worker: Mutex::new(None),
         }
+    }
+
+    /// Makes failures of this communicator write failure records and blame the rank that
+    /// failed first (`crate::blame`). Called by the factory right after [`GlooBackend::new`].
+    pub(crate) fn with_blame(mut self, blame: crate::blame::Blame) -> GlooBackend {
+        if let Some(inner) = Arc::get_mut(&mut self.inner) {
+            inner.blame = Some(blame);
+        }
+        self
     }
 
     /// The time limit of every operation (and of the rendezvous that created it).
@@ -611,10 +713,11 @@ impl GlooBackend {
             .name(format!("gloo-{op}"))
             .spawn(move || {
                 let (r, data) = pending.wait(limit);
-                d.complete(
-                    r.map(|_| Tensor::Host(data))
-                        .map_err(|e| inner.fail_after(op, e, limit)),
-                );
+                d.complete(match r {
+                    Ok(None) => Ok(Tensor::Host(data)),
+                    Ok(Some(m)) => Err(inner.mismatch(op, &m, false)),
+                    Err(e) => Err(inner.fail_after(op, e, limit)),
+                });
             })
             .map_err(|e| {
                 self.inner.internal(
@@ -707,6 +810,18 @@ impl Backend for GlooBackend {
         true
     }
 
+    /// Every collective is checked by default ([`MismatchCheck::All`]): a count or element size
+    /// that differs between ranks, or a rank that skips a collective, makes libgloo throw on
+    /// its transport thread, which terminates the process (SIGABRT), or returns wrong data on
+    /// the other ranks; the check (one all-reduce of 14 integers before the collective) turns
+    /// every such disagreement into [`Error::CollectiveMismatch`] on every rank first. Its cost
+    /// is in docs/performance.md. `GRID_DEBUG=off` or
+    /// [`grid_core::Comm::set_mismatch_check`]`(MismatchCheck::Off)` turns it off; a mismatch
+    /// can then terminate the process.
+    fn mismatch_check_default(&self) -> MismatchCheck {
+        MismatchCheck::All
+    }
+
     fn check_live(&self, op: &'static str) -> Result<()> {
         self.inner.alive(op)
     }
@@ -717,7 +832,7 @@ impl Backend for GlooBackend {
     /// blocked in Gloo fails promptly (and the peers see the connections close).
     fn abort(&self) {
         GlooBackend::abort(self);
-        self.inner.ctx.close_connections();
+        self.inner.ctx.close();
     }
 
     fn run(&self, op: Validated<Op<'_>>) -> Result<()> {

@@ -1,6 +1,7 @@
 //! Rendezvous stores, configuration, [`GlooFactory`] (world and sub-group creation) and
 //! launchers (ranks as threads of this process, or one rank per process from the environment).
 
+use crate::blame::{Blame, SharedStore, GRACE};
 use crate::comm::{GlooBackend, GlooCommunicator};
 use crate::exec::panic_message;
 use crate::ffi::{
@@ -225,11 +226,18 @@ fn store_error(kind: &str, e: ShimError) -> Error {
 pub struct GlooConfig {
     /// Namespace of every store key of this job: unique per run (letters, digits, `.`, `_`, `-`).
     pub job_id: String,
-    /// Bound of every operation and of every store wait of a rendezvous (Gloo's default is
-    /// 30 s). Two Gloo rules stretch it during a rendezvous: its file and Redis stores poll in
-    /// whole seconds (up to one second more), and it waits up to 5 × this timeout for a TCP
-    /// connection that a peer announced in the store but never opened (a peer that died in the
-    /// middle of the rendezvous, or stale keys of a reused job id).
+    /// Bound of every operation, and of each rendezvous as a whole (Gloo's default is 30 s):
+    /// arrival of every rank, the address exchange, every connection and the closing barrier
+    /// share one deadline, whatever the world size. A rendezvous that times out lists the
+    /// ranks that never arrived or never connected.
+    ///
+    /// [`Duration::MAX`] ([`GlooConfig::NO_LIMIT`]) means **no limit**, and so does
+    /// `u64::MAX` ms (`GRID_GLOO_TIMEOUT_MS=18446744073709551615`) and any timeout of 100 years
+    /// or more (Gloo counts deadlines in 64-bit nanoseconds: such a timeout is handed to it as
+    /// 100 years).
+    ///
+    /// A failed operation takes about one second more (two when several ranks are silent) to
+    /// find the rank that failed first, which its error names (`docs/backends.md` §2.4).
     pub timeout: Duration,
     /// Address of this host the TCP device listens on (default `127.0.0.1`: single host).
     pub hostname: String,
@@ -240,6 +248,30 @@ pub struct GlooConfig {
 }
 
 impl GlooConfig {
+    /// The timeout that means no limit: [`Duration::MAX`] (any timeout of 100 years or more,
+    /// such as `u64::MAX` ms, means the same).
+    ///
+    /// ```
+    /// use backend_gloo::GlooConfig;
+    /// let cfg = GlooConfig::new("patient").with_timeout(GlooConfig::NO_LIMIT);
+    /// assert!(cfg.has_no_limit());
+    /// let cfg = GlooConfig::new("patient").with_timeout(std::time::Duration::from_millis(u64::MAX));
+    /// assert!(cfg.has_no_limit());
+    /// assert!(!GlooConfig::new("j").has_no_limit());
+    /// ```
+    pub const NO_LIMIT: Duration = Duration::MAX;
+
+    /// Whether [`GlooConfig::timeout`] means no limit (100 years or more).
+    ///
+    /// ```
+    /// use backend_gloo::GlooConfig;
+    /// use std::time::Duration;
+    /// assert!(!GlooConfig::new("j").with_timeout(Duration::from_secs(3600)).has_no_limit());
+    /// ```
+    pub fn has_no_limit(&self) -> bool {
+        self.timeout >= crate::ffi::NO_LIMIT
+    }
+
     /// Defaults: 30 s timeout, `127.0.0.1`, ring all-reduce, reduce-scatter
     /// through the ring all-reduce.
     ///
@@ -352,6 +384,9 @@ impl GlooConfig {
 /// ```
 pub struct GlooFactory {
     store: Mutex<RawStore>,
+    /// A second handle to the store, for failure records (`crate::blame`); `None` when it
+    /// could not be opened (failures are then blamed as Gloo reports them).
+    records: Option<SharedStore>,
     device: RawDevice,
     config: GlooConfig,
     worlds: AtomicU64,
@@ -389,8 +424,23 @@ impl GlooFactory {
             .code(e.code.status())
             .class(e.code.class())
         })?;
+        // Failure records go through their own handle, so that a rendezvous in progress on
+        // another thread never delays a failing operation; a store server request of theirs
+        // is bounded by the blame grace period.
+        let records = match rendezvous.open().and_then(|mut s| {
+            s.set_io_timeout(Some(GRACE))
+                .map_err(|e| store_error("records", e))?;
+            Ok(s)
+        }) {
+            Ok(s) => Some(Arc::new(Mutex::new(s))),
+            Err(e) => {
+                tracing::warn!(error = %e, "gloo: no store handle for failure records; failures are blamed as Gloo reports them");
+                None
+            }
+        };
         Ok(GlooFactory {
             store: Mutex::new(store),
+            records,
             device,
             config,
             worlds: AtomicU64::new(0),
@@ -467,7 +517,11 @@ impl GlooFactory {
             seconds = t.elapsed().as_secs_f64(),
             "gloo rendezvous"
         );
-        let backend = GlooBackend::new(
+        let blame = self
+            .records
+            .as_ref()
+            .map(|s| Blame::new(s.clone(), prefix, rank, global_ranks.clone()));
+        let mut backend = GlooBackend::new(
             ctx,
             global_ranks,
             name.to_string(),
@@ -475,6 +529,9 @@ impl GlooFactory {
             self.config.allreduce,
             self.config.reduce_scatter,
         );
+        if let Some(b) = blame {
+            backend = backend.with_blame(b);
+        }
         Ok(Comm::new(backend, name))
     }
 
@@ -486,13 +543,32 @@ impl GlooFactory {
                  job ids must be unique per run; use a new job id or an empty store ({})",
                 e.message
             )),
-            ShimCode::Timeout => Error::Timeout {
-                op: "rendezvous",
-                millis: u64::try_from(self.config.timeout.as_millis()).unwrap_or(u64::MAX),
-                peer: None,
-                at: None,
-            },
             ShimCode::Invalid => Error::Invalid(format!("rendezvous of '{name}': {}", e.message)),
+            // A rank that died or stopped during the rendezvous, found by the shim.
+            ShimCode::Timeout | ShimCode::Io | ShimCode::Other if e.peer.is_some() => {
+                let peer = e.peer.unwrap_or_default();
+                rendezvous_peer_failed(
+                    peer,
+                    format!(
+                        "communicator '{name}' of job '{job}' (rank {rank} of {size}): {}",
+                        e.message
+                    ),
+                )
+            }
+            // Ranks that never arrived (or several that never connected): the message lists
+            // them, which `Error::Timeout` has no room for.
+            ShimCode::Timeout => LibraryError::new(
+                BACKEND,
+                "rendezvous",
+                format!(
+                    "communicator '{name}' of job '{job}' (rank {rank} of {size}): {}",
+                    e.message
+                ),
+            )
+            .comm(name)
+            .code(ShimCode::Timeout.status())
+            .class(ShimCode::Timeout.class())
+            .into(),
             code => LibraryError::new(
                 BACKEND,
                 "rendezvous",
@@ -506,6 +582,16 @@ impl GlooFactory {
             .class(code.class())
             .into(),
         }
+    }
+}
+
+/// The error of a rendezvous that failed because of communicator rank `peer`.
+fn rendezvous_peer_failed(peer: usize, message: String) -> Error {
+    Error::PeerFailed {
+        op: "rendezvous",
+        peer,
+        message,
+        at: None,
     }
 }
 
@@ -659,7 +745,8 @@ pub mod env {
     pub const STORE: &str = "GRID_GLOO_STORE";
     /// Job id (unique per run).
     pub const JOB_ID: &str = "GRID_GLOO_JOB_ID";
-    /// Timeout in milliseconds (optional).
+    /// Timeout in milliseconds (optional; `18446744073709551615`, that is `u64::MAX`, means no
+    /// limit: see [`crate::GlooConfig::timeout`]).
     pub const TIMEOUT_MS: &str = "GRID_GLOO_TIMEOUT_MS";
     /// Listening address (optional, default 127.0.0.1).
     pub const HOSTNAME: &str = "GRID_GLOO_HOSTNAME";

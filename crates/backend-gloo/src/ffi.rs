@@ -171,8 +171,15 @@ fn cstring(what: &str, s: &str) -> ShimResult<CString> {
     CString::new(s).map_err(|_| ShimError::invalid(format!("{what} {s:?} contains a NUL byte")))
 }
 
-fn millis(timeout: Duration) -> i64 {
-    i64::try_from(timeout.as_millis())
+/// The longest time limit handed to Gloo: 100 years. Gloo adds time limits to the current time
+/// (and multiplies the connection limit by 5) in 64-bit nanoseconds, so a longer one, such as
+/// `u64::MAX` ms, would overflow and fail at once; 100 years fits and is no limit in practice.
+pub(crate) const NO_LIMIT: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+
+/// `timeout` in milliseconds for the shim: at least 1, at most [`NO_LIMIT`] (which is what
+/// `u64::MAX` ms, [`Duration::MAX`] and every other timeout beyond 100 years become).
+pub(crate) fn millis(timeout: Duration) -> i64 {
+    i64::try_from(timeout.min(NO_LIMIT).as_millis())
         .unwrap_or(i64::MAX)
         .max(1)
 }
@@ -563,6 +570,53 @@ impl RawStore {
         }
     }
 
+    /// Reads `prefix/key` without waiting: `None` if the key does not exist.
+    pub fn try_get(&mut self, prefix: &str, key: &str) -> ShimResult<Option<Vec<u8>>> {
+        let p = cstring("store prefix", prefix)?;
+        let k = cstring("store key", key)?;
+        let mut buf = vec![0u8; 256];
+        loop {
+            let mut st = new_status();
+            let mut len = 0usize;
+            let mut found = 0i32;
+            // SAFETY: live handle; strings alive; `buf` writable for `buf.len()` bytes, the
+            // capacity passed (the shim copies only when the value fits); len/found/st valid
+            // for writes.
+            let rc = unsafe {
+                sys::gloo_shim_store_try_get(
+                    self.ptr.as_ptr(),
+                    p.as_ptr(),
+                    k.as_ptr(),
+                    buf.as_mut_ptr().cast(),
+                    buf.len(),
+                    &mut len,
+                    &mut found,
+                    &mut st,
+                )
+            };
+            if rc == sys::GLOO_SHIM_TOO_SMALL as i32 && len > buf.len() {
+                buf.resize(len, 0);
+                continue;
+            }
+            check(rc, &st)?;
+            if found == 0 {
+                return Ok(None);
+            }
+            buf.truncate(len);
+            return Ok(Some(buf));
+        }
+    }
+
+    /// Bounds every later request of this handle to a store server (Redis) by `timeout`
+    /// (`None`: no bound). The in-memory and file stores never wait on a server: no effect.
+    pub fn set_io_timeout(&mut self, timeout: Option<Duration>) -> ShimResult<()> {
+        let ms = timeout.map(millis).unwrap_or(0);
+        let mut st = new_status();
+        // SAFETY: live handle; st valid for writes.
+        let rc = unsafe { sys::gloo_shim_store_set_io_timeout(self.ptr.as_ptr(), ms, &mut st) };
+        check(rc, &st)
+    }
+
     fn as_ptr(&self) -> *mut sys::gloo_shim_store {
         self.ptr.as_ptr()
     }
@@ -655,6 +709,133 @@ pub enum RawP2p<'a> {
     },
 }
 
+/// A message whose two sides disagreed on its element type or count (the shim's length
+/// protocol, see [`RawContext::p2p`]). On the receive's side: the message was consumed and
+/// discarded, the receive buffer is untouched. On the send's side (reported for messages of
+/// more than 64 KiB only; smaller sends complete without an answer from the receiver): the
+/// receiver discarded the message. The connection stays usable either way.
+///
+/// ```
+/// # use backend_gloo::{run_ranks, GlooConfig, RawP2p};
+/// # use grid_core::{Communicator, DType, HostSlice, HostSliceMut};
+/// # use std::time::Duration;
+/// let r = run_ranks(2, &GlooConfig::new("doc-p2p-mismatch"), |_f, w| {
+///     let t = Duration::from_secs(10);
+///     let err = |e: backend_gloo::ShimError| grid_core::Error::Invalid(e.to_string());
+///     if w.rank() == 0 {
+///         let mut ops = [RawP2p::Send { data: HostSlice::F32(&[1.0; 4]), peer: 1, tag: 0 }];
+///         w.raw().p2p(&mut ops, t).map_err(err)?;
+///         Ok(None)
+///     } else {
+///         let mut buf = [0.0f32; 8];
+///         let mut ops = [RawP2p::Recv { data: HostSliceMut::F32(&mut buf), peer: 0, tag: 0 }];
+///         let m = w.raw().p2p(&mut ops, t).map_err(err)?;
+///         assert_eq!(buf, [0.0; 8]); // untouched
+///         Ok(m.into_iter().next())
+///     }
+/// })
+/// .unwrap();
+/// let m = r[1].as_ref().unwrap().clone().unwrap();
+/// assert!(m.is_recv);
+/// assert_eq!((m.posted, m.sent), ((DType::F32, 8), (DType::F32, 4)));
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct P2pMismatch {
+    /// Position of the operation in the operations passed.
+    pub index: usize,
+    /// Whether the operation is the receive (else the send).
+    pub is_recv: bool,
+    /// The other side (context rank): the sender of a receive, the receiver of a send.
+    pub peer: usize,
+    /// The tag.
+    pub tag: u32,
+    /// What the receive posted: element type and count.
+    pub posted: (DType, u64),
+    /// What the sender sent: element type and count.
+    pub sent: (DType, u64),
+}
+
+/// The largest point-to-point payload (bytes) that travels in one Gloo message with its header
+/// (copied once on each side); larger payloads follow the header without a copy, and their
+/// receiver answers, so that their sender learns of a mismatch too ([`P2pMismatch`]).
+///
+/// ```
+/// assert_eq!(backend_gloo::P2P_INLINE_MAX, 64 << 10);
+/// ```
+pub const P2P_INLINE_MAX: usize = sys::GLOO_SHIM_P2P_INLINE_MAX as usize;
+
+/// Payload bytes this process has copied through staging or scratch memory for point-to-point
+/// messages so far: both sides of messages of up to 64 KiB (sent inline with their header) and
+/// drained mismatched payloads. Larger matching messages add nothing: they go from the sender's
+/// memory to the receiver's without a copy. A diagnostic for tests and benchmarks.
+///
+/// ```
+/// let before = backend_gloo::p2p_copied_bytes();
+/// // ... point-to-point operations ...
+/// assert!(backend_gloo::p2p_copied_bytes() >= before);
+/// ```
+pub fn p2p_copied_bytes() -> u64 {
+    // SAFETY: reads a process-wide atomic counter; no arguments, no preconditions.
+    unsafe { sys::gloo_shim_p2p_copied_bytes() }
+}
+
+/// The op's description for the shim: direction, peer, tag, dtype, count, memory; the outputs
+/// cleared.
+fn raw_op_of(
+    is_recv: bool,
+    peer: i32,
+    tag: u32,
+    dtype: DType,
+    count: usize,
+    ptr: *mut c_void,
+) -> sys::gloo_shim_p2p_op {
+    sys::gloo_shim_p2p_op {
+        is_recv: i32::from(is_recv),
+        peer,
+        tag,
+        dtype: dtype_code(dtype),
+        count,
+        ptr,
+        bytes: count * dtype.size_bytes(),
+        mismatch: 0,
+        other_dtype: -1,
+        other_count: 0,
+    }
+}
+
+/// The mismatch the shim reported in `op` (the `index`-th operation), if any.
+fn mismatch_of(index: usize, op: &sys::gloo_shim_p2p_op) -> ShimResult<Option<P2pMismatch>> {
+    if op.mismatch == 0 {
+        return Ok(None);
+    }
+    let mine = dtype_of_code(op.dtype)
+        .ok_or_else(|| ShimError::invalid(format!("unknown dtype code {}", op.dtype)))?;
+    let other = dtype_of_code(op.other_dtype).ok_or_else(|| ShimError {
+        code: ShimCode::Other,
+        peer: None,
+        message: format!(
+            "rank {} described the message with an unknown element type code {}",
+            op.peer, op.other_dtype
+        ),
+    })?;
+    let mine = (mine, op.count as u64);
+    let other = (other, op.other_count);
+    let is_recv = op.is_recv != 0;
+    let (posted, sent) = if is_recv {
+        (mine, other)
+    } else {
+        (other, mine)
+    };
+    Ok(Some(P2pMismatch {
+        index,
+        is_recv,
+        peer: usize::try_from(op.peer).unwrap_or(usize::MAX),
+        tag: op.tag,
+        posted,
+        sent,
+    }))
+}
+
 /// An owned, connected Gloo context (`gloo::rendezvous::Context` with a full mesh of TCP pairs).
 /// Reached through [`crate::GlooBackend::raw`] (see its example, and [`RawP2p`]'s).
 ///
@@ -682,15 +863,6 @@ fn bytes_of(s: &HostSlice<'_>) -> usize {
 }
 
 impl RawContext {
-    /// Closes every connection of the context: operations of this rank blocked on it fail
-    /// promptly (an I/O error), the peers see the connections close. Callable from any thread
-    /// while operations run; afterwards the context can only fail or be dropped.
-    pub fn close_connections(&self) {
-        // SAFETY: live handle (owned by self); the shim catches every exception and Gloo closes
-        // each pair under the pair's own lock, so concurrent operations see a closed pair.
-        unsafe { sys::gloo_shim_context_abort(self.ptr.as_ptr()) }
-    }
-
     /// Rendezvous of `size` ranks under `prefix` in `store` and full-mesh connection on `device`.
     /// Every wait and, later, every operation is bounded by `timeout`. With `remove_keys`, the
     /// keys this rank set are removed from the store once the rendezvous completed on every
@@ -735,6 +907,16 @@ impl RawContext {
             size,
             collective: Mutex::new(()),
         })
+    }
+
+    /// Closes every connection of the context at once (the peers see them reset); every later
+    /// operation on it fails. For a context that already failed: the peers blocked on this rank
+    /// learn it now rather than at their timeout.
+    pub fn close(&self) {
+        // SAFETY: `self.ptr` is a live context; the shim closes each pair under the pair's own
+        // lock (Gloo's tcp::Pair::close), which is safe while other threads use the context:
+        // their operations fail.
+        unsafe { sys::gloo_shim_context_close(self.ptr.as_ptr()) }
     }
 
     /// This rank.
@@ -1010,31 +1192,47 @@ impl RawContext {
 
     /// Posts every operation in order, then waits for all (the whole batch within `timeout`).
     /// On failure the remaining operations are cancelled before returning.
-    pub fn p2p(&self, ops: &mut [RawP2p<'_>], timeout: Duration) -> ShimResult<()> {
+    ///
+    /// Every message carries its element type and count (the shim's length protocol, described
+    /// in `shim/gloo_shim.h`): a receive gets exactly its buffer's length of its dtype, or its
+    /// buffer stays untouched and the returned list names it ([`P2pMismatch`]), as it names a
+    /// send of more than 64 KiB whose receiver posted something else; the call itself succeeds
+    /// then, since every message was consumed and the connections are intact.
+    /// Messages of up to 64 KiB travel with their header in one Gloo message (one copy on each
+    /// side); larger ones as a header and then the payload straight from and into the callers'
+    /// memory.
+    pub fn p2p(&self, ops: &mut [RawP2p<'_>], timeout: Duration) -> ShimResult<Vec<P2pMismatch>> {
         let mut raw = Vec::with_capacity(ops.len());
         for op in ops.iter_mut() {
             raw.push(match op {
-                RawP2p::Send { data, peer, tag } => sys::gloo_shim_p2p_op {
-                    is_recv: 0,
-                    peer: self.check_peer(*peer)?,
-                    tag: *tag,
-                    ptr: data.as_ptr() as *mut std::ffi::c_void,
-                    bytes: bytes_of(data),
-                },
-                RawP2p::Recv { data, peer, tag } => sys::gloo_shim_p2p_op {
-                    is_recv: 1,
-                    peer: self.check_peer(*peer)?,
-                    tag: *tag,
-                    bytes: bytes_of(&data.as_slice()),
-                    ptr: data.as_mut_ptr().cast(),
-                },
+                RawP2p::Send { data, peer, tag } => raw_op_of(
+                    false,
+                    self.check_peer(*peer)?,
+                    *tag,
+                    data.dtype(),
+                    data.len(),
+                    data.as_ptr() as *mut c_void,
+                ),
+                RawP2p::Recv { data, peer, tag } => {
+                    let (dtype, len) = (data.dtype(), data.len());
+                    raw_op_of(
+                        true,
+                        self.check_peer(*peer)?,
+                        *tag,
+                        dtype,
+                        len,
+                        data.as_mut_ptr().cast(),
+                    )
+                }
             });
         }
         let mut st = new_status();
         // SAFETY: live context; every op's memory is borrowed from `ops` for the whole call
-        // (sends readable, receives writable, each for `bytes`); the shim waits for or cancels
-        // every operation before returning, so nothing is touched afterwards. Send buffers are
-        // passed as *mut only because the C struct is shared; Gloo never writes to them.
+        // (sends readable, receives writable, each for `bytes` = count · element size of its
+        // dtype, as raw_op_of computes); the shim waits for or cancels every operation before
+        // returning, so nothing is touched afterwards. Send buffers are passed as *mut only
+        // because the C struct is shared; Gloo never writes to them. The shim writes only the
+        // output fields of the op structs, which live in `raw`.
         let rc = unsafe {
             sys::gloo_shim_p2p(
                 self.ptr.as_ptr(),
@@ -1044,7 +1242,14 @@ impl RawContext {
                 &mut st,
             )
         };
-        check(rc, &st)
+        check(rc, &st)?;
+        let mut out = Vec::new();
+        for (i, op) in raw.iter().enumerate() {
+            if let Some(m) = mismatch_of(i, op)? {
+                out.push(m);
+            }
+        }
+        Ok(out)
     }
 
     /// Posts one operation on an owned buffer (`is_recv`: receive into it, else send it) and
@@ -1060,18 +1265,13 @@ impl RawContext {
             Ok(p) => p,
             Err(e) => return Err((e, data)),
         };
-        let bytes = data.len() * data.dtype().size_bytes();
-        let ptr: *mut std::ffi::c_void = data.as_mut_slice().as_mut_ptr().cast();
-        let op = sys::gloo_shim_p2p_op {
-            is_recv: i32::from(is_recv),
-            peer: peer_i,
-            tag,
-            ptr,
-            bytes,
-        };
+        let (dtype, len) = (data.dtype(), data.len());
+        let ptr: *mut c_void = data.as_mut_slice().as_mut_ptr().cast();
+        let op = raw_op_of(is_recv, peer_i, tag, dtype, len, ptr);
         let mut st = new_status();
         let mut out = std::ptr::null_mut();
-        // SAFETY: live context; `ptr` points into the heap allocation of `data` (`bytes` long),
+        // SAFETY: live context; `ptr` points into the heap allocation of `data` (`len` elements
+        // of `dtype`, the op's `bytes`),
         // which moves into the returned RawPending and is freed only after the pending handle
         // (RawPending::drop frees the handle first; forgetting RawPending leaks both).
         let rc = unsafe { sys::gloo_shim_post(self.ptr.as_ptr(), &op, &mut out, &mut st) };
@@ -1112,14 +1312,22 @@ unsafe impl Send for RawPending {}
 
 impl RawPending {
     /// Waits up to `timeout` for the operation and returns the buffer (received data for a
-    /// receive). The operation is cancelled if it failed.
-    pub(crate) fn wait(mut self, timeout: Duration) -> (ShimResult<()>, HostBuffer) {
-        let mut result = Ok(());
+    /// receive) with the mismatch of the message's two sides, if any ([`P2pMismatch`]; a
+    /// receive's buffer is then untouched). The operation is cancelled if it failed.
+    pub(crate) fn wait(
+        mut self,
+        timeout: Duration,
+    ) -> (ShimResult<Option<P2pMismatch>>, HostBuffer) {
+        let mut result = Ok(None);
         if let Some(p) = self.ptr {
             let mut st = new_status();
-            // SAFETY: live pending handle, owned by self.
-            let rc = unsafe { sys::gloo_shim_pending_wait(p.as_ptr(), millis(timeout), &mut st) };
-            result = check(rc, &st);
+            let mut op = raw_op_of(false, -1, 0, DType::U8, 0, std::ptr::null_mut());
+            // SAFETY: live pending handle, owned by self; `op` is valid for writes (the shim
+            // copies its own op, with the outputs, into it on success).
+            let rc = unsafe {
+                sys::gloo_shim_pending_wait(p.as_ptr(), millis(timeout), &mut op, &mut st)
+            };
+            result = check(rc, &st).and_then(|()| mismatch_of(0, &op));
         }
         self.free();
         let data = self

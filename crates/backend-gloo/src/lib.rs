@@ -17,8 +17,16 @@
 //!   part), exactly like PyTorch's `new_group` on Gloo.
 //! * Rendezvous ([`Rendezvous`]): in-process (ranks as threads, no launcher), a directory, or
 //!   Redis; every key lives under the job id, so runs never mix.
-//! * Every operation is bounded by [`GlooConfig::timeout`]; a lost peer turns into
-//!   [`grid_core::Error::PeerFailed`] naming the peer.
+//! * Every operation, and each rendezvous as a whole, is bounded by [`GlooConfig::timeout`]
+//!   ([`GlooConfig::NO_LIMIT`]: no limit); a rendezvous that times out lists the ranks that
+//!   never arrived. A lost or stopped peer turns into [`grid_core::Error::PeerFailed`] (or
+//!   [`grid_core::Error::Timeout`]) naming the rank that failed first, found through failure
+//!   records in the store.
+//! * No disagreement between ranks reaches libgloo (where it would terminate the process or
+//!   return wrong data): point-to-point messages carry their element type and count, so a
+//!   receive gets exactly its length or an error ([`P2pMismatch`]); collectives are
+//!   mismatch-checked by default ([`grid_core::MismatchCheck::All`]; see
+//!   [`GlooCommunicator`]).
 //!
 //! ```
 //! use backend_gloo::{run_ranks, GlooConfig};
@@ -39,6 +47,7 @@
 // Every `unsafe` block lives in the FFI module `ffi`, next to the invariant it relies on.
 #![deny(unsafe_code)]
 
+mod blame;
 mod comm;
 mod exec;
 mod factory;
@@ -51,5 +60,6 @@ pub use factory::{
     Rendezvous,
 };
 pub use ffi::{
-    AllreduceAlgorithm, RawContext, RawOp, RawP2p, ReduceScatterAlgorithm, ShimCode, ShimError,
+    p2p_copied_bytes, AllreduceAlgorithm, P2pMismatch, RawContext, RawOp, RawP2p,
+    ReduceScatterAlgorithm, ShimCode, ShimError, P2P_INLINE_MAX,
 };

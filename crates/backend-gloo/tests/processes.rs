@@ -207,10 +207,8 @@ fn run_processes(test: &str, n: usize, store: &str, job: &str, limit: Duration) 
 /// The body of one rank process: the shared conformance suite, then this crate's own checks.
 fn child_suite() {
     let (factory, world) = init_from_env().unwrap_or_else(|e| panic!("init: {e}"));
-    let opts = grid_conformance::Options {
-        finish: Some(Box::new(|c: &backend_gloo::GlooCommunicator| c.abort())),
-        ..Default::default()
-    };
+    // No finish operation on Gloo: abort() is checked by the suite's lifecycle section.
+    let opts = grid_conformance::Options::default();
     match grid_conformance::run_with(&factory, &world, &opts) {
         Ok(report) => println!(
             "CONFORMANCE rank {}: {} checks passed, {} skipped",

@@ -1,16 +1,26 @@
 //! [`MpiBackend`]: the front end's [`Backend`] over one MPI communicator, and
 //! [`MpiCommunicator`], the communicator users hold (`Comm<MpiBackend>`).
 
-use crate::raw::{self, Immediate, P2p, Pending, RawError};
+use crate::raw::{self, Immediate, P2p, Pending, RawError, Stop};
 use crate::stage::{self, Plan};
+use crate::watch::{self, Ending, Site, Watch};
 use grid_core::{
     Backend, BufMut, BufRef, Comm, DType, Error, HostBuffer, HostSlice, HostSliceMut, LibraryError,
-    Memory, MismatchCheck, Op, P2pOp, ReduceOp, Request, Result, Tensor, Validated, Work,
+    Memory, MismatchCheck, Op, P2pOp, ReduceOp, Request, Result, Tensor, TimeLimit, Validated,
+    Work,
 };
+use std::convert::Infallible;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 const BACKEND: &str = "mpi";
+
+/// The size (bytes of a collective's larger buffer on a rank) from which the MPI backend checks
+/// collectives by default ([`Backend::mismatch_check_default`]): 2 KiB, half the eager limit of
+/// Open MPI's shared-memory transport (`btl_vader_eager_limit`, 4 KiB), below which a count
+/// mismatch cannot crash a rank.
+pub const CHECK_THRESHOLD: usize = 2 << 10;
 
 /// An MPI failure as [`Error::Library`]: the operation, the communicator, MPI's error code and
 /// class and its message.
@@ -57,32 +67,75 @@ pub type MpiCommunicator = Comm<MpiBackend>;
 #[derive(Debug)]
 pub struct MpiBackend {
     raw: raw::Comm,
+    /// A duplicate of `raw` (same members) that carries only the mismatch check's exchanges
+    /// ([`Backend::run_check`]), so that they never meet a real operation of a rank that does
+    /// not check.
+    check: raw::Comm,
     rank: usize,
     size: usize,
     global: Vec<usize>,
     name: String,
     finished: AtomicBool,
+    /// The configured default time limit ([`crate::MpiConfig::timeout`]).
+    timeout: TimeLimit,
+    /// The blocking collective in flight and the abort flag (see the `watch` module).
+    watch: Arc<Watch>,
 }
 
 impl MpiBackend {
+    /// Wraps a new MPI communicator (collective over its members: it is duplicated once for
+    /// the mismatch check).
     pub(crate) fn from_raw(
         raw: raw::Comm,
         op: &'static str,
         name: String,
+        timeout: TimeLimit,
     ) -> Result<MpiCommunicator> {
         let rank = raw.rank().map_err(|e| backend_err(op, &name, e))?;
         let size = raw.size().map_err(|e| backend_err(op, &name, e))?;
         let global = raw.world_ranks().map_err(|e| backend_err(op, &name, e))?;
+        let check = raw.dup().map_err(|e| backend_err(op, &name, e))?;
         tracing::debug!(op, comm = %name, rank, size, ?global, "mpi communicator created");
+        let watch = Watch::new(Site {
+            comm: name.clone(),
+            ranks: global.clone(),
+            world_rank: global.get(rank).copied().unwrap_or(rank),
+        });
         let backend = MpiBackend {
             raw,
+            check,
             rank,
             size,
             global,
             name: name.clone(),
             finished: AtomicBool::new(false),
+            timeout,
+            watch,
         };
         Ok(Comm::new(backend, name))
+    }
+
+    /// The default time limit this communicator was created with ([`crate::MpiConfig`]);
+    /// sub-communicators created from it by [`crate::MpiFactory`] get the same.
+    pub fn configured_timeout(&self) -> TimeLimit {
+        self.timeout
+    }
+
+    /// Marks the creation of a sub-communicator from this one in flight (watched like a
+    /// blocking collective, under this communicator's current default time limit).
+    pub(crate) fn creating(&self, op: usize, limit: TimeLimit) -> watch::InFlight<'_> {
+        self.watch.enter_creation(op, limit)
+    }
+
+    /// Ends the job for an operation that cannot be given up (see the `watch` module).
+    #[cold]
+    fn stuck(&self, op: &'static str, seq: u64, limit: TimeLimit, why: Stop) -> Infallible {
+        watch::end_job(&Ending {
+            what: format!("{op} #{seq}"),
+            limit,
+            why,
+            site: &self.watch.site,
+        })
     }
 
     pub(crate) fn raw(&self) -> &raw::Comm {
@@ -128,6 +181,7 @@ impl MpiBackend {
     #[inline(never)]
     fn all_reduce_staged(
         &self,
+        c: &raw::Comm,
         send: Option<HostSlice<'_>>,
         recv: HostSliceMut<'_>,
         plan: Plan,
@@ -137,25 +191,183 @@ impl MpiBackend {
         // MPI has no type for these: the conversion to the wire type is the staging, and the
         // wire buffer is reduced in place.
         let mut wide = stage::widen(input, w);
-        self.reduce_in_place(wide.as_mut_slice(), plan.op)?;
+        self.reduce_in_place(c, wide.as_mut_slice(), plan.op)?;
         stage::narrow(wide.as_slice(), recv, plan.divide);
         Ok(())
     }
 
     /// `MPI_IN_PLACE` all-reduce; libraries whose `MPI_IN_PLACE` is unknown go through one
     /// copy of the input.
-    fn reduce_in_place(&self, mut buf: HostSliceMut<'_>, r: raw::Reduce) -> Result<()> {
+    fn reduce_in_place(
+        &self,
+        c: &raw::Comm,
+        mut buf: HostSliceMut<'_>,
+        r: raw::Reduce,
+    ) -> Result<()> {
         const OP: &str = "all_reduce";
         if raw::in_place_supported() {
-            return self
-                .raw
-                .all_reduce_in_place(buf, r)
-                .map_err(|e| self.err(OP, e));
+            return c.all_reduce_in_place(buf, r).map_err(|e| self.err(OP, e));
         }
         let send = buf.as_slice().to_owned_buffer();
-        self.raw
-            .all_reduce(send.as_slice(), buf.reborrow(), r)
+        c.all_reduce(send.as_slice(), buf.reborrow(), r)
             .map_err(|e| self.err(OP, e))
+    }
+
+    /// The error of an operation this rank gave up (a cancelled receive).
+    #[cold]
+    fn stopped(&self, op: &'static str, limit: TimeLimit, peer: Option<usize>, why: Stop) -> Error {
+        stopped(op, limit, peer, why)
+    }
+
+    /// Runs a validated blocking operation on `c` (this communicator, or its duplicate for the
+    /// mismatch check's exchanges, `check`). Collectives are the blocking MPI calls, watched by
+    /// the watchdog; point-to-point operations complete on this thread under the limit.
+    fn exec(&self, c: &raw::Comm, check: bool, v: Validated<Op<'_>>) -> Result<()> {
+        let (seq, limit) = (v.seq(), v.time_limit());
+        let abort = &self.watch.aborted;
+        let watch = |op: usize| self.watch.enter(op, seq, check, limit);
+        match v.into_op() {
+            Op::AllReduce { send, recv, op } => {
+                const OP: &str = "all_reduce";
+                let (send, mut recv) = (host(OP, send)?, host_mut(OP, recv)?);
+                let plan = stage::plan(send.dtype(), op, self.size);
+                let _w = watch(watch::ALL_REDUCE);
+                if plan.wire.is_some() {
+                    return self.all_reduce_staged(c, Some(send), recv, plan);
+                }
+                c.all_reduce(send, recv.reborrow(), plan.op)
+                    .map_err(|e| self.err(OP, e))?;
+                if let Some(n) = plan.divide {
+                    grid_core::kernels::divide(recv, n);
+                }
+                Ok(())
+            }
+            Op::AllReduceInPlace { buf, op } => {
+                const OP: &str = "all_reduce";
+                let mut buf = host_mut(OP, buf)?;
+                let plan = stage::plan(buf.dtype(), op, self.size);
+                let _w = watch(watch::ALL_REDUCE);
+                if plan.wire.is_some() {
+                    return self.all_reduce_staged(c, None, buf, plan);
+                }
+                self.reduce_in_place(c, buf.reborrow(), plan.op)?;
+                if let Some(n) = plan.divide {
+                    grid_core::kernels::divide(buf, n);
+                }
+                Ok(())
+            }
+            Op::Broadcast { buf, root } => {
+                const OP: &str = "broadcast";
+                let buf = host_mut(OP, buf)?;
+                let _w = watch(watch::BROADCAST);
+                c.broadcast(buf, root).map_err(|e| self.err(OP, e))
+            }
+            Op::AllGather { send, recv } => {
+                const OP: &str = "all_gather";
+                let (send, recv) = (host(OP, send)?, host_mut(OP, recv)?);
+                let _w = watch(watch::ALL_GATHER);
+                c.all_gather(send, recv).map_err(|e| self.err(OP, e))
+            }
+            Op::ReduceScatter { send, recv, op } => {
+                const OP: &str = "reduce_scatter";
+                let (send, mut recv) = (host(OP, send)?, host_mut(OP, recv)?);
+                let plan = stage::plan(send.dtype(), op, self.size);
+                let _w = watch(watch::REDUCE_SCATTER);
+                match plan.wire {
+                    None => {
+                        c.reduce_scatter(send, recv.reborrow(), plan.op)
+                            .map_err(|e| self.err(OP, e))?;
+                        if let Some(n) = plan.divide {
+                            grid_core::kernels::divide(recv, n);
+                        }
+                    }
+                    Some(w) => {
+                        let s = stage::widen(send, w);
+                        let mut r = HostBuffer::zeros(w, recv.len());
+                        c.reduce_scatter(s.as_slice(), r.as_mut_slice(), plan.op)
+                            .map_err(|e| self.err(OP, e))?;
+                        stage::narrow(r.as_slice(), recv, plan.divide);
+                    }
+                }
+                Ok(())
+            }
+            Op::AllToAll { send, recv } => {
+                const OP: &str = "all_to_all";
+                let (send, recv) = (host(OP, send)?, host_mut(OP, recv)?);
+                let _w = watch(watch::ALL_TO_ALL);
+                c.all_to_all(send, recv).map_err(|e| self.err(OP, e))
+            }
+            Op::Barrier => {
+                let _w = watch(watch::BARRIER);
+                c.barrier().map_err(|e| self.err("barrier", e))
+            }
+            Op::Send { buf, peer, tag } => {
+                const OP: &str = "send";
+                let buf = host(OP, buf)?;
+                let stuck = |why| self.stuck(OP, seq, limit, why);
+                c.send_within(buf, peer, tag, limit.duration(), abort, &stuck)
+                    .map_err(|e| self.err(OP, e))
+            }
+            Op::Recv { buf, peer, tag } => {
+                const OP: &str = "recv";
+                let buf = host_mut(OP, buf)?;
+                let expected = buf.len();
+                let stuck = |why| self.stuck(OP, seq, limit, why);
+                let got = c
+                    .recv_within(buf, peer, tag, limit.duration(), abort, &stuck)
+                    .map_err(|e| self.err(OP, e))?
+                    .map_err(|why| self.stopped(OP, limit, Some(peer), why))?;
+                grid_core::comm::check::len(OP, "received message", expected, got)
+            }
+            Op::Batch(ops) => {
+                const OP: &str = "batch_p2p";
+                let mut sends = Vec::new();
+                let mut recvs = Vec::new();
+                for op in ops {
+                    match op {
+                        P2pOp::Send { buf, peer, tag } => sends.push((host(OP, buf)?, peer, tag)),
+                        P2pOp::Recv { buf, peer, tag } => {
+                            recvs.push((host_mut(OP, buf)?, peer, tag))
+                        }
+                    }
+                }
+                let mut raw_ops: Vec<P2p<'_, '_>> = Vec::with_capacity(sends.len() + recvs.len());
+                // Receives first: posting them early lets matching sends complete eagerly.
+                for (buf, peer, tag) in recvs.iter_mut() {
+                    raw_ops.push(P2p::Recv {
+                        buf,
+                        peer: *peer,
+                        tag: *tag,
+                    });
+                }
+                for (buf, peer, tag) in sends {
+                    raw_ops.push(P2p::Send { buf, peer, tag });
+                }
+                let stuck = |why| self.stuck(OP, seq, limit, why);
+                c.batch_within(&mut raw_ops, limit.duration(), abort, &stuck)
+                    .map_err(|e| self.err(OP, e))?
+                    .map_err(|why| self.stopped(OP, limit, None, why))
+            }
+        }
+    }
+}
+
+/// The error of an operation given up on this rank: [`Error::Timeout`] or, after `abort()`,
+/// [`Error::Aborted`].
+fn stopped(op: &'static str, limit: TimeLimit, peer: Option<usize>, why: Stop) -> Error {
+    match why {
+        Stop::Timeout => Error::Timeout {
+            op,
+            millis: limit.as_millis(),
+            peer,
+            at: None,
+        },
+        Stop::Abort => Error::Aborted {
+            op,
+            reason: "abort() was called on this rank while the operation waited; it was cancelled"
+                .into(),
+            at: None,
+        },
     }
 }
 
@@ -192,25 +404,38 @@ impl Backend for MpiBackend {
         // see the `stage` module docs).
         true
     }
-    /// Collectives of at least 64 KiB on every rank are checked by default: a count that
-    /// differs between ranks can crash Open MPI's all-reduce (a segmentation fault), and at
-    /// 64 KiB and above the check (one all-reduce of 14 integers) costs about 3 % of the call
-    /// or less (`mpi-bench check-cost`, docs/communicators.md). `GRID_DEBUG=detail` checks
-    /// every collective, `GRID_DEBUG=off` none.
+    /// Collectives that move at least 2 KiB on a rank are checked by default
+    /// ([`CHECK_THRESHOLD`]): a count that differs between ranks makes Open MPI 4.1's
+    /// collectives corrupt memory or crash (a segmentation fault) as soon as one rank receives
+    /// a message larger than its buffer by the rendezvous protocol (above the 4 KiB eager limit
+    /// of the shared-memory transport; measured: 4 against 1020 `i32`, 4 against 16383, 4
+    /// against 65536). Below the threshold on every rank, every message is eager and a
+    /// mismatch is reported by MPI (`MPI_ERR_TRUNCATE` on the rank that receives too much) or
+    /// goes unnoticed on the other ranks (wrong data), but never crashes. A rank that checks
+    /// runs the check on a duplicate communicator, so when ranks straddle the threshold, the
+    /// checking ranks and the others wait for each other until the time limit (the job then
+    /// ends, see "Time limits and abort" in the crate docs). `GRID_DEBUG=detail` checks every
+    /// collective, `GRID_DEBUG=off` none.
     fn mismatch_check_default(&self) -> MismatchCheck {
-        MismatchCheck::Above(64 << 10)
+        MismatchCheck::Above(CHECK_THRESHOLD)
     }
     /// MPI tags are non-negative C `int`s.
     fn max_tag(&self) -> u32 {
         i32::MAX as u32
     }
-    /// No limit: MPI operations are not yet run under a deadline (issue #11).
-    fn default_time_limit(&self) -> grid_core::TimeLimit {
-        grid_core::TimeLimit::Unlimited
+    /// The configured timeout ([`crate::MpiConfig::timeout`], `GRID_MPI_TIMEOUT_MS`, default
+    /// [`crate::MpiConfig::DEFAULT_TIMEOUT_MS`]).
+    fn default_time_limit(&self) -> TimeLimit {
+        self.timeout
     }
-    /// The front end refuses every later operation; an MPI operation already blocked in the
-    /// library is not woken yet (issue #11: MPI operations under a deadline).
-    fn abort(&self) {}
+    /// Sets the abort flag that every completion loop of this communicator checks, and wakes
+    /// the watchdog: a blocked receive (blocking or nonblocking) is cancelled and returns; a
+    /// blocked collective or send, which MPI cannot cancel, ends the job (exit code
+    /// [`crate::EXIT_ABORTED`], see the crate docs); a nonblocking collective or send being
+    /// waited for returns and its buffers are leaked.
+    fn abort(&self) {
+        self.watch.abort();
+    }
     fn check_live(&self, op: &'static str) -> Result<()> {
         if self.finished.load(Ordering::Acquire) {
             return Err(Error::Finalized {
@@ -228,119 +453,24 @@ impl Backend for MpiBackend {
     }
 
     fn run(&self, op: Validated<Op<'_>>) -> Result<()> {
-        match op.into_op() {
-            Op::AllReduce { send, recv, op } => {
-                const OP: &str = "all_reduce";
-                let (send, mut recv) = (host(OP, send)?, host_mut(OP, recv)?);
-                let plan = stage::plan(send.dtype(), op, self.size);
-                if plan.wire.is_some() {
-                    return self.all_reduce_staged(Some(send), recv, plan);
-                }
-                self.raw
-                    .all_reduce(send, recv.reborrow(), plan.op)
-                    .map_err(|e| self.err(OP, e))?;
-                if let Some(n) = plan.divide {
-                    grid_core::kernels::divide(recv, n);
-                }
-                Ok(())
-            }
-            Op::AllReduceInPlace { buf, op } => {
-                const OP: &str = "all_reduce";
-                let mut buf = host_mut(OP, buf)?;
-                let plan = stage::plan(buf.dtype(), op, self.size);
-                if plan.wire.is_some() {
-                    return self.all_reduce_staged(None, buf, plan);
-                }
-                self.reduce_in_place(buf.reborrow(), plan.op)?;
-                if let Some(n) = plan.divide {
-                    grid_core::kernels::divide(buf, n);
-                }
-                Ok(())
-            }
-            Op::Broadcast { buf, root } => {
-                const OP: &str = "broadcast";
-                let buf = host_mut(OP, buf)?;
-                self.raw.broadcast(buf, root).map_err(|e| self.err(OP, e))
-            }
-            Op::AllGather { send, recv } => {
-                const OP: &str = "all_gather";
-                let (send, recv) = (host(OP, send)?, host_mut(OP, recv)?);
-                self.raw.all_gather(send, recv).map_err(|e| self.err(OP, e))
-            }
-            Op::ReduceScatter { send, recv, op } => {
-                const OP: &str = "reduce_scatter";
-                let (send, mut recv) = (host(OP, send)?, host_mut(OP, recv)?);
-                let plan = stage::plan(send.dtype(), op, self.size);
-                match plan.wire {
-                    None => {
-                        self.raw
-                            .reduce_scatter(send, recv.reborrow(), plan.op)
-                            .map_err(|e| self.err(OP, e))?;
-                        if let Some(n) = plan.divide {
-                            grid_core::kernels::divide(recv, n);
-                        }
-                    }
-                    Some(w) => {
-                        let s = stage::widen(send, w);
-                        let mut r = HostBuffer::zeros(w, recv.len());
-                        self.raw
-                            .reduce_scatter(s.as_slice(), r.as_mut_slice(), plan.op)
-                            .map_err(|e| self.err(OP, e))?;
-                        stage::narrow(r.as_slice(), recv, plan.divide);
-                    }
-                }
-                Ok(())
-            }
-            Op::AllToAll { send, recv } => {
-                const OP: &str = "all_to_all";
-                let (send, recv) = (host(OP, send)?, host_mut(OP, recv)?);
-                self.raw.all_to_all(send, recv).map_err(|e| self.err(OP, e))
-            }
-            Op::Barrier => self.raw.barrier().map_err(|e| self.err("barrier", e)),
-            Op::Send { buf, peer, tag } => {
-                const OP: &str = "send";
-                let buf = host(OP, buf)?;
-                self.raw.send(buf, peer, tag).map_err(|e| self.err(OP, e))
-            }
-            Op::Recv { buf, peer, tag } => {
-                const OP: &str = "recv";
-                let buf = host_mut(OP, buf)?;
-                let expected = buf.len();
-                let got = self.raw.recv(buf, peer, tag).map_err(|e| self.err(OP, e))?;
-                grid_core::comm::check::len(OP, "received message", expected, got)
-            }
-            Op::Batch(ops) => {
-                const OP: &str = "batch_p2p";
-                let mut sends = Vec::new();
-                let mut recvs = Vec::new();
-                for op in ops {
-                    match op {
-                        P2pOp::Send { buf, peer, tag } => sends.push((host(OP, buf)?, peer, tag)),
-                        P2pOp::Recv { buf, peer, tag } => {
-                            recvs.push((host_mut(OP, buf)?, peer, tag))
-                        }
-                    }
-                }
-                let mut raw_ops: Vec<P2p<'_, '_>> = Vec::with_capacity(sends.len() + recvs.len());
-                // Receives first: posting them early lets matching sends complete eagerly.
-                for (buf, peer, tag) in recvs.iter_mut() {
-                    raw_ops.push(P2p::Recv {
-                        buf,
-                        peer: *peer,
-                        tag: *tag,
-                    });
-                }
-                for (buf, peer, tag) in sends {
-                    raw_ops.push(P2p::Send { buf, peer, tag });
-                }
-                self.raw.batch(&mut raw_ops).map_err(|e| self.err(OP, e))
-            }
-        }
+        self.exec(&self.raw, false, op)
+    }
+
+    /// On the duplicate communicator: a rank that checks never meets the real operation of a
+    /// rank that does not (ranks on both sides of the size threshold then wait for each other
+    /// until their time limit, instead of mixing the check's integers with the data).
+    fn run_check(&self, op: Validated<Op<'_>>) -> Result<()> {
+        self.exec(&self.check, true, op)
     }
 
     fn start(&self, request: Validated<Request>) -> Result<Box<dyn Work>> {
+        let limit = request.time_limit();
         let request = request.into_op();
         let name = request.name();
+        let peer = match &request {
+            Request::Send { peer, .. } | Request::Recv { peer, .. } => Some(*peer),
+            _ => None,
+        };
         let size = self.size;
         let (what, bufs, post) = match request {
             Request::AllReduce { buf, op } => {
@@ -462,6 +592,10 @@ impl Backend for MpiBackend {
             comm: self.name.clone(),
             pending: Some(pending),
             post: Some(post),
+            limit,
+            peer,
+            waiting_since: None,
+            watch: Arc::clone(&self.watch),
         }))
     }
 }
@@ -492,22 +626,46 @@ enum Post {
 }
 
 /// The [`Work`] handle of the MPI backend: an MPI request plus the buffers it owns.
-/// Dropping it before completion waits for the operation (MPI may still use the buffers).
+///
+/// Its time limit runs from the first [`Work::wait`] or [`Work::wait_timeout`] (an operation
+/// that nobody waits for may not progress under MPI). Past it, or after `abort()`, a receive is
+/// cancelled and any other operation (which MPI cannot cancel) is abandoned: the wait returns
+/// [`Error::Timeout`] (or the front end's [`Error::Aborted`]) and the buffers are leaked, never
+/// freed, so that MPI can still write them safely. Dropping the work before it completed does
+/// not wait: a receive is cancelled (so that it cannot take a later message); any other
+/// operation's buffers are leaked the same way and MPI completes the operation on its own.
 struct MpiWork {
     op: &'static str,
     comm: String,
     pending: Option<Pending>,
     post: Option<Post>,
+    limit: TimeLimit,
+    peer: Option<usize>,
+    /// When the first wait began.
+    waiting_since: Option<Instant>,
+    watch: Arc<Watch>,
 }
 
 impl MpiWork {
+    /// The part of the time limit left, from the first wait.
+    fn remaining(&mut self) -> Option<Duration> {
+        let since = *self.waiting_since.get_or_insert_with(Instant::now);
+        self.limit
+            .duration()
+            .map(|l| l.saturating_sub(since.elapsed()))
+    }
+
     fn finish(&mut self) -> Result<Tensor> {
         let op = self.op;
+        let remaining = self.remaining();
         let pending = self
             .pending
             .take()
             .ok_or_else(|| Error::Invalid(format!("{op}: work already waited on")))?;
-        let (mut bufs, received) = pending.wait().map_err(|e| backend_err(op, &self.comm, e))?;
+        let (mut bufs, received) = pending
+            .wait_within(remaining, &self.watch.aborted)
+            .map_err(|e| backend_err(op, &self.comm, e))?
+            .map_err(|why| stopped(op, self.limit, self.peer, why))?;
         let take = |bufs: &mut Vec<HostBuffer>, i: usize| -> Result<HostBuffer> {
             if i < bufs.len() {
                 Ok(bufs.swap_remove(i))
@@ -568,6 +726,10 @@ impl Work for MpiWork {
         let deadline = Instant::now() + timeout;
         let mut spins = 0u32;
         loop {
+            // Past the operation's own limit, or aborted: `finish` gives it up at once.
+            if self.watch.is_aborted() || self.remaining() == Some(Duration::ZERO) {
+                return Ok(self.finish());
+            }
             let done = match self.pending.as_mut() {
                 Some(p) => match p.test() {
                     Ok(d) => d,

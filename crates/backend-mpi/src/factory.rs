@@ -79,6 +79,7 @@ impl GroupFactory for MpiFactory {
         key: usize,
     ) -> Result<Option<MpiCommunicator>> {
         const OP: &str = "split";
+        // The front end's check: refused once the parent was aborted or failed.
         parent.ensure_usable(OP)?;
         if let Some(c) = color {
             if c > i32::MAX as u32 {
@@ -94,6 +95,8 @@ impl GroupFactory for MpiFactory {
         let _s =
             tracing::debug_span!("mpi.split", comm = parent.comm_name(), ?color, key).entered();
         let n = self.splits.fetch_add(1, Ordering::Relaxed);
+        // MPI_Comm_split and the new communicator's duplicate, under the parent's time limit.
+        let _w = parent.creating(crate::watch::SPLIT, parent.time_limit());
         let raw = parent
             .raw()
             .split(color.map(|c| c as usize), key)
@@ -102,7 +105,8 @@ impl GroupFactory for MpiFactory {
             Some(c) => format!("{}/split{n}.{c}", parent.comm_name()),
             None => String::new(),
         };
-        raw.map(|r| MpiBackend::from_raw(r, OP, name)).transpose()
+        raw.map(|r| MpiBackend::from_raw(r, OP, name, parent.configured_timeout()))
+            .transpose()
     }
 
     /// `MPI_Comm_create` over `parent` with the group of `ranks` (sorted ascending, so the new
@@ -113,6 +117,7 @@ impl GroupFactory for MpiFactory {
         ranks: &[usize],
     ) -> Result<Option<MpiCommunicator>> {
         const OP: &str = "create_group";
+        // The front end's check: refused once the parent was aborted or failed.
         parent.ensure_usable(OP)?;
         let sorted = check::group_members(OP, ranks, parent.size())?;
         let _s = tracing::debug_span!(
@@ -122,11 +127,13 @@ impl GroupFactory for MpiFactory {
         )
         .entered();
         let n = self.creates.fetch_add(1, Ordering::Relaxed);
+        let _w = parent.creating(crate::watch::CREATE_GROUP, parent.time_limit());
         let raw = parent
             .raw()
             .create(&sorted)
             .map_err(|e| parent.err(OP, e))?;
         let name = format!("{}/group{n}", parent.comm_name());
-        raw.map(|r| MpiBackend::from_raw(r, OP, name)).transpose()
+        raw.map(|r| MpiBackend::from_raw(r, OP, name, parent.configured_timeout()))
+            .transpose()
     }
 }

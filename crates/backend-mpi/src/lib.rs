@@ -17,6 +17,37 @@
 //! * [`testing`] runs multi-rank tests under plain `cargo test` by re-launching the test binary
 //!   under `mpirun` ([`mpi_test!`]).
 //!
+//! # Time limits and abort
+//!
+//! Every operation runs under a time limit: the communicator's default ([`MpiConfig::timeout`],
+//! `GRID_MPI_TIMEOUT_MS`, default 10 minutes; sub-communicators inherit their parent's), or the
+//! program's ([`grid_core::Communicator::set_time_limit`],
+//! [`grid_core::CommunicatorExt::with_time_limit`]). When it passes, or when
+//! [`grid_core::Communicator::abort`] is called while the operation waits:
+//!
+//! * a **receive** (blocking or nonblocking) is cancelled (`MPI_Cancel`) and returns
+//!   [`grid_core::Error::Timeout`] (or `Error::Aborted`); the communicator is then failed and
+//!   refuses later operations;
+//! * a **nonblocking** collective or send returns the same errors from `wait`; MPI cannot
+//!   cancel it, so its owned buffers are leaked (never freed, MPI may still write them) and
+//!   the job goes on;
+//! * a **blocking collective** (and the mismatch check's exchange), a blocking **send** or a
+//!   batch with a send in flight cannot be cancelled, and returning while MPI may still use the
+//!   caller's borrowed buffer would be unsound, so the **job is ended**: one message on stderr
+//!   naming the operation, its sequence number, the communicator and its ranks, the limit and
+//!   the reason; the operation log dumped when `GRID_TRACE_DIR` is set; then `MPI_Abort` with
+//!   [`EXIT_TIMEOUT`] (124) or [`EXIT_ABORTED`] (125). Blocking collectives stay blocking MPI
+//!   calls (Open MPI's nonblocking collectives are slower): a per-process watchdog thread looks
+//!   at the collective in flight of every communicator every [`TICK`] and ends the job within
+//!   [`TICK`] + [`MESSAGE_GRACE`] of the limit.
+//!
+//! Collectives that move at least [`CHECK_THRESHOLD`] bytes on a rank are checked by default
+//! (a count mismatch above Open MPI's eager limit corrupts memory); the check runs on a
+//! duplicate communicator, so that ranks on both sides of the threshold reach their time limit
+//! instead of mixing data. When one rank dies, `mpirun` ends the others with SIGTERM about a
+//! second later; with [`MpiConfig::sigterm_report`] each prints the operation it was waiting in
+//! first. docs/backends.md §1.7 has the measurements.
+//!
 //! Element types and reductions: every dtype moves exactly (f16/bf16 as 16-bit words); f16 and
 //! bf16 reductions go through f32 on the host; `Avg` is sum then division (floats: in the
 //! float type; integers: in i64 with truncation toward zero). Details in the `stage` module.
@@ -39,13 +70,17 @@
 #![deny(unsafe_code)]
 
 mod comm;
+mod config;
 mod factory;
 #[allow(unsafe_code)]
 mod raw;
 mod runtime;
 mod stage;
 pub mod testing;
+mod watch;
 
-pub use comm::{MpiBackend, MpiCommunicator};
+pub use comm::{MpiBackend, MpiCommunicator, CHECK_THRESHOLD};
+pub use config::{MpiConfig, SIGTERM_REPORT_ENV, TIMEOUT_ENV};
 pub use factory::{FactoryCalls, MpiFactory};
 pub use runtime::MpiRuntime;
+pub use watch::{EXIT_ABORTED, EXIT_TIMEOUT, MESSAGE_GRACE, TICK};

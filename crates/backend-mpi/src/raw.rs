@@ -24,9 +24,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 // `comm` (handles, blocking calls) and `pending` (nonblocking calls owning their buffers).
 mod comm;
 mod pending;
+mod wait;
 
 pub(crate) use comm::{Comm, P2p};
 pub(crate) use pending::{Immediate, Pending};
+pub(crate) use wait::Stop;
 
 /// Set just before `MPI_Finalize` runs; afterwards no MPI call may be made (handles are leaked,
 /// operations report `Finalized`).

@@ -1,6 +1,7 @@
 //! MPI initialisation and the world communicator.
 
 use crate::comm::{backend_err, MpiBackend, MpiCommunicator};
+use crate::config::MpiConfig;
 use crate::raw;
 use grid_core::{Error, Result};
 use mpi::Threading;
@@ -50,6 +51,19 @@ impl MpiRuntime {
     /// # Ok::<(), grid_core::Error>(())
     /// ```
     pub fn init() -> Result<MpiRuntime> {
+        MpiRuntime::init_with(MpiConfig::from_env()?)
+    }
+
+    /// [`MpiRuntime::init`] with explicit settings (instead of [`MpiConfig::from_env`]).
+    ///
+    /// ```no_run
+    /// use backend_mpi::{MpiConfig, MpiRuntime};
+    /// use grid_core::{Communicator, TimeLimit};
+    /// let rt = MpiRuntime::init_with(MpiConfig::default().with_timeout(TimeLimit::from_millis(30_000)))?;
+    /// assert_eq!(rt.world().time_limit(), TimeLimit::from_millis(30_000));
+    /// # Ok::<(), grid_core::Error>(())
+    /// ```
+    pub fn init_with(config: MpiConfig) -> Result<MpiRuntime> {
         let (universe, threading) = mpi::initialize_with_threading(Threading::Multiple)
             .ok_or_else(|| {
                 Error::Invalid(
@@ -74,7 +88,9 @@ impl MpiRuntime {
             .into());
         }
         let world = raw::Comm::world_dup().map_err(|e| backend_err("init", "world", e));
-        let world = match world.and_then(|c| MpiBackend::from_raw(c, "init", "world".into())) {
+        let world = match world
+            .and_then(|c| MpiBackend::from_raw(c, "init", "world".into(), config.timeout))
+        {
             Ok(w) => w,
             Err(e) => {
                 raw::mark_finalized();
@@ -82,6 +98,10 @@ impl MpiRuntime {
                 return Err(e);
             }
         };
+        #[cfg(unix)]
+        if config.sigterm_report {
+            crate::watch::install_sigterm_report();
+        }
         Ok(MpiRuntime {
             world,
             _finalizer: Finalizer(Some(universe)),

@@ -70,8 +70,8 @@ mpi_test!(
     |rt| {
         let w = rt.world();
         if std::env::var_os("GRID_DEBUG").is_none() {
-            // The MPI default: collectives of at least 64 KiB on every rank are checked.
-            if w.mismatch_check() != grid_core::MismatchCheck::Above(64 << 10) {
+            // The MPI default: collectives of at least 2 KiB on a rank are checked.
+            if w.mismatch_check() != grid_core::MismatchCheck::Above(backend_mpi::CHECK_THRESHOLD) {
                 return Err(format!("default mode {:?}", w.mismatch_check()));
             }
             let n = if w.rank() == 0 { 16384 } else { 32768 };

@@ -19,7 +19,11 @@
 //!   off against on (`MismatchCheck::All`: one 14-integer all-reduce before each call), 8 B to
 //!   8 MiB, at each `--ranks` count, alternating sample by sample.
 //!
-//! Usage: `gloo-bench [--quick] [--ranks 2,4] [--max-bytes N] [--rs-halving-doubling] [--check-cost]`.
+//! * `--p2p`: instead of the above, point-to-point latency between 2 ranks through the trait:
+//!   a ping-pong of blocking `send`/`recv` (f32), 8 B to 8 MiB; time = half the round trip
+//!   (median over samples of the mean of back-to-back round trips).
+//!
+//! Usage: `gloo-bench [--quick] [--ranks 2,4] [--max-bytes N] [--rs-halving-doubling] [--check-cost] [--p2p]`.
 
 use backend_gloo::{
     run_ranks, AllreduceAlgorithm, GlooCommunicator, GlooConfig, RawOp, ReduceScatterAlgorithm,
@@ -189,6 +193,9 @@ fn collectives(n: usize, sizes: &[usize], quick: bool) -> Result<Vec<Row>, Strin
         .with_reduce_scatter(c_rs_global());
     // Per rank: per (op, size): (trait times, direct times, bytes).
     let per_rank = run_ranks(n, &cfg, |_f, world| {
+        // The trait layer alone: Gloo checks every collective by default (one 14-integer
+        // all-reduce before it), which `--check-cost` measures separately.
+        world.set_mismatch_check(MismatchCheck::Off);
         let rank = world.rank();
         let mut out = Vec::new();
         let mut tag = 0x4000_0000u32;
@@ -365,17 +372,86 @@ fn check_cost(n: usize, quick: bool) -> Result<(), String> {
     Ok(())
 }
 
+/// Ping-pong between 2 ranks through the trait's blocking send/recv; prints one table row per
+/// size: (bytes, samples, one-way µs, GB/s).
+fn p2p_latency(quick: bool) -> Result<(), String> {
+    let samples = if quick { 10 } else { 30 };
+    let plan: [(usize, usize); 7] = [
+        (8, 200),
+        (4 << 10, 100),
+        (64 << 10, 40),
+        (256 << 10, 20),
+        (1 << 20, 10),
+        (8 << 20, 2),
+        (64 << 20, 1),
+    ];
+    let cfg = GlooConfig::new("gloo-bench-p2p").with_timeout(TIMEOUT);
+    let per_rank = run_ranks(2, &cfg, |_f, world| {
+        let me = world.rank();
+        let peer = 1 - me;
+        let mut out = Vec::new();
+        for (bytes, reps) in plan {
+            let mut buf = vec![me as f32; bytes / 4];
+            let mut times = Vec::new();
+            for it in 0..2 + samples {
+                world.barrier()?;
+                let t = Instant::now();
+                for _ in 0..reps {
+                    if me == 0 {
+                        world.send_to(&buf[..], peer, 1)?;
+                        world.recv_from(&mut buf[..], peer, 2)?;
+                    } else {
+                        world.recv_from(&mut buf[..], peer, 1)?;
+                        world.send_to(&buf[..], peer, 2)?;
+                    }
+                }
+                if it >= 2 {
+                    times.push(t.elapsed().as_secs_f64() / reps as f64 / 2.0);
+                }
+            }
+            if buf.iter().any(|v| *v != 0.0) {
+                return Err(grid_core::Error::Invalid(format!(
+                    "ping-pong of {bytes} bytes returned wrong data"
+                )));
+            }
+            out.push(times);
+        }
+        Ok(out)
+    })
+    .map_err(|e| e.to_string())?
+    .into_iter()
+    .collect::<grid_core::Result<Vec<_>>>()
+    .map_err(|e| e.to_string())?;
+    for (i, (bytes, _)) in plan.iter().enumerate() {
+        let all: Vec<Vec<f64>> = per_rank.iter().map(|r| r[i].clone()).collect();
+        let t = median(&slowest_per_sample(&all)).unwrap_or(0.0);
+        println!(
+            "| {} | {samples} | {:.1} | {:.3} |",
+            bytes_label(*bytes),
+            t * 1e6,
+            if t > 0.0 {
+                *bytes as f64 / t / 1e9
+            } else {
+                0.0
+            }
+        );
+    }
+    Ok(())
+}
+
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let quick = args.iter().any(|a| a == "--quick");
     let mut ranks = vec![2usize, 4];
     let mut max_bytes = 64usize << 20;
     let mut check = false;
+    let mut p2p = false;
     let mut it = args.iter();
     while let Some(a) = it.next() {
         match a.as_str() {
             "--quick" => {}
             "--check-cost" => check = true,
+            "--p2p" => p2p = true,
             "--rs-halving-doubling" => {
                 HALVING_DOUBLING.store(true, std::sync::atomic::Ordering::Relaxed)
             }
@@ -398,10 +474,23 @@ fn main() -> ExitCode {
                 }
             },
             other => {
-                eprintln!("gloo-bench: unknown argument '{other}' (usage: gloo-bench [--quick] [--ranks 2,4] [--max-bytes N] [--rs-halving-doubling] [--check-cost])");
+                eprintln!("gloo-bench: unknown argument '{other}' (usage: gloo-bench [--quick] [--ranks 2,4] [--max-bytes N] [--rs-halving-doubling] [--check-cost] [--p2p])");
                 return ExitCode::from(2);
             }
         }
+    }
+    if p2p {
+        println!("## Point-to-point on Gloo (2 ranks, blocking send/recv ping-pong, f32)\n");
+        println!("Ranks are threads of one process (loopback TCP). A sample is the mean of back-to-back round trips (200 at 8 B, 100 at 4 KiB, 40 at 64 KiB, 20 at 256 KiB, 10 at 1 MiB, 2 at 8 MiB, 1 at 64 MiB); time = half the round trip, median over samples of the slowest rank. Load average: {}.\n", load_average().unwrap_or_else(|| "unknown".into()));
+        println!(
+            "{}",
+            header(&[">bytes", ">samples", ">one-way µs", ">GB/s"])
+        );
+        if let Err(e) = p2p_latency(quick) {
+            eprintln!("gloo-bench: p2p: {e}");
+            return ExitCode::FAILURE;
+        }
+        return ExitCode::SUCCESS;
     }
     if check {
         println!("## Cost of mismatch checking on Gloo (all_reduce in place, f32, max)\n");
@@ -433,7 +522,8 @@ fn main() -> ExitCode {
         "Ranks are threads of one process (Gloo over loopback TCP, in-process rendezvous); f32 sum; \
          time = median over iterations of the slowest rank (each iteration after a barrier); \
          `trait` = through `grid_core::Communicator`, `direct` = the same Gloo algorithm through the shim; \
-         the two alternate iteration by iteration. algbw/busbw in GB/s (nccl-tests factors).\n"
+         the two alternate iteration by iteration; the trait's mismatch check (on by default on Gloo) is off here, \
+         `--check-cost` measures it. algbw/busbw in GB/s (nccl-tests factors).\n"
     );
     match overhead(quick) {
         Ok((t, d)) => println!(

@@ -19,6 +19,10 @@
 //!   on (`MismatchCheck::All`: one 14-integer all-reduce before each call), max, 8 B to 8 MiB,
 //!   alternating sample by sample; the cost of the check in µs and as a fraction of the call.
 //!
+//! * `mpi-bench p2p`: on 2 ranks, a ping-pong of 8 B (`send_to` then `recv_from`, which run as
+//!   `MPI_Isend`/`MPI_Irecv` completed under the time limit) against rsmpi's blocking
+//!   `send`/`receive_into` in the same run, alternating sample by sample: time per round trip.
+//!
 //! Without a launcher, `mpi-bench` runs itself: `overhead` at 1 rank, `collectives` and
 //! `in-place` and `check-cost` at 2 and 4 ranks and `collection` at 8 ranks, and prints one markdown report. `--quick` uses fewer iterations.
 
@@ -50,8 +54,9 @@ fn main() -> ExitCode {
             Some("overhead") => overhead(quick),
             Some("in-place") => in_place(quick),
             Some("check-cost") => check_cost(quick),
+            Some("p2p") => p2p(quick),
             Some(other) => Err(format!(
-                "unknown mode '{other}': use collectives, collection, overhead, in-place or check-cost"
+                "unknown mode '{other}': use collectives, collection, overhead, in-place, check-cost or p2p"
             )),
         }
     } else {
@@ -171,6 +176,82 @@ fn in_place(quick: bool) -> Result<(), String> {
     Ok(())
 }
 
+/// A ping-pong of 8 bytes between ranks 0 and 1 through this crate and through rsmpi directly,
+/// alternating sample by sample.
+fn p2p(quick: bool) -> Result<(), String> {
+    use mpi::point_to_point::{Destination, Source};
+    let rt = MpiRuntime::init().map_err(|e| e.to_string())?;
+    let ours = rt.world();
+    let direct = rt.rsmpi_world().duplicate();
+    let e = |e: grid_core::Error| e.to_string();
+    let (me, n) = (ours.rank(), ours.size());
+    if n != 2 {
+        return Err(format!("p2p runs on 2 ranks, not {n}"));
+    }
+    let peer = 1 - me;
+    let (rounds, samples) = if quick { (2_000, 9) } else { (20_000, 21) };
+    let out = [1f32, 2.0];
+    let mut back = [0f32; 2];
+    let mut t_ours = Vec::new();
+    let mut t_direct = Vec::new();
+    for i in 0..samples {
+        let (a, b) = alternating(i, |rsmpi| -> Result<f64, String> {
+            ours.barrier().map_err(e)?;
+            let t = Instant::now();
+            for _ in 0..rounds {
+                match (rsmpi, me) {
+                    (false, 0) => {
+                        ours.send_to(&out[..], peer, 1).map_err(e)?;
+                        ours.recv_from(&mut back[..], peer, 1).map_err(e)?;
+                    }
+                    (false, _) => {
+                        ours.recv_from(&mut back[..], peer, 1).map_err(e)?;
+                        ours.send_to(&out[..], peer, 1).map_err(e)?;
+                    }
+                    (true, 0) => {
+                        direct.process_at_rank(peer as i32).send(&out[..]);
+                        direct
+                            .process_at_rank(peer as i32)
+                            .receive_into(&mut back[..]);
+                    }
+                    (true, _) => {
+                        direct
+                            .process_at_rank(peer as i32)
+                            .receive_into(&mut back[..]);
+                        direct.process_at_rank(peer as i32).send(&out[..]);
+                    }
+                }
+            }
+            Ok(t.elapsed().as_secs_f64() / rounds as f64)
+        })?;
+        t_ours.push(a);
+        t_direct.push(b);
+    }
+    if me == 0 {
+        let (o, d) = (
+            median(&t_ours).unwrap_or(0.0),
+            median(&t_direct).unwrap_or(0.0),
+        );
+        println!("## Point to point, 2 ranks, 8 B ping-pong\n");
+        println!("Round trip (a send and a receive on each rank), median of {samples} samples of {rounds} round trips, this crate and rsmpi alternating. Load average: {}.\n", load_average().unwrap_or_else(|| "unknown".into()));
+        println!(
+            "{}",
+            header(&[
+                ">this crate µs",
+                ">rsmpi µs",
+                ">difference ns per round trip"
+            ])
+        );
+        println!(
+            "| {:.3} | {:.3} | {:+.0} |\n",
+            o * 1e6,
+            d * 1e6,
+            (o - d) * 1e9
+        );
+    }
+    Ok(())
+}
+
 /// All-reduce with mismatch checking off against on, same communicator, alternating sample by
 /// sample: what the check (one all-reduce of 14 integers before the call) costs per call.
 fn check_cost(quick: bool) -> Result<(), String> {
@@ -180,7 +261,7 @@ fn check_cost(quick: bool) -> Result<(), String> {
     let (me, n) = (comm.rank(), comm.size());
     if me == 0 {
         println!("## Cost of mismatch checking, {n} ranks (all_reduce in place, f32, max)\n");
-        println!("Off against `MismatchCheck::All` on the same communicator, alternating sample by sample. A sample is the mean of back-to-back calls (100 at 8 B, 50 at 4 KiB, 20 at 64 KiB, 5 at 1 MiB, 1 at 8 MiB); time = median over samples of the slowest rank. Load average: {}.\n", load_average().unwrap_or_else(|| "unknown".into()));
+        println!("Off against `MismatchCheck::All` on the same communicator, alternating sample by sample. A sample is the mean of back-to-back calls (100 at 8 B, 50 at 2 and 4 KiB, 30 at 16 KiB, 20 at 64 KiB, 5 at 1 MiB, 1 at 8 MiB); time = median over samples of the slowest rank. Load average: {}.\n", load_average().unwrap_or_else(|| "unknown".into()));
         println!(
             "{}",
             header(&[
@@ -195,7 +276,9 @@ fn check_cost(quick: bool) -> Result<(), String> {
     }
     for (bytes, reps) in [
         (8usize, 100usize),
+        (2 << 10, 50),
         (4 << 10, 50),
+        (16 << 10, 30),
         (64 << 10, 20),
         (1 << 20, 5),
         (8 << 20, 1),

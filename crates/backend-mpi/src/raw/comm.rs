@@ -1,9 +1,16 @@
 //! Owned communicator handles and the blocking calls on borrowed host memory: point to point,
 //! batches of it, collectives, splits and group creation, abort.
 
+use super::wait::{cancel_all, null_request, status, statuses, wait_all, Stop};
 use super::{
     count, cptr, datatype, finalized, in_place, int, mptr, op, rc, same, RawError, Reduce, R,
 };
+use std::sync::atomic::AtomicBool;
+use std::time::Duration;
+
+/// How long a cancelled request may take to complete before it counts as not cancellable.
+const CANCEL_GRACE: Duration = Duration::from_secs(1);
+
 use grid_core::{HostSlice, HostSliceMut};
 use mpi::ffi;
 use std::os::raw::c_int;
@@ -358,102 +365,164 @@ impl Comm {
         unsafe { rc(ffi::MPI_Barrier(self.raw)) }
     }
 
-    #[inline]
-    pub(crate) fn send(&self, buf: HostSlice<'_>, peer: usize, tag: u32) -> R<()> {
-        let (n, dt) = (count(buf.len())?, datatype(buf.dtype()));
-        let (peer, tag) = (int("peer", peer)?, int("tag", tag as usize)?);
-        // SAFETY: `buf` holds n elements of `dt`, borrowed for the blocking call.
-        unsafe { rc(ffi::MPI_Send(cptr(&buf), n, dt, peer, tag, self.raw)) }
+    /// `MPI_Comm_dup`: a communicator with the same members whose messages and collectives
+    /// never match this one's (the mismatch check's own channel). Collective.
+    pub(crate) fn dup(&self) -> R<Comm> {
+        let mut out = std::mem::MaybeUninit::<ffi::MPI_Comm>::uninit();
+        // SAFETY: `self.raw` is a valid communicator, `out` a valid out pointer written by
+        // MPI_Comm_dup on success.
+        let raw = unsafe {
+            rc(ffi::MPI_Comm_dup(self.raw, out.as_mut_ptr()))?;
+            out.assume_init()
+        };
+        Comm::adopt(raw)?.ok_or_else(|| RawError::msg("MPI_Comm_dup returned MPI_COMM_NULL".into()))
     }
 
-    /// Receives into `buf`; returns the number of elements that arrived.
-    #[inline]
-    pub(crate) fn recv(&self, mut buf: HostSliceMut<'_>, peer: usize, tag: u32) -> R<usize> {
+    /// Sends `buf` (`MPI_Isend`, completed under `limit` and `abort`). Open MPI cannot cancel a
+    /// send, so when the limit passes or the communicator is aborted with the send still
+    /// active, this function does not return: it calls `stuck`, which ends the job.
+    // `stuck` never returns (it ends the process): what follows its call is unreachable.
+    #[allow(unreachable_code)]
+    pub(crate) fn send_within(
+        &self,
+        buf: HostSlice<'_>,
+        peer: usize,
+        tag: u32,
+        limit: Option<Duration>,
+        abort: &AtomicBool,
+        stuck: &dyn Fn(Stop) -> std::convert::Infallible,
+    ) -> R<()> {
         let (n, dt) = (count(buf.len())?, datatype(buf.dtype()));
         let (peer, tag) = (int("peer", peer)?, int("tag", tag as usize)?);
-        let mut status = std::mem::MaybeUninit::<ffi::MPI_Status>::uninit();
-        let mut got: c_int = 0;
-        // SAFETY: `buf` holds n elements of `dt` (MPI writes at most n, else MPI_ERR_TRUNCATE);
-        // `status` is written by MPI_Recv on success and only read after that.
+        let mut req = [null_request()];
+        // SAFETY: `buf` holds n elements of `dt` and stays borrowed until this function returns,
+        // which is only after the request completed (or never: `stuck` ends the process).
         unsafe {
-            rc(ffi::MPI_Recv(
+            rc(ffi::MPI_Isend(
+                cptr(&buf),
+                n,
+                dt,
+                peer,
+                tag,
+                self.raw,
+                &mut req[0],
+            ))?
+        };
+        let mut st = [status()];
+        match wait_all(&mut req, &mut st, limit, abort)? {
+            Ok(()) => Ok(()),
+            Err(why) => match stuck(why) {},
+        }
+    }
+
+    /// Receives into `buf` (`MPI_Irecv`, completed under `limit` and `abort`); returns the
+    /// number of elements that arrived, or the reason the receive was cancelled. A receive
+    /// that MPI could not cancel within a second (a message already arriving) calls `stuck`.
+    // `stuck` never returns (it ends the process): what follows its call is unreachable.
+    #[allow(unreachable_code)]
+    pub(crate) fn recv_within(
+        &self,
+        mut buf: HostSliceMut<'_>,
+        peer: usize,
+        tag: u32,
+        limit: Option<Duration>,
+        abort: &AtomicBool,
+        stuck: &dyn Fn(Stop) -> std::convert::Infallible,
+    ) -> R<Result<usize, Stop>> {
+        let (n, dt) = (count(buf.len())?, datatype(buf.dtype()));
+        let (peer, tag) = (int("peer", peer)?, int("tag", tag as usize)?);
+        let mut req = [null_request()];
+        // SAFETY: `buf` holds n elements of `dt` (MPI writes at most n, else MPI_ERR_TRUNCATE)
+        // and stays borrowed until this function returns, which is only after the request
+        // completed or was cancelled (or never: `stuck` ends the process).
+        unsafe {
+            rc(ffi::MPI_Irecv(
                 mptr(&mut buf),
                 n,
                 dt,
                 peer,
                 tag,
                 self.raw,
-                status.as_mut_ptr(),
-            ))?;
-            rc(ffi::MPI_Get_count(status.as_ptr(), dt, &mut got))?;
+                &mut req[0],
+            ))?
+        };
+        let mut st = [status()];
+        if let Err(why) = wait_all(&mut req, &mut st, limit, abort)? {
+            match cancel_all(&mut req, &mut st, CANCEL_GRACE)?[0] {
+                Some(true) => return Ok(Err(why)),
+                Some(false) => {} // the message arrived before the cancel: a normal receive
+                None => match stuck(why) {},
+            }
         }
-        usize::try_from(got).map_err(|_| RawError::msg(format!("MPI_Get_count returned {got}")))
+        let mut got: c_int = 0;
+        // SAFETY: `st[0]` was written by the completing test.
+        rc(unsafe { ffi::MPI_Get_count(&st[0], dt, &mut got) })?;
+        usize::try_from(got)
+            .map(Ok)
+            .map_err(|_| RawError::msg(format!("MPI_Get_count returned {got}")))
     }
 
-    /// Posts every send and receive, then waits for all of them. Borrowed buffers are safe
-    /// because this function does not return before every posted request completed.
-    pub(crate) fn batch(&self, ops: &mut [P2p<'_, '_>]) -> R<()> {
+    /// Posts every send and receive, then completes all of them under `limit` and `abort`.
+    /// Borrowed buffers are safe because this function returns only once no request is active:
+    /// when the limit passes or the communicator is aborted, the receives are cancelled, and if
+    /// a send (which Open MPI cannot cancel) or a receive is still active, it calls `stuck`.
+    // `stuck` never returns (it ends the process): what follows its call is unreachable.
+    #[allow(unreachable_code)]
+    pub(crate) fn batch_within(
+        &self,
+        ops: &mut [P2p<'_, '_>],
+        limit: Option<Duration>,
+        abort: &AtomicBool,
+        stuck: &dyn Fn(Stop) -> std::convert::Infallible,
+    ) -> R<Result<(), Stop>> {
         let mut reqs: Vec<ffi::MPI_Request> = Vec::with_capacity(ops.len());
         let mut first_err = None;
         for op in ops.iter_mut() {
-            let mut req = std::mem::MaybeUninit::<ffi::MPI_Request>::uninit();
+            let mut req = null_request();
             let posted = match op {
                 P2p::Send { buf, peer, tag } => (|| {
                     let (n, dt) = (count(buf.len())?, datatype(buf.dtype()));
                     let (p, t) = (int("peer", *peer)?, int("tag", *tag as usize)?);
                     // SAFETY: `buf` holds n elements of `dt` and is borrowed until this
-                    // function returns, which is after the request completed (waitall below).
-                    unsafe {
-                        rc(ffi::MPI_Isend(
-                            cptr(buf),
-                            n,
-                            dt,
-                            p,
-                            t,
-                            self.raw,
-                            req.as_mut_ptr(),
-                        ))
-                    }
+                    // function returns, which is after no request is active any more.
+                    unsafe { rc(ffi::MPI_Isend(cptr(buf), n, dt, p, t, self.raw, &mut req)) }
                 })(),
                 P2p::Recv { buf, peer, tag } => (|| {
                     let (n, dt) = (count(buf.len())?, datatype(buf.dtype()));
                     let (p, t) = (int("peer", *peer)?, int("tag", *tag as usize)?);
                     // SAFETY: as for sends; the receive buffer is exclusively borrowed.
-                    unsafe {
-                        rc(ffi::MPI_Irecv(
-                            mptr(buf),
-                            n,
-                            dt,
-                            p,
-                            t,
-                            self.raw,
-                            req.as_mut_ptr(),
-                        ))
-                    }
+                    unsafe { rc(ffi::MPI_Irecv(mptr(buf), n, dt, p, t, self.raw, &mut req)) }
                 })(),
             };
             match posted {
-                // SAFETY: MPI_Isend/MPI_Irecv wrote the request on success.
-                Ok(()) => reqs.push(unsafe { req.assume_init() }),
+                Ok(()) => reqs.push(req),
                 Err(e) => {
                     first_err = Some(e);
                     break;
                 }
             }
         }
-        let n = count(reqs.len())?;
-        // SAFETY: `reqs` holds n requests posted above; statuses are ignored. Waiting on all of
-        // them before returning keeps every borrowed buffer alive while MPI uses it.
-        let waited = unsafe {
-            rc(ffi::MPI_Waitall(
-                n,
-                reqs.as_mut_ptr(),
-                ffi::RSMPI_STATUSES_IGNORE,
-            ))
+        let mut st = statuses(reqs.len());
+        let why = match wait_all(&mut reqs, &mut st, limit, abort) {
+            // Every posted request completed; a post that failed is reported now.
+            Ok(Ok(())) => return first_err.map_or(Ok(Ok(())), Err),
+            Ok(Err(why)) => why,
+            Err(e) => {
+                // A request failed: the others may still be active. Cancel what can be.
+                let left = cancel_all(&mut reqs, &mut st, CANCEL_GRACE)?;
+                if left.iter().any(Option::is_none) {
+                    match stuck(Stop::Timeout) {}
+                }
+                return Err(first_err.unwrap_or(e));
+            }
         };
+        let left = cancel_all(&mut reqs, &mut st, CANCEL_GRACE)?;
+        if left.iter().any(Option::is_none) {
+            match stuck(why) {}
+        }
         match first_err {
             Some(e) => Err(e),
-            None => waited,
+            None => Ok(Err(why)),
         }
     }
 

@@ -1,12 +1,15 @@
 //! Nonblocking operations on owned host memory: [`Comm::start`] hands the buffers to MPI and
 //! [`Pending`] keeps them alive (and out of reach) until the request completed.
 
+use super::wait::{cancel_all, status, wait_all, Stop};
 use super::{
     count, cptr, datatype, finalized, in_place, int, mptr, op, rc, same, Comm, RawError, Reduce, R,
 };
 use grid_core::{DType, HostBuffer};
 use mpi::ffi;
 use std::os::raw::{c_int, c_void};
+use std::sync::atomic::AtomicBool;
+use std::time::Duration;
 
 /// What a nonblocking operation runs.
 pub(crate) enum Immediate {
@@ -30,11 +33,17 @@ pub(crate) enum Immediate {
     Recv(usize, u32),
 }
 
+/// What a completed operation hands back: its buffers, and for a receive the element count
+/// that arrived.
+pub(crate) type Completed = (Vec<HostBuffer>, Option<usize>);
+
 /// A started nonblocking MPI operation that owns its buffers until it completed.
 ///
 /// Invariant: while `req` is active, the heap memory of every buffer in `bufs` is in use by MPI.
 /// The buffers are only reachable through this value; they are neither read, written, moved out
-/// nor freed before the request completed (`wait`, a successful `test`, or `Drop`, which waits).
+/// nor freed before the request completed (`wait_within`, a successful `test`) or was
+/// cancelled; an operation given up while active is abandoned: its buffers are leaked, never
+/// freed (`wait_within` past its limit, `Drop`).
 /// Moving a `Pending` moves the `Vec` headers, not the heap memory MPI holds pointers into.
 pub(crate) struct Pending {
     req: ffi::MPI_Request,
@@ -276,44 +285,91 @@ impl Pending {
         Ok(self.done)
     }
 
-    /// Blocks until completion (`MPI_Wait`) and hands the buffers back.
-    pub(crate) fn wait(mut self) -> R<(Vec<HostBuffer>, Option<usize>)> {
+    /// Completes the operation under `limit` (measured from this call; `None`: no limit) and
+    /// `abort`, and hands the buffers back. When the limit passes or the communicator is
+    /// aborted first, a receive is cancelled (its buffer is then freed normally); any other
+    /// operation, which MPI cannot cancel, is **abandoned**: its request and buffers are leaked
+    /// (never freed, so MPI may still write them safely), and the reason is returned.
+    pub(crate) fn wait_within(
+        mut self,
+        limit: Option<Duration>,
+        abort: &AtomicBool,
+    ) -> R<Result<Completed, Stop>> {
         if !self.done {
             if finalized() {
                 return Err(RawError::msg(
                     "MPI was finalized while the operation was pending".into(),
                 ));
             }
-            let mut status = std::mem::MaybeUninit::<ffi::MPI_Status>::zeroed();
-            // SAFETY: `req` is an active request owned by this value.
-            let r = unsafe { rc(ffi::MPI_Wait(&mut self.req, status.as_mut_ptr())) };
-            // An error from MPI_Wait still completes (frees) the request.
-            self.done = true;
-            r?;
-            // SAFETY: zero-initialised and written by MPI_Wait.
-            let status = unsafe { status.assume_init() };
-            self.complete(&status)?;
+            let mut st = [status()];
+            let waited = wait_all(std::slice::from_mut(&mut self.req), &mut st, limit, abort);
+            match waited {
+                Ok(Ok(())) => self.complete(&st[0])?,
+                Ok(Err(why)) => {
+                    if self.is_recv {
+                        let req = std::slice::from_mut(&mut self.req);
+                        match cancel_all(req, &mut st, Duration::from_secs(1))?[0] {
+                            Some(true) => {
+                                self.done = true;
+                                return Ok(Err(why));
+                            }
+                            Some(false) => {
+                                // Completed normally just before the cancel.
+                                self.complete(&st[0])?;
+                                return Ok(Ok((std::mem::take(&mut self.bufs), self.received)));
+                            }
+                            None => {}
+                        }
+                    }
+                    self.abandon();
+                    return Ok(Err(why));
+                }
+                Err(e) => {
+                    // A failed test completes (frees) the request.
+                    self.done = true;
+                    return Err(e);
+                }
+            }
         }
-        Ok((std::mem::take(&mut self.bufs), self.received))
+        Ok(Ok((std::mem::take(&mut self.bufs), self.received)))
+    }
+
+    /// Leaves the operation to MPI: the buffers are leaked, never freed, since MPI may still
+    /// read or write them; the request is never tested again.
+    fn abandon(&mut self) {
+        std::mem::forget(std::mem::take(&mut self.bufs));
+        self.done = true;
     }
 }
 
 impl Drop for Pending {
+    /// A work dropped before it completed does not wait: one last test; a receive still
+    /// active is cancelled; any other operation still active is abandoned (its buffers leaked,
+    /// since MPI may still use them) and MPI finishes it on its own.
     fn drop(&mut self) {
         if self.done {
             return;
         }
         if finalized() {
-            // MPI may still hold pointers into the buffers and can no longer be asked: leak
-            // them rather than free memory that might be written.
-            std::mem::forget(std::mem::take(&mut self.bufs));
+            self.abandon();
             return;
         }
-        // SAFETY: `req` is active and owned; waiting keeps the buffers alive until MPI is done.
-        let r = unsafe { ffi::MPI_Wait(&mut self.req, ffi::RSMPI_STATUS_IGNORE) };
-        if r != 0 {
-            // The request state is unknown: leak the buffers to stay memory safe.
-            std::mem::forget(std::mem::take(&mut self.bufs));
+        if matches!(self.test(), Ok(true)) {
+            return;
         }
+        if self.is_recv {
+            // A receive left posted would take a later message meant for another receive:
+            // cancel it (its buffer is then free).
+            let mut st = [status()];
+            let req = std::slice::from_mut(&mut self.req);
+            if matches!(
+                cancel_all(req, &mut st, Duration::from_secs(1)).as_deref(),
+                Ok([Some(_)])
+            ) {
+                self.done = true;
+                return;
+            }
+        }
+        self.abandon();
     }
 }

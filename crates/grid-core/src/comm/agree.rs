@@ -412,7 +412,8 @@ impl<B: Backend> Comm<B> {
             buf: BufMut::from(&mut both[..]),
             op: ReduceOp::Max,
         };
-        self.inner().run(Validated::new(exchange, seq, limit))?;
+        self.inner()
+            .run_check(Validated::new(exchange, seq, limit))?;
         if (0..FIELDS).all(|i| both[i] == -both[FIELDS + i]) {
             return Ok(());
         }
@@ -421,7 +422,7 @@ impl<B: Backend> Comm<B> {
             send: BufRef::from(&f.0[..]),
             recv: BufMut::from(&mut all[..]),
         };
-        self.inner().run(Validated::new(gather, seq, limit))?;
+        self.inner().run_check(Validated::new(gather, seq, limit))?;
         let (field, values) = Fingerprint::first_difference(&all).ok_or_else(|| {
             // The all-reduce saw a difference that the all-gather does not show: a rank
             // changed its fingerprint between the two, which the front end never does.

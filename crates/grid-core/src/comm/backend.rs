@@ -54,6 +54,16 @@ pub trait Backend: Send + Sync + 'static {
     }
     /// Executes one validated blocking operation.
     fn run(&self, op: Validated<Op<'_>>) -> Result<()>;
+    /// Executes one exchange of the mismatch check ([`MismatchCheck`]): an `i64` all-reduce or
+    /// all-gather of a few integers that the front end built before a collective, under that
+    /// collective's sequence number and time limit. The default runs it as any operation
+    /// ([`Backend::run`]). A backend whose library matches collectives by their order alone may
+    /// run it on a channel of its own (MPI: a duplicate communicator), so that a rank that
+    /// checks never meets another rank's real operation when only some ranks check (ranks on
+    /// both sides of a [`MismatchCheck::Above`] threshold).
+    fn run_check(&self, op: Validated<Op<'_>>) -> Result<()> {
+        self.run(op)
+    }
     /// Starts one validated nonblocking operation on owned buffers.
     fn start(&self, op: Validated<Request>) -> Result<Box<dyn Work>>;
     /// The mismatch-checking mode a communicator of this backend starts with when

@@ -1,0 +1,112 @@
+//! [`MpiConfig`]: the MPI backend's settings (today: the default time limit of operations).
+
+use grid_core::{Error, Result, TimeLimit};
+use std::time::Duration;
+
+/// The environment variable that sets [`MpiConfig::timeout`] in [`MpiConfig::from_env`]:
+/// milliseconds, `u64::MAX` (18446744073709551615) for no limit.
+pub const TIMEOUT_ENV: &str = "GRID_MPI_TIMEOUT_MS";
+
+/// The environment variable that turns [`MpiConfig::sigterm_report`] off (`0`) in
+/// [`MpiConfig::from_env`].
+pub const SIGTERM_REPORT_ENV: &str = "GRID_MPI_SIGTERM_REPORT";
+
+/// Settings of the MPI backend, given to [`crate::MpiRuntime::init_with`].
+///
+/// ```
+/// use backend_mpi::MpiConfig;
+/// use grid_core::TimeLimit;
+/// use std::time::Duration;
+/// let c = MpiConfig::default();
+/// assert_eq!(c.timeout, TimeLimit::After(Duration::from_millis(MpiConfig::DEFAULT_TIMEOUT_MS)));
+/// let c = MpiConfig::default().with_timeout(TimeLimit::from_millis(u64::MAX));
+/// assert_eq!(c.timeout, TimeLimit::Unlimited);
+/// assert_eq!(MpiConfig::parse_timeout("1500").unwrap(), TimeLimit::from_millis(1500));
+/// assert!(MpiConfig::parse_timeout("0").is_err());
+/// assert!(MpiConfig::parse_timeout("10s").is_err());
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MpiConfig {
+    /// The default time limit of every operation of the communicators of this runtime (the
+    /// world and everything [`crate::MpiFactory`] creates from it); a program changes it per
+    /// communicator ([`grid_core::Communicator::set_time_limit`]) or per operation
+    /// ([`grid_core::CommunicatorExt::with_time_limit`]). What happens when it passes is in
+    /// the crate documentation ("Time limits and abort"). Default:
+    /// [`MpiConfig::DEFAULT_TIMEOUT_MS`].
+    pub timeout: TimeLimit,
+    /// Whether SIGTERM (what `mpirun` sends every process when one process of the job died)
+    /// prints the blocking collectives this process was waiting in and dumps the operation
+    /// log before the process ends (a helper thread; see the crate docs). Default on; turn it
+    /// off for a program that handles SIGTERM itself. [`MpiConfig::from_env`]:
+    /// `GRID_MPI_SIGTERM_REPORT=0` turns it off.
+    pub sigterm_report: bool,
+}
+
+impl MpiConfig {
+    /// The default timeout, 10 minutes: the default of PyTorch's NCCL process groups. Long
+    /// enough for a rank that writes a checkpoint while the others wait in a collective;
+    /// short enough that a hung job ends the same hour. A timeout on MPI ends the job, so a
+    /// program with longer legitimate waits should raise it.
+    pub const DEFAULT_TIMEOUT_MS: u64 = 600_000;
+
+    /// The defaults, then [`TIMEOUT_ENV`] when it is set.
+    ///
+    /// ```
+    /// let c = backend_mpi::MpiConfig::from_env()?;
+    /// # Ok::<(), grid_core::Error>(())
+    /// ```
+    pub fn from_env() -> Result<MpiConfig> {
+        let mut c = MpiConfig::default();
+        match std::env::var(TIMEOUT_ENV) {
+            Ok(v) => c.timeout = MpiConfig::parse_timeout(&v)?,
+            Err(std::env::VarError::NotPresent) => {}
+            Err(std::env::VarError::NotUnicode(v)) => {
+                return Err(Error::Invalid(format!(
+                    "{TIMEOUT_ENV}={v:?} is not valid text; expected milliseconds (a positive integer, {} for no limit)",
+                    u64::MAX
+                )))
+            }
+        }
+        match std::env::var(SIGTERM_REPORT_ENV).as_deref() {
+            Ok("0") => c.sigterm_report = false,
+            Ok("1") | Err(_) => {}
+            Ok(other) => {
+                return Err(Error::Invalid(format!(
+                    "{SIGTERM_REPORT_ENV}={other:?}: expected 0 (off) or 1 (on)"
+                )))
+            }
+        }
+        Ok(c)
+    }
+
+    /// A timeout in milliseconds as [`TIMEOUT_ENV`] gives it: a positive integer, `u64::MAX`
+    /// for no limit.
+    pub fn parse_timeout(v: &str) -> Result<TimeLimit> {
+        let bad = |why: &str| {
+            Error::Invalid(format!(
+                "{TIMEOUT_ENV}={v:?}: {why}; expected milliseconds, a positive integer ({} for no limit)",
+                u64::MAX
+            ))
+        };
+        let ms: u64 = v.trim().parse().map_err(|_| bad("not a whole number"))?;
+        if ms == 0 {
+            return Err(bad("0 ms would fail every operation"));
+        }
+        Ok(TimeLimit::from_millis(ms))
+    }
+
+    /// This configuration with another timeout.
+    pub fn with_timeout(mut self, timeout: impl Into<TimeLimit>) -> MpiConfig {
+        self.timeout = timeout.into();
+        self
+    }
+}
+
+impl Default for MpiConfig {
+    fn default() -> MpiConfig {
+        MpiConfig {
+            timeout: TimeLimit::After(Duration::from_millis(MpiConfig::DEFAULT_TIMEOUT_MS)),
+            sigterm_report: true,
+        }
+    }
+}
