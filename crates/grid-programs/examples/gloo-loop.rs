@@ -170,7 +170,7 @@ fn run(args: &Args, completed: &mut u64) -> Result<(), String> {
     let world =
         GlooFactory::new(&args.store, config).and_then(|f| f.world(args.rank, args.world_size));
     let result = match &world {
-        Ok(world) => run_loop(world, &args.options, Waits::Backend, completed),
+        Ok(world) => run_loop(world, &args.options, Waits::Blocking, completed),
         Err(err) => Err(err.clone()),
     };
     // Dumped while the world communicator is alive: a dump holds the live communicators' logs.

@@ -9,8 +9,9 @@
 //! `--bytes` is the size of one all-reduce (a multiple of 4; default 1048576), `--iters` the
 //! number of all-reduces (default 100) or `--seconds` how long to loop (the ranks vote after every
 //! all-reduce, with a one-element all-reduce, so that all stop together), `--timeout-ms` the time
-//! limit of each all-reduce (default 30000): every operation is started nonblocking and waited
-//! for at most that long. With `--trace-dir D`, every rank's operation log is written to
+//! limit of each operation (default 30000; the world communicator's time limit): every
+//! operation is started nonblocking and waited for, so that one that passes its limit returns a
+//! timeout the rank reports (its buffers are left to MPI) instead of ending the job. With `--trace-dir D`, every rank's operation log is written to
 //! `D/rank-<rank>.json` when an operation fails or times out (reason `timeout`), and at the end
 //! of a rank that ended by an error; `grid trace D` reads them.
 //!
@@ -30,7 +31,7 @@
 //! `mpirun` then ends the job.
 
 use backend_mpi::MpiRuntime;
-use grid_core::{Communicator, Error};
+use grid_core::{Communicator, Error, TimeLimit};
 use grid_programs::smoke::{
     dump_after_error, install_trace_dir, run_loop, LoopOptions, Outcome, Waits,
 };
@@ -90,14 +91,10 @@ fn main() -> ExitCode {
         }
     };
     let world = rt.world();
+    world.set_time_limit(TimeLimit::After(options.timeout()));
     let rank = world.rank();
     let mut completed = 0u64;
-    let result = run_loop(
-        world,
-        &options,
-        Waits::Deadline(options.timeout()),
-        &mut completed,
-    );
+    let result = run_loop(world, &options, Waits::Nonblocking, &mut completed);
     let outcome = Outcome {
         rank,
         completed,

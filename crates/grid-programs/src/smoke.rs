@@ -14,9 +14,7 @@
 //! ```
 
 use grid_core::oplog::Recorder;
-use grid_core::{
-    Communicator, CommunicatorExt, Element, Error, OpSite, ReduceOp, Result, Tensor, Work,
-};
+use grid_core::{Communicator, CommunicatorExt, Element, Error, ReduceOp, Result};
 use std::path::{Path, PathBuf};
 use std::sync::mpsc::RecvTimeoutError;
 use std::time::{Duration, Instant};
@@ -315,54 +313,34 @@ impl std::fmt::Display for Fault {
     }
 }
 
-/// How the loop waits for an operation.
+/// How the loop calls its operations. Either way the communicator's time limit
+/// ([`Communicator::set_time_limit`]) bounds every wait and `abort()` ends it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Waits {
-    /// Blocking calls: the backend's own time limit applies (Gloo's `--timeout-ms`).
-    Backend,
-    /// Every operation is started nonblocking and waited for at most this long; on timeout it
-    /// is left running (the program must then exit without finalizing the backend) and the
-    /// operation returns [`Error::Timeout`].
-    Deadline(Duration),
+    /// Blocking calls (`gloo-loop`).
+    Blocking,
+    /// Every operation started nonblocking, then waited for (`mpi-loop`: MPI cannot take back
+    /// a blocking collective that passed its limit and ends the job, while a nonblocking one
+    /// returns [`Error::Timeout`] from its wait, so the rank can report it).
+    Nonblocking,
 }
 
-/// The operations of the loop on one communicator, waited for as [`Waits`] says.
+/// The operations of the loop on one communicator, called as [`Waits`] says.
 struct Exec<'a, C: ?Sized> {
     comm: &'a C,
     waits: Waits,
 }
 
 impl<C: Communicator + ?Sized> Exec<'_, C> {
-    fn wait(&self, op: &'static str, work: Box<dyn Work>, limit: Duration) -> Result<Tensor> {
-        match work.wait_timeout(limit) {
-            Ok(result) => result,
-            Err(still_running) => {
-                // Left running: dropping it would wait for it.
-                std::mem::forget(still_running);
-                Err(Error::Timeout {
-                    op,
-                    millis: u64::try_from(limit.as_millis()).unwrap_or(u64::MAX),
-                    peer: None,
-                    at: None,
-                }
-                .with_site(|| OpSite {
-                    comm: self.comm.name().to_string(),
-                    ranks: self.comm.global_ranks().to_vec(),
-                    seq: None,
-                }))
-            }
-        }
-    }
-
     fn all_reduce<T: Element>(&self, send: &[T], recv: &mut [T], op: ReduceOp) -> Result<()> {
         match self.waits {
-            Waits::Backend => self.comm.all_reduce_into(send, recv, op),
-            Waits::Deadline(d) => {
-                let work = self
+            Waits::Blocking => self.comm.all_reduce_into(send, recv, op),
+            Waits::Nonblocking => {
+                let out = self
                     .comm
-                    .iall_reduce_into(send.to_vec(), recv.to_vec(), op)?;
-                let out = self.wait("all_reduce", work.into_inner(), d)?;
-                recv.copy_from_slice(&out.into_vec::<T>()?);
+                    .iall_reduce_into(send.to_vec(), recv.to_vec(), op)?
+                    .wait()?;
+                recv.copy_from_slice(&out);
                 Ok(())
             }
         }
@@ -370,11 +348,10 @@ impl<C: Communicator + ?Sized> Exec<'_, C> {
 
     fn broadcast(&self, buf: &mut [f32], root: usize) -> Result<()> {
         match self.waits {
-            Waits::Backend => self.comm.broadcast_into(buf, root),
-            Waits::Deadline(d) => {
-                let work = self.comm.ibroadcast(buf.to_vec(), root)?;
-                let out = self.wait("broadcast", work.into_inner(), d)?;
-                buf.copy_from_slice(&out.into_vec::<f32>()?);
+            Waits::Blocking => self.comm.broadcast_into(buf, root),
+            Waits::Nonblocking => {
+                let out = self.comm.ibroadcast(buf.to_vec(), root)?.wait()?;
+                buf.copy_from_slice(&out);
                 Ok(())
             }
         }
@@ -382,21 +359,21 @@ impl<C: Communicator + ?Sized> Exec<'_, C> {
 
     fn send(&self, buf: &[f32], peer: usize) -> Result<()> {
         match self.waits {
-            Waits::Backend => self.comm.send_to(buf, peer, FAULT_TAG),
-            Waits::Deadline(d) => {
-                let work = self.comm.isend(buf.to_vec(), peer, FAULT_TAG)?;
-                self.wait("send", work.into_inner(), d).map(|_| ())
-            }
+            Waits::Blocking => self.comm.send_to(buf, peer, FAULT_TAG),
+            Waits::Nonblocking => self
+                .comm
+                .isend(buf.to_vec(), peer, FAULT_TAG)?
+                .wait()
+                .map(|_| ()),
         }
     }
 
     fn recv(&self, buf: &mut [f32], peer: usize) -> Result<()> {
         match self.waits {
-            Waits::Backend => self.comm.recv_from(buf, peer, FAULT_TAG),
-            Waits::Deadline(d) => {
-                let work = self.comm.irecv::<f32>(buf.len(), peer, FAULT_TAG)?;
-                let out = self.wait("recv", work.into_inner(), d)?;
-                buf.copy_from_slice(&out.into_vec::<f32>()?);
+            Waits::Blocking => self.comm.recv_from(buf, peer, FAULT_TAG),
+            Waits::Nonblocking => {
+                let out = self.comm.irecv::<f32>(buf.len(), peer, FAULT_TAG)?.wait()?;
+                buf.copy_from_slice(&out);
                 Ok(())
             }
         }

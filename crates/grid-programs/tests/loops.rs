@@ -4,7 +4,7 @@
 mod common;
 
 use common::{example, fresh_dir};
-use grid_core::oplog::TraceDump;
+use grid_core::oplog::{OpState, TraceDump};
 use grid_core::trace::analyze;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
@@ -345,7 +345,7 @@ fn mpi_loop_two_ranks_complete_every_iteration() {
 }
 
 #[test]
-fn mpi_loop_timeout_reports_and_dumps_the_started_all_reduce() {
+fn mpi_loop_timeout_reports_and_dumps_the_timed_out_all_reduce() {
     let exe = example("mpi-loop");
     let exe = exe.to_string_lossy();
     // 64 MiB cannot be all-reduced in 1 ms: every rank times out in its first iteration.
@@ -370,12 +370,13 @@ fn mpi_loop_timeout_reports_and_dumps_the_started_all_reduce() {
         .unwrap_or_else(|| panic!("no JSON line in {}", out.output));
     let v: serde_json::Value = serde_json::from_str(line).expect("JSON");
     assert_eq!(
-        v["error"], "all_reduce on communicator 'world' (world ranks 0, 1): timed out after 1 ms",
+        v["error"],
+        "all_reduce #0 on communicator 'world' (world ranks 0, 1): timed out after 1 ms",
         "{v}"
     );
     assert_eq!(v["completed"], 0, "{v}");
     // The first rank to exit makes mpirun end the other, which may not have dumped yet: at
-    // least one dump, and every dump names the timeout and holds the started all-reduce.
+    // least one dump, and every dump names the timeout and holds the all-reduce, failed by it.
     let dumps: Vec<TraceDump> = (0..2)
         .filter_map(|r| std::fs::read_to_string(trace.join(format!("rank-{r}.json"))).ok())
         .map(|t| TraceDump::from_json(&t).expect("a valid dump"))
@@ -396,7 +397,12 @@ fn mpi_loop_timeout_reports_and_dumps_the_started_all_reduce() {
         let last = world.records.last().expect("a record");
         assert_eq!(
             (last.op.as_str(), last.count, last.state.name()),
-            ("all_reduce", 16 << 20, "started")
+            ("all_reduce", 16 << 20, "failed")
+        );
+        assert!(
+            matches!(&last.state, OpState::Failed { reason } if reason.contains("timed out after 1 ms")),
+            "{:?}",
+            last.state
         );
     }
     std::fs::remove_dir_all(&trace).expect("remove the dumps");
