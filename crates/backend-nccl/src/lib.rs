@@ -46,6 +46,7 @@
 pub mod bootstrap;
 mod buffer;
 pub mod comm;
+pub mod engine;
 mod error;
 mod factory;
 mod ffi;
