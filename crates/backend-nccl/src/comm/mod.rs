@@ -58,12 +58,12 @@ pub(crate) use shared::Shared;
 pub use work::NcclWork;
 
 use crate::buffer::{NcclDeviceBuffer, NcclElement};
+use crate::engine::Tracked;
 use crate::error::{annotate, cuda, BACKEND};
 use crate::ffi::RawComm;
-use crate::job::Job;
 use cudarc::driver::{CudaContext, CudaStream};
 use grid_core::{
-    Backend, Comm, DType, Error, Memory, Op, ReduceOp, Request, Result, Validated, Work,
+    Backend, Comm, DType, Error, Memory, Op, ReduceOp, Request, Result, TimeLimit, Validated, Work,
 };
 use std::sync::Arc;
 use std::time::Duration;
@@ -126,31 +126,26 @@ pub fn supports(dtype: DType, op: Option<ReduceOp>) -> bool {
 }
 
 impl NcclBackend {
-    /// Registers a new NCCL communicator with its job and the process, and puts it behind the
-    /// front end under `name`.
-    #[allow(clippy::too_many_arguments)]
+    /// Puts a created NCCL communicator (already under the watchdog, its creation settled)
+    /// behind the front end under `name`.
     pub(crate) fn create(
-        raw: RawComm,
+        raw: Arc<RawComm>,
+        tracked: Arc<Tracked>,
         ctx: Arc<CudaContext>,
         stream: Arc<CudaStream>,
         global_ranks: Vec<usize>,
         name: String,
         timeout: Duration,
-        abort_on_failure: bool,
-        job: Arc<Job>,
     ) -> NcclCommunicator {
         let device = ctx.ordinal();
         let shared = Arc::new(Shared::new(
             raw,
+            tracked,
             ctx,
             stream,
             name.clone(),
             timeout,
-            abort_on_failure,
-            job.clone(),
         ));
-        job.register(&shared);
-        crate::job::process().register(&shared);
         Comm::new(
             NcclBackend {
                 shared,
@@ -180,24 +175,32 @@ impl NcclBackend {
         &self.shared.ctx
     }
 
-    /// `"live"`, `"destroyed"` or `"aborted"`.
+    /// `"live"`, `"failed"`, `"aborted"`, `"finalizing"` or `"destroyed"`.
     pub fn state(&self) -> &'static str {
-        self.shared.raw.state_name()
+        self.shared.tracked.state_name()
     }
 
-    /// Aborts this communicator now (`ncclCommAbort`): pending operations are interrupted and
-    /// every later call fails with [`Error::Finalized`]. Returns false if it was not live.
+    /// Aborts this communicator now: every pending operation returns an error at once, later
+    /// ones are refused, and NCCL is asked to abort (`ncclCommAbort`, which never waits for a
+    /// thread blocked in NCCL: the communicator is nonblocking). Returns false if it was not
+    /// live. The front end's [`grid_core::Communicator::abort`] calls it.
     pub fn abort(&self) -> bool {
-        self.shared.raw.abort()
+        self.shared.tracked.abort("abort() was called")
     }
 
-    /// `Ok` while NCCL reports no asynchronous error on this communicator.
+    /// `Ok` while NCCL reports no asynchronous error on this communicator (the watchdog checks
+    /// this on its own; this asks now).
     pub fn check_async_error(&self) -> Result<()> {
         const OP: &str = "check_async_error";
-        self.shared
-            .raw
-            .async_error(OP)
-            .map_err(|e| annotate(e, OP, &self.shared.name))
+        self.shared.check_live(OP)?;
+        match self.shared.raw.progress_of(OP) {
+            Ok(_) => Ok(()),
+            Err(e) => {
+                let e = annotate(e, OP, &self.shared.name);
+                self.shared.tracked.fail(e.clone());
+                Err(e)
+            }
+        }
     }
 
     /// Copies host data to a new device buffer on this communicator's device and stream.
@@ -236,10 +239,10 @@ impl NcclBackend {
         const OP: &str = "to_host";
         let run = || {
             self.shared.check_live(OP)?;
-            self.shared.flush(OP)?;
             self.shared.bind(OP)?;
             self.wait_for(OP, buf)?;
-            self.shared.sync(OP)?;
+            self.shared
+                .sync(OP, TimeLimit::After(self.shared.timeout))?;
             cuda(OP, || self.shared.stream.clone_dtoh(&buf.slice))
         };
         run().map_err(|e| annotate(e, OP, &self.shared.name))
@@ -278,22 +281,27 @@ impl Backend for NcclBackend {
         NcclBackend::abort(self);
     }
     fn run(&self, op: Validated<Op<'_>>) -> Result<()> {
+        let limit = op.time_limit();
         let op = op.into_op();
         let name = op.name();
-        self.exec(op)
+        self.shared.check_live(name)?;
+        self.exec(op, limit)
             .map_err(|e| annotate(e, name, &self.shared.name))
     }
     fn start(&self, op: Validated<grid_core::Request>) -> Result<Box<dyn Work>> {
+        let limit = op.time_limit();
         let request: Request = op.into_op();
         let name = request.name();
-        self.start_request(request)
+        self.shared.check_live(name)?;
+        self.start_request(request, limit)
             .map_err(|e| annotate(e, name, &self.shared.name))
     }
+    /// Waits (host, on a condition variable) until everything enqueued so far completed,
+    /// within the communicator's configured timeout.
     fn synchronize(&self) -> Result<()> {
         const OP: &str = "synchronize";
         self.shared
-            .flush(OP)
-            .and_then(|_| self.shared.sync(OP))
+            .sync(OP, TimeLimit::After(self.shared.timeout))
             .map_err(|e| annotate(e, OP, &self.shared.name))
     }
 }
