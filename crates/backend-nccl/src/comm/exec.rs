@@ -224,12 +224,13 @@ impl NcclBackend {
             },
             Kind::AllToAll => {
                 let ops = self.all_to_all_ops(op, send.ok_or_else(missing)?, recv)?;
-                let r = self.shared.raw.p2p_group(op, ops, st);
-                return self.shared.after_call(op, r, limit);
+                return self
+                    .shared
+                    .call(op, limit, || self.shared.raw.p2p_group(op, ops, st));
             }
         };
-        let r = self.shared.raw.collective(coll, st);
-        self.shared.after_call(op, r, limit)
+        self.shared
+            .call(op, limit, || self.shared.raw.collective(coll, st))
     }
 
     /// All-to-all as one group of sends and receives (works on every NCCL version). The front
@@ -372,8 +373,9 @@ impl NcclBackend {
                     _ => return Err(internal(op, "unstaged host buffer")),
                 });
             }
-            let r = self.shared.raw.p2p_group(op, tokens, &self.shared.stream);
-            self.shared.after_call(op, r, limit)?;
+            self.shared.call(op, limit, || {
+                self.shared.raw.p2p_group(op, tokens, &self.shared.stream)
+            })?;
         }
         for s in slots.iter() {
             match s {
@@ -426,7 +428,7 @@ impl NcclBackend {
             recv: DevOut::new::<f32, _>(s, st)?,
             op: ffi::nccl_op(ReduceOp::Sum),
         };
-        let r = self.shared.raw.collective(coll, st);
-        self.shared.after_call(op, r, limit)
+        self.shared
+            .call(op, limit, || self.shared.raw.collective(coll, st))
     }
 }

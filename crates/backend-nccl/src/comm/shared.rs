@@ -25,6 +25,26 @@ pub(crate) struct Shared {
     pub(crate) timeout: Duration,
     /// One float the barrier all-reduces (allocated on first use).
     pub(super) scratch: Mutex<Option<CudaSlice<f32>>>,
+    /// Serialises NCCL calls (and the settling of an `ncclInProgress`) of every communicator
+    /// of this device in this process ([`device_lock`]).
+    device_calls: Arc<Mutex<()>>,
+}
+
+/// The lock that serialises the NCCL calls of every communicator of GPU `ordinal` in this
+/// process: NCCL forbids concurrent calls on one communicator, and calls on several
+/// communicators of one device from several threads must not interleave (before NCCL 2.26 they
+/// must even be issued in one global order). It is held for one enqueue and, when NCCL answers
+/// `ncclInProgress`, until that call settled (within the operation's time limit); never while a
+/// thread waits for an operation to complete, and never by `abort()` or the watchdog.
+pub(crate) fn device_lock(ordinal: usize) -> Arc<Mutex<()>> {
+    static LOCKS: Mutex<Vec<(usize, Arc<Mutex<()>>)>> = Mutex::new(Vec::new());
+    let mut l = lock(&LOCKS);
+    if let Some((_, m)) = l.iter().find(|(o, _)| *o == ordinal) {
+        return m.clone();
+    }
+    let m = Arc::new(Mutex::new(()));
+    l.push((ordinal, m.clone()));
+    m
 }
 
 /// Locks a mutex, also after a panic of another holder (the data stays consistent: every
@@ -81,6 +101,7 @@ impl Shared {
         name: String,
         timeout: Duration,
     ) -> Shared {
+        let device_calls = device_lock(ctx.ordinal());
         Shared {
             raw,
             tracked,
@@ -89,7 +110,27 @@ impl Shared {
             name,
             timeout,
             scratch: Mutex::new(None),
+            device_calls,
         }
+    }
+
+    /// Holds this device's NCCL call lock ([`device_lock`]).
+    pub(crate) fn device_guard(&self) -> MutexGuard<'_, ()> {
+        lock(&self.device_calls)
+    }
+
+    /// Runs one NCCL call on the communicator under the device's call lock, then settles an
+    /// `ncclInProgress` within `limit` (still under the lock) or fails the communicator on an
+    /// error ([`Shared::after_call`]).
+    pub(super) fn call(
+        &self,
+        op: &'static str,
+        limit: TimeLimit,
+        f: impl FnOnce() -> Result<Progress>,
+    ) -> Result<()> {
+        let _g = self.device_guard();
+        let r = f();
+        self.after_call(op, r, limit)
     }
 
     /// Makes the device's context current on this thread.

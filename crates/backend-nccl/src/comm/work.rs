@@ -129,10 +129,12 @@ impl NcclBackend {
             } else {
                 P2p::Recv(super::shared::dout(op, &mut *d, st)?, peer)
             };
-            self.shared.raw.p2p_group(op, vec![token], st)
+            self.shared
+                .call(op, limit, || self.shared.raw.p2p_group(op, vec![token], st))
         };
+        // Held by the work (and the watchdog) whatever happened: NCCL may have enqueued it.
         keep.push(d);
-        self.shared.after_call(op, r, limit)
+        r
     }
 
     /// Turns an owned tensor into device memory: device tensors as they are, host tensors
