@@ -1004,3 +1004,68 @@ impl Job {
         }
     }
 }
+
+// ------------------------------------------------------------------------------------------------
+// Operations held back
+// ------------------------------------------------------------------------------------------------
+
+/// A communicator that holds operations back to post them together (the NCCL backend groups
+/// nonblocking sends and receives, so that an `irecv` + `isend` ring cannot deadlock behind
+/// itself on one stream).
+pub trait Deferred: Send + Sync + 'static {
+    /// Posts everything held back, now; never blocks on peers. Failures are recorded on the
+    /// held-back operations themselves (their waits report them).
+    fn post_deferred(&self);
+}
+
+/// The communicators of one device that may hold operations back. Every entry point of the
+/// backend that could block this thread or order work after the held-back operations (any
+/// other operation on **any** communicator of the device, any wait or poll, a split) posts
+/// everything held back first, so an `isend` on one communicator followed by a blocking
+/// collective on another cannot leave the send unposted while this rank waits.
+///
+/// ```
+/// use backend_nccl::engine::{Deferred, Outbox};
+/// use std::sync::{atomic::{AtomicUsize, Ordering}, Arc};
+/// struct Held(AtomicUsize);
+/// impl Deferred for Held {
+///     fn post_deferred(&self) { self.0.fetch_add(1, Ordering::Relaxed); }
+/// }
+/// let outbox = Outbox::default();
+/// let held = Arc::new(Held(AtomicUsize::new(0)));
+/// let weak: std::sync::Weak<dyn Deferred> = Arc::downgrade(&(held.clone() as Arc<dyn Deferred>));
+/// outbox.register(weak);
+/// outbox.post_all();
+/// assert_eq!(held.0.load(Ordering::Relaxed), 1);
+/// ```
+#[derive(Default)]
+pub struct Outbox {
+    members: Mutex<Vec<Weak<dyn Deferred>>>,
+}
+
+impl std::fmt::Debug for Outbox {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Outbox({} members)", lock(&self.members).len())
+    }
+}
+
+impl Outbox {
+    /// Adds a communicator (dropped ones are forgotten).
+    pub fn register(&self, d: Weak<dyn Deferred>) {
+        let mut m = lock(&self.members);
+        m.retain(|w| w.strong_count() > 0);
+        m.push(d);
+    }
+
+    /// Posts what every live member holds back, in registration order. Call it without holding
+    /// any lock a member's [`Deferred::post_deferred`] takes.
+    pub fn post_all(&self) {
+        let members: Vec<Arc<dyn Deferred>> = lock(&self.members)
+            .iter()
+            .filter_map(Weak::upgrade)
+            .collect();
+        for m in members {
+            m.post_deferred();
+        }
+    }
+}

@@ -307,7 +307,9 @@ impl GroupFactory for NcclFactory {
         let limit = parent.time_limit();
         cuda("bind context", || shared.ctx.bind_to_thread()).map_err(wrap)?;
         let name = format!("{}/split{n}.{}", parent.comm_name(), color.unwrap_or(0));
-        // One NCCL call at a time on this device, until the split settled.
+        // Held-back sends and receives were started first: posted first. Then one NCCL call
+        // at a time on this device, until the split settled.
+        shared.outbox.post_all();
         let _calls = shared.device_guard();
         let (raw, progress) = match shared.raw.split(c, k, &self.config) {
             Ok(v) => v,

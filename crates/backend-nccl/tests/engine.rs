@@ -10,11 +10,12 @@
 //! asynchronous error each end in an error on every rank within the time limit plus one second;
 //! `abort()` from another thread returns at once while operations are stalled; dropped
 //! unfinished work keeps its buffers until its marker fires; an `isend` on one communicator
-//! followed by a blocking collective on another completes, because the send is posted when it
-//! is started.
+//! followed by a blocking collective on another completes, because held-back sends are posted
+//! before the rank blocks anywhere (and, as a control, stalls when they are not).
 
 use backend_nccl::engine::{
-    Completion, DeviceComm, DeviceEvent, Job, Kicker, Progress, Tracked, Watchdog, WatchdogOptions,
+    Completion, Deferred, DeviceComm, DeviceEvent, Job, Kicker, Outbox, Progress, Tracked,
+    Watchdog, WatchdogOptions,
 };
 use grid_core::{Error, LibraryError, Result, TimeLimit};
 use std::collections::{HashMap, HashSet};
@@ -621,38 +622,113 @@ fn failed_work_keeps_its_buffers_until_completion() {
 }
 
 // ------------------------------------------------------------------------------------------------
-// Point-to-point posted at once
+// Point-to-point: posted before the rank blocks anywhere
 // ------------------------------------------------------------------------------------------------
+
+/// A communicator's held-back sends and receives, as the backend holds them (so that an
+/// `irecv` + `isend` ring is posted as one group): each is posted to the fabric and launched
+/// when the device's [`Outbox`] posts everything.
+struct HeldBack {
+    rank: usize,
+    fabric: Arc<Fabric>,
+    tracked: Arc<Tracked>,
+    queue: Mutex<Vec<(usize, usize, TimeLimit, Arc<Mutex<Option<Completion>>>)>>,
+}
+
+impl HeldBack {
+    /// `isend`/`irecv` between `from` and `to`: held back; the cell gets its completion once
+    /// posted.
+    fn start(&self, from: usize, to: usize, limit: TimeLimit) -> Arc<Mutex<Option<Completion>>> {
+        let cell = Arc::new(Mutex::new(None));
+        self.queue
+            .lock()
+            .unwrap()
+            .push((from, to, limit, cell.clone()));
+        cell
+    }
+}
+
+impl Deferred for HeldBack {
+    fn post_deferred(&self) {
+        let items = std::mem::take(&mut *self.queue.lock().unwrap());
+        for (from, to, limit, cell) in items {
+            let op = if from == self.rank { "send" } else { "recv" };
+            let ev = self.fabric.p2p(self.rank, from, to, 0);
+            *cell.lock().unwrap() = Some(self.tracked.launch(op, limit, ev, Vec::new()));
+        }
+    }
+}
 
 /// Rank 0 starts an `isend` on the pipeline communicator, then blocks in an all-reduce on the
 /// data-parallel communicator; rank 1 receives first (blocking), then joins the all-reduce.
-/// The send is posted when it is started, so this completes; a send deferred to rank 0's next
-/// pipeline call would never be posted and both ranks would wait forever.
-#[test]
-fn isend_then_a_blocking_collective_on_another_communicator_completes() {
+/// `post_all` before the blocking all-reduce (what the backend does at every entry point)
+/// posts the send, so both ranks finish; `post_all` skipped (`flush = false`, the bug the
+/// NCCL issue describes: the send deferred to rank 0's next pipeline call) leaves both ranks
+/// waiting until their time limit.
+fn isend_then_collective(flush: bool, l: TimeLimit) -> Vec<Result<Duration>> {
     let pp = Fabric::new(2);
     let dp = Fabric::new(2);
-    let l = limit(3_000);
-    let out = ranks(2, |r| -> Result<Duration> {
+    ranks(2, |r| -> Result<Duration> {
         let dog = dog();
+        let outbox = Arc::new(Outbox::default());
         let (p, res) = create(&pp, r, &dog, "pp", None, l);
         res?;
         let (d, res) = create(&dp, r, &dog, "dp", None, l);
         res?;
+        let held = Arc::new(HeldBack {
+            rank: r,
+            fabric: pp.clone(),
+            tracked: p.clone(),
+            queue: Mutex::new(Vec::new()),
+        });
+        let weak: std::sync::Weak<dyn Deferred> =
+            Arc::downgrade(&(held.clone() as Arc<dyn Deferred>));
+        outbox.register(weak);
         let start = Instant::now();
         if r == 0 {
-            let send: Completion = p.launch("send", l, pp.p2p(0, 0, 1, 0), Vec::new());
+            let send = held.start(0, 1, l);
+            if flush {
+                outbox.post_all();
+            }
             blocking(&d, &dp, 0, "ar#0", l)?;
-            send.wait()?;
+            outbox.post_all();
+            let c = send.lock().unwrap().take();
+            c.ok_or_else(|| Error::Invalid("send not posted".into()))?
+                .wait()?;
         } else {
-            p.launch("recv", l, pp.p2p(1, 0, 1, 0), Vec::new()).wait()?;
+            let recv = held.start(0, 1, l);
+            outbox.post_all();
+            let c = recv.lock().unwrap().take();
+            c.ok_or_else(|| Error::Invalid("recv not posted".into()))?
+                .wait()?;
             blocking(&d, &dp, 1, "ar#0", l)?;
         }
         Ok(start.elapsed())
-    });
-    for (r, o) in out.into_iter().enumerate() {
+    })
+}
+
+#[test]
+fn isend_then_a_blocking_collective_on_another_communicator_completes() {
+    for (r, o) in isend_then_collective(true, limit(3_000))
+        .into_iter()
+        .enumerate()
+    {
         let took = o.unwrap_or_else(|e| panic!("rank {r}: {e}"));
         assert!(took < Duration::from_secs(1), "rank {r}: {took:?}");
+    }
+}
+
+/// The control: without posting the held-back send first, the same program stalls on both
+/// ranks (each ends in `Timeout`, within the limit plus one second, instead of hanging).
+#[test]
+fn a_send_held_back_past_a_blocking_collective_stalls_both_ranks() {
+    let l = Duration::from_millis(300);
+    for (r, o) in isend_then_collective(false, l.into())
+        .into_iter()
+        .enumerate()
+    {
+        let e = o.unwrap_err();
+        assert!(matches!(e, Error::Timeout { .. }), "rank {r}: {e:?}");
     }
 }
 

@@ -146,6 +146,9 @@ impl NcclBackend {
             name.clone(),
             timeout,
         ));
+        let weak = Arc::downgrade(&shared);
+        let deferred: std::sync::Weak<dyn crate::engine::Deferred> = weak;
+        shared.outbox.register(deferred);
         Comm::new(
             NcclBackend {
                 shared,
@@ -239,6 +242,7 @@ impl NcclBackend {
         const OP: &str = "to_host";
         let run = || {
             self.shared.check_live(OP)?;
+            self.shared.outbox.post_all();
             self.shared.bind(OP)?;
             self.wait_for(OP, buf)?;
             self.shared
@@ -285,6 +289,8 @@ impl Backend for NcclBackend {
         let op = op.into_op();
         let name = op.name();
         self.shared.check_live(name)?;
+        // Held-back sends and receives of this device were started first: posted first.
+        self.shared.outbox.post_all();
         self.exec(op, limit)
             .map_err(|e| annotate(e, name, &self.shared.name))
     }
@@ -300,6 +306,7 @@ impl Backend for NcclBackend {
     /// within the communicator's configured timeout.
     fn synchronize(&self) -> Result<()> {
         const OP: &str = "synchronize";
+        self.shared.outbox.post_all();
         self.shared
             .sync(OP, TimeLimit::After(self.shared.timeout))
             .map_err(|e| annotate(e, OP, &self.shared.name))

@@ -4,12 +4,13 @@
 //! time limit, asynchronous error) and every wait blocks on a condition variable, never in a
 //! sleep loop.
 
+use super::exec::hold;
 use crate::buffer::{downcast, downcast_mut, with_dtype};
-use crate::engine::{Completion, DeviceEvent, Progress, Tracked, Watchdog};
+use crate::engine::{Completion, Deferred, DeviceEvent, Outbox, Progress, Tracked, Watchdog};
 use crate::error::{annotate, cuda};
-use crate::ffi::{kick_when_reached, DevIn, DevOut, RawComm};
+use crate::ffi::{kick_when_reached, DevIn, DevOut, P2p, RawComm};
 use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream};
-use grid_core::{DeviceBuffer, Result, TimeLimit};
+use grid_core::{DeviceBuffer, Error, Result, TimeLimit};
 use std::any::Any;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
@@ -28,6 +29,48 @@ pub(crate) struct Shared {
     /// Serialises NCCL calls (and the settling of an `ncclInProgress`) of every communicator
     /// of this device in this process ([`device_lock`]).
     device_calls: Arc<Mutex<()>>,
+    /// The held-back sends and receives of every communicator of this device ([`outbox`]).
+    pub(crate) outbox: Arc<Outbox>,
+    /// This communicator's held-back sends and receives, posted as one group.
+    pending: Mutex<Vec<PendingP2p>>,
+}
+
+/// A nonblocking send or receive held back until the next [`Outbox::post_all`].
+struct PendingP2p {
+    send: bool,
+    peer: usize,
+    buf: Box<dyn DeviceBuffer>,
+    limit: TimeLimit,
+    cell: Arc<Mutex<Cell>>,
+}
+
+/// Where a held-back operation's work finds its completion once posted.
+pub(super) enum Cell {
+    Waiting,
+    Posted(Completion, Arc<CudaEvent>),
+    Failed(Error),
+    Taken,
+}
+
+/// The [`Outbox`] of GPU `ordinal` in this process.
+pub(crate) fn outbox(ordinal: usize) -> Arc<Outbox> {
+    static BOXES: Mutex<Vec<(usize, Arc<Outbox>)>> = Mutex::new(Vec::new());
+    let mut l = lock(&BOXES);
+    if let Some((_, b)) = l.iter().find(|(o, _)| *o == ordinal) {
+        return b.clone();
+    }
+    let b = Arc::new(Outbox::default());
+    l.push((ordinal, b.clone()));
+    b
+}
+
+/// The shorter of two limits.
+fn shorter(a: TimeLimit, b: TimeLimit) -> TimeLimit {
+    match (a.duration(), b.duration()) {
+        (Some(x), Some(y)) => TimeLimit::After(x.min(y)),
+        (Some(_), None) => a,
+        _ => b,
+    }
 }
 
 /// The lock that serialises the NCCL calls of every communicator of GPU `ordinal` in this
@@ -102,7 +145,10 @@ impl Shared {
         timeout: Duration,
     ) -> Shared {
         let device_calls = device_lock(ctx.ordinal());
+        let outbox = outbox(ctx.ordinal());
         Shared {
+            outbox,
+            pending: Mutex::new(Vec::new()),
             raw,
             tracked,
             ctx,
@@ -180,20 +226,98 @@ impl Shared {
         limit: TimeLimit,
         keep: Vec<Box<dyn Any + Send>>,
     ) -> Result<(Completion, Arc<CudaEvent>)> {
+        let event = self.mark(op)?;
+        Ok((self.launch_on(op, limit, &event, keep), event))
+    }
+
+    /// Records a completion marker after everything enqueued so far, and the host function
+    /// that kicks the watchdog when the device reaches it.
+    fn mark(&self, op: &'static str) -> Result<Arc<CudaEvent>> {
         let event = Arc::new(cuda(op, || self.stream.record_event(None))?);
         let dog = Watchdog::global()?;
         if let Err(e) = kick_when_reached(&self.stream, dog.kicker()) {
             // Without the host function the watchdog still notices at its next poll.
             tracing::debug!("nccl: {e}; completion noticed at the watchdog's next poll");
         }
+        Ok(event)
+    }
+
+    /// Registers operation `op`, complete when `event` fired, with the watchdog.
+    fn launch_on(
+        &self,
+        op: &'static str,
+        limit: TimeLimit,
+        event: &Arc<CudaEvent>,
+        keep: Vec<Box<dyn Any + Send>>,
+    ) -> Completion {
         let marker = Marker {
             ctx: self.ctx.clone(),
             event: event.clone(),
         };
-        Ok((
-            self.tracked.launch(op, limit, Box::new(marker), keep),
-            event,
-        ))
+        self.tracked.launch(op, limit, Box::new(marker), keep)
+    }
+
+    /// Holds a nonblocking send or receive back until the next [`Outbox::post_all`] (the
+    /// buffer's stream already joined the communicator's stream).
+    pub(super) fn defer(
+        &self,
+        send: bool,
+        peer: usize,
+        buf: Box<dyn DeviceBuffer>,
+        limit: TimeLimit,
+    ) -> Arc<Mutex<Cell>> {
+        let cell = Arc::new(Mutex::new(Cell::Waiting));
+        lock(&self.pending).push(PendingP2p {
+            send,
+            peer,
+            buf,
+            limit,
+            cell: cell.clone(),
+        });
+        cell
+    }
+
+    /// Posts the held-back sends and receives as one NCCL group; each gets its own completion
+    /// (one marker after the group) holding its buffer until the device is done with it.
+    fn post_pending(&self) {
+        const OP: &str = "isend/irecv";
+        let mut items = std::mem::take(&mut *lock(&self.pending));
+        if items.is_empty() {
+            return;
+        }
+        let limit = items
+            .iter()
+            .fold(TimeLimit::Unlimited, |l, p| shorter(l, p.limit));
+        let posted = self.bind(OP).and_then(|()| {
+            let st = &*self.stream;
+            let mut tokens = Vec::with_capacity(items.len());
+            for p in items.iter_mut() {
+                tokens.push(if p.send {
+                    P2p::Send(din(OP, &*p.buf, st)?, p.peer)
+                } else {
+                    P2p::Recv(dout(OP, &mut *p.buf, st)?, p.peer)
+                });
+            }
+            self.call(OP, limit, || self.raw.p2p_group(OP, tokens, st))
+        });
+        // The buffers go to the watchdog whatever happened (NCCL may have enqueued part of
+        // the group); a failure is what every work of the group reports.
+        let event = self.mark(OP);
+        for p in items {
+            let op = if p.send { "send" } else { "recv" };
+            let outcome = match (&posted, &event) {
+                (Ok(()), Ok(ev)) => Cell::Posted(
+                    self.launch_on(op, p.limit, ev, vec![hold(p.buf)]),
+                    ev.clone(),
+                ),
+                (Err(e), Ok(ev)) => {
+                    drop(self.launch_on(op, p.limit, ev, vec![hold(p.buf)]));
+                    Cell::Failed(e.clone())
+                }
+                (Err(e), Err(_)) | (Ok(()), Err(e)) => Cell::Failed(e.clone()),
+            };
+            *lock(&p.cell) = outcome;
+        }
     }
 
     /// Waits (host) until everything enqueued on the stream so far has completed, within
@@ -205,8 +329,16 @@ impl Shared {
     }
 }
 
+impl Deferred for Shared {
+    fn post_deferred(&self) {
+        self.post_pending();
+    }
+}
+
 impl Drop for Shared {
     fn drop(&mut self) {
+        // Held-back operations whose works were dropped are still owed to their peers.
+        self.post_pending();
         // The watchdog lets the pending operations finish (within their limits), then
         // finalizes and destroys the communicator without blocking, or aborts it.
         self.tracked.close();

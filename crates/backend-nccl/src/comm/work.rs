@@ -3,16 +3,15 @@
 //! [`NcclWork`], which completes through the operation's completion marker.
 
 use super::exec::{hold, unhold, Kind};
-use super::shared::Shared;
+use super::shared::{Cell, Shared};
 use super::NcclBackend;
 use crate::buffer::{downcast, owned, with_dtype};
 use crate::engine::Completion;
 use crate::error::{annotate, cuda, internal};
-use crate::ffi::P2p;
 use cudarc::driver::CudaEvent;
 use grid_core::{DType, DeviceBuffer, Error, HostBuffer, Request, Result, Tensor, TimeLimit, Work};
 use std::any::Any;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 /// A tensor as device memory plus, for host tensors, the original host buffer.
@@ -40,6 +39,10 @@ impl NcclBackend {
         limit: TimeLimit,
     ) -> Result<Box<dyn Work>> {
         let op = request.name();
+        if !matches!(request, Request::Send { .. } | Request::Recv { .. }) {
+            // Held-back sends and receives were started first: posted first.
+            self.shared.outbox.post_all();
+        }
         self.shared.bind(op)?;
         // The buffers the device uses, the result first.
         let mut keep: Vec<Box<dyn DeviceBuffer>> = Vec::new();
@@ -68,23 +71,23 @@ impl NcclBackend {
             }
             Request::Send { buf, peer, .. } => match self.operand(op, buf, true)? {
                 (Some(d), host) => {
-                    self.post(op, true, peer, d, &mut keep, host.is_none(), limit)?;
-                    match host {
+                    let out = match host {
                         Some(h) => Output::Ready(Tensor::Host(h)),
                         None => Output::Device,
-                    }
+                    };
+                    return self.hold_back(op, true, peer, d, out, limit);
                 }
                 (None, Some(h)) => return Ok(ready(self, op, Tensor::Host(h))),
                 (None, None) => return Err(internal(op, "send operand")),
             },
             Request::Recv { buf, peer, .. } => match self.operand(op, buf, false)? {
                 (Some(d), host) => {
-                    self.post(op, false, peer, d, &mut keep, host.is_none(), limit)?;
-                    if host.is_some() {
+                    let out = if host.is_some() {
                         Output::Staged
                     } else {
                         Output::Device
-                    }
+                    };
+                    return self.hold_back(op, false, peer, d, out, limit);
                 }
                 (None, Some(h)) => return Ok(ready(self, op, Tensor::Host(h))),
                 (None, None) => return Err(internal(op, "recv operand")),
@@ -106,35 +109,30 @@ impl NcclBackend {
         Ok(work(self, op, Some(c), Some(event), output))
     }
 
-    /// Posts one send or receive now (a group of one), so it can match a peer's operation
-    /// whatever this rank does next on other communicators.
-    #[allow(clippy::too_many_arguments)]
-    fn post(
+    /// Holds a nonblocking send or receive back, to be posted (grouped with the others held
+    /// back) before this process does anything else on the device: any other operation on any
+    /// communicator of the GPU, any wait or poll ([`crate::engine::Outbox`]).
+    fn hold_back(
         &self,
         op: &'static str,
         send: bool,
         peer: usize,
-        mut d: Box<dyn DeviceBuffer>,
-        keep: &mut Vec<Box<dyn DeviceBuffer>>,
-        device: bool,
+        d: Box<dyn DeviceBuffer>,
+        output: Output,
         limit: TimeLimit,
-    ) -> Result<()> {
-        if device {
+    ) -> Result<Box<dyn Work>> {
+        if matches!(output, Output::Device) {
             self.wait_for(op, &*d)?;
         }
-        let st = &*self.shared.stream;
-        let r = {
-            let token = if send {
-                P2p::Send(super::shared::din(op, &*d, st)?, peer)
-            } else {
-                P2p::Recv(super::shared::dout(op, &mut *d, st)?, peer)
-            };
-            self.shared
-                .call(op, limit, || self.shared.raw.p2p_group(op, vec![token], st))
-        };
-        // Held by the work (and the watchdog) whatever happened: NCCL may have enqueued it.
-        keep.push(d);
-        r
+        let cell = self.shared.defer(send, peer, d, limit);
+        Ok(Box::new(NcclWork {
+            shared: self.shared.clone(),
+            op,
+            completion: None,
+            event: None,
+            deferred: Some(cell),
+            output: Some(output),
+        }))
     }
 
     /// Turns an owned tensor into device memory: device tensors as they are, host tensors
@@ -226,6 +224,7 @@ fn work(
         op,
         completion,
         event,
+        deferred: None,
         output: Some(output),
     })
 }
@@ -251,6 +250,8 @@ pub struct NcclWork {
     op: &'static str,
     completion: Option<Completion>,
     event: Option<Arc<CudaEvent>>,
+    /// A held-back send or receive: its completion appears here once posted.
+    deferred: Option<Arc<Mutex<Cell>>>,
     output: Option<Output>,
 }
 
@@ -305,7 +306,27 @@ impl NcclWork {
         }
     }
 
+    /// For a held-back send or receive: posts everything held back on the device and takes
+    /// the completion.
+    fn resolve(&mut self) -> Result<()> {
+        let Some(cell) = self.deferred.take() else {
+            return Ok(());
+        };
+        self.shared.outbox.post_all();
+        let taken = std::mem::replace(&mut *super::shared::lock(&cell), Cell::Taken);
+        match taken {
+            Cell::Posted(c, ev) => {
+                self.completion = Some(c);
+                self.event = Some(ev);
+                Ok(())
+            }
+            Cell::Failed(e) => Err(e),
+            Cell::Waiting | Cell::Taken => Err(internal(self.op, "held-back operation not posted")),
+        }
+    }
+
     fn wait_inner(&mut self) -> Result<Tensor> {
+        self.resolve()?;
         let Some(c) = self.completion.take() else {
             return self.finish(Vec::new(), true);
         };
@@ -323,6 +344,9 @@ impl NcclWork {
 
 impl Work for NcclWork {
     fn is_completed(&mut self) -> bool {
+        if self.resolve().is_err() {
+            return true;
+        }
         self.completion
             .as_ref()
             .is_none_or(|c| c.outcome().is_some())
@@ -337,6 +361,9 @@ impl Work for NcclWork {
         mut self: Box<Self>,
         timeout: Duration,
     ) -> std::result::Result<Result<Tensor>, Box<dyn Work>> {
+        if let Err(e) = self.resolve() {
+            return Ok(Err(self.annotate(e)));
+        }
         let Some(c) = self.completion.take() else {
             let r = self.finish(Vec::new(), true);
             return Ok(r.map_err(|e| self.annotate(e)));
