@@ -632,8 +632,11 @@ struct HeldBack {
     rank: usize,
     fabric: Arc<Fabric>,
     tracked: Arc<Tracked>,
-    queue: Mutex<Vec<(usize, usize, TimeLimit, Arc<Mutex<Option<Completion>>>)>>,
+    queue: Mutex<Vec<Held>>,
 }
+
+/// A held-back operation: from, to, limit, and where its completion goes once posted.
+type Held = (usize, usize, TimeLimit, Arc<Mutex<Option<Completion>>>);
 
 impl HeldBack {
     /// `isend`/`irecv` between `from` and `to`: held back; the cell gets its completion once
