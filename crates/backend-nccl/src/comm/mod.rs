@@ -8,7 +8,7 @@
 //! * this module: [`NcclBackend`], its [`Backend`] implementation (dispatch) and the
 //!   device-memory helpers users call (`to_device`, `zeros`, `to_host`, `abort`, ...);
 //! * `shared`: the state a communicator shares with its pending work (NCCL handle, stream,
-//!   deferred sends and receives, event waits with timeout and failure handling);
+//!   its entry in the watchdog, held-back sends and receives);
 //! * `exec`: blocking operations (staging of host memory, enqueueing on the stream);
 //! * `work`: nonblocking operations and [`NcclWork`].
 //!
@@ -26,25 +26,42 @@
 //!   unchanged): the input is copied to a temporary device buffer, the operation runs, and
 //!   the call waits for it and copies the result back before returning. This costs two copies
 //!   and a synchronisation per call; use device buffers where speed matters.
-//! * **Nonblocking** [`grid_core::Communicator::start`] enqueues and records a CUDA event; the
-//!   [`grid_core::Work`] completes when the event has fired. `wait` hands back device tensors
-//!   as they are (their stream is made to wait for the event) and host tensors after copying
-//!   the result back.
-//! * **Nonblocking sends and receives are deferred** and enqueued together as one
-//!   `ncclGroupStart/End` group when one of their works is polled or waited on, or before the
-//!   communicator's next other operation. Separately enqueued NCCL sends and receives run in
-//!   stream order, so `irecv(left); isend(right); wait` would deadlock in a ring; grouped they
-//!   cannot. (A receive whose matching send is only issued *after* waiting on it, on the same
-//!   communicator, still deadlocks: NCCL executes one communicator's operations in order.)
+//! * **Nonblocking** [`grid_core::Communicator::start`] enqueues the operation at once and
+//!   records a completion marker (a CUDA event, plus a CUDA host function that wakes the
+//!   watchdog when the device reaches it). `wait` on a **device** result does not block the
+//!   host: the result's stream is made to wait for the marker and the buffer comes back at once
+//!   (stream-ordered); on a **host** result it blocks the host on a condition variable until
+//!   the marker fired, then copies the result back. `wait_timeout` always blocks the host.
+//!   Dropping an unfinished work is safe: its buffers stay with the watchdog until the device
+//!   is done with them.
+//! * **Nonblocking sends and receives are held back** per communicator and posted as one
+//!   `ncclGroupStart/End` group **before this process does anything else on the device**: any
+//!   other operation on any communicator of the same GPU, any wait or poll of a work, a split,
+//!   `synchronize`, `to_host` ([`crate::engine::Outbox`]). So `irecv(left); isend(right); wait`
+//!   rings cannot deadlock behind themselves on the stream (NCCL runs one communicator's
+//!   kernels in order), and an `isend` on one communicator followed by a blocking collective on
+//!   another is posted before the collective (the cross-communicator deadlock of posting only
+//!   at the next call on the same communicator cannot happen). A receive whose matching send is
+//!   only issued *after* waiting on it, on the same communicator, still deadlocks (stream
+//!   order); use `batch_p2p` or start both first.
 //!
 //! # Failure handling
-//! Every wait polls the event, NCCL's asynchronous error (`ncclCommGetAsyncError`) and the
-//! communicator's state, and gives up after [`crate::NcclOptions::timeout`]. On an error or a
-//! timeout the communicator's [`crate::Job`] aborts every communicator of the job (unless
-//! [`crate::NcclOptions::abort_on_failure`] is off), so no rank stays blocked in another group.
-//! NCCL and CUDA failures are [`grid_core::Error::Library`] naming the operation, the
-//! communicator, the NCCL function, and NCCL's `ncclResult_t` (or CUDA's `CUresult`) name and
-//! number.
+//! Failure handling is [`crate::engine`]: the state machine that the CPU tests drive with a
+//! scripted device runtime. Every communicator is **nonblocking** (`ncclConfig_t.blocking =
+//! 0`): creation and split return at once and the communicator is watched, and abortable,
+//! while it connects; every NCCL call that answers `ncclInProgress` is settled under the
+//! operation's time limit (the front end's [`grid_core::Validated::time_limit`]), with the lock
+//! that serialises NCCL calls of one device held only for that call, never by `abort()` or the
+//! watchdog. One watchdog thread per process polls `ncclCommGetAsyncError` of every
+//! communicator and the completion markers of every enqueued operation (waited on or not). On
+//! an asynchronous error or a time limit it fails the communicator: every pending operation
+//! returns an error at once, NCCL is aborted, and so is every other communicator of the
+//! [`crate::Job`] (unless [`crate::NcclOptions::abort_on_failure`] is off), so no rank stays
+//! blocked in another group; later operations return [`Error::Aborted`] naming the first
+//! failure. Nothing sleeps to wait for device work: waits block on condition variables that the
+//! watchdog signals. NCCL and CUDA failures are [`grid_core::Error::Library`] naming the
+//! operation, the communicator, the NCCL function, and NCCL's `ncclResult_t` (or CUDA's
+//! `CUresult`) name and number.
 //!
 //! # Ranks and tags
 //! `rank()` is the NCCL rank. NCCL matches point-to-point messages by order, not by tag: the
@@ -72,10 +89,10 @@ use std::time::Duration;
 /// ([`grid_core::Comm`]) over [`NcclBackend`].
 ///
 /// Created by [`crate::NcclFactory::init`] (the world, named `"world"`) and
-/// [`grid_core::GroupFactory::split`] (sub-groups). `Send + Sync`: calls from several threads
-/// are serialised per communicator. Dropping it destroys the NCCL communicator (finalize, then
-/// destroy) once its stream is idle, or aborts it if the stream does not drain within the
-/// timeout. Backend methods ([`NcclBackend::to_device`], [`NcclBackend::abort`], ...) are
+/// [`grid_core::GroupFactory::split`] (sub-groups). `Send + Sync`: NCCL calls from several
+/// threads are serialised per device. Dropping it hands the NCCL communicator to the watchdog,
+/// which lets its pending operations finish (within their limits), then finalizes and destroys
+/// it without blocking, or aborts it if finalizing fails or does not finish in time. Backend methods ([`NcclBackend::to_device`], [`NcclBackend::abort`], ...) are
 /// reached through `Deref`.
 ///
 /// ```no_run
