@@ -31,9 +31,9 @@
 //!   the device is done with them.
 //! * A failure (an asynchronous error, a time limit, a failed marker) or [`Tracked::abort`]
 //!   resolves every pending operation of the communicator with an error **at once**, then asks
-//!   the library to abort ([`DeviceComm::abort`], outside every lock of this module); with a
-//!   [`Job`] that aborts on failure, every other communicator of the job is aborted too, so no
-//!   rank stays blocked in another group waiting for a failed peer.
+//!   the library to abort ([`DeviceComm::abort`], on a helper thread, outside every lock of this
+//!   module); with a [`Job`] that aborts on failure, every other communicator of the job is
+//!   aborted too, so no rank stays blocked in another group waiting for a failed peer.
 //! * [`Tracked::close`] (the communicator was dropped) lets the pending operations finish
 //!   (within their limits), then finalizes the communicator without blocking
 //!   ([`DeviceComm::finalize`] polled by the watchdog up to [`WatchdogOptions::close_limit`]) and
@@ -66,9 +66,10 @@ pub trait DeviceComm: Send + Sync + 'static {
     /// in progress and no error was reported, `Ok(InProgress)` while an initialisation, a split
     /// or a group call is still running, `Err` once an asynchronous error was reported.
     fn progress(&self) -> Result<Progress>;
-    /// Aborts the communicator in the library (`ncclCommAbort`). Called at most once, from any
-    /// thread, never while this module holds a lock; must not wait on a lock held by a thread
-    /// that is inside the library.
+    /// Aborts the communicator in the library (`ncclCommAbort`). Called at most once, on a
+    /// helper thread (so neither `abort()` nor the watchdog waits for it), never while this
+    /// module holds a lock; must not wait on a lock held by a thread that is blocked inside the
+    /// library.
     fn abort(&self);
     /// Starts the orderly shutdown (`ncclCommFinalize`); `InProgress` means the watchdog polls
     /// [`DeviceComm::progress`] until it is done. Called at most once, on an idle communicator.
@@ -613,8 +614,23 @@ impl Tracked {
         true
     }
 
+    /// Asks the library to abort, once, on a helper thread: `ncclCommAbort` can take a while
+    /// (it stops the communicator's kernels and joins its threads), and neither `abort()` nor
+    /// the watchdog may wait for it. The waiting threads were released before.
     fn abort_device(&self) {
-        if !self.device_aborted.swap(true, Ordering::AcqRel) {
+        if self.device_aborted.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let device = self.device.clone();
+        let name = self.name.clone();
+        let spawned = std::thread::Builder::new()
+            .name("nccl-abort".into())
+            .spawn(move || {
+                device.abort();
+                tracing::debug!(comm = %name, "nccl: communicator aborted in the library");
+            });
+        if let Err(e) = spawned {
+            tracing::warn!(comm = %self.name, "nccl: no thread for the abort ({e}); aborting inline");
             self.device.abort();
         }
     }
