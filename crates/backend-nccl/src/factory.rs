@@ -1,7 +1,9 @@
 //! [`NcclFactory`]: creates the world communicator over a bootstrap communicator, and every
 //! sub-group with `ncclCommSplit` of a parent (no new unique-id exchange per group).
 
-use crate::bootstrap::{choose_device, exchange_unique_id, local_rank_from};
+use crate::bootstrap::{
+    choose_device, claim_device, exchange_unique_id, local_rank_from, DeviceClaim,
+};
 use crate::comm::{NcclBackend, NcclCommunicator};
 use crate::engine::{Job, Progress, Watchdog};
 use crate::error::{annotate, cuda, lib, BACKEND};
@@ -138,6 +140,8 @@ pub struct NcclFactory {
     version: (u32, u32, u32),
     splits: AtomicUsize,
     config: CommConfig,
+    /// This process's claim on the GPU, for as long as the factory lives.
+    _claim: DeviceClaim,
 }
 
 impl std::fmt::Debug for NcclFactory {
@@ -150,11 +154,11 @@ impl std::fmt::Debug for NcclFactory {
     }
 }
 
-fn local_setup(
-    rank: usize,
-    opts: &NcclOptions,
-    bootstrap_backend: &str,
-) -> Result<(Arc<CudaContext>, (u32, u32, u32))> {
+/// What one rank sets up before the id exchange: its device's context, the NCCL version, and
+/// its claim on the GPU.
+type LocalSetup = (Arc<CudaContext>, (u32, u32, u32), DeviceClaim);
+
+fn local_setup(rank: usize, opts: &NcclOptions, bootstrap_backend: &str) -> Result<LocalSetup> {
     let count = probe::gpu_count()?;
     let env = |k: &str| std::env::var(k).ok();
     // Ranks that are threads of this process (a `backend-local` bootstrap) share one node-local
@@ -165,9 +169,10 @@ fn local_setup(
         local_rank_from(&env)
     };
     let device = choose_device(opts.device, local_rank, rank, count)?;
+    let claim = claim_device(device)?;
     let ctx = cuda("cuDevicePrimaryCtxRetain", || CudaContext::new(device))?;
     let version = probe::nccl_version()?;
-    Ok((ctx, version))
+    Ok((ctx, version, claim))
 }
 
 impl NcclFactory {
@@ -194,7 +199,7 @@ impl NcclFactory {
             .and_then(|_| local_setup(rank, &opts, bootstrap.backend()));
         let ready = local.as_ref().map(|_| ()).map_err(Clone::clone);
         let id = exchange_unique_id(bootstrap, ready, &mut ffi::unique_id)?;
-        let (ctx, version) = local?;
+        let (ctx, version, claim) = local?;
         let config = config?;
         let dog = Watchdog::global()?;
         cuda("bind context", || ctx.bind_to_thread())?;
@@ -230,6 +235,7 @@ impl NcclFactory {
                 version,
                 splits: AtomicUsize::new(0),
                 config,
+                _claim: claim,
             },
             world,
         ))

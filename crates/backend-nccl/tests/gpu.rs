@@ -360,3 +360,33 @@ fn stalled_operations_time_out_and_abort_from_another_thread() {
     );
     println!("ncclCommAbort path took {abort_took:?}");
 }
+
+/// Two ranks of one process asked for the same GPU: both fail at once (one names the device,
+/// the other the rank that could not set up), instead of hanging in NCCL.
+#[test]
+fn two_ranks_on_one_gpu_fail_on_both_ranks() {
+    let Some(_) = gpus_or_skip("two_ranks_on_one_gpu_fail_on_both_ranks", 1) else {
+        return;
+    };
+    let out = common::serialised(|| {
+        backend_local::run(2, &backend_local::LocalConfig::default(), |_, boot| {
+            let opts = backend_nccl::NcclOptions {
+                device: Some(0),
+                timeout: T,
+                ..backend_nccl::NcclOptions::default()
+            };
+            Ok(backend_nccl::NcclFactory::init(&boot, opts).map(|_| ()))
+        })
+    })
+    .expect("the bootstrap world");
+    let errors: Vec<String> = out
+        .into_iter()
+        .map(|r| r.expect_err("a second rank on GPU 0 must fail").to_string())
+        .collect();
+    assert!(
+        errors
+            .iter()
+            .any(|e| e.contains("device 0 is already used by another NCCL rank")),
+        "{errors:?}"
+    );
+}

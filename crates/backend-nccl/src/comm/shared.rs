@@ -175,6 +175,9 @@ impl Shared {
         f: impl FnOnce() -> Result<Progress>,
     ) -> Result<()> {
         let _g = self.device_guard();
+        // Nothing more is enqueued on a communicator that failed or was aborted (its library
+        // abort may still be running on its helper thread).
+        self.tracked.check_live(op)?;
         let r = f();
         self.after_call(op, r, limit)
     }
@@ -283,6 +286,13 @@ impl Shared {
         const OP: &str = "isend/irecv";
         let mut items = std::mem::take(&mut *lock(&self.pending));
         if items.is_empty() {
+            return;
+        }
+        if let Err(e) = self.tracked.check_live(OP) {
+            // Never enqueued: the buffers can go now.
+            for p in items {
+                *lock(&p.cell) = Cell::Failed(e.clone());
+            }
             return;
         }
         let limit = items
