@@ -291,7 +291,11 @@ impl NcclBackend {
         };
         match recv {
             BufMut::Device(d) => {
-                self.enqueue(op, kind, send_dev, &mut *d, limit)?;
+                if let Err(e) = self.enqueue(op, kind, send_dev, &mut *d, limit) {
+                    self.shared
+                        .hold_after_error(op, staged_in.into_iter().map(hold).collect());
+                    return Err(e);
+                }
                 self.join_back(op, &*d)?;
                 if let Some(BufRef::Device(s)) = send {
                     self.join_back(op, s)?;
@@ -307,7 +311,12 @@ impl NcclBackend {
                 } else {
                     self.stage_zeros(op, h.dtype(), h.len())?
                 };
-                self.enqueue(op, kind, send_dev, &mut *staged, limit)?;
+                if let Err(e) = self.enqueue(op, kind, send_dev, &mut *staged, limit) {
+                    let mut keep = vec![hold(staged)];
+                    keep.extend(staged_in.map(hold));
+                    self.shared.hold_after_error(op, keep);
+                    return Err(e);
+                }
                 if let Some(BufRef::Device(s)) = send {
                     self.join_back(op, s)?;
                 }
@@ -360,7 +369,7 @@ impl NcclBackend {
                 Slot::Recv(BufMut::Device(d), _, _) => self.wait_for(op, &**d)?,
             }
         }
-        {
+        let posted = {
             let mut tokens = Vec::with_capacity(slots.len());
             for s in slots.iter_mut() {
                 tokens.push(match s {
@@ -375,7 +384,19 @@ impl NcclBackend {
             }
             self.shared.call(op, limit, || {
                 self.shared.raw.p2p_group(op, tokens, &self.shared.stream)
-            })?;
+            })
+        };
+        if let Err(e) = posted {
+            // NCCL may have enqueued part of the group: staged buffers stay with the watchdog.
+            let keep = slots
+                .into_iter()
+                .filter_map(|s| match s {
+                    Slot::Send(_, b, _) | Slot::Recv(_, b, _) => b,
+                })
+                .map(hold)
+                .collect();
+            self.shared.hold_after_error(op, keep);
+            return Err(e);
         }
         for s in slots.iter() {
             match s {

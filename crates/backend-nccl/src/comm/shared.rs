@@ -233,6 +233,19 @@ impl Shared {
         Ok((self.launch_on(op, limit, &event, keep), event))
     }
 
+    /// After an enqueue that failed: NCCL may have enqueued part of it, so `keep` stays with the
+    /// watchdog until the device is done with it (the communicator has failed, so the marker
+    /// fires once NCCL's abort stopped its kernels).
+    pub(super) fn hold_after_error(&self, op: &'static str, keep: Vec<Box<dyn Any + Send>>) {
+        if keep.is_empty() {
+            return;
+        }
+        match self.watch(op, TimeLimit::Unlimited, keep) {
+            Ok((c, _)) => drop(c),
+            Err(e) => tracing::warn!("nccl: {op}: cannot hold its buffers after a failure: {e}"),
+        }
+    }
+
     /// Records a completion marker after everything enqueued so far, and the host function
     /// that kicks the watchdog when the device reaches it.
     fn mark(&self, op: &'static str) -> Result<Arc<CudaEvent>> {

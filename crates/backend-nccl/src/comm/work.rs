@@ -32,81 +32,110 @@ fn empty() -> Tensor {
 }
 
 impl NcclBackend {
-    /// Starts one validated nonblocking operation: enqueued now, watched by the watchdog.
+    /// Starts one validated nonblocking operation: a collective or barrier is enqueued now and
+    /// watched by the watchdog; a send or receive is held back ([`NcclBackend::hold_back`]).
     pub(super) fn start_request(
         &self,
         request: Request,
         limit: TimeLimit,
     ) -> Result<Box<dyn Work>> {
         let op = request.name();
-        if !matches!(request, Request::Send { .. } | Request::Recv { .. }) {
-            // Held-back sends and receives were started first: posted first.
-            self.shared.outbox.post_all();
+        match request {
+            Request::Send { buf, peer, .. } => {
+                self.shared.bind(op)?;
+                return match self.operand(op, buf, true)? {
+                    (Some(d), host) => {
+                        let out = match host {
+                            Some(h) => Output::Ready(Tensor::Host(h)),
+                            None => Output::Device,
+                        };
+                        self.hold_back(op, true, peer, d, out, limit)
+                    }
+                    (None, Some(h)) => Ok(ready(self, op, Tensor::Host(h))),
+                    (None, None) => Err(internal(op, "send operand")),
+                };
+            }
+            Request::Recv { buf, peer, .. } => {
+                self.shared.bind(op)?;
+                return match self.operand(op, buf, false)? {
+                    (Some(d), host) => {
+                        let out = if host.is_some() {
+                            Output::Staged
+                        } else {
+                            Output::Device
+                        };
+                        self.hold_back(op, false, peer, d, out, limit)
+                    }
+                    (None, Some(h)) => Ok(ready(self, op, Tensor::Host(h))),
+                    (None, None) => Err(internal(op, "recv operand")),
+                };
+            }
+            _ => {}
         }
+        // Held-back sends and receives were started first: posted first.
+        self.shared.outbox.post_all();
         self.shared.bind(op)?;
         // The buffers the device uses, the result first.
         let mut keep: Vec<Box<dyn DeviceBuffer>> = Vec::new();
-        let output = match request {
+        let output = match self.enqueue_request(op, request, &mut keep, limit) {
+            Ok(o) => o,
+            Err(e) => {
+                // NCCL may have enqueued it before failing: the buffers stay with the
+                // watchdog until the device is done with them.
+                self.shared
+                    .hold_after_error(op, keep.into_iter().map(hold).collect());
+                return Err(e);
+            }
+        };
+        let output = match output {
+            // Nothing was enqueued (empty buffers).
+            Output::Ready(t) if keep.is_empty() && op != "barrier" => {
+                return Ok(ready(self, op, t));
+            }
+            other => other,
+        };
+        let (c, event) = self
+            .shared
+            .watch(op, limit, keep.into_iter().map(hold).collect())?;
+        Ok(work(self, op, Some(c), Some(event), output))
+    }
+
+    /// Enqueues a collective or the barrier; `keep` receives the device buffers NCCL uses (the
+    /// result first), also when enqueueing fails.
+    fn enqueue_request(
+        &self,
+        op: &'static str,
+        request: Request,
+        keep: &mut Vec<Box<dyn DeviceBuffer>>,
+        limit: TimeLimit,
+    ) -> Result<Output> {
+        Ok(match request {
             Request::AllReduce { buf, op: r } => {
-                self.start_in_place(op, Kind::AllReduce(r), buf, &mut keep, limit)?
+                self.start_in_place(op, Kind::AllReduce(r), buf, keep, limit)?
             }
             Request::Broadcast { buf, root } => {
-                self.start_in_place(op, Kind::Broadcast(root), buf, &mut keep, limit)?
+                self.start_in_place(op, Kind::Broadcast(root), buf, keep, limit)?
             }
             Request::AllReduceInto { send, recv, op: r } => {
-                self.start_two(op, Kind::AllReduce(r), send, recv, &mut keep, limit)?
+                self.start_two(op, Kind::AllReduce(r), send, recv, keep, limit)?
             }
             Request::AllGather { send, recv } => {
-                self.start_two(op, Kind::AllGather, send, recv, &mut keep, limit)?
+                self.start_two(op, Kind::AllGather, send, recv, keep, limit)?
             }
             Request::ReduceScatter { send, recv, op: r } => {
-                self.start_two(op, Kind::ReduceScatter(r), send, recv, &mut keep, limit)?
+                self.start_two(op, Kind::ReduceScatter(r), send, recv, keep, limit)?
             }
             Request::AllToAll { send, recv } => {
-                self.start_two(op, Kind::AllToAll, send, recv, &mut keep, limit)?
+                self.start_two(op, Kind::AllToAll, send, recv, keep, limit)?
             }
             Request::Barrier => {
                 self.barrier_enqueue(op, limit)?;
                 Output::Ready(empty())
             }
-            Request::Send { buf, peer, .. } => match self.operand(op, buf, true)? {
-                (Some(d), host) => {
-                    let out = match host {
-                        Some(h) => Output::Ready(Tensor::Host(h)),
-                        None => Output::Device,
-                    };
-                    return self.hold_back(op, true, peer, d, out, limit);
-                }
-                (None, Some(h)) => return Ok(ready(self, op, Tensor::Host(h))),
-                (None, None) => return Err(internal(op, "send operand")),
-            },
-            Request::Recv { buf, peer, .. } => match self.operand(op, buf, false)? {
-                (Some(d), host) => {
-                    let out = if host.is_some() {
-                        Output::Staged
-                    } else {
-                        Output::Device
-                    };
-                    return self.hold_back(op, false, peer, d, out, limit);
-                }
-                (None, Some(h)) => return Ok(ready(self, op, Tensor::Host(h))),
-                (None, None) => return Err(internal(op, "recv operand")),
-            },
-        };
-        if let Output::Ready(t) = output {
-            if keep.is_empty() && op != "barrier" {
-                // Nothing was enqueued (empty buffers).
-                return Ok(ready(self, op, t));
+            Request::Send { .. } | Request::Recv { .. } => {
+                return Err(internal(op, "point-to-point request in enqueue_request"))
             }
-            let (c, event) = self
-                .shared
-                .watch(op, limit, keep.into_iter().map(hold).collect())?;
-            return Ok(work(self, op, Some(c), Some(event), Output::Ready(t)));
-        }
-        let (c, event) = self
-            .shared
-            .watch(op, limit, keep.into_iter().map(hold).collect())?;
-        Ok(work(self, op, Some(c), Some(event), output))
+        })
     }
 
     /// Holds a nonblocking send or receive back, to be posted (grouped with the others held
@@ -171,8 +200,9 @@ impl NcclBackend {
         match dev {
             None => Ok(Output::Ready(host.map(Tensor::Host).unwrap_or_else(empty))),
             Some(mut d) => {
-                self.enqueue(op, kind, None, &mut *d, limit)?;
+                let r = self.enqueue(op, kind, None, &mut *d, limit);
                 keep.push(d);
+                r?;
                 Ok(if is_host {
                     Output::Staged
                 } else {
@@ -197,9 +227,10 @@ impl NcclBackend {
         let (rdev, rhost) = self.operand(op, recv, false)?;
         match (sdev, rdev) {
             (Some(s), Some(mut r)) => {
-                self.enqueue(op, kind, Some(&*s), &mut *r, limit)?;
+                let res = self.enqueue(op, kind, Some(&*s), &mut *r, limit);
                 keep.push(r);
                 keep.push(s);
+                res?;
                 Ok(if recv_host {
                     Output::Staged
                 } else {
