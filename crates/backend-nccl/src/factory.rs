@@ -110,7 +110,8 @@ impl Default for NcclOptions {
     }
 }
 
-/// The oldest NCCL with `ncclCommSplit`.
+/// The oldest NCCL this backend runs on: `ncclCommSplit`, and nonblocking communicators with
+/// the `ncclConfig_t` fields it sets (`splitShare` came in 2.18).
 pub const MIN_SPLIT_VERSION: (u32, u32, u32) = (2, 18, 0);
 
 /// Creates NCCL communicators: [`NcclFactory::init`] for the world, then
@@ -172,6 +173,16 @@ fn local_setup(rank: usize, opts: &NcclOptions, bootstrap_backend: &str) -> Resu
     let claim = claim_device(device)?;
     let ctx = cuda("cuDevicePrimaryCtxRetain", || CudaContext::new(device))?;
     let version = probe::nccl_version()?;
+    if version < MIN_SPLIT_VERSION {
+        let (a, b, p) = version;
+        return Err(Error::Unsupported {
+            op: "init",
+            backend: BACKEND,
+            what: format!(
+                "NCCL {a}.{b}.{p}: this backend needs NCCL >= 2.18.0 (nonblocking communicators with ncclConfig_t, ncclCommSplit, ncclCommFinalize); install a newer libnccl"
+            ),
+        });
+    }
     Ok((ctx, version, claim))
 }
 

@@ -297,7 +297,11 @@ impl Backend for NcclBackend {
     fn default_time_limit(&self) -> grid_core::TimeLimit {
         grid_core::TimeLimit::After(self.shared.timeout)
     }
-    /// `ncclCommAbort` on this communicator ([`NcclBackend::abort`]).
+    /// [`NcclBackend::abort`]: every waiting operation returns at once; `ncclCommAbort` runs on
+    /// a helper thread. NCCL cannot hand buffers back before its kernels stopped, so the buffers
+    /// of a woken nonblocking operation (and staged copies) stay with the watchdog until the
+    /// device is done with them; device buffers the caller owns are freed stream-ordered by
+    /// cudarc after the operation.
     fn abort(&self) {
         NcclBackend::abort(self);
     }
