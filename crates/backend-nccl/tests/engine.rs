@@ -389,7 +389,7 @@ fn a_stalled_collective_fails_every_rank_and_its_job() {
 #[test]
 fn an_asynchronous_error_fails_every_rank() {
     let fabric = Fabric::new(3);
-    let l = Duration::from_millis(600);
+    let l = Duration::from_millis(1500);
     let out = ranks(3, |r| {
         let dog = dog();
         let (w, res) = create(&fabric, r, &dog, "world", None, limit(5_000));
@@ -420,7 +420,7 @@ fn an_asynchronous_error_fails_every_rank() {
     assert_eq!(*op, "all_reduce");
     assert!(reason.contains("ncclRemoteError"), "{reason}");
     assert!(
-        *took1 < Duration::from_millis(200),
+        *took1 < Duration::from_millis(500),
         "rank 1 noticed after {took1:?}"
     );
     for r in [0, 2] {
@@ -483,8 +483,9 @@ fn abort_from_another_thread_returns_at_once() {
         assert!(starting.abort("abort() was called"));
         assert!(live.abort("abort() was called"));
         let abort_took = t0.elapsed();
+        println!("two abort() calls took {abort_took:?}");
         assert!(
-            abort_took < Duration::from_millis(50),
+            abort_took < Duration::from_millis(250),
             "abort took {abort_took:?}"
         );
         let (ra, ta) = a.join().unwrap();
@@ -492,7 +493,8 @@ fn abort_from_another_thread_returns_at_once() {
         for (r, t) in [(ra.map(|_| ()), ta), (rb.map(|_| ()), tb)] {
             let e = r.unwrap_err();
             assert!(matches!(e, Error::Aborted { .. }), "{e:?}");
-            assert!(t < Duration::from_millis(200 + 300), "woke after {t:?}");
+            println!("a stalled thread returned {t:?} after it started waiting (abort at 200 ms)");
+            assert!(t < Duration::from_millis(200 + 500), "woke after {t:?}");
         }
     });
     // Idempotent, and later operations are refused.
