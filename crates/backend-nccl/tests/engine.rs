@@ -322,6 +322,7 @@ fn a_stalled_creation_fails_every_rank_within_the_limit() {
             ),
             "rank {r}: {e:?}"
         );
+        println!("creation: rank {r} failed after {took:?} (limit {l:?})");
         assert!(took >= l && took < l + MARGIN, "rank {r}: {took:?}");
         assert_eq!(state, "failed", "rank {r}");
     }
@@ -373,6 +374,7 @@ fn a_stalled_collective_fails_every_rank_and_its_job() {
             ),
             "rank {r}: {e:?}"
         );
+        println!("collective: rank {r} failed after {took:?} (limit {l:?})");
         assert!(took >= l && took < l + MARGIN, "rank {r}: {took:?}");
         let other = other.unwrap_err();
         assert!(
@@ -419,6 +421,13 @@ fn an_asynchronous_error_fails_every_rank() {
     };
     assert_eq!(*op, "all_reduce");
     assert!(reason.contains("ncclRemoteError"), "{reason}");
+    println!("asynchronous error: rank 1 failed {took1:?} after it started waiting");
+    for r in [0, 2] {
+        println!(
+            "asynchronous error: rank {r} failed {:?} after its last operation began (limit {l:?})",
+            out[r].2
+        );
+    }
     assert!(
         *took1 < Duration::from_millis(500),
         "rank 1 noticed after {took1:?}"
