@@ -397,3 +397,42 @@ impl GroupFactory for NcclFactory {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn config_values_are_checked() {
+        assert!(NcclConfig::default().to_raw().is_ok());
+        let e = NcclConfig {
+            min_ctas: Some(8),
+            max_ctas: Some(4),
+            ..Default::default()
+        }
+        .to_raw()
+        .unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "NcclConfig: min_ctas 8 is larger than max_ctas 4 (min_ctas must be <= max_ctas)"
+        );
+        let e = NcclConfig {
+            max_ctas: Some(u32::MAX),
+            ..Default::default()
+        }
+        .to_raw()
+        .unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("max_ctas 4294967295 does not fit NCCL's int (valid: 0..=2147483647)"),
+            "{e}"
+        );
+        let e = NcclConfig {
+            net_name: Some("I\0B".into()),
+            ..Default::default()
+        }
+        .to_raw()
+        .unwrap_err();
+        assert!(e.to_string().contains("contains a NUL byte"), "{e}");
+    }
+}

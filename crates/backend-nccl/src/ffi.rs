@@ -903,3 +903,72 @@ impl Drop for RawComm {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The config every communicator is created with: NCCL_CONFIG_INITIALIZER's values,
+    /// nonblocking, and only the options given set.
+    #[test]
+    fn config_is_nonblocking_and_leaves_unset_fields_undefined() {
+        let c = nccl_config(&CommConfig::default());
+        assert_eq!(c.size, std::mem::size_of::<sys::ncclConfig_t>());
+        assert_eq!(c.magic, 0xcafe_beef);
+        assert_eq!(c.version, 23000);
+        assert_eq!(c.blocking, 0);
+        assert_eq!(c.splitShare, 0);
+        for v in [
+            c.cgaClusterSize,
+            c.minCTAs,
+            c.maxCTAs,
+            c.trafficClass,
+            c.collnetEnable,
+            c.CTAPolicy,
+            c.shrinkShare,
+            c.nvlsCTAs,
+            c.nChannelsPerNetPeer,
+            c.nvlinkCentricSched,
+            c.graphUsageMode,
+            c.numRmaCtx,
+            c.maxP2pPeers,
+        ] {
+            assert_eq!(v, c_int::MIN, "NCCL_CONFIG_UNDEF_INT");
+        }
+        assert!(c.netName.is_null() && c.commName.is_null());
+
+        let net = CString::new("IB").unwrap();
+        let set = CommConfig {
+            split_share: true,
+            cga_cluster_size: Some(2),
+            min_ctas: Some(4),
+            max_ctas: Some(16),
+            net_name: Some(net.clone()),
+        };
+        let c = nccl_config(&set);
+        assert_eq!(
+            (
+                c.blocking,
+                c.splitShare,
+                c.cgaClusterSize,
+                c.minCTAs,
+                c.maxCTAs
+            ),
+            (0, 1, 2, 4, 16)
+        );
+        // SAFETY (test): netName points into `set.net_name`, alive here.
+        assert_eq!(unsafe { CStr::from_ptr(c.netName) }, net.as_c_str());
+    }
+
+    #[test]
+    fn in_progress_is_not_an_error() {
+        assert_eq!(
+            check_progress("ncclGroupEnd", sys::ncclResult_t::ncclInProgress, None).unwrap(),
+            Progress::InProgress
+        );
+        assert_eq!(
+            check_progress("ncclGroupEnd", sys::ncclResult_t::ncclSuccess, None).unwrap(),
+            Progress::Done
+        );
+    }
+}
