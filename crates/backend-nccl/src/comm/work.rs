@@ -160,6 +160,7 @@ impl NcclBackend {
             completion: None,
             event: None,
             deferred: Some(cell),
+            failed: None,
             output: Some(output),
         }))
     }
@@ -256,6 +257,7 @@ fn work(
         completion,
         event,
         deferred: None,
+        failed: None,
         output: Some(output),
     })
 }
@@ -283,6 +285,8 @@ pub struct NcclWork {
     event: Option<Arc<CudaEvent>>,
     /// A held-back send or receive: its completion appears here once posted.
     deferred: Option<Arc<Mutex<Cell>>>,
+    /// Posting it failed (kept for the wait after an `is_completed`).
+    failed: Option<Error>,
     output: Option<Output>,
 }
 
@@ -340,6 +344,9 @@ impl NcclWork {
     /// For a held-back send or receive: posts everything held back on the device and takes
     /// the completion.
     fn resolve(&mut self) -> Result<()> {
+        if let Some(e) = &self.failed {
+            return Err(e.clone());
+        }
         let Some(cell) = self.deferred.take() else {
             return Ok(());
         };
@@ -351,8 +358,15 @@ impl NcclWork {
                 self.event = Some(ev);
                 Ok(())
             }
-            Cell::Failed(e) => Err(e),
-            Cell::Waiting | Cell::Taken => Err(internal(self.op, "held-back operation not posted")),
+            Cell::Failed(e) => {
+                self.failed = Some(e.clone());
+                Err(e)
+            }
+            Cell::Waiting | Cell::Taken => {
+                let e = internal(self.op, "held-back operation not posted");
+                self.failed = Some(e.clone());
+                Err(e)
+            }
         }
     }
 
