@@ -14,7 +14,10 @@
 //!   free after the operation) for as long as the token exists.
 //! * **One thread at a time per communicator.** NCCL forbids concurrent calls on one
 //!   communicator; [`RawComm`] keeps the handle behind a mutex, and a handle that was destroyed
-//!   or aborted is never passed to NCCL again.
+//!   or aborted is never passed to NCCL again. Every communicator is nonblocking
+//!   (`blocking = 0`), so each call returns at once and the mutex is never held while a thread
+//!   waits for peers: `ncclCommAbort` (which takes it too) never waits behind a stuck call.
+//! * **Host functions make no CUDA call and never unwind** ([`kick_when_reached`]).
 
 #![allow(unsafe_code)]
 
