@@ -323,12 +323,7 @@ fn stalled_operations_time_out_and_abort_from_another_thread() {
             b.abort();
             return (None, None);
         }
-        let t0 = std::time::Instant::now();
-        let e = a
-            .with_time_limit(limit)
-            .all_reduce_into(&[1.0f32][..], &mut [0.0f32][..], ReduceOp::Sum)
-            .unwrap_err();
-        let timed_out = (e, t0.elapsed());
+        // First the abort: a user abort fails only its own communicator.
         let aborted = std::thread::scope(|s| {
             let h = s.spawn(|| {
                 let t = std::time::Instant::now();
@@ -344,6 +339,13 @@ fn stalled_operations_time_out_and_abort_from_another_thread() {
             let (r, waited) = h.join().expect("the waiting thread");
             (r.unwrap_err(), waited, abort_took)
         });
+        // Then the time limit (whose failure then aborts the rest of the job).
+        let t0 = std::time::Instant::now();
+        let e = a
+            .with_time_limit(limit)
+            .all_reduce_into(&[1.0f32][..], &mut [0.0f32][..], ReduceOp::Sum)
+            .unwrap_err();
+        let timed_out = (e, t0.elapsed());
         (Some(timed_out), Some(aborted))
     });
     let (Some((e, took)), Some((ea, waited, abort_took))) = (&out[0].0, &out[0].1) else {
@@ -359,7 +361,11 @@ fn stalled_operations_time_out_and_abort_from_another_thread() {
         *waited < Duration::from_millis(1500),
         "woke after {waited:?}"
     );
-    println!("ncclCommAbort path took {abort_took:?}");
+    assert!(
+        *abort_took < Duration::from_millis(250),
+        "abort() took {abort_took:?}"
+    );
+    println!("abort() returned after {abort_took:?}");
 }
 
 /// Two ranks of one process asked for the same GPU: both fail at once (one names the device,
