@@ -255,6 +255,23 @@ struct HdCache {
 
 }  // namespace
 
+// The point-to-point waits in progress on one context, so that an abort can wake them
+// (UnboundBuffer::abortWaitRecv/abortWaitSend); shared with posted operations, which may
+// outlive the context's handle.
+struct P2pWaits {
+  std::mutex mu;
+  bool aborted = false;
+  // Each waiting buffer and whether it waits for a receive.
+  std::vector<std::pair<gloo::transport::UnboundBuffer*, bool>> waiting;
+};
+
+// The exception of a wait woken by an abort (reported as GLOO_SHIM_ABORTED).
+struct P2pAborted : std::runtime_error {
+  P2pAborted()
+      : std::runtime_error(
+            "the communicator was aborted on this rank while a point-to-point operation waited") {}
+};
+
 struct gloo_shim_context {
   std::shared_ptr<gloo::rendezvous::Context> ctx;
   // Serialises the legacy (pair-bound) algorithms, which take slots from the context's
@@ -267,6 +284,8 @@ struct gloo_shim_context {
   // Sequence number of the next large point-to-point message sent from this context: names its
   // payload slot (see the length protocol in gloo_shim.h).
   std::atomic<uint64_t> p2p_seq{0};
+  // Point-to-point waits in progress, for gloo_shim_context_abort_waits.
+  std::shared_ptr<P2pWaits> waits = std::make_shared<P2pWaits>();
 };
 
 namespace {
@@ -338,6 +357,8 @@ int32_t guarded(gloo::Context* ctx, gloo_shim_status* st, F&& f) {
   try {
     f();
     return GLOO_SHIM_OK;
+  } catch (const P2pAborted& e) {
+    return fail(st, GLOO_SHIM_ABORTED, e.what());
   } catch (const gloo::IoException& e) {
     code = fail(st, classify(e.what(), GLOO_SHIM_IO), e.what());
   } catch (const gloo::EnforceNotMet& e) {
@@ -1155,17 +1176,39 @@ std::shared_ptr<gloo::rendezvous::Context> connect_mesh(
   return ctx;
 }
 
-// Gloo's waits return false only when another thread called abortWait*, which the shim never
-// does; treat it as a failure rather than a completion.
-void wait_recv(gloo::transport::UnboundBuffer& b, std::chrono::steady_clock::time_point dl) {
-  if (!b.waitRecv(remaining(dl))) {
-    throw std::runtime_error("a receive was interrupted");
+// One wait of `b`, registered in `w` for the duration so that an abort can wake it. Gloo's
+// waits return false only when abortWait* was called: here only by gloo_shim_context_abort_waits,
+// whose flag the registration checks first (an abort between the check and the wait is seen by
+// the wait, which reads the buffer's own abort flag under the buffer's lock).
+void wait_one(
+    P2pWaits& w, gloo::transport::UnboundBuffer& b, bool recv,
+    std::chrono::steady_clock::time_point dl) {
+  {
+    std::lock_guard<std::mutex> lock(w.mu);
+    if (w.aborted) {
+      throw P2pAborted();
+    }
+    w.waiting.emplace_back(&b, recv);
   }
-}
-
-void wait_send(gloo::transport::UnboundBuffer& b, std::chrono::steady_clock::time_point dl) {
-  if (!b.waitSend(remaining(dl))) {
-    throw std::runtime_error("a send was interrupted");
+  auto leave = [&] {
+    std::lock_guard<std::mutex> lock(w.mu);
+    for (size_t i = 0; i < w.waiting.size(); i++) {
+      if (w.waiting[i].first == &b && w.waiting[i].second == recv) {
+        w.waiting.erase(w.waiting.begin() + static_cast<std::ptrdiff_t>(i));
+        break;
+      }
+    }
+  };
+  bool done = false;
+  try {
+    done = recv ? b.waitRecv(remaining(dl)) : b.waitSend(remaining(dl));
+  } catch (...) {
+    leave();
+    throw;
+  }
+  leave();
+  if (!done) {
+    throw P2pAborted();
   }
 }
 
@@ -1175,8 +1218,10 @@ void wait_send(gloo::transport::UnboundBuffer& b, std::chrono::steady_clock::tim
 // memory (the unbound buffers go before the staging memory they point into).
 class P2pTransfer {
  public:
-  P2pTransfer(gloo::Context& ctx, std::atomic<uint64_t>& seq, gloo_shim_p2p_op& op)
-      : ctx_(ctx), op_(op) {
+  P2pTransfer(
+      gloo::Context& ctx, std::atomic<uint64_t>& seq, std::shared_ptr<P2pWaits> waits,
+      gloo_shim_p2p_op& op)
+      : ctx_(ctx), waits_(std::move(waits)), op_(op) {
     check_op(ctx, op);
     op_.mismatch = 0;
     op_.other_dtype = -1;
@@ -1220,7 +1265,7 @@ class P2pTransfer {
     if (!op_.is_recv || arrived_) {
       return;
     }
-    wait_recv(*head_, deadline);
+    wait_one(*waits_, *head_, true, deadline);
     arrived_ = true;
     P2pHeader h;
     std::memcpy(&h, staging_.get(), kHeader);
@@ -1270,7 +1315,7 @@ class P2pTransfer {
     auto drain = ctx_.createUnboundBuffer(scratch.get(), scratch_bytes);
     for (uint64_t off = 0; off < h.bytes; off += h.chunk) {
       drain->recv(op_.peer, slot, 0, static_cast<size_t>(std::min<uint64_t>(h.chunk, h.bytes - off)));
-      wait_recv(*drain, deadline);
+      wait_one(*waits_, *drain, true, deadline);
     }
     g_p2p_copied.fetch_add(h.bytes, std::memory_order_relaxed);
   }
@@ -1279,21 +1324,21 @@ class P2pTransfer {
     if (op_.is_recv) {
       arrive(deadline);
     } else if (!head_done_) {
-      wait_send(*head_, deadline);
+      wait_one(*waits_, *head_, false, deadline);
       head_done_ = true;
     }
     for (; body_ops_ > 0; body_ops_--) {
       if (op_.is_recv) {
-        wait_recv(*body_, deadline);
+        wait_one(*waits_, *body_, true, deadline);
       } else {
-        wait_send(*body_, deadline);
+        wait_one(*waits_, *body_, false, deadline);
       }
     }
     if (reply_ && !reply_done_) {
       if (op_.is_recv) {
-        wait_send(*reply_, deadline);
+        wait_one(*waits_, *reply_, false, deadline);
       } else {
-        wait_recv(*reply_, deadline);
+        wait_one(*waits_, *reply_, true, deadline);
         const P2pReply& r = reply_msg_;
         if (r.magic != kP2pMagic || dtype_size(r.dtype) == 0) {
           protocol_error(op_, "a malformed answer to a large message");
@@ -1315,6 +1360,7 @@ class P2pTransfer {
   }
 
   gloo::Context& ctx_;
+  std::shared_ptr<P2pWaits> waits_;
   gloo_shim_p2p_op& op_;
   // Declared before the unbound buffers that point into them, so they are freed after them.
   std::unique_ptr<char[]> staging_;
@@ -1557,6 +1603,24 @@ void gloo_shim_context_close(gloo_shim_context* ctx) {
   }
 }
 
+void gloo_shim_context_abort_waits(gloo_shim_context* ctx) {
+  if (ctx == nullptr || !ctx->waits) {
+    return;
+  }
+  try {
+    std::lock_guard<std::mutex> lock(ctx->waits->mu);
+    ctx->waits->aborted = true;
+    for (auto& [buf, recv] : ctx->waits->waiting) {
+      if (recv) {
+        buf->abortWaitRecv();
+      } else {
+        buf->abortWaitSend();
+      }
+    }
+  } catch (...) {
+  }
+}
+
 void gloo_shim_context_free(gloo_shim_context* ctx) {
   try {
     drop_hd(ctx);
@@ -1698,7 +1762,7 @@ int32_t gloo_shim_p2p(
     std::vector<std::unique_ptr<P2pTransfer>> transfers;
     transfers.reserve(n);
     for (size_t i = 0; i < n; i++) {
-      transfers.emplace_back(new P2pTransfer(*c->ctx, c->p2p_seq, ops[i]));
+      transfers.emplace_back(new P2pTransfer(*c->ctx, c->p2p_seq, c->waits, ops[i]));
     }
     // Every header first (each receive posts its payload as soon as its header is read), then
     // everything else. The peers posted all of their sends when their own calls began, so no
@@ -1722,7 +1786,7 @@ int32_t gloo_shim_post(
   *out = nullptr;
   return guarded(c->ctx.get(), st, [&] {
     std::unique_ptr<gloo_shim_pending> p(new gloo_shim_pending{c->ctx, *op, nullptr});
-    p->transfer.reset(new P2pTransfer(*c->ctx, c->p2p_seq, p->op));
+    p->transfer.reset(new P2pTransfer(*c->ctx, c->p2p_seq, c->waits, p->op));
     *out = p.release();
   });
 }

@@ -38,7 +38,9 @@ enum {
   /* A rendezvous key that must be new already exists in the store (a reused job id). */
   GLOO_SHIM_KEY_EXISTS = 6,
   /* The caller's output buffer is too small (the needed size is reported). */
-  GLOO_SHIM_TOO_SMALL = 7
+  GLOO_SHIM_TOO_SMALL = 7,
+  /* A point-to-point wait ended because gloo_shim_context_abort_waits was called. */
+  GLOO_SHIM_ABORTED = 8
 };
 
 /* Element types (same order as grid_core::DType). */
@@ -180,6 +182,12 @@ void gloo_shim_context_free(gloo_shim_context* ctx);
  * connections reset). For a context that failed: the peers blocked on this rank wake up now
  * instead of at their timeout. Operations on the context fail afterwards. */
 void gloo_shim_context_close(gloo_shim_context* ctx);
+
+/* Wakes every point-to-point wait of this context (blocking or posted) and makes every later
+ * one fail at once with GLOO_SHIM_ABORTED (Gloo's abortWaitRecv/abortWaitSend). Thread-safe,
+ * idempotent, never throws. Collectives are not interrupted (Gloo gives no handle on their
+ * waits): they end at their timeout, or at once when a peer's connection closes. */
+void gloo_shim_context_abort_waits(gloo_shim_context* ctx);
 int32_t gloo_shim_context_rank(const gloo_shim_context* ctx);
 int32_t gloo_shim_context_size(const gloo_shim_context* ctx);
 

@@ -155,6 +155,11 @@ fn to_error(
     let world = |p: usize| global_ranks.get(p).copied().unwrap_or(p);
     match (e.code, e.peer) {
         (ShimCode::Invalid, _) => Error::Invalid(format!("{op}: {}", e.message)),
+        (ShimCode::Aborted, _) => Error::Aborted {
+            op,
+            reason: e.message,
+            at: None,
+        },
         (_, Some(peer)) => Error::PeerFailed {
             op,
             peer,
@@ -828,10 +833,14 @@ impl Backend for GlooBackend {
     fn default_time_limit(&self) -> grid_core::TimeLimit {
         grid_core::TimeLimit::After(self.timeout())
     }
-    /// Marks the context aborted and closes its connections, so that an operation of this rank
-    /// blocked in Gloo fails promptly (and the peers see the connections close).
+    /// Marks the context aborted, wakes every point-to-point wait of this rank (blocking or
+    /// posted: they return at once) and closes the context's connections, so that the peers
+    /// blocked on this rank fail at once too. A collective blocked inside Gloo cannot be woken
+    /// (Gloo gives no handle on its waits): it returns at its time limit, or earlier when a
+    /// peer's connection closes.
     fn abort(&self) {
         GlooBackend::abort(self);
+        self.inner.ctx.abort_waits();
         self.inner.ctx.close();
     }
 

@@ -53,6 +53,8 @@ pub enum ShimCode {
     Invalid,
     /// A rendezvous key that must be new already existed in the store.
     KeyExists,
+    /// A point-to-point wait woken by [`RawContext::abort_waits`].
+    Aborted,
     /// Any other C++ exception.
     Other,
 }
@@ -95,6 +97,7 @@ impl ShimCode {
             ShimCode::Enforce => sys::GLOO_SHIM_ENFORCE,
             ShimCode::Invalid => sys::GLOO_SHIM_INVALID,
             ShimCode::KeyExists => sys::GLOO_SHIM_KEY_EXISTS,
+            ShimCode::Aborted => sys::GLOO_SHIM_ABORTED,
             ShimCode::Other => sys::GLOO_SHIM_OTHER,
         })
     }
@@ -111,6 +114,7 @@ impl ShimCode {
             ShimCode::Enforce => "gloo::EnforceNotMet",
             ShimCode::Invalid => "invalid argument",
             ShimCode::KeyExists => "key exists",
+            ShimCode::Aborted => "aborted",
             ShimCode::Other => "C++ exception",
         }
     }
@@ -158,6 +162,7 @@ fn check(rc: i32, st: &sys::gloo_shim_status) -> ShimResult<()> {
         sys::GLOO_SHIM_ENFORCE => ShimCode::Enforce,
         sys::GLOO_SHIM_INVALID => ShimCode::Invalid,
         sys::GLOO_SHIM_KEY_EXISTS => ShimCode::KeyExists,
+        sys::GLOO_SHIM_ABORTED => ShimCode::Aborted,
         _ => ShimCode::Other,
     };
     Err(ShimError {
@@ -907,6 +912,14 @@ impl RawContext {
             size,
             collective: Mutex::new(()),
         })
+    }
+
+    /// Wakes every point-to-point wait of this context, blocking or posted, and makes every
+    /// later one fail at once ([`ShimCode::Aborted`]). Callable from any thread.
+    pub fn abort_waits(&self) {
+        // SAFETY: `self.ptr` is a live context; the shim takes its own lock over the registry
+        // of waits and calls Gloo's abortWaitRecv/abortWaitSend, which lock each buffer.
+        unsafe { sys::gloo_shim_context_abort_waits(self.ptr.as_ptr()) }
     }
 
     /// Closes every connection of the context at once (the peers see them reset); every later

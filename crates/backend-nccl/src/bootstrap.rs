@@ -120,3 +120,49 @@ pub fn choose_device(
         None => Ok(local_rank.unwrap_or(rank) % count),
     }
 }
+
+/// A GPU this process uses for one NCCL rank: while it is held, another rank of this process
+/// asking for the same GPU fails at once ([`claim_device`]) instead of hanging in NCCL (two ranks
+/// of one communicator on one GPU are not supported by NCCL and may hang). Released on drop.
+#[derive(Debug)]
+pub struct DeviceClaim(usize);
+
+fn claims() -> std::sync::MutexGuard<'static, Vec<usize>> {
+    static CLAIMS: std::sync::Mutex<Vec<usize>> = std::sync::Mutex::new(Vec::new());
+    CLAIMS.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Claims GPU `device` for one NCCL rank of this process.
+///
+/// ```
+/// use backend_nccl::bootstrap::claim_device;
+/// let a = claim_device(7)?;
+/// let e = claim_device(7).unwrap_err();
+/// assert!(e.to_string().contains("device 7 is already used by another NCCL rank of this process"));
+/// drop(a);
+/// let _b = claim_device(7)?; // free again
+/// # Ok::<(), grid_core::Error>(())
+/// ```
+pub fn claim_device(device: usize) -> Result<DeviceClaim> {
+    let mut c = claims();
+    if c.contains(&device) {
+        return Err(Error::Invalid(format!(
+            "nccl init: device {device} is already used by another NCCL rank of this process (NCCL does not support two ranks on one GPU and may hang); give each rank its own GPU: NcclOptions::device, CUDA_VISIBLE_DEVICES, or a node-local rank (LOCAL_RANK, ...) per process"
+        )));
+    }
+    c.push(device);
+    Ok(DeviceClaim(device))
+}
+
+impl DeviceClaim {
+    /// The claimed GPU.
+    pub fn device(&self) -> usize {
+        self.0
+    }
+}
+
+impl Drop for DeviceClaim {
+    fn drop(&mut self) {
+        claims().retain(|d| *d != self.0);
+    }
+}

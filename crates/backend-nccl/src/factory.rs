@@ -1,20 +1,86 @@
 //! [`NcclFactory`]: creates the world communicator over a bootstrap communicator, and every
 //! sub-group with `ncclCommSplit` of a parent (no new unique-id exchange per group).
 
-use crate::bootstrap::{choose_device, exchange_unique_id, local_rank_from};
+use crate::bootstrap::{
+    choose_device, claim_device, exchange_unique_id, local_rank_from, DeviceClaim,
+};
 use crate::comm::{NcclBackend, NcclCommunicator};
+use crate::engine::{Job, Progress, Watchdog};
 use crate::error::{annotate, cuda, lib, BACKEND};
-use crate::ffi::{self, RawComm};
-use crate::job::Job;
+use crate::ffi::{self, CommConfig, RawComm};
 use crate::probe;
 use crate::split::{nccl_color, nccl_key};
 use cudarc::driver::CudaContext;
 use grid_core::{
-    split_members, BufMut, BufRef, Communicator, Error, GroupFactory, Result, SplitEntry,
+    split_members, BufMut, BufRef, Communicator, Error, GroupFactory, Result, SplitEntry, TimeLimit,
 };
+use std::ffi::{c_int, CString};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
+
+/// Per-communicator NCCL settings (`ncclConfig_t`), applied to the world communicator and to
+/// every split. Every communicator is created **nonblocking** (`blocking = 0`) whatever these
+/// say: that is what lets a time limit or `abort()` end a creation or an operation whose peer
+/// never arrives. `None` leaves NCCL's default (`NCCL_CONFIG_UNDEF_INT`).
+///
+/// ```
+/// let c = backend_nccl::NcclConfig { split_share: true, max_ctas: Some(16), ..Default::default() };
+/// assert_eq!(c.min_ctas, None);
+/// ```
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct NcclConfig {
+    /// `splitShare`: splits share their parent's buffers and proxy thread (less memory; the
+    /// parent and its splits must then not run operations concurrently). Default false.
+    pub split_share: bool,
+    /// `cgaClusterSize` (0 to 8 on Hopper and newer).
+    pub cga_cluster_size: Option<u32>,
+    /// `minCTAs`: the fewest thread blocks NCCL uses.
+    pub min_ctas: Option<u32>,
+    /// `maxCTAs`: the most thread blocks NCCL uses.
+    pub max_ctas: Option<u32>,
+    /// `netName`: the network plugin or transport to use (for example `"IB"` or `"Socket"`).
+    pub net_name: Option<String>,
+}
+
+impl NcclConfig {
+    /// The raw form; errors name the field, the value and the valid range.
+    pub(crate) fn to_raw(&self) -> Result<CommConfig> {
+        let int = |what: &str, v: Option<u32>| -> Result<Option<c_int>> {
+            v.map(|x| {
+                c_int::try_from(x).map_err(|_| {
+                    Error::Invalid(format!(
+                        "NcclConfig: {what} {x} does not fit NCCL's int (valid: 0..={})",
+                        c_int::MAX
+                    ))
+                })
+            })
+            .transpose()
+        };
+        if let (Some(lo), Some(hi)) = (self.min_ctas, self.max_ctas) {
+            if lo > hi {
+                return Err(Error::Invalid(format!(
+                    "NcclConfig: min_ctas {lo} is larger than max_ctas {hi} (min_ctas must be <= max_ctas)"
+                )));
+            }
+        }
+        let net_name = match &self.net_name {
+            None => None,
+            Some(n) => Some(CString::new(n.as_str()).map_err(|_| {
+                Error::Invalid(format!(
+                    "NcclConfig: net_name {n:?} contains a NUL byte (give a plain name such as \"IB\" or \"Socket\")"
+                ))
+            })?),
+        };
+        Ok(CommConfig {
+            split_share: self.split_share,
+            cga_cluster_size: int("cga_cluster_size", self.cga_cluster_size)?,
+            min_ctas: int("min_ctas", self.min_ctas)?,
+            max_ctas: int("max_ctas", self.max_ctas)?,
+            net_name,
+        })
+    }
+}
 
 /// Options of an NCCL job.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -29,6 +95,8 @@ pub struct NcclOptions {
     /// Abort every communicator of the job when one reports an error or times out (default
     /// true), so that no rank stays blocked in another group waiting for a failed peer.
     pub abort_on_failure: bool,
+    /// NCCL's per-communicator settings ([`NcclConfig`]).
+    pub config: NcclConfig,
 }
 
 impl Default for NcclOptions {
@@ -37,11 +105,13 @@ impl Default for NcclOptions {
             device: None,
             timeout: Duration::from_secs(600),
             abort_on_failure: true,
+            config: NcclConfig::default(),
         }
     }
 }
 
-/// The oldest NCCL with `ncclCommSplit`.
+/// The oldest NCCL this backend runs on: `ncclCommSplit`, and nonblocking communicators with
+/// the `ncclConfig_t` fields it sets (`splitShare` came in 2.18).
 pub const MIN_SPLIT_VERSION: (u32, u32, u32) = (2, 18, 0);
 
 /// Creates NCCL communicators: [`NcclFactory::init`] for the world, then
@@ -70,6 +140,9 @@ pub struct NcclFactory {
     ctx: Arc<CudaContext>,
     version: (u32, u32, u32),
     splits: AtomicUsize,
+    config: CommConfig,
+    /// This process's claim on the GPU, for as long as the factory lives.
+    _claim: DeviceClaim,
 }
 
 impl std::fmt::Debug for NcclFactory {
@@ -82,20 +155,45 @@ impl std::fmt::Debug for NcclFactory {
     }
 }
 
-fn local_setup(rank: usize, opts: &NcclOptions) -> Result<(Arc<CudaContext>, (u32, u32, u32))> {
+/// What one rank sets up before the id exchange: its device's context, the NCCL version, and
+/// its claim on the GPU.
+type LocalSetup = (Arc<CudaContext>, (u32, u32, u32), DeviceClaim);
+
+fn local_setup(rank: usize, opts: &NcclOptions, bootstrap_backend: &str) -> Result<LocalSetup> {
     let count = probe::gpu_count()?;
     let env = |k: &str| std::env::var(k).ok();
-    let device = choose_device(opts.device, local_rank_from(&env), rank, count)?;
+    // Ranks that are threads of this process (a `backend-local` bootstrap) share one node-local
+    // rank from the environment: each takes its own rank instead.
+    let local_rank = if bootstrap_backend == "local" {
+        None
+    } else {
+        local_rank_from(&env)
+    };
+    let device = choose_device(opts.device, local_rank, rank, count)?;
+    let claim = claim_device(device)?;
     let ctx = cuda("cuDevicePrimaryCtxRetain", || CudaContext::new(device))?;
     let version = probe::nccl_version()?;
-    Ok((ctx, version))
+    if version < MIN_SPLIT_VERSION {
+        let (a, b, p) = version;
+        return Err(Error::Unsupported {
+            op: "init",
+            backend: BACKEND,
+            what: format!(
+                "NCCL {a}.{b}.{p}: this backend needs NCCL >= 2.18.0 (nonblocking communicators with ncclConfig_t, ncclCommSplit, ncclCommFinalize); install a newer libnccl"
+            ),
+        });
+    }
+    Ok((ctx, version, claim))
 }
 
 impl NcclFactory {
     /// Creates the world communicator: every rank of `bootstrap` calls this (collective over
     /// `bootstrap`). Checks the CUDA driver, libnccl and the GPU first (a clear error, never a
     /// panic, when any is missing), exchanges the unique id over `bootstrap` (a broadcast of 128
-    /// bytes from rank 0), then `ncclCommInitRank`. NCCL rank `i` is bootstrap rank `i`.
+    /// bytes from rank 0), then `ncclCommInitRankConfig` in nonblocking mode: the communicator
+    /// is under the watchdog (and abortable) while it connects, and a rank that never arrives
+    /// makes the others fail with [`Error::Timeout`] after [`NcclOptions::timeout`]. NCCL rank
+    /// `i` is bootstrap rank `i`.
     ///
     /// When one rank cannot set up NCCL, every rank returns an error (that rank its reason, the
     /// others [`Error::PeerFailed`]) and no rank blocks.
@@ -105,23 +203,34 @@ impl NcclFactory {
     ) -> Result<(NcclFactory, NcclCommunicator)> {
         let rank = bootstrap.rank();
         let size = bootstrap.size();
-        let local = local_setup(rank, &opts);
+        let config = opts.config.to_raw();
+        let local = config
+            .as_ref()
+            .map_err(Clone::clone)
+            .and_then(|_| local_setup(rank, &opts, bootstrap.backend()));
         let ready = local.as_ref().map(|_| ()).map_err(Clone::clone);
         let id = exchange_unique_id(bootstrap, ready, &mut ffi::unique_id)?;
-        let (ctx, version) = local?;
+        let (ctx, version, claim) = local?;
+        let config = config?;
+        let dog = Watchdog::global()?;
         cuda("bind context", || ctx.bind_to_thread())?;
         let stream = cuda("cuStreamCreate", || ctx.new_stream())?;
-        let raw = RawComm::init_rank(size, &id, rank)?;
-        let job = Job::new();
+        let raw = Arc::new(RawComm::init_rank(size, &id, rank, &config)?);
+        let job = Job::new(opts.abort_on_failure);
+        let tracked = dog.track("world", raw.clone(), "init", Some(&job));
+        crate::job::process().register(&tracked);
+        if let Err(e) = tracked.settle("init", TimeLimit::After(opts.timeout)) {
+            tracked.close();
+            return Err(annotate(e, "init", "world"));
+        }
         let world = NcclBackend::create(
             raw,
+            tracked,
             ctx.clone(),
             stream,
             bootstrap.global_ranks().to_vec(),
             "world".to_string(),
             opts.timeout,
-            opts.abort_on_failure,
-            job.clone(),
         );
         tracing::debug!(
             rank,
@@ -136,6 +245,8 @@ impl NcclFactory {
                 ctx,
                 version,
                 splits: AtomicUsize::new(0),
+                config,
+                _claim: claim,
             },
             world,
         ))
@@ -210,34 +321,70 @@ impl GroupFactory for NcclFactory {
 
         let shared = parent.inner().shared();
         let wrap = |e| annotate(e, OP, parent.comm_name());
+        let limit = parent.time_limit();
         cuda("bind context", || shared.ctx.bind_to_thread()).map_err(wrap)?;
-        let raw = shared.raw.split(c, k).map_err(wrap)?;
-        match (raw, plan) {
+        let name = format!("{}/split{n}.{}", parent.comm_name(), color.unwrap_or(0));
+        // Held-back sends and receives were started first: posted first. Then one NCCL call
+        // at a time on this device, until the split settled.
+        shared.outbox.post_all();
+        let _calls = shared.device_guard();
+        let (raw, progress) = match shared.raw.split(c, k, &self.config) {
+            Ok(v) => v,
+            Err(e) => return Err(shared.failed_call(OP, e)),
+        };
+        // The new communicator is under the watchdog (and abortable) while it connects.
+        let child = match raw {
+            None => {
+                if progress == Progress::InProgress {
+                    shared.tracked.begin(OP);
+                    shared.tracked.settle(OP, limit).map_err(wrap)?;
+                }
+                None
+            }
+            Some(raw) => {
+                let raw = Arc::new(raw);
+                let dog = Watchdog::global()?;
+                let tracked = dog.track(name.clone(), raw.clone(), OP, Some(&self.job));
+                crate::job::process().register(&tracked);
+                if let Err(e) = tracked
+                    .settle(OP, limit)
+                    .and_then(|()| raw.learn_identity().map(|_| ()))
+                {
+                    tracked.fail(e.clone());
+                    tracked.close();
+                    return Err(wrap(e));
+                }
+                Some((raw, tracked))
+            }
+        };
+        match (child, plan) {
             (None, None) => Ok(None),
-            (Some(raw), Some(p)) if raw.rank() == p.rank && raw.size() == p.members.len() => {
+            (Some((raw, tracked)), Some(p))
+                if raw.rank() == p.rank && raw.size() == p.members.len() =>
+            {
                 let stream = match cuda("cuStreamCreate", || shared.ctx.new_stream()) {
                     Ok(s) => s,
                     Err(e) => {
-                        raw.abort();
+                        tracked.abort("its stream could not be created");
+                        tracked.close();
                         return Err(wrap(e));
                     }
                 };
-                let name = format!("{}/split{n}.{}", parent.comm_name(), color.unwrap_or(0));
                 Ok(Some(NcclBackend::create(
                     raw,
+                    tracked,
                     shared.ctx.clone(),
                     stream,
                     p.members,
                     name,
                     self.opts.timeout,
-                    self.opts.abort_on_failure,
-                    self.job.clone(),
                 )))
             }
-            (raw, plan) => {
-                let got = raw.as_ref().map(|r| (r.rank(), r.size()));
-                if let Some(r) = raw {
-                    r.abort();
+            (child, plan) => {
+                let got = child.as_ref().map(|(r, _)| (r.rank(), r.size()));
+                if let Some((_, t)) = child {
+                    t.abort("split with inconsistent arguments");
+                    t.close();
                 }
                 Err(wrap(lib(
                     OP,
@@ -248,5 +395,44 @@ impl GroupFactory for NcclFactory {
                 )))
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn config_values_are_checked() {
+        assert!(NcclConfig::default().to_raw().is_ok());
+        let e = NcclConfig {
+            min_ctas: Some(8),
+            max_ctas: Some(4),
+            ..Default::default()
+        }
+        .to_raw()
+        .unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "NcclConfig: min_ctas 8 is larger than max_ctas 4 (min_ctas must be <= max_ctas)"
+        );
+        let e = NcclConfig {
+            max_ctas: Some(u32::MAX),
+            ..Default::default()
+        }
+        .to_raw()
+        .unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("max_ctas 4294967295 does not fit NCCL's int (valid: 0..=2147483647)"),
+            "{e}"
+        );
+        let e = NcclConfig {
+            net_name: Some("I\0B".into()),
+            ..Default::default()
+        }
+        .to_raw()
+        .unwrap_err();
+        assert!(e.to_string().contains("contains a NUL byte"), "{e}");
     }
 }

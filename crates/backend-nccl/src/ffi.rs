@@ -14,16 +14,20 @@
 //!   free after the operation) for as long as the token exists.
 //! * **One thread at a time per communicator.** NCCL forbids concurrent calls on one
 //!   communicator; [`RawComm`] keeps the handle behind a mutex, and a handle that was destroyed
-//!   or aborted is never passed to NCCL again.
+//!   or aborted is never passed to NCCL again. Every communicator is nonblocking
+//!   (`blocking = 0`), so each call returns at once and the mutex is never held while a thread
+//!   waits for peers: `ncclCommAbort` (which takes it too) never waits behind a stuck call.
+//! * **Host functions make no CUDA call and never unwind** ([`kick_when_reached`]).
 
 #![allow(unsafe_code)]
 
-use crate::error::{guard, nccl_err};
+use crate::engine::{DeviceComm, Kicker, Progress};
+use crate::error::{cuda, guard, nccl_err};
 use cudarc::driver::{CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, SyncOnDrop};
 use cudarc::nccl::sys;
 use grid_core::{DType, Element, Error, Result};
-use std::ffi::{c_int, c_void, CStr};
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::ffi::{c_int, c_void, CStr, CString};
+use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
 /// `NCCL_SPLIT_NOCOLOR` from `nccl.h` (a `#define`, so not in the generated bindings).
@@ -114,6 +118,19 @@ fn check(op: &'static str, r: sys::ncclResult_t, comm: Option<sys::ncclComm_t>) 
             let last = cstr(unsafe { sys::ncclGetLastError(comm.unwrap_or(std::ptr::null_mut())) });
             Err(nccl_err(op, other, &text, &last))
         }
+    }
+}
+
+/// Like [`check`], but `ncclInProgress` (a nonblocking communicator still working on the call)
+/// is [`Progress::InProgress`] rather than an error.
+fn check_progress(
+    op: &'static str,
+    r: sys::ncclResult_t,
+    comm: Option<sys::ncclComm_t>,
+) -> Result<Progress> {
+    match r {
+        sys::ncclResult_t::ncclInProgress => Ok(Progress::InProgress),
+        other => check(op, other, comm).map(|()| Progress::Done),
     }
 }
 
@@ -308,6 +325,59 @@ pub(crate) enum Coll<'a> {
 // The owned communicator handle
 // ------------------------------------------------------------------------------------------------
 
+/// Per-communicator NCCL configuration (`ncclConfig_t`); see [`crate::NcclConfig`].
+#[derive(Debug, Clone, Default)]
+pub(crate) struct CommConfig {
+    pub(crate) split_share: bool,
+    pub(crate) cga_cluster_size: Option<c_int>,
+    pub(crate) min_ctas: Option<c_int>,
+    pub(crate) max_ctas: Option<c_int>,
+    pub(crate) net_name: Option<CString>,
+}
+
+/// `NCCL_CONFIG_UNDEF_INT` from `nccl.h`: "not set, use NCCL's default".
+const UNDEF_INT: c_int = c_int::MIN;
+/// `0xcafebeef`, the magic `NCCL_CONFIG_INITIALIZER` writes.
+const CONFIG_MAGIC: u32 = 0xcafe_beef;
+/// `NCCL_VERSION(2, 30, 0)`: the version of the `nccl.h` the bindings were generated from (the
+/// `nccl` feature of cudarc 0.19), which `NCCL_CONFIG_INITIALIZER` writes into `version`.
+/// NCCL copies at most its own `sizeof(ncclConfig_t)` and reads only the fields its version
+/// knows (the struct only grows at the end), so an older libnccl reads the fields it has.
+const CONFIG_VERSION: u32 = 2 * 10000 + 30 * 100;
+
+/// What `NCCL_CONFIG_INITIALIZER` produces, with `blocking = 0` (nonblocking: every call returns
+/// at once, `ncclInProgress` while it is still working) and the options of `c`. The returned
+/// struct borrows `c.net_name`'s bytes: keep `c` alive until the NCCL call returned.
+fn nccl_config(c: &CommConfig) -> sys::ncclConfig_t {
+    let opt = |v: Option<c_int>| v.unwrap_or(UNDEF_INT);
+    sys::ncclConfig_t {
+        size: std::mem::size_of::<sys::ncclConfig_t>(),
+        magic: CONFIG_MAGIC,
+        version: CONFIG_VERSION,
+        blocking: 0,
+        cgaClusterSize: opt(c.cga_cluster_size),
+        minCTAs: opt(c.min_ctas),
+        maxCTAs: opt(c.max_ctas),
+        netName: c
+            .net_name
+            .as_ref()
+            .map(|n| n.as_ptr())
+            .unwrap_or(std::ptr::null()),
+        splitShare: c_int::from(c.split_share),
+        trafficClass: UNDEF_INT,
+        commName: std::ptr::null(),
+        collnetEnable: UNDEF_INT,
+        CTAPolicy: UNDEF_INT,
+        shrinkShare: UNDEF_INT,
+        nvlsCTAs: UNDEF_INT,
+        nChannelsPerNetPeer: UNDEF_INT,
+        nvlinkCentricSched: UNDEF_INT,
+        graphUsageMode: UNDEF_INT,
+        numRmaCtx: UNDEF_INT,
+        maxP2pPeers: UNDEF_INT,
+    }
+}
+
 const LIVE: u8 = 0;
 const FINALIZED: u8 = 1;
 const ABORTED: u8 = 2;
@@ -318,19 +388,23 @@ struct Handle(sys::ncclComm_t);
 // a time; `RawComm` only touches it with its mutex held (module rule 3).
 unsafe impl Send for Handle {}
 
-/// An owned `ncclComm_t`: destroyed (finalize, then destroy) or aborted exactly once.
+/// An owned `ncclComm_t` of a **nonblocking** communicator (`blocking = 0`): every NCCL call on
+/// it returns at once (`ncclInProgress` while NCCL is still connecting or enqueueing), so the
+/// mutex that serialises calls is only ever held for one short call, never while waiting for
+/// peers; waiting happens in [`crate::engine`], which polls [`RawComm::progress`]. Destroyed
+/// (finalize, then destroy) or aborted exactly once.
 pub(crate) struct RawComm {
     handle: Mutex<Handle>,
     state: AtomicU8,
-    rank: usize,
-    size: usize,
+    rank: AtomicUsize,
+    size: AtomicUsize,
 }
 
 impl std::fmt::Debug for RawComm {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RawComm")
-            .field("rank", &self.rank)
-            .field("size", &self.size)
+            .field("rank", &self.rank())
+            .field("size", &self.size())
             .field("state", &self.state_name())
             .finish()
     }
@@ -346,24 +420,41 @@ fn to_int(op: &'static str, what: &'static str, v: usize) -> Result<c_int> {
 }
 
 impl RawComm {
-    /// `ncclCommInitRank`: joins the communicator of `nranks` ranks named by `id` as `rank`.
-    /// Blocks until every rank joined. The CUDA context of the device must be current.
-    pub(crate) fn init_rank(nranks: usize, id: &[u8; 128], rank: usize) -> Result<RawComm> {
-        let n = to_int("ncclCommInitRank", "size", nranks)?;
-        let r = to_int("ncclCommInitRank", "rank", rank)?;
+    /// `ncclCommInitRankConfig` in nonblocking mode: starts joining the communicator of
+    /// `nranks` ranks named by `id` as `rank` and returns at once; the creation is finished when
+    /// [`RawComm::progress`] says `Done` (see [`crate::engine::Watchdog::track`]). The CUDA
+    /// context of the device must be current.
+    pub(crate) fn init_rank(
+        nranks: usize,
+        id: &[u8; 128],
+        rank: usize,
+        cfg: &CommConfig,
+    ) -> Result<RawComm> {
+        let n = to_int("ncclCommInitRankConfig", "size", nranks)?;
+        let r = to_int("ncclCommInitRankConfig", "rank", rank)?;
         let uid = sys::ncclUniqueId {
             internal: id.map(|b| b as std::ffi::c_char),
         };
-        let comm = guard("ncclCommInitRank", || {
+        let mut config = nccl_config(cfg);
+        let comm = guard("ncclCommInitRankConfig", || {
             let mut comm: sys::ncclComm_t = std::ptr::null_mut();
-            // SAFETY: `comm` is a valid out-pointer; `uid` is passed by value; libnccl is loaded.
-            check(
-                "ncclCommInitRank",
-                unsafe { sys::ncclCommInitRank(&mut comm, n, uid, r) },
+            // SAFETY: `comm` is a valid out-pointer; `uid` is passed by value; `config` is a fully
+            // initialised ncclConfig_t (NCCL_CONFIG_INITIALIZER's values) whose `netName` points
+            // into `cfg`, alive for the call; libnccl is loaded (module rule 1). In nonblocking
+            // mode NCCL writes the handle before returning ncclInProgress.
+            check_progress(
+                "ncclCommInitRankConfig",
+                unsafe { sys::ncclCommInitRankConfig(&mut comm, n, uid, r, &mut config) },
                 None,
             )?;
             Ok(comm)
         })?;
+        if comm.is_null() {
+            return Err(crate::error::internal(
+                "ncclCommInitRankConfig",
+                "NCCL returned no communicator",
+            ));
+        }
         Ok(RawComm::wrap(comm, rank, nranks))
     }
 
@@ -371,19 +462,19 @@ impl RawComm {
         RawComm {
             handle: Mutex::new(Handle(comm)),
             state: AtomicU8::new(LIVE),
-            rank,
-            size,
+            rank: AtomicUsize::new(rank),
+            size: AtomicUsize::new(size),
         }
     }
 
     /// Rank in this communicator.
     pub(crate) fn rank(&self) -> usize {
-        self.rank
+        self.rank.load(Ordering::Relaxed)
     }
 
     /// Number of ranks.
     pub(crate) fn size(&self) -> usize {
-        self.size
+        self.size.load(Ordering::Relaxed)
     }
 
     /// `"live"`, `"destroyed"` or `"aborted"`.
@@ -416,59 +507,66 @@ impl RawComm {
         }
     }
 
-    /// `ncclCommSplit`: collective over this communicator. `color = None` passes
-    /// `NCCL_SPLIT_NOCOLOR` and returns `None`. Needs NCCL >= 2.18 (checked by the caller).
-    pub(crate) fn split(&self, color: Option<c_int>, key: c_int) -> Result<Option<RawComm>> {
+    /// `ncclCommSplit` in nonblocking mode: collective over this communicator; returns at once.
+    /// `color = None` passes `NCCL_SPLIT_NOCOLOR` and returns `None`. The new communicator's
+    /// rank and size are known once its creation finished ([`RawComm::learn_identity`]).
+    /// Needs NCCL >= 2.18 (checked by the caller).
+    pub(crate) fn split(
+        &self,
+        color: Option<c_int>,
+        key: c_int,
+        cfg: &CommConfig,
+    ) -> Result<(Option<RawComm>, Progress)> {
         let h = self.live("split")?;
         let c = color.unwrap_or(NCCL_SPLIT_NOCOLOR);
-        let new = guard("ncclCommSplit", || {
+        let mut config = nccl_config(cfg);
+        let (new, progress) = guard("ncclCommSplit", || {
             let mut new: sys::ncclComm_t = std::ptr::null_mut();
             // SAFETY: `h.0` is a live communicator (state checked under the lock); `new` is a
-            // valid out-pointer; a NULL config selects the parent's configuration (documented).
-            check(
+            // valid out-pointer; `config` is a fully initialised ncclConfig_t (see `init_rank`).
+            let p = check_progress(
                 "ncclCommSplit",
-                unsafe { sys::ncclCommSplit(h.0, c, key, &mut new, std::ptr::null_mut()) },
+                unsafe { sys::ncclCommSplit(h.0, c, key, &mut new, &mut config) },
                 Some(h.0),
             )?;
-            Ok(new)
+            Ok((new, p))
         })?;
         drop(h);
         if new.is_null() {
-            return Ok(None);
+            return Ok((None, progress));
         }
-        let info = guard("ncclCommCount", || {
+        Ok((Some(RawComm::wrap(new, 0, 0)), progress))
+    }
+
+    /// Reads the rank and size NCCL gave this communicator (after its creation finished).
+    pub(crate) fn learn_identity(&self) -> Result<(usize, usize)> {
+        let h = self.live("split")?;
+        let (rank, count) = guard("ncclCommCount", || {
             let (mut rank, mut count): (c_int, c_int) = (0, 0);
-            // SAFETY: `new` is the non-null communicator just created; the out-pointers are valid.
+            // SAFETY: live handle under the lock whose creation finished; valid out-pointers.
             check(
                 "ncclCommUserRank",
-                unsafe { sys::ncclCommUserRank(new, &mut rank) },
-                Some(new),
+                unsafe { sys::ncclCommUserRank(h.0, &mut rank) },
+                Some(h.0),
             )?;
             // SAFETY: as above.
             check(
                 "ncclCommCount",
-                unsafe { sys::ncclCommCount(new, &mut count) },
-                Some(new),
+                unsafe { sys::ncclCommCount(h.0, &mut count) },
+                Some(h.0),
             )?;
             Ok((rank, count))
-        });
-        let (rank, count) = match info {
-            Ok(v) => v,
-            Err(e) => {
-                // SAFETY: `new` is live and owned by nobody else yet; abort frees it.
-                let _ = guard("ncclCommAbort", || Ok(unsafe { sys::ncclCommAbort(new) }));
-                return Err(e);
-            }
-        };
-        Ok(Some(RawComm::wrap(
-            new,
-            rank.max(0) as usize,
-            count.max(0) as usize,
-        )))
+        })?;
+        let (rank, count) = (rank.max(0) as usize, count.max(0) as usize);
+        self.rank.store(rank, Ordering::Relaxed);
+        self.size.store(count, Ordering::Relaxed);
+        Ok((rank, count))
     }
 
-    /// `ncclCommGetAsyncError`: `Ok(())` while no asynchronous error was reported.
-    pub(crate) fn async_error(&self, op: &'static str) -> Result<()> {
+    /// `ncclCommGetAsyncError`: `Done` while no call is in progress and no error was reported,
+    /// `InProgress` while NCCL is still working on a call (creation, split, group end,
+    /// finalize), the error otherwise. Never blocks.
+    pub(crate) fn progress_of(&self, op: &'static str) -> Result<Progress> {
         let h = self.live(op)?;
         guard("ncclCommGetAsyncError", || {
             let mut e = sys::ncclResult_t::ncclSuccess;
@@ -478,15 +576,16 @@ impl RawComm {
                 unsafe { sys::ncclCommGetAsyncError(h.0, &mut e) },
                 Some(h.0),
             )?;
-            check(op, e, Some(h.0))
+            check_progress("ncclCommGetAsyncError", e, Some(h.0))
         })
     }
 
-    /// Enqueues a collective on `stream`. Buffer sizes and roots are re-checked here, next to
+    /// Enqueues a collective on `stream`; `InProgress` when the nonblocking communicator is
+    /// still working on the call (the caller settles it before the next call). Buffer sizes and roots are re-checked here, next to
     /// the `unsafe` call whose soundness depends on them: the front end validated them already,
     /// so these checks are assertions of this module's invariants, not argument validation.
-    pub(crate) fn collective(&self, c: Coll<'_>, stream: &CudaStream) -> Result<()> {
-        let n = self.size;
+    pub(crate) fn collective(&self, c: Coll<'_>, stream: &CudaStream) -> Result<Progress> {
+        let n = self.size();
         let s = stream.cu_stream() as sys::cudaStream_t;
         match c {
             Coll::AllReduce { send, recv, op } => {
@@ -513,7 +612,7 @@ impl RawComm {
                             s,
                         )
                     };
-                    check("ncclAllReduce", r, Some(h.0))
+                    check_progress("ncclAllReduce", r, Some(h.0))
                 })
             }
             Coll::Broadcast { buf, root } => {
@@ -541,7 +640,7 @@ impl RawComm {
                             s,
                         )
                     };
-                    check("ncclBroadcast", r, Some(h.0))
+                    check_progress("ncclBroadcast", r, Some(h.0))
                 })
             }
             Coll::AllGather { send, recv } => {
@@ -566,7 +665,7 @@ impl RawComm {
                             s,
                         )
                     };
-                    check("ncclAllGather", r, Some(h.0))
+                    check_progress("ncclAllGather", r, Some(h.0))
                 })
             }
             Coll::ReduceScatter { send, recv, op } => {
@@ -592,31 +691,31 @@ impl RawComm {
                             s,
                         )
                     };
-                    check("ncclReduceScatter", r, Some(h.0))
+                    check_progress("ncclReduceScatter", r, Some(h.0))
                 })
             }
         }
     }
 
     /// Enqueues point-to-point operations between `ncclGroupStart` and `ncclGroupEnd` (always
-    /// closed, also on error). Peers are re-checked against the size here, next to the `unsafe`
+    /// closed, also on error); `InProgress` as for [`RawComm::collective`]. Peers are re-checked against the size here, next to the `unsafe`
     /// calls (an invariant of this module; the front end validated them already).
     pub(crate) fn p2p_group(
         &self,
         op: &'static str,
         ops: Vec<P2p<'_>>,
         stream: &CudaStream,
-    ) -> Result<()> {
+    ) -> Result<Progress> {
         for o in &ops {
             let peer = match o {
                 P2p::Send(_, p) | P2p::Recv(_, p) => *p,
             };
-            if peer >= self.size {
+            if peer >= self.size() {
                 return Err(Error::PeerOutOfRange {
                     op,
                     what: "peer",
                     rank: peer,
-                    size: self.size,
+                    size: self.size(),
                 });
             }
         }
@@ -666,8 +765,10 @@ impl RawComm {
             }
         }
         let end = guard("ncclGroupEnd", || {
-            // SAFETY: closes the group opened above on this thread.
-            check("ncclGroupEnd", unsafe { sys::ncclGroupEnd() }, Some(h.0))
+            // SAFETY: closes the group opened above on this thread. In nonblocking mode it may
+            // return ncclInProgress: the operations are then still being enqueued and the
+            // caller settles the communicator (polls ncclCommGetAsyncError) before its next call.
+            check_progress("ncclGroupEnd", unsafe { sys::ncclGroupEnd() }, Some(h.0))
         });
         drop(h);
         // The tokens (and their event records) drop here, after the operations were enqueued.
@@ -676,7 +777,8 @@ impl RawComm {
     }
 
     /// `ncclCommAbort`: frees the communicator at once, interrupting its pending operations.
-    /// Returns false when it was already destroyed or aborted.
+    /// Returns false when it was already destroyed or aborted. The lock it takes is only ever
+    /// held for one nonblocking NCCL call (module docs), never while a thread waits for peers.
     pub(crate) fn abort(&self) -> bool {
         let h = self.handle.lock().unwrap_or_else(|p| p.into_inner());
         if self.state.load(Ordering::Acquire) != LIVE {
@@ -689,41 +791,86 @@ impl RawComm {
         true
     }
 
-    /// `ncclCommFinalize` then `ncclCommDestroy` (the orderly shutdown). If finalizing fails the
-    /// communicator is aborted instead. No-op when already destroyed or aborted.
-    pub(crate) fn finalize_and_destroy(&self) -> Result<()> {
-        let h = self.handle.lock().unwrap_or_else(|p| p.into_inner());
-        if self.state.load(Ordering::Acquire) != LIVE {
-            return Ok(());
-        }
-        // SAFETY: live handle under the lock; finalize flushes its pending operations.
-        let fin = guard("ncclCommFinalize", || {
-            check(
+    /// `ncclCommFinalize` in nonblocking mode: starts flushing the communicator's operations;
+    /// `InProgress` until [`RawComm::progress_of`] says `Done`, then [`RawComm::destroy`].
+    pub(crate) fn finalize(&self) -> Result<Progress> {
+        let h = self.live("finalize")?;
+        guard("ncclCommFinalize", || {
+            // SAFETY: live handle under the lock; finalize only starts the flush here.
+            check_progress(
                 "ncclCommFinalize",
                 unsafe { sys::ncclCommFinalize(h.0) },
                 Some(h.0),
             )
+        })
+    }
+
+    /// `ncclCommDestroy` of a finalized communicator. No-op unless live.
+    pub(crate) fn destroy(&self) {
+        let h = self.handle.lock().unwrap_or_else(|p| p.into_inner());
+        if self.state.load(Ordering::Acquire) != LIVE {
+            return;
+        }
+        self.state.store(FINALIZED, Ordering::Release);
+        // SAFETY: a finalized, live handle (finalize finished, checked by the caller through
+        // `progress_of`), destroyed exactly once (the state is no longer LIVE).
+        let r = guard("ncclCommDestroy", || {
+            check(
+                "ncclCommDestroy",
+                unsafe { sys::ncclCommDestroy(h.0) },
+                None,
+            )
         });
-        match fin {
-            Ok(()) => {
-                self.state.store(FINALIZED, Ordering::Release);
-                // SAFETY: finalized handle, destroyed exactly once (state is no longer LIVE).
-                guard("ncclCommDestroy", || {
-                    check(
-                        "ncclCommDestroy",
-                        unsafe { sys::ncclCommDestroy(h.0) },
-                        None,
-                    )
-                })
-            }
-            Err(e) => {
-                self.state.store(ABORTED, Ordering::Release);
-                // SAFETY: live handle whose finalize failed; aborted exactly once.
-                let _ = guard("ncclCommAbort", || Ok(unsafe { sys::ncclCommAbort(h.0) }));
-                Err(e)
-            }
+        if let Err(e) = r {
+            tracing::warn!("nccl: {e}");
         }
     }
+}
+
+/// The NCCL communicator as the engine's device runtime sees it.
+impl DeviceComm for RawComm {
+    fn progress(&self) -> Result<Progress> {
+        self.progress_of("watchdog")
+    }
+    fn abort(&self) {
+        RawComm::abort(self);
+    }
+    fn finalize(&self) -> Result<Progress> {
+        RawComm::finalize(self)
+    }
+    fn destroy(&self) {
+        RawComm::destroy(self)
+    }
+}
+
+/// Enqueues a CUDA host function on `stream` that kicks the watchdog when the device reaches it
+/// (right after the operation just enqueued), so a completion is noticed at once instead of at
+/// the watchdog's next poll.
+pub(crate) fn kick_when_reached(stream: &CudaStream, kicker: Kicker) -> Result<()> {
+    let arg = Box::into_raw(Box::new(kicker)) as *mut c_void;
+    let r = cuda("cuLaunchHostFunc", || {
+        // SAFETY: `kick` is an `extern "C"` function that takes back ownership of `arg` (a
+        // leaked `Box<Kicker>`) exactly once, makes no CUDA call (CUDA forbids that in host
+        // functions: it takes one short mutex and signals a condition variable) and cannot
+        // unwind (panics are caught). The stream is live (owned by `stream`).
+        unsafe {
+            cudarc::driver::result::stream::launch_host_function(stream.cu_stream(), kick, arg)
+        }
+    });
+    if r.is_err() {
+        // SAFETY: the host function was not enqueued, so `arg` was not handed over: reclaim it.
+        drop(unsafe { Box::from_raw(arg as *mut Kicker) });
+    }
+    r
+}
+
+unsafe extern "C" fn kick(arg: *mut c_void) {
+    let _ = std::panic::catch_unwind(|| {
+        // SAFETY: `arg` is the `Box<Kicker>` leaked by `kick_when_reached`; CUDA runs each host
+        // function exactly once.
+        let k = unsafe { Box::from_raw(arg as *mut Kicker) };
+        k.kick();
+    });
 }
 
 fn same(
@@ -751,14 +898,80 @@ fn same(
 
 impl Drop for RawComm {
     fn drop(&mut self) {
-        // Orderly shutdown; a communicator with a pending asynchronous error is aborted instead.
-        // The owner (`comm::Shared`) has already waited for the stream or aborted on failure.
+        // The engine finalizes and destroys (or aborts) every communicator it tracks before the
+        // last reference goes; one still live here was never handed to it (its creation failed
+        // before tracking): abort, which never blocks on a peer.
         if self.is_live() {
-            if self.async_error("drop").is_err() {
-                self.abort();
-            } else if let Err(e) = self.finalize_and_destroy() {
-                tracing::warn!("nccl: destroying a communicator failed, aborted it instead: {e}");
-            }
+            self.abort();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The config every communicator is created with: NCCL_CONFIG_INITIALIZER's values,
+    /// nonblocking, and only the options given set.
+    #[test]
+    fn config_is_nonblocking_and_leaves_unset_fields_undefined() {
+        let c = nccl_config(&CommConfig::default());
+        assert_eq!(c.size, std::mem::size_of::<sys::ncclConfig_t>());
+        assert_eq!(c.magic, 0xcafe_beef);
+        assert_eq!(c.version, 23000);
+        assert_eq!(c.blocking, 0);
+        assert_eq!(c.splitShare, 0);
+        for v in [
+            c.cgaClusterSize,
+            c.minCTAs,
+            c.maxCTAs,
+            c.trafficClass,
+            c.collnetEnable,
+            c.CTAPolicy,
+            c.shrinkShare,
+            c.nvlsCTAs,
+            c.nChannelsPerNetPeer,
+            c.nvlinkCentricSched,
+            c.graphUsageMode,
+            c.numRmaCtx,
+            c.maxP2pPeers,
+        ] {
+            assert_eq!(v, c_int::MIN, "NCCL_CONFIG_UNDEF_INT");
+        }
+        assert!(c.netName.is_null() && c.commName.is_null());
+
+        let net = CString::new("IB").unwrap();
+        let set = CommConfig {
+            split_share: true,
+            cga_cluster_size: Some(2),
+            min_ctas: Some(4),
+            max_ctas: Some(16),
+            net_name: Some(net.clone()),
+        };
+        let c = nccl_config(&set);
+        assert_eq!(
+            (
+                c.blocking,
+                c.splitShare,
+                c.cgaClusterSize,
+                c.minCTAs,
+                c.maxCTAs
+            ),
+            (0, 1, 2, 4, 16)
+        );
+        // SAFETY (test): netName points into `set.net_name`, alive here.
+        assert_eq!(unsafe { CStr::from_ptr(c.netName) }, net.as_c_str());
+    }
+
+    #[test]
+    fn in_progress_is_not_an_error() {
+        assert_eq!(
+            check_progress("ncclGroupEnd", sys::ncclResult_t::ncclInProgress, None).unwrap(),
+            Progress::InProgress
+        );
+        assert_eq!(
+            check_progress("ncclGroupEnd", sys::ncclResult_t::ncclSuccess, None).unwrap(),
+            Progress::Done
+        );
     }
 }

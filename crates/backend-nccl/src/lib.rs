@@ -18,12 +18,16 @@
 //!   all-reduce runs in place or out of place natively, nonblocking operations complete
 //!   through CUDA events (see [`comm`]'s docs). Failures are [`grid_core::Error::Library`]
 //!   with NCCL's `ncclResult_t` name and number.
-//! * Communicators are destroyed (finalize, then destroy) or aborted on drop;
-//!   [`NcclFactory::abort_all`] / [`abort_all`] abort every communicator of a job / process
-//!   when one fails.
+//! * Failure handling is [`engine`], a state machine with no CUDA in it behind a small seam
+//!   ([`engine::DeviceComm`], [`engine::DeviceEvent`]): nonblocking creation and split that a
+//!   time limit or `abort()` can end, one watchdog per process (asynchronous errors, time
+//!   limits, completion markers of every operation), buffers of dropped work kept until the
+//!   device is done, non-blocking teardown. [`NcclFactory::abort_all`] / [`abort_all`] abort
+//!   every communicator of a job / process.
 //!
 //! All `unsafe` code lives in one private module (`ffi`), a thin owned wrapper over
-//! `cudarc::nccl::sys`, with the invariant written next to each block.
+//! `cudarc::nccl::sys` (and one CUDA host function), with the invariant written next to each
+//! block.
 //!
 //! ```no_run
 //! use backend_local::LocalWorld;
@@ -46,6 +50,7 @@
 pub mod bootstrap;
 mod buffer;
 pub mod comm;
+pub mod engine;
 mod error;
 mod factory;
 mod ffi;
@@ -55,7 +60,7 @@ mod split;
 
 pub use buffer::{NcclDeviceBuffer, NcclElement};
 pub use comm::{NcclBackend, NcclCommunicator, NcclWork};
-pub use factory::{NcclFactory, NcclOptions, MIN_SPLIT_VERSION};
+pub use factory::{NcclConfig, NcclFactory, NcclOptions, MIN_SPLIT_VERSION};
 pub use job::{abort_all, Job};
 
 /// Re-export of the cudarc version this crate is built against (for `CudaSlice`, streams).

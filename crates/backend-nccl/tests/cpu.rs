@@ -187,3 +187,24 @@ fn setup_errors_are_library_errors() {
         }
     }
 }
+
+// ----- device choice ------------------------------------------------------------------------
+
+/// Two NCCL ranks of one process asking for one GPU: the second is refused at once, naming the
+/// device and what to do (NCCL would hang); the GPU is free again once the first lets go.
+#[test]
+fn two_ranks_of_one_process_cannot_claim_one_gpu() {
+    use backend_nccl::bootstrap::{choose_device, claim_device};
+    // Threads of one process with an explicit device each get distinct GPUs...
+    let a = claim_device(choose_device(Some(2), None, 0, 4).unwrap()).unwrap();
+    let b = claim_device(choose_device(Some(3), None, 1, 4).unwrap()).unwrap();
+    assert_eq!((a.device(), b.device()), (2, 3));
+    // ...and a third asking for device 2 is refused.
+    let e = claim_device(2).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "nccl init: device 2 is already used by another NCCL rank of this process (NCCL does not support two ranks on one GPU and may hang); give each rank its own GPU: NcclOptions::device, CUDA_VISIBLE_DEVICES, or a node-local rank (LOCAL_RANK, ...) per process"
+    );
+    drop(a);
+    assert_eq!(claim_device(2).unwrap().device(), 2);
+}

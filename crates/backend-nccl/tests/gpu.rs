@@ -6,7 +6,8 @@ mod common;
 use backend_nccl::NcclDeviceBuffer;
 use common::{gpus_or_skip, on_gpus};
 use grid_core::{
-    BufMut, BufRef, Communicator, CommunicatorExt, Error, GroupFactory, ReduceOp, Request, Tensor,
+    BufMut, BufRef, Communicator, CommunicatorExt, Error, GroupFactory, P2pOp, ReduceOp, Request,
+    Tensor,
 };
 use half::bf16;
 use std::time::Duration;
@@ -180,7 +181,8 @@ fn split_members_and_ring_exchange() {
         // Pairs {0,1}, {2,3}, ...; an odd last rank stays alone.
         let sub = f.split(w, Some((me / 2) as u32), me).unwrap().unwrap();
         let members = sub.global_ranks().to_vec();
-        // Ring over the world with receives posted first (deferred, grouped on wait).
+        // Ring over the world with receives started first (held back, posted as one group on
+        // the first wait).
         let (right, left) = ((me + 1) % n, (me + n - 1) % n);
         let rw = w.irecv::<i64>(4, left, 0).unwrap();
         let sw = w.isend(vec![me as i64; 4], right, 0).unwrap();
@@ -216,20 +218,291 @@ fn abort_all_stops_every_communicator() {
     });
     for (aborted, e1, e2, live) in out {
         assert_eq!(aborted, 2);
-        assert_eq!(
-            e1,
-            Error::Finalized {
-                op: "barrier",
-                state: "aborted"
-            }
-        );
-        assert_eq!(
-            e2,
-            Error::Finalized {
-                op: "all_reduce",
-                state: "aborted"
-            }
+        assert!(matches!(e1, Error::Aborted { op: "barrier", .. }), "{e1:?}");
+        assert!(e1.to_string().contains("abort_all() was called"), "{e1}");
+        assert!(
+            matches!(
+                e2,
+                Error::Aborted {
+                    op: "all_reduce",
+                    ..
+                }
+            ),
+            "{e2:?}"
         );
         assert_eq!(live, 0);
     }
+}
+
+/// The NCCL issue's cross-communicator case: rank 0 starts an `isend` on one communicator and
+/// then blocks in an all-reduce on another; rank 1 receives first, then joins the all-reduce.
+/// The held-back send is posted before rank 0 blocks, so both finish.
+#[test]
+fn isend_then_all_reduce_on_another_communicator() {
+    let Some(_) = gpus_or_skip("isend_then_all_reduce_on_another_communicator", 2) else {
+        return;
+    };
+    let out = on_gpus(2, T, |f, w| {
+        let me = w.rank();
+        let pp = f.split(w, Some(0), me).unwrap().unwrap();
+        let dp = f.split(w, Some(0), me).unwrap().unwrap();
+        let start = std::time::Instant::now();
+        let mut sum = [me as f32 + 1.0];
+        if me == 0 {
+            let send = pp.isend(vec![7i32; 1024], 1, 0).unwrap();
+            dp.all_reduce_in_place(&mut sum[..], ReduceOp::Sum).unwrap();
+            send.wait().unwrap();
+        } else {
+            let mut got = vec![0i32; 1024];
+            pp.recv_from(&mut got[..], 0, 0).unwrap();
+            assert_eq!(got, vec![7i32; 1024]);
+            dp.all_reduce_in_place(&mut sum[..], ReduceOp::Sum).unwrap();
+        }
+        (sum[0], start.elapsed())
+    });
+    for (sum, took) in out {
+        assert_eq!(sum, 3.0);
+        assert!(took < T, "took {took:?}");
+    }
+}
+
+/// Works dropped before completion keep their buffers until the device is done with them:
+/// new buffers allocated right after (which could reuse the memory) are never corrupted.
+#[test]
+fn dropped_work_then_reallocation_is_not_corrupted() {
+    let Some(n) = gpus_or_skip("dropped_work_then_reallocation_is_not_corrupted", 1) else {
+        return;
+    };
+    let out = on_gpus(n, T, |_, w| {
+        let mut bad = 0usize;
+        for round in 0..20i32 {
+            let big = w.to_device(&vec![1i32; 1 << 20]).unwrap();
+            drop(
+                w.start(Request::AllReduce {
+                    buf: Tensor::Device(Box::new(big)),
+                    op: ReduceOp::Sum,
+                })
+                .unwrap(),
+            );
+            let fresh = w.to_device(&vec![round; 1 << 20]).unwrap();
+            let mut recv: NcclDeviceBuffer<i32> = w.zeros(1 << 20).unwrap();
+            w.all_reduce(
+                BufRef::Device(&fresh),
+                BufMut::Device(&mut recv),
+                ReduceOp::Sum,
+            )
+            .unwrap();
+            let host = w.to_host(&recv).unwrap();
+            bad += host.iter().filter(|&&x| x != round * n as i32).count();
+        }
+        w.synchronize().unwrap();
+        bad
+    });
+    assert_eq!(out, vec![0; n]);
+}
+
+/// A stalled operation (rank 1 never joins) ends in `Timeout` on rank 0 within its limit plus
+/// one second; `abort()` from another thread ends a stalled operation at once.
+#[test]
+fn stalled_operations_time_out_and_abort_from_another_thread() {
+    let Some(_) = gpus_or_skip(
+        "stalled_operations_time_out_and_abort_from_another_thread",
+        2,
+    ) else {
+        return;
+    };
+    let limit = Duration::from_secs(2);
+    let out = on_gpus(2, T, |f, w| {
+        let me = w.rank();
+        let a = f.split(w, Some(0), me).unwrap().unwrap();
+        let b = f.split(w, Some(0), me).unwrap().unwrap();
+        if me == 1 {
+            // Never joins; gives up after the others did.
+            std::thread::sleep(limit * 3);
+            a.abort();
+            b.abort();
+            return (None, None);
+        }
+        // First the abort: a user abort fails only its own communicator.
+        let aborted = std::thread::scope(|s| {
+            let h = s.spawn(|| {
+                let t = std::time::Instant::now();
+                let r = b
+                    .with_time_limit(grid_core::TimeLimit::Unlimited)
+                    .all_reduce_into(&[1.0f32][..], &mut [0.0f32][..], ReduceOp::Sum);
+                (r, t.elapsed())
+            });
+            std::thread::sleep(Duration::from_millis(500));
+            let t = std::time::Instant::now();
+            b.abort();
+            let abort_took = t.elapsed();
+            let (r, waited) = h.join().expect("the waiting thread");
+            (r.unwrap_err(), waited, abort_took)
+        });
+        // Then the time limit (whose failure then aborts the rest of the job).
+        let t0 = std::time::Instant::now();
+        let e = a
+            .with_time_limit(limit)
+            .all_reduce_into(&[1.0f32][..], &mut [0.0f32][..], ReduceOp::Sum)
+            .unwrap_err();
+        let timed_out = (e, t0.elapsed());
+        (Some(timed_out), Some(aborted))
+    });
+    let (Some((e, took)), Some((ea, waited, abort_took))) = (&out[0].0, &out[0].1) else {
+        panic!("rank 0 returned nothing")
+    };
+    assert!(matches!(e, Error::Timeout { .. }), "{e:?}");
+    assert!(
+        *took < limit + Duration::from_secs(1),
+        "timed out after {took:?}"
+    );
+    assert!(matches!(ea, Error::Aborted { .. }), "{ea:?}");
+    assert!(
+        *waited < Duration::from_millis(1500),
+        "woke after {waited:?}"
+    );
+    assert!(
+        *abort_took < Duration::from_millis(250),
+        "abort() took {abort_took:?}"
+    );
+    println!("abort() returned after {abort_took:?}");
+}
+
+/// Two ranks of one process asked for the same GPU: both fail at once (one names the device,
+/// the other the rank that could not set up), instead of hanging in NCCL.
+#[test]
+fn two_ranks_on_one_gpu_fail_on_both_ranks() {
+    let Some(_) = gpus_or_skip("two_ranks_on_one_gpu_fail_on_both_ranks", 1) else {
+        return;
+    };
+    let out = common::serialised(|| {
+        backend_local::run(2, &backend_local::LocalConfig::default(), |_, boot| {
+            let opts = backend_nccl::NcclOptions {
+                device: Some(0),
+                timeout: T,
+                ..backend_nccl::NcclOptions::default()
+            };
+            Ok(backend_nccl::NcclFactory::init(&boot, opts).map(|_| ()))
+        })
+    })
+    .expect("the bootstrap world");
+    let errors: Vec<String> = out
+        .into_iter()
+        .map(|r| r.expect_err("a second rank on GPU 0 must fail").to_string())
+        .collect();
+    assert!(
+        errors
+            .iter()
+            .any(|e| e.contains("device 0 is already used by another NCCL rank")),
+        "{errors:?}"
+    );
+}
+
+/// Every collective and `batch_p2p` on device buffers (distinct send and receive buffers), in
+/// f32, f16 and bf16, from 8 bytes to 64 MiB, checked exactly: the values are small integers,
+/// so every sum of up to 8 ranks is exact in every float type.
+fn every_collective_on_device<T>(w: &backend_nccl::NcclCommunicator, conv: fn(f32) -> T) -> usize
+where
+    T: backend_nccl::NcclElement + PartialEq + std::fmt::Debug,
+{
+    let (me, n) = (w.rank(), w.size());
+    let val = |rank: usize, i: usize| conv(((rank + i) % 7) as f32);
+    let mut bad = 0usize;
+    for bytes in [8usize, 1 << 10, 1 << 20, 64 << 20] {
+        // A multiple of n elements (all_to_all and reduce_scatter split it in n blocks).
+        let len = (bytes / std::mem::size_of::<T>()).max(n) / n * n;
+        let mine: Vec<T> = (0..len).map(|i| val(me, i)).collect();
+        let send = w.to_device(&mine).unwrap();
+        // all_reduce (sum), out of place.
+        let mut recv: NcclDeviceBuffer<T> = w.zeros(len).unwrap();
+        w.all_reduce(
+            BufRef::Device(&send),
+            BufMut::Device(&mut recv),
+            ReduceOp::Sum,
+        )
+        .unwrap();
+        let got = w.to_host(&recv).unwrap();
+        bad += (0..len)
+            .filter(|&i| got[i] != conv((0..n).map(|r| ((r + i) % 7) as f32).sum()))
+            .count();
+        // broadcast from the last rank.
+        let mut b = w.to_device(&mine).unwrap();
+        w.broadcast(BufMut::Device(&mut b), n - 1).unwrap();
+        let got = w.to_host(&b).unwrap();
+        bad += (0..len).filter(|&i| got[i] != val(n - 1, i)).count();
+        // all_gather of a block of len / n.
+        let blk = len / n;
+        let part = w.to_device(&mine[..blk]).unwrap();
+        let mut all: NcclDeviceBuffer<T> = w.zeros(len).unwrap();
+        w.all_gather(BufRef::Device(&part), BufMut::Device(&mut all))
+            .unwrap();
+        let got = w.to_host(&all).unwrap();
+        bad += (0..len)
+            .filter(|&i| got[i] != val(i / blk, i % blk))
+            .count();
+        // reduce_scatter (sum) into a block.
+        let mut out: NcclDeviceBuffer<T> = w.zeros(blk).unwrap();
+        w.reduce_scatter(
+            BufRef::Device(&send),
+            BufMut::Device(&mut out),
+            ReduceOp::Sum,
+        )
+        .unwrap();
+        let got = w.to_host(&out).unwrap();
+        bad += (0..blk)
+            .filter(|&j| {
+                let i = me * blk + j;
+                got[j] != conv((0..n).map(|r| ((r + i) % 7) as f32).sum())
+            })
+            .count();
+        // all_to_all: block j of rank r lands in block r of rank j.
+        let mut a2a: NcclDeviceBuffer<T> = w.zeros(len).unwrap();
+        w.all_to_all(BufRef::Device(&send), BufMut::Device(&mut a2a))
+            .unwrap();
+        let got = w.to_host(&a2a).unwrap();
+        bad += (0..len)
+            .filter(|&i| got[i] != val(i / blk, me * blk + i % blk))
+            .count();
+        // batch_p2p ring: send to the right, receive from the left (n > 1).
+        if n > 1 {
+            let (right, left) = ((me + 1) % n, (me + n - 1) % n);
+            let mut from_left: NcclDeviceBuffer<T> = w.zeros(len).unwrap();
+            w.batch_p2p(vec![
+                P2pOp::Send {
+                    buf: BufRef::Device(&send),
+                    peer: right,
+                    tag: 0,
+                },
+                P2pOp::Recv {
+                    buf: BufMut::Device(&mut from_left),
+                    peer: left,
+                    tag: 0,
+                },
+            ])
+            .unwrap();
+            let got = w.to_host(&from_left).unwrap();
+            bad += (0..len).filter(|&i| got[i] != val(left, i)).count();
+        }
+    }
+    bad
+}
+
+#[test]
+fn every_collective_on_device_buffers_in_f32_f16_bf16() {
+    let Some(n) = gpus_or_skip("every_collective_on_device_buffers_in_f32_f16_bf16", 1) else {
+        return;
+    };
+    let n = n.min(8);
+    let out = on_gpus(n, T, |_, w| {
+        (
+            every_collective_on_device::<f32>(w, |x| x),
+            every_collective_on_device::<half::f16>(w, half::f16::from_f32),
+            every_collective_on_device::<bf16>(w, bf16::from_f32),
+        )
+    });
+    assert_eq!(
+        out,
+        vec![(0, 0, 0); n],
+        "wrong elements per rank (f32, f16, bf16)"
+    );
 }

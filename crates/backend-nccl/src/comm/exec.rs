@@ -10,9 +10,22 @@ use crate::ffi::{self, Coll, DevIn, DevOut, P2p};
 use cudarc::driver::CudaStream;
 use grid_core::{
     BufMut, BufRef, DType, DeviceBuffer, Element, Error, HostSlice, HostSliceMut, Op, P2pOp,
-    ReduceOp, Result,
+    ReduceOp, Result, TimeLimit,
 };
+use std::any::Any;
 use std::sync::Arc;
+
+/// A device buffer handed to the watchdog until the device is done with it.
+pub(super) fn hold(b: Box<dyn DeviceBuffer>) -> Box<dyn Any + Send> {
+    Box::new(b)
+}
+
+/// A buffer given back by the watchdog ([`hold`]).
+pub(super) fn unhold(op: &'static str, a: Box<dyn Any + Send>) -> Result<Box<dyn DeviceBuffer>> {
+    a.downcast::<Box<dyn DeviceBuffer>>()
+        .map(|b| *b)
+        .map_err(|_| internal(op, "held buffer type"))
+}
 
 /// What a queued collective does.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -58,30 +71,35 @@ pub(crate) fn same_device(op: &'static str, buf_device: usize, device: usize) ->
 }
 
 impl NcclBackend {
-    /// Executes one validated blocking operation. Pending nonblocking sends and receives were
-    /// started first, so they are enqueued first.
-    pub(super) fn exec(&self, op: Op<'_>) -> Result<()> {
+    /// Executes one validated blocking operation within `limit`. Every operation is enqueued
+    /// when it is called (nonblocking sends and receives too), so they run in call order.
+    pub(super) fn exec(&self, op: Op<'_>, limit: TimeLimit) -> Result<()> {
         let name = op.name();
-        self.shared.flush(name)?;
         match op {
             Op::AllReduce { send, recv, op } => {
-                self.blocking(Kind::AllReduce(op), Some(send), recv)
+                self.blocking(Kind::AllReduce(op), Some(send), recv, limit)
             }
-            Op::AllReduceInPlace { buf, op } => self.blocking(Kind::AllReduce(op), None, buf),
-            Op::Broadcast { buf, root } => self.blocking(Kind::Broadcast(root), None, buf),
-            Op::AllGather { send, recv } => self.blocking(Kind::AllGather, Some(send), recv),
+            Op::AllReduceInPlace { buf, op } => {
+                self.blocking(Kind::AllReduce(op), None, buf, limit)
+            }
+            Op::Broadcast { buf, root } => self.blocking(Kind::Broadcast(root), None, buf, limit),
+            Op::AllGather { send, recv } => self.blocking(Kind::AllGather, Some(send), recv, limit),
             Op::ReduceScatter { send, recv, op } => {
-                self.blocking(Kind::ReduceScatter(op), Some(send), recv)
+                self.blocking(Kind::ReduceScatter(op), Some(send), recv, limit)
             }
-            Op::AllToAll { send, recv } => self.blocking(Kind::AllToAll, Some(send), recv),
+            Op::AllToAll { send, recv } => self.blocking(Kind::AllToAll, Some(send), recv, limit),
             Op::Barrier => {
                 self.shared.bind(name)?;
-                self.barrier_enqueue(name)?;
-                self.shared.sync(name)
+                self.barrier_enqueue(name, limit)?;
+                self.shared.sync(name, limit)
             }
-            Op::Send { buf, peer, tag } => self.p2p(name, vec![P2pOp::Send { buf, peer, tag }]),
-            Op::Recv { buf, peer, tag } => self.p2p(name, vec![P2pOp::Recv { buf, peer, tag }]),
-            Op::Batch(ops) => self.p2p(name, ops),
+            Op::Send { buf, peer, tag } => {
+                self.p2p(name, vec![P2pOp::Send { buf, peer, tag }], limit)
+            }
+            Op::Recv { buf, peer, tag } => {
+                self.p2p(name, vec![P2pOp::Recv { buf, peer, tag }], limit)
+            }
+            Op::Batch(ops) => self.p2p(name, ops, limit),
         }
     }
 
@@ -165,14 +183,16 @@ impl NcclBackend {
         })
     }
 
-    /// Enqueues a collective on device buffers. `send` is `None` for the in-place operations
-    /// (all-reduce in place passes `recv` as NCCL's send buffer too).
+    /// Enqueues a collective on device buffers (settling an `ncclInProgress` within `limit`).
+    /// `send` is `None` for the in-place operations (all-reduce in place passes `recv` as
+    /// NCCL's send buffer too).
     pub(super) fn enqueue(
         &self,
         op: &'static str,
         kind: Kind,
         send: Option<&dyn DeviceBuffer>,
         recv: &mut dyn DeviceBuffer,
+        limit: TimeLimit,
     ) -> Result<()> {
         if recv.is_empty() {
             return Ok(());
@@ -206,15 +226,11 @@ impl NcclBackend {
                 let ops = self.all_to_all_ops(op, send.ok_or_else(missing)?, recv)?;
                 return self
                     .shared
-                    .raw
-                    .p2p_group(op, ops, st)
-                    .map_err(|e| self.shared.failed(e));
+                    .call(op, limit, || self.shared.raw.p2p_group(op, ops, st));
             }
         };
         self.shared
-            .raw
-            .collective(coll, st)
-            .map_err(|e| self.shared.failed(e))
+            .call(op, limit, || self.shared.raw.collective(coll, st))
     }
 
     /// All-to-all as one group of sends and receives (works on every NCCL version). The front
@@ -249,8 +265,15 @@ impl NcclBackend {
     }
 
     /// The blocking form of the collectives: stages host memory, enqueues, and for host
-    /// output waits and copies back.
-    fn blocking(&self, kind: Kind, send: Option<BufRef<'_>>, recv: BufMut<'_>) -> Result<()> {
+    /// output waits and copies back. Device output returns at once (stream-ordered), with the
+    /// operation under the watchdog.
+    fn blocking(
+        &self,
+        kind: Kind,
+        send: Option<BufRef<'_>>,
+        recv: BufMut<'_>,
+        limit: TimeLimit,
+    ) -> Result<()> {
         let op = kind.name();
         if recv.is_empty() {
             return Ok(());
@@ -268,12 +291,19 @@ impl NcclBackend {
         };
         match recv {
             BufMut::Device(d) => {
-                self.enqueue(op, kind, send_dev, &mut *d)?;
+                if let Err(e) = self.enqueue(op, kind, send_dev, &mut *d, limit) {
+                    self.shared
+                        .hold_after_error(op, staged_in.into_iter().map(hold).collect());
+                    return Err(e);
+                }
                 self.join_back(op, &*d)?;
                 if let Some(BufRef::Device(s)) = send {
                     self.join_back(op, s)?;
                 }
-                Ok(())
+                // Watched (time limit, asynchronous error) although nobody waits for it; a
+                // staged send buffer stays alive until the device is done with it.
+                let keep = staged_in.into_iter().map(hold).collect();
+                self.shared.watch(op, limit, keep).map(|_| ())
             }
             BufMut::Host(h) => {
                 let mut staged = if kind.reads_recv(in_place) {
@@ -281,11 +311,25 @@ impl NcclBackend {
                 } else {
                     self.stage_zeros(op, h.dtype(), h.len())?
                 };
-                self.enqueue(op, kind, send_dev, &mut *staged)?;
+                if let Err(e) = self.enqueue(op, kind, send_dev, &mut *staged, limit) {
+                    let mut keep = vec![hold(staged)];
+                    keep.extend(staged_in.map(hold));
+                    self.shared.hold_after_error(op, keep);
+                    return Err(e);
+                }
                 if let Some(BufRef::Device(s)) = send {
                     self.join_back(op, s)?;
                 }
-                self.shared.sync(op)?;
+                // The staged buffers stay with the watchdog until the device is done with
+                // them, also when the wait fails; on success the result comes back.
+                let mut keep = vec![hold(staged)];
+                keep.extend(staged_in.map(hold));
+                let (c, _) = self.shared.watch(op, limit, keep)?;
+                let mut back = c.wait()?.into_iter();
+                let staged = back
+                    .next()
+                    .ok_or_else(|| internal(op, "staged result"))
+                    .and_then(|b| unhold(op, b))?;
                 self.fetch_into(op, &*staged, h)
             }
         }
@@ -293,7 +337,7 @@ impl NcclBackend {
 
     /// Grouped point-to-point operations (peers validated by the front end), host buffers
     /// staged.
-    fn p2p(&self, op: &'static str, ops: Vec<P2pOp<'_>>) -> Result<()> {
+    fn p2p(&self, op: &'static str, ops: Vec<P2pOp<'_>>, limit: TimeLimit) -> Result<()> {
         enum Slot<'a> {
             Send(BufRef<'a>, Option<Box<dyn DeviceBuffer>>, usize),
             Recv(BufMut<'a>, Option<Box<dyn DeviceBuffer>>, usize),
@@ -325,7 +369,7 @@ impl NcclBackend {
                 Slot::Recv(BufMut::Device(d), _, _) => self.wait_for(op, &**d)?,
             }
         }
-        {
+        let posted = {
             let mut tokens = Vec::with_capacity(slots.len());
             for s in slots.iter_mut() {
                 tokens.push(match s {
@@ -338,10 +382,21 @@ impl NcclBackend {
                     _ => return Err(internal(op, "unstaged host buffer")),
                 });
             }
-            self.shared
-                .raw
-                .p2p_group(op, tokens, &self.shared.stream)
-                .map_err(|e| self.shared.failed(e))?;
+            self.shared.call(op, limit, || {
+                self.shared.raw.p2p_group(op, tokens, &self.shared.stream)
+            })
+        };
+        if let Err(e) = posted {
+            // NCCL may have enqueued part of the group: staged buffers stay with the watchdog.
+            let keep = slots
+                .into_iter()
+                .filter_map(|s| match s {
+                    Slot::Send(_, b, _) | Slot::Recv(_, b, _) => b,
+                })
+                .map(hold)
+                .collect();
+            self.shared.hold_after_error(op, keep);
+            return Err(e);
         }
         for s in slots.iter() {
             match s {
@@ -350,19 +405,37 @@ impl NcclBackend {
                 _ => {}
             }
         }
-        if host_out {
-            self.shared.sync(op)?;
-            for s in slots {
-                if let Slot::Recv(BufMut::Host(h), Some(b), _) = s {
-                    self.fetch_into(op, &*b, h)?;
+        // Staged buffers go to the watchdog until the device is done with them; received ones
+        // come back (in order) after a successful wait.
+        let mut keep = Vec::new();
+        let mut outs = Vec::new();
+        for s in slots {
+            match s {
+                Slot::Recv(BufMut::Host(h), Some(b), _) => {
+                    keep.push(hold(b));
+                    outs.push(Some(h));
                 }
+                Slot::Send(_, Some(b), _) => {
+                    keep.push(hold(b));
+                    outs.push(None);
+                }
+                _ => {}
+            }
+        }
+        let (c, _) = self.shared.watch(op, limit, keep)?;
+        if !host_out {
+            return Ok(());
+        }
+        for (b, h) in c.wait()?.into_iter().zip(outs) {
+            if let Some(h) = h {
+                self.fetch_into(op, &*unhold(op, b)?, h)?;
             }
         }
         Ok(())
     }
 
     /// Enqueues the barrier: an all-reduce of one float.
-    pub(super) fn barrier_enqueue(&self, op: &'static str) -> Result<()> {
+    pub(super) fn barrier_enqueue(&self, op: &'static str, limit: TimeLimit) -> Result<()> {
         let mut g = lock(&self.shared.scratch);
         if g.is_none() {
             *g = Some(cuda(op, || self.shared.stream.alloc_zeros::<f32>(1))?);
@@ -377,8 +450,6 @@ impl NcclBackend {
             op: ffi::nccl_op(ReduceOp::Sum),
         };
         self.shared
-            .raw
-            .collective(coll, st)
-            .map_err(|e| self.shared.failed(e))
+            .call(op, limit, || self.shared.raw.collective(coll, st))
     }
 }

@@ -8,7 +8,7 @@
 //! * this module: [`NcclBackend`], its [`Backend`] implementation (dispatch) and the
 //!   device-memory helpers users call (`to_device`, `zeros`, `to_host`, `abort`, ...);
 //! * `shared`: the state a communicator shares with its pending work (NCCL handle, stream,
-//!   deferred sends and receives, event waits with timeout and failure handling);
+//!   its entry in the watchdog, held-back sends and receives);
 //! * `exec`: blocking operations (staging of host memory, enqueueing on the stream);
 //! * `work`: nonblocking operations and [`NcclWork`].
 //!
@@ -26,25 +26,42 @@
 //!   unchanged): the input is copied to a temporary device buffer, the operation runs, and
 //!   the call waits for it and copies the result back before returning. This costs two copies
 //!   and a synchronisation per call; use device buffers where speed matters.
-//! * **Nonblocking** [`grid_core::Communicator::start`] enqueues and records a CUDA event; the
-//!   [`grid_core::Work`] completes when the event has fired. `wait` hands back device tensors
-//!   as they are (their stream is made to wait for the event) and host tensors after copying
-//!   the result back.
-//! * **Nonblocking sends and receives are deferred** and enqueued together as one
-//!   `ncclGroupStart/End` group when one of their works is polled or waited on, or before the
-//!   communicator's next other operation. Separately enqueued NCCL sends and receives run in
-//!   stream order, so `irecv(left); isend(right); wait` would deadlock in a ring; grouped they
-//!   cannot. (A receive whose matching send is only issued *after* waiting on it, on the same
-//!   communicator, still deadlocks: NCCL executes one communicator's operations in order.)
+//! * **Nonblocking** [`grid_core::Communicator::start`] enqueues the operation at once and
+//!   records a completion marker (a CUDA event, plus a CUDA host function that wakes the
+//!   watchdog when the device reaches it). `wait` on a **device** result does not block the
+//!   host: the result's stream is made to wait for the marker and the buffer comes back at once
+//!   (stream-ordered); on a **host** result it blocks the host on a condition variable until
+//!   the marker fired, then copies the result back. `wait_timeout` always blocks the host.
+//!   Dropping an unfinished work is safe: its buffers stay with the watchdog until the device
+//!   is done with them.
+//! * **Nonblocking sends and receives are held back** per communicator and posted as one
+//!   `ncclGroupStart/End` group **before this process does anything else on the device**: any
+//!   other operation on any communicator of the same GPU, any wait or poll of a work, a split,
+//!   `synchronize`, `to_host` ([`crate::engine::Outbox`]). So `irecv(left); isend(right); wait`
+//!   rings cannot deadlock behind themselves on the stream (NCCL runs one communicator's
+//!   kernels in order), and an `isend` on one communicator followed by a blocking collective on
+//!   another is posted before the collective (the cross-communicator deadlock of posting only
+//!   at the next call on the same communicator cannot happen). A receive whose matching send is
+//!   only issued *after* waiting on it, on the same communicator, still deadlocks (stream
+//!   order); use `batch_p2p` or start both first.
 //!
 //! # Failure handling
-//! Every wait polls the event, NCCL's asynchronous error (`ncclCommGetAsyncError`) and the
-//! communicator's state, and gives up after [`crate::NcclOptions::timeout`]. On an error or a
-//! timeout the communicator's [`crate::Job`] aborts every communicator of the job (unless
-//! [`crate::NcclOptions::abort_on_failure`] is off), so no rank stays blocked in another group.
-//! NCCL and CUDA failures are [`grid_core::Error::Library`] naming the operation, the
-//! communicator, the NCCL function, and NCCL's `ncclResult_t` (or CUDA's `CUresult`) name and
-//! number.
+//! Failure handling is [`crate::engine`]: the state machine that the CPU tests drive with a
+//! scripted device runtime. Every communicator is **nonblocking** (`ncclConfig_t.blocking =
+//! 0`): creation and split return at once and the communicator is watched, and abortable,
+//! while it connects; every NCCL call that answers `ncclInProgress` is settled under the
+//! operation's time limit (the front end's [`grid_core::Validated::time_limit`]), with the lock
+//! that serialises NCCL calls of one device held only for that call, never by `abort()` or the
+//! watchdog. One watchdog thread per process polls `ncclCommGetAsyncError` of every
+//! communicator and the completion markers of every enqueued operation (waited on or not). On
+//! an asynchronous error or a time limit it fails the communicator: every pending operation
+//! returns an error at once, NCCL is aborted, and so is every other communicator of the
+//! [`crate::Job`] (unless [`crate::NcclOptions::abort_on_failure`] is off), so no rank stays
+//! blocked in another group; later operations return [`Error::Aborted`] naming the first
+//! failure. Nothing sleeps to wait for device work: waits block on condition variables that the
+//! watchdog signals. NCCL and CUDA failures are [`grid_core::Error::Library`] naming the
+//! operation, the communicator, the NCCL function, and NCCL's `ncclResult_t` (or CUDA's
+//! `CUresult`) name and number.
 //!
 //! # Ranks and tags
 //! `rank()` is the NCCL rank. NCCL matches point-to-point messages by order, not by tag: the
@@ -58,12 +75,12 @@ pub(crate) use shared::Shared;
 pub use work::NcclWork;
 
 use crate::buffer::{NcclDeviceBuffer, NcclElement};
+use crate::engine::Tracked;
 use crate::error::{annotate, cuda, BACKEND};
 use crate::ffi::RawComm;
-use crate::job::Job;
 use cudarc::driver::{CudaContext, CudaStream};
 use grid_core::{
-    Backend, Comm, DType, Error, Memory, Op, ReduceOp, Request, Result, Validated, Work,
+    Backend, Comm, DType, Error, Memory, Op, ReduceOp, Request, Result, TimeLimit, Validated, Work,
 };
 use std::sync::Arc;
 use std::time::Duration;
@@ -72,10 +89,10 @@ use std::time::Duration;
 /// ([`grid_core::Comm`]) over [`NcclBackend`].
 ///
 /// Created by [`crate::NcclFactory::init`] (the world, named `"world"`) and
-/// [`grid_core::GroupFactory::split`] (sub-groups). `Send + Sync`: calls from several threads
-/// are serialised per communicator. Dropping it destroys the NCCL communicator (finalize, then
-/// destroy) once its stream is idle, or aborts it if the stream does not drain within the
-/// timeout. Backend methods ([`NcclBackend::to_device`], [`NcclBackend::abort`], ...) are
+/// [`grid_core::GroupFactory::split`] (sub-groups). `Send + Sync`: NCCL calls from several
+/// threads are serialised per device. Dropping it hands the NCCL communicator to the watchdog,
+/// which lets its pending operations finish (within their limits), then finalizes and destroys
+/// it without blocking, or aborts it if finalizing fails or does not finish in time. Backend methods ([`NcclBackend::to_device`], [`NcclBackend::abort`], ...) are
 /// reached through `Deref`.
 ///
 /// ```no_run
@@ -126,31 +143,29 @@ pub fn supports(dtype: DType, op: Option<ReduceOp>) -> bool {
 }
 
 impl NcclBackend {
-    /// Registers a new NCCL communicator with its job and the process, and puts it behind the
-    /// front end under `name`.
-    #[allow(clippy::too_many_arguments)]
+    /// Puts a created NCCL communicator (already under the watchdog, its creation settled)
+    /// behind the front end under `name`.
     pub(crate) fn create(
-        raw: RawComm,
+        raw: Arc<RawComm>,
+        tracked: Arc<Tracked>,
         ctx: Arc<CudaContext>,
         stream: Arc<CudaStream>,
         global_ranks: Vec<usize>,
         name: String,
         timeout: Duration,
-        abort_on_failure: bool,
-        job: Arc<Job>,
     ) -> NcclCommunicator {
         let device = ctx.ordinal();
         let shared = Arc::new(Shared::new(
             raw,
+            tracked,
             ctx,
             stream,
             name.clone(),
             timeout,
-            abort_on_failure,
-            job.clone(),
         ));
-        job.register(&shared);
-        crate::job::process().register(&shared);
+        let weak = Arc::downgrade(&shared);
+        let deferred: std::sync::Weak<dyn crate::engine::Deferred> = weak;
+        shared.outbox.register(deferred);
         Comm::new(
             NcclBackend {
                 shared,
@@ -180,24 +195,32 @@ impl NcclBackend {
         &self.shared.ctx
     }
 
-    /// `"live"`, `"destroyed"` or `"aborted"`.
+    /// `"live"`, `"failed"`, `"aborted"`, `"finalizing"` or `"destroyed"`.
     pub fn state(&self) -> &'static str {
-        self.shared.raw.state_name()
+        self.shared.tracked.state_name()
     }
 
-    /// Aborts this communicator now (`ncclCommAbort`): pending operations are interrupted and
-    /// every later call fails with [`Error::Finalized`]. Returns false if it was not live.
+    /// Aborts this communicator now: every pending operation returns an error at once, later
+    /// ones are refused, and NCCL is asked to abort (`ncclCommAbort`, which never waits for a
+    /// thread blocked in NCCL: the communicator is nonblocking). Returns false if it was not
+    /// live. The front end's [`grid_core::Communicator::abort`] calls it.
     pub fn abort(&self) -> bool {
-        self.shared.raw.abort()
+        self.shared.tracked.abort("abort() was called")
     }
 
-    /// `Ok` while NCCL reports no asynchronous error on this communicator.
+    /// `Ok` while NCCL reports no asynchronous error on this communicator (the watchdog checks
+    /// this on its own; this asks now).
     pub fn check_async_error(&self) -> Result<()> {
         const OP: &str = "check_async_error";
-        self.shared
-            .raw
-            .async_error(OP)
-            .map_err(|e| annotate(e, OP, &self.shared.name))
+        self.shared.check_live(OP)?;
+        match self.shared.raw.progress_of(OP) {
+            Ok(_) => Ok(()),
+            Err(e) => {
+                let e = annotate(e, OP, &self.shared.name);
+                self.shared.tracked.fail(e.clone());
+                Err(e)
+            }
+        }
     }
 
     /// Copies host data to a new device buffer on this communicator's device and stream.
@@ -236,10 +259,11 @@ impl NcclBackend {
         const OP: &str = "to_host";
         let run = || {
             self.shared.check_live(OP)?;
-            self.shared.flush(OP)?;
+            self.shared.outbox.post_all();
             self.shared.bind(OP)?;
             self.wait_for(OP, buf)?;
-            self.shared.sync(OP)?;
+            self.shared
+                .sync(OP, TimeLimit::After(self.shared.timeout))?;
             cuda(OP, || self.shared.stream.clone_dtoh(&buf.slice))
         };
         run().map_err(|e| annotate(e, OP, &self.shared.name))
@@ -273,27 +297,39 @@ impl Backend for NcclBackend {
     fn default_time_limit(&self) -> grid_core::TimeLimit {
         grid_core::TimeLimit::After(self.shared.timeout)
     }
-    /// `ncclCommAbort` on this communicator ([`NcclBackend::abort`]).
+    /// [`NcclBackend::abort`]: every waiting operation returns at once; `ncclCommAbort` runs on
+    /// a helper thread. NCCL cannot hand buffers back before its kernels stopped, so the buffers
+    /// of a woken nonblocking operation (and staged copies) stay with the watchdog until the
+    /// device is done with them; device buffers the caller owns are freed stream-ordered by
+    /// cudarc after the operation.
     fn abort(&self) {
         NcclBackend::abort(self);
     }
     fn run(&self, op: Validated<Op<'_>>) -> Result<()> {
+        let limit = op.time_limit();
         let op = op.into_op();
         let name = op.name();
-        self.exec(op)
+        self.shared.check_live(name)?;
+        // Held-back sends and receives of this device were started first: posted first.
+        self.shared.outbox.post_all();
+        self.exec(op, limit)
             .map_err(|e| annotate(e, name, &self.shared.name))
     }
     fn start(&self, op: Validated<grid_core::Request>) -> Result<Box<dyn Work>> {
+        let limit = op.time_limit();
         let request: Request = op.into_op();
         let name = request.name();
-        self.start_request(request)
+        self.shared.check_live(name)?;
+        self.start_request(request, limit)
             .map_err(|e| annotate(e, name, &self.shared.name))
     }
+    /// Waits (host, on a condition variable) until everything enqueued so far completed,
+    /// within the communicator's configured timeout.
     fn synchronize(&self) -> Result<()> {
         const OP: &str = "synchronize";
+        self.shared.outbox.post_all();
         self.shared
-            .flush(OP)
-            .and_then(|_| self.shared.sync(OP))
+            .sync(OP, TimeLimit::After(self.shared.timeout))
             .map_err(|e| annotate(e, OP, &self.shared.name))
     }
 }

@@ -1,45 +1,93 @@
 //! [`Shared`]: the state one NCCL communicator shares with its pending [`grid_core::Work`]
-//! handles — the NCCL handle, the CUDA stream, the queue of deferred sends and receives, and
-//! the waits on CUDA events with the timeout and failure handling.
+//! handles — the NCCL handle, the CUDA stream, and its entry in the process's watchdog
+//! ([`crate::engine`]), through which every enqueued operation is watched (completion marker,
+//! time limit, asynchronous error) and every wait blocks on a condition variable, never in a
+//! sleep loop.
 
+use super::exec::hold;
 use crate::buffer::{downcast, downcast_mut, with_dtype};
+use crate::engine::{Completion, Deferred, DeviceEvent, Outbox, Progress, Tracked, Watchdog};
 use crate::error::{annotate, cuda};
-use crate::ffi::{DevIn, DevOut, P2p, RawComm};
-use crate::job::Job;
+use crate::ffi::{kick_when_reached, DevIn, DevOut, P2p, RawComm};
 use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream};
-use grid_core::{DeviceBuffer, Error, Result};
+use grid_core::{DeviceBuffer, Error, Result, TimeLimit};
+use std::any::Any;
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// The state shared by a communicator and its pending work handles.
 pub(crate) struct Shared {
-    pub(crate) raw: RawComm,
+    pub(crate) raw: Arc<RawComm>,
+    pub(crate) tracked: Arc<Tracked>,
     pub(crate) ctx: Arc<CudaContext>,
     pub(crate) stream: Arc<CudaStream>,
     /// The communicator's descriptive name (the front end's name), for errors.
     pub(crate) name: String,
     pub(crate) timeout: Duration,
-    pub(crate) abort_on_failure: bool,
-    pub(crate) job: Arc<Job>,
     /// One float the barrier all-reduces (allocated on first use).
     pub(super) scratch: Mutex<Option<CudaSlice<f32>>>,
-    /// Nonblocking sends and receives not yet handed to NCCL (see [`Shared::flush`]).
-    pending: Mutex<Vec<Pending>>,
+    /// Serialises NCCL calls (and the settling of an `ncclInProgress`) of every communicator
+    /// of this device in this process ([`device_lock`]).
+    device_calls: Arc<Mutex<()>>,
+    /// The held-back sends and receives of every communicator of this device ([`outbox`]).
+    pub(crate) outbox: Arc<Outbox>,
+    /// This communicator's held-back sends and receives, posted as one group.
+    pending: Mutex<Vec<PendingP2p>>,
 }
 
-/// A nonblocking send or receive waiting to be enqueued.
-struct Pending {
+/// A nonblocking send or receive held back until the next [`Outbox::post_all`].
+struct PendingP2p {
     send: bool,
     peer: usize,
-    slot: Arc<Mutex<Slot>>,
+    buf: Box<dyn DeviceBuffer>,
+    limit: TimeLimit,
+    cell: Arc<Mutex<Cell>>,
 }
 
-/// The buffer of a nonblocking point-to-point operation, shared by the queue and its work.
-pub(super) enum Slot {
-    Waiting(Box<dyn DeviceBuffer>),
-    Enqueued(Box<dyn DeviceBuffer>, Arc<CudaEvent>),
+/// Where a held-back operation's work finds its completion once posted.
+pub(super) enum Cell {
+    Waiting,
+    Posted(Completion, Arc<CudaEvent>),
     Failed(Error),
     Taken,
+}
+
+/// The [`Outbox`] of GPU `ordinal` in this process.
+pub(crate) fn outbox(ordinal: usize) -> Arc<Outbox> {
+    static BOXES: Mutex<Vec<(usize, Arc<Outbox>)>> = Mutex::new(Vec::new());
+    let mut l = lock(&BOXES);
+    if let Some((_, b)) = l.iter().find(|(o, _)| *o == ordinal) {
+        return b.clone();
+    }
+    let b = Arc::new(Outbox::default());
+    l.push((ordinal, b.clone()));
+    b
+}
+
+/// The shorter of two limits.
+fn shorter(a: TimeLimit, b: TimeLimit) -> TimeLimit {
+    match (a.duration(), b.duration()) {
+        (Some(x), Some(y)) => TimeLimit::After(x.min(y)),
+        (Some(_), None) => a,
+        _ => b,
+    }
+}
+
+/// The lock that serialises the NCCL calls of every communicator of GPU `ordinal` in this
+/// process: NCCL forbids concurrent calls on one communicator, and calls on several
+/// communicators of one device from several threads must not interleave (before NCCL 2.26 they
+/// must even be issued in one global order). It is held for one enqueue and, when NCCL answers
+/// `ncclInProgress`, until that call settled (within the operation's time limit); never while a
+/// thread waits for an operation to complete, and never by `abort()` or the watchdog.
+pub(crate) fn device_lock(ordinal: usize) -> Arc<Mutex<()>> {
+    static LOCKS: Mutex<Vec<(usize, Arc<Mutex<()>>)>> = Mutex::new(Vec::new());
+    let mut l = lock(&LOCKS);
+    if let Some((_, m)) = l.iter().find(|(o, _)| *o == ordinal) {
+        return m.clone();
+    }
+    let m = Arc::new(Mutex::new(()));
+    l.push((ordinal, m.clone()));
+    m
 }
 
 /// Locks a mutex, also after a panic of another holder (the data stays consistent: every
@@ -66,94 +114,72 @@ pub(super) fn dout<'a>(
     with_dtype!(d.dtype(), T => DevOut::new::<T, _>(&mut downcast_mut::<T>(op, d)?.slice, stream))
 }
 
+/// The completion marker of one operation: a CUDA event recorded right after it on the
+/// communicator's stream.
+pub(super) struct Marker {
+    pub(super) ctx: Arc<CudaContext>,
+    pub(super) event: Arc<CudaEvent>,
+}
+
+impl DeviceEvent for Marker {
+    fn query(&self) -> Result<Progress> {
+        const OP: &str = "cuEventQuery";
+        cuda(OP, || self.ctx.bind_to_thread())?;
+        cuda(OP, || self.event.try_is_complete()).map(|done| {
+            if done {
+                Progress::Done
+            } else {
+                Progress::InProgress
+            }
+        })
+    }
+}
+
 impl Shared {
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn new(
-        raw: RawComm,
+        raw: Arc<RawComm>,
+        tracked: Arc<Tracked>,
         ctx: Arc<CudaContext>,
         stream: Arc<CudaStream>,
         name: String,
         timeout: Duration,
-        abort_on_failure: bool,
-        job: Arc<Job>,
     ) -> Shared {
+        let device_calls = device_lock(ctx.ordinal());
+        let outbox = outbox(ctx.ordinal());
         Shared {
+            outbox,
+            pending: Mutex::new(Vec::new()),
             raw,
+            tracked,
             ctx,
             stream,
             name,
             timeout,
-            abort_on_failure,
-            job,
             scratch: Mutex::new(None),
-            pending: Mutex::new(Vec::new()),
+            device_calls,
         }
     }
 
-    /// Enqueues the pending nonblocking sends and receives as **one** NCCL group, so that
-    /// `irecv` + `isend` patterns (rings, pipeline exchanges) cannot deadlock on the stream.
-    /// Called before any other operation of the communicator and when a pending work is
-    /// waited on or polled; the queue lock is held throughout, so flushes are serialised.
-    pub(super) fn flush(&self, op: &'static str) -> Result<()> {
-        let mut queue = lock(&self.pending);
-        if queue.is_empty() {
-            return Ok(());
-        }
-        let items = std::mem::take(&mut *queue);
-        self.bind(op)?;
-        let mut guards: Vec<_> = items.iter().map(|p| lock(&p.slot)).collect();
-        let enqueued = {
-            let mut tokens = Vec::with_capacity(items.len());
-            let mut err = None;
-            for (p, g) in items.iter().zip(guards.iter_mut()) {
-                if let Slot::Waiting(b) = &mut **g {
-                    let t = if p.send {
-                        din(op, &**b, &self.stream).map(|t| P2p::Send(t, p.peer))
-                    } else {
-                        dout(op, &mut **b, &self.stream).map(|t| P2p::Recv(t, p.peer))
-                    };
-                    match t {
-                        Ok(t) => tokens.push(t),
-                        Err(e) => {
-                            err = Some(e);
-                            break;
-                        }
-                    }
-                }
-            }
-            match err {
-                Some(e) => Err(e),
-                None => self.raw.p2p_group(op, tokens, &self.stream),
-            }
-        };
-        let event =
-            enqueued.and_then(|_| cuda(op, || self.stream.record_event(None)).map(Arc::new));
-        let event = event.map_err(|e| annotate(e, op, &self.name));
-        for g in guards.iter_mut() {
-            let prev = std::mem::replace(&mut **g, Slot::Taken);
-            **g = match (prev, &event) {
-                (Slot::Waiting(b), Ok(ev)) => Slot::Enqueued(b, ev.clone()),
-                (Slot::Waiting(_), Err(e)) => Slot::Failed(e.clone()),
-                (other, _) => other,
-            };
-        }
-        event.map(|_| ()).map_err(|e| self.failed(e))
+    /// Holds this device's NCCL call lock ([`device_lock`]).
+    pub(crate) fn device_guard(&self) -> MutexGuard<'_, ()> {
+        lock(&self.device_calls)
     }
 
-    /// Queues a nonblocking send or receive; returns its slot.
-    pub(super) fn defer(
+    /// Runs one NCCL call on the communicator under the device's call lock, then settles an
+    /// `ncclInProgress` within `limit` (still under the lock) or fails the communicator on an
+    /// error ([`Shared::after_call`]).
+    pub(super) fn call(
         &self,
-        send: bool,
-        peer: usize,
-        buf: Box<dyn DeviceBuffer>,
-    ) -> Arc<Mutex<Slot>> {
-        let slot = Arc::new(Mutex::new(Slot::Waiting(buf)));
-        lock(&self.pending).push(Pending {
-            send,
-            peer,
-            slot: slot.clone(),
-        });
-        slot
+        op: &'static str,
+        limit: TimeLimit,
+        f: impl FnOnce() -> Result<Progress>,
+    ) -> Result<()> {
+        let _g = self.device_guard();
+        // Nothing more is enqueued on a communicator that failed or was aborted (its library
+        // abort may still be running on its helper thread).
+        self.tracked.check_live(op)?;
+        let r = f();
+        self.after_call(op, r, limit)
     }
 
     /// Makes the device's context current on this thread.
@@ -161,114 +187,183 @@ impl Shared {
         cuda(op, || self.ctx.bind_to_thread())
     }
 
-    /// Reports a failure: aborts the job's communicators first when configured to.
-    pub(super) fn failed(&self, e: Error) -> Error {
-        if self.abort_on_failure {
-            let n = self.job.abort_all();
-            tracing::error!("nccl: {e}; aborted {n} communicator(s) of the job");
+    /// `Ok` while the communicator is live (not failed, aborted or destroyed).
+    pub(super) fn check_live(&self, op: &'static str) -> Result<()> {
+        self.tracked.check_live(op)
+    }
+
+    /// After an NCCL call on the communicator: `InProgress` (nonblocking mode) is settled under
+    /// `limit` before anything else is called on it; a synchronous NCCL error fails the
+    /// communicator (and, per the job's setting, aborts the job).
+    pub(super) fn after_call(
+        &self,
+        op: &'static str,
+        r: Result<Progress>,
+        limit: TimeLimit,
+    ) -> Result<()> {
+        match r {
+            Ok(Progress::Done) => Ok(()),
+            Ok(Progress::InProgress) => {
+                self.tracked.begin(op);
+                self.tracked.settle(op, limit)
+            }
+            Err(e) => Err(self.failed_call(op, e)),
         }
+    }
+
+    /// A synchronous NCCL error of a call on this communicator: fails it (and, per the job's
+    /// setting, aborts the job); returns the error named after `op` and the communicator.
+    pub(crate) fn failed_call(&self, op: &'static str, e: grid_core::Error) -> grid_core::Error {
+        let e = annotate(e, op, &self.name);
+        self.tracked.fail(e.clone());
         e
     }
 
-    /// [`Error::Finalized`] with the communicator's state.
-    pub(super) fn state_error(&self, op: &'static str) -> Error {
-        Error::Finalized {
-            op,
-            state: if self.raw.state_name() == "destroyed" {
-                "destroyed"
-            } else {
-                "aborted"
-            },
-        }
-    }
-
-    /// `Ok` while the communicator is live.
-    pub(super) fn check_live(&self, op: &'static str) -> Result<()> {
-        if self.raw.is_live() {
-            Ok(())
-        } else {
-            Err(self.state_error(op))
-        }
-    }
-
-    /// Polls `ev` for at most `limit`: `Ok(true)` when it fired, `Ok(false)` at the limit.
-    /// Errors: the communicator was aborted, NCCL reported an asynchronous error, or the driver
-    /// failed.
-    pub(super) fn poll_event(
+    /// Registers everything enqueued on the stream so far as operation `op` with the watchdog:
+    /// records the completion marker, enqueues the host function that kicks the watchdog when
+    /// the device reaches it, and hands `keep` (buffers the device uses) to the watchdog until
+    /// then. Returns the completion and its event (for streams that must wait on it).
+    pub(super) fn watch(
         &self,
         op: &'static str,
-        ev: &CudaEvent,
-        limit: Duration,
-    ) -> Result<bool> {
-        let start = Instant::now();
-        let mut n: u32 = 0;
-        loop {
-            if !self.raw.is_live() {
-                return Err(self.state_error(op));
+        limit: TimeLimit,
+        keep: Vec<Box<dyn Any + Send>>,
+    ) -> Result<(Completion, Arc<CudaEvent>)> {
+        let event = self.mark(op)?;
+        Ok((self.launch_on(op, limit, &event, keep), event))
+    }
+
+    /// After an enqueue that failed: NCCL may have enqueued part of it, so `keep` stays with the
+    /// watchdog until the device is done with it (the communicator has failed, so the marker
+    /// fires once NCCL's abort stopped its kernels).
+    pub(super) fn hold_after_error(&self, op: &'static str, keep: Vec<Box<dyn Any + Send>>) {
+        if keep.is_empty() {
+            return;
+        }
+        match self.watch(op, TimeLimit::Unlimited, keep) {
+            Ok((c, _)) => drop(c),
+            Err(e) => tracing::warn!("nccl: {op}: cannot hold its buffers after a failure: {e}"),
+        }
+    }
+
+    /// Records a completion marker after everything enqueued so far, and the host function
+    /// that kicks the watchdog when the device reaches it.
+    fn mark(&self, op: &'static str) -> Result<Arc<CudaEvent>> {
+        let event = Arc::new(cuda(op, || self.stream.record_event(None))?);
+        let dog = Watchdog::global()?;
+        if let Err(e) = kick_when_reached(&self.stream, dog.kicker()) {
+            // Without the host function the watchdog still notices at its next poll.
+            tracing::debug!("nccl: {e}; completion noticed at the watchdog's next poll");
+        }
+        Ok(event)
+    }
+
+    /// Registers operation `op`, complete when `event` fired, with the watchdog.
+    fn launch_on(
+        &self,
+        op: &'static str,
+        limit: TimeLimit,
+        event: &Arc<CudaEvent>,
+        keep: Vec<Box<dyn Any + Send>>,
+    ) -> Completion {
+        let marker = Marker {
+            ctx: self.ctx.clone(),
+            event: event.clone(),
+        };
+        self.tracked.launch(op, limit, Box::new(marker), keep)
+    }
+
+    /// Holds a nonblocking send or receive back until the next [`Outbox::post_all`] (the
+    /// buffer's stream already joined the communicator's stream).
+    pub(super) fn defer(
+        &self,
+        send: bool,
+        peer: usize,
+        buf: Box<dyn DeviceBuffer>,
+        limit: TimeLimit,
+    ) -> Arc<Mutex<Cell>> {
+        let cell = Arc::new(Mutex::new(Cell::Waiting));
+        lock(&self.pending).push(PendingP2p {
+            send,
+            peer,
+            buf,
+            limit,
+            cell: cell.clone(),
+        });
+        cell
+    }
+
+    /// Posts the held-back sends and receives as one NCCL group; each gets its own completion
+    /// (one marker after the group) holding its buffer until the device is done with it.
+    fn post_pending(&self) {
+        const OP: &str = "isend/irecv";
+        let mut items = std::mem::take(&mut *lock(&self.pending));
+        if items.is_empty() {
+            return;
+        }
+        if let Err(e) = self.tracked.check_live(OP) {
+            // Never enqueued: the buffers can go now.
+            for p in items {
+                *lock(&p.cell) = Cell::Failed(e.clone());
             }
-            match cuda(op, || ev.try_is_complete()) {
-                Ok(true) => return Ok(true),
-                Ok(false) => {}
-                Err(e) => return Err(self.failed(e)),
+            return;
+        }
+        let limit = items
+            .iter()
+            .fold(TimeLimit::Unlimited, |l, p| shorter(l, p.limit));
+        let posted = self.bind(OP).and_then(|()| {
+            let st = &*self.stream;
+            let mut tokens = Vec::with_capacity(items.len());
+            for p in items.iter_mut() {
+                tokens.push(if p.send {
+                    P2p::Send(din(OP, &*p.buf, st)?, p.peer)
+                } else {
+                    P2p::Recv(dout(OP, &mut *p.buf, st)?, p.peer)
+                });
             }
-            if n % 64 == 63 {
-                if let Err(e) = self.raw.async_error(op) {
-                    return Err(match e {
-                        Error::Finalized { .. } => e,
-                        other => self.failed(other),
-                    });
+            self.call(OP, limit, || self.raw.p2p_group(OP, tokens, st))
+        });
+        // The buffers go to the watchdog whatever happened (NCCL may have enqueued part of
+        // the group); a failure is what every work of the group reports.
+        let event = self.mark(OP);
+        for p in items {
+            let op = if p.send { "send" } else { "recv" };
+            let outcome = match (&posted, &event) {
+                (Ok(()), Ok(ev)) => Cell::Posted(
+                    self.launch_on(op, p.limit, ev, vec![hold(p.buf)]),
+                    ev.clone(),
+                ),
+                (Err(e), Ok(ev)) => {
+                    drop(self.launch_on(op, p.limit, ev, vec![hold(p.buf)]));
+                    Cell::Failed(e.clone())
                 }
-            }
-            if start.elapsed() >= limit {
-                return Ok(false);
-            }
-            if n < 64 {
-                std::thread::yield_now();
-            } else {
-                std::thread::sleep(Duration::from_micros(200));
-            }
-            n = n.wrapping_add(1);
+                (Err(e), Err(_)) | (Ok(()), Err(e)) => Cell::Failed(e.clone()),
+            };
+            *lock(&p.cell) = outcome;
         }
     }
 
-    /// Waits for `ev` up to the communicator's timeout; a timeout is a failure.
-    pub(super) fn wait_event(&self, op: &'static str, ev: &CudaEvent) -> Result<()> {
-        if self.poll_event(op, ev, self.timeout)? {
-            Ok(())
-        } else {
-            Err(self.failed(Error::Timeout {
-                op,
-                millis: u64::try_from(self.timeout.as_millis()).unwrap_or(u64::MAX),
-                peer: None,
-                at: None,
-            }))
-        }
-    }
-
-    /// Waits until everything enqueued on the stream so far has completed.
-    pub(super) fn sync(&self, op: &'static str) -> Result<()> {
+    /// Waits (host) until everything enqueued on the stream so far has completed, within
+    /// `limit`.
+    pub(super) fn sync(&self, op: &'static str, limit: TimeLimit) -> Result<()> {
         self.bind(op)?;
-        let ev = cuda(op, || self.stream.record_event(None))?;
-        self.wait_event(op, &ev)
+        let (c, _) = self.watch(op, limit, Vec::new())?;
+        c.wait().map(|_| ())
+    }
+}
+
+impl Deferred for Shared {
+    fn post_deferred(&self) {
+        self.post_pending();
     }
 }
 
 impl Drop for Shared {
     fn drop(&mut self) {
-        // Orderly destruction needs an idle stream; if the stream does not drain (a peer died,
-        // an error is pending) the communicator is aborted instead of hanging in finalize.
-        if self.raw.is_live() {
-            let idle = self
-                .flush("drop")
-                .and_then(|_| self.bind("drop"))
-                .and_then(|_| {
-                    let ev = cuda("drop", || self.stream.record_event(None))?;
-                    self.poll_event("drop", &ev, self.timeout)
-                });
-            if !matches!(idle, Ok(true)) {
-                self.raw.abort();
-            }
-        }
-        // `raw` drops next: finalize + destroy if still live (see `RawComm`'s Drop).
+        // Held-back operations whose works were dropped are still owed to their peers.
+        self.post_pending();
+        // The watchdog lets the pending operations finish (within their limits), then
+        // finalizes and destroys the communicator without blocking, or aborts it.
+        self.tracked.close();
     }
 }

@@ -1,28 +1,29 @@
-//! Nonblocking execution: validated requests enqueued on the communicator's stream (sends and
-//! receives deferred into one group), and [`NcclWork`], which completes through a CUDA event.
+//! Nonblocking execution: validated requests enqueued on the communicator's stream **when they
+//! are started** (sends and receives too), each watched by the process's watchdog, and
+//! [`NcclWork`], which completes through the operation's completion marker.
 
-use super::exec::Kind;
-use super::shared::{lock, Shared, Slot};
+use super::exec::{hold, unhold, Kind};
+use super::shared::{Cell, Shared};
 use super::NcclBackend;
 use crate::buffer::{downcast, owned, with_dtype};
+use crate::engine::Completion;
 use crate::error::{annotate, cuda, internal};
-use cudarc::driver::{CudaEvent, CudaStream};
-use grid_core::{DType, DeviceBuffer, Error, HostBuffer, Request, Result, Tensor, Work};
+use cudarc::driver::CudaEvent;
+use grid_core::{DType, DeviceBuffer, Error, HostBuffer, Request, Result, Tensor, TimeLimit, Work};
+use std::any::Any;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// A tensor as device memory plus, for host tensors, the original host buffer.
 type Operand = (Option<Box<dyn DeviceBuffer>>, Option<HostBuffer>);
 
 /// What a finished [`NcclWork`] hands back.
 enum Output {
-    /// Device memory: returned as is.
-    Device(Box<dyn DeviceBuffer>),
-    /// A staged result: copied to the host on completion.
-    Staged(Box<dyn DeviceBuffer>),
-    /// The buffer of a deferred send or receive (copied to the host if `staged`).
-    Slot { staged: bool },
-    /// Ready now (sent host buffer, empty buffers, barrier).
+    /// The first held buffer, device memory: returned as is, stream-ordered.
+    Device,
+    /// The first held buffer, a staged result: copied to the host on completion.
+    Staged,
+    /// Ready on completion (a sent host buffer, a barrier).
     Ready(Tensor),
 }
 
@@ -31,84 +32,136 @@ fn empty() -> Tensor {
 }
 
 impl NcclBackend {
-    /// Starts one validated nonblocking operation.
-    pub(super) fn start_request(&self, request: Request) -> Result<Box<dyn Work>> {
+    /// Starts one validated nonblocking operation: a collective or barrier is enqueued now and
+    /// watched by the watchdog; a send or receive is held back ([`NcclBackend::hold_back`]).
+    pub(super) fn start_request(
+        &self,
+        request: Request,
+        limit: TimeLimit,
+    ) -> Result<Box<dyn Work>> {
         let op = request.name();
-        let p2p = matches!(request, Request::Send { .. } | Request::Recv { .. });
-        if !p2p {
-            // Pending sends and receives were started first: enqueue them first. Sends and
-            // receives themselves are deferred (see `Shared::flush`), not flushed here.
-            self.shared.flush(op)?;
+        match request {
+            Request::Send { buf, peer, .. } => {
+                self.shared.bind(op)?;
+                return match self.operand(op, buf, true)? {
+                    (Some(d), host) => {
+                        let out = match host {
+                            Some(h) => Output::Ready(Tensor::Host(h)),
+                            None => Output::Device,
+                        };
+                        self.hold_back(op, true, peer, d, out, limit)
+                    }
+                    (None, Some(h)) => Ok(ready(self, op, Tensor::Host(h))),
+                    (None, None) => Err(internal(op, "send operand")),
+                };
+            }
+            Request::Recv { buf, peer, .. } => {
+                self.shared.bind(op)?;
+                return match self.operand(op, buf, false)? {
+                    (Some(d), host) => {
+                        let out = if host.is_some() {
+                            Output::Staged
+                        } else {
+                            Output::Device
+                        };
+                        self.hold_back(op, false, peer, d, out, limit)
+                    }
+                    (None, Some(h)) => Ok(ready(self, op, Tensor::Host(h))),
+                    (None, None) => Err(internal(op, "recv operand")),
+                };
+            }
+            _ => {}
         }
+        // Held-back sends and receives were started first: posted first.
+        self.shared.outbox.post_all();
         self.shared.bind(op)?;
+        // The buffers the device uses, the result first.
         let mut keep: Vec<Box<dyn DeviceBuffer>> = Vec::new();
-        let mut slot = None;
-        let output = match request {
+        let output = match self.enqueue_request(op, request, &mut keep, limit) {
+            Ok(o) => o,
+            Err(e) => {
+                // NCCL may have enqueued it before failing: the buffers stay with the
+                // watchdog until the device is done with them.
+                self.shared
+                    .hold_after_error(op, keep.into_iter().map(hold).collect());
+                return Err(e);
+            }
+        };
+        let output = match output {
+            // Nothing was enqueued (empty buffers).
+            Output::Ready(t) if keep.is_empty() && op != "barrier" => {
+                return Ok(ready(self, op, t));
+            }
+            other => other,
+        };
+        let (c, event) = self
+            .shared
+            .watch(op, limit, keep.into_iter().map(hold).collect())?;
+        Ok(work(self, op, Some(c), Some(event), output))
+    }
+
+    /// Enqueues a collective or the barrier; `keep` receives the device buffers NCCL uses (the
+    /// result first), also when enqueueing fails.
+    fn enqueue_request(
+        &self,
+        op: &'static str,
+        request: Request,
+        keep: &mut Vec<Box<dyn DeviceBuffer>>,
+        limit: TimeLimit,
+    ) -> Result<Output> {
+        Ok(match request {
             Request::AllReduce { buf, op: r } => {
-                self.start_in_place(op, Kind::AllReduce(r), buf)?
+                self.start_in_place(op, Kind::AllReduce(r), buf, keep, limit)?
             }
             Request::Broadcast { buf, root } => {
-                self.start_in_place(op, Kind::Broadcast(root), buf)?
+                self.start_in_place(op, Kind::Broadcast(root), buf, keep, limit)?
             }
             Request::AllReduceInto { send, recv, op: r } => {
-                self.start_two(op, Kind::AllReduce(r), send, recv, &mut keep)?
+                self.start_two(op, Kind::AllReduce(r), send, recv, keep, limit)?
             }
             Request::AllGather { send, recv } => {
-                self.start_two(op, Kind::AllGather, send, recv, &mut keep)?
+                self.start_two(op, Kind::AllGather, send, recv, keep, limit)?
             }
             Request::ReduceScatter { send, recv, op: r } => {
-                self.start_two(op, Kind::ReduceScatter(r), send, recv, &mut keep)?
+                self.start_two(op, Kind::ReduceScatter(r), send, recv, keep, limit)?
             }
             Request::AllToAll { send, recv } => {
-                self.start_two(op, Kind::AllToAll, send, recv, &mut keep)?
+                self.start_two(op, Kind::AllToAll, send, recv, keep, limit)?
             }
             Request::Barrier => {
-                self.barrier_enqueue(op)?;
+                self.barrier_enqueue(op, limit)?;
                 Output::Ready(empty())
             }
-            Request::Send { buf, peer, .. } => match self.operand(op, buf, true)? {
-                (Some(d), host) => {
-                    if host.is_none() {
-                        self.wait_for(op, &*d)?;
-                    }
-                    slot = Some(self.shared.defer(true, peer, d));
-                    match host {
-                        Some(h) => Output::Ready(Tensor::Host(h)),
-                        None => Output::Slot { staged: false },
-                    }
-                }
-                (None, Some(h)) => Output::Ready(Tensor::Host(h)),
-                (None, None) => return Err(internal(op, "send operand")),
-            },
-            Request::Recv { buf, peer, .. } => match self.operand(op, buf, false)? {
-                (Some(d), host) => {
-                    if host.is_none() {
-                        self.wait_for(op, &*d)?;
-                    }
-                    slot = Some(self.shared.defer(false, peer, d));
-                    Output::Slot {
-                        staged: host.is_some(),
-                    }
-                }
-                (None, Some(h)) => Output::Ready(Tensor::Host(h)),
-                (None, None) => return Err(internal(op, "recv operand")),
-            },
-        };
-        let event = match slot {
-            Some(_) => None,
-            None => Some(Arc::new(cuda(op, || {
-                self.shared.stream.record_event(None)
-            })?)),
-        };
+            Request::Send { .. } | Request::Recv { .. } => {
+                return Err(internal(op, "point-to-point request in enqueue_request"))
+            }
+        })
+    }
+
+    /// Holds a nonblocking send or receive back, to be posted (grouped with the others held
+    /// back) before this process does anything else on the device: any other operation on any
+    /// communicator of the GPU, any wait or poll ([`crate::engine::Outbox`]).
+    fn hold_back(
+        &self,
+        op: &'static str,
+        send: bool,
+        peer: usize,
+        d: Box<dyn DeviceBuffer>,
+        output: Output,
+        limit: TimeLimit,
+    ) -> Result<Box<dyn Work>> {
+        if matches!(output, Output::Device) {
+            self.wait_for(op, &*d)?;
+        }
+        let cell = self.shared.defer(send, peer, d, limit);
         Ok(Box::new(NcclWork {
             shared: self.shared.clone(),
-            comm_stream: self.shared.stream.clone(),
             op,
-            event,
-            slot,
-            started: Instant::now(),
+            completion: None,
+            event: None,
+            deferred: Some(cell),
+            failed: None,
             output: Some(output),
-            _keep: keep,
         }))
     }
 
@@ -135,23 +188,32 @@ impl NcclBackend {
 
     /// In-place broadcast or all-reduce of one tensor (NCCL's send buffer is the receive
     /// buffer; a host tensor is uploaded, reduced on the GPU and copied back on completion).
-    fn start_in_place(&self, op: &'static str, kind: Kind, buf: Tensor) -> Result<Output> {
+    fn start_in_place(
+        &self,
+        op: &'static str,
+        kind: Kind,
+        buf: Tensor,
+        keep: &mut Vec<Box<dyn DeviceBuffer>>,
+        limit: TimeLimit,
+    ) -> Result<Output> {
         let is_host = matches!(buf, Tensor::Host(_));
         let (dev, host) = self.operand(op, buf, kind.reads_recv(true))?;
         match dev {
             None => Ok(Output::Ready(host.map(Tensor::Host).unwrap_or_else(empty))),
             Some(mut d) => {
-                self.enqueue(op, kind, None, &mut *d)?;
+                let r = self.enqueue(op, kind, None, &mut *d, limit);
+                keep.push(d);
+                r?;
                 Ok(if is_host {
-                    Output::Staged(d)
+                    Output::Staged
                 } else {
-                    Output::Device(d)
+                    Output::Device
                 })
             }
         }
     }
 
-    /// A two-buffer collective; the send buffer is kept alive until the work completes.
+    /// A two-buffer collective; the send buffer is held until the work completes.
     fn start_two(
         &self,
         op: &'static str,
@@ -159,45 +221,73 @@ impl NcclBackend {
         send: Tensor,
         recv: Tensor,
         keep: &mut Vec<Box<dyn DeviceBuffer>>,
+        limit: TimeLimit,
     ) -> Result<Output> {
         let recv_host = matches!(recv, Tensor::Host(_));
         let (sdev, _) = self.operand(op, send, true)?;
         let (rdev, rhost) = self.operand(op, recv, false)?;
-        let out = |r| {
-            if recv_host {
-                Output::Staged(r)
-            } else {
-                Output::Device(r)
-            }
-        };
         match (sdev, rdev) {
             (Some(s), Some(mut r)) => {
-                self.enqueue(op, kind, Some(&*s), &mut *r)?;
+                let res = self.enqueue(op, kind, Some(&*s), &mut *r, limit);
+                keep.push(r);
                 keep.push(s);
-                Ok(out(r))
+                res?;
+                Ok(if recv_host {
+                    Output::Staged
+                } else {
+                    Output::Device
+                })
             }
-            (s, None) => {
-                keep.extend(s);
-                Ok(Output::Ready(rhost.map(Tensor::Host).unwrap_or_else(empty)))
-            }
-            (None, Some(r)) => Ok(out(r)),
+            (_, None) => Ok(Output::Ready(rhost.map(Tensor::Host).unwrap_or_else(empty))),
+            (None, Some(_)) => Err(internal(op, "receive buffer without send buffer")),
         }
     }
 }
 
-/// A started operation: completes when the CUDA event recorded after it has fired.
-/// Nonblocking sends and receives are enqueued (as one group with the other pending ones) when
-/// their work is first polled or waited on, or when the communicator runs any other operation.
+fn work(
+    b: &NcclBackend,
+    op: &'static str,
+    completion: Option<Completion>,
+    event: Option<Arc<CudaEvent>>,
+    output: Output,
+) -> Box<dyn Work> {
+    Box::new(NcclWork {
+        shared: b.shared.clone(),
+        op,
+        completion,
+        event,
+        deferred: None,
+        failed: None,
+        output: Some(output),
+    })
+}
+
+/// A work that nothing was enqueued for (empty buffers): complete at once.
+fn ready(b: &NcclBackend, op: &'static str, t: Tensor) -> Box<dyn Work> {
+    work(b, op, None, None, Output::Ready(t))
+}
+
+/// A started operation: completes when the completion marker recorded after it has fired (the
+/// watchdog notices, woken by a CUDA host function).
+///
+/// * [`Work::wait`] on a **device** result does not block the host: the result buffer's stream
+///   is made to wait for the marker and the buffer is returned at once (stream-ordered, like
+///   NCCL itself); a failure found later fails the communicator, and the next operation reports
+///   it. On a **host** result (staged) it blocks the host until the marker fired and copies the
+///   result back.
+/// * [`Work::wait_timeout`] always blocks the host (use it when the host needs the data).
+/// * Dropping it unfinished is safe: its buffers stay with the watchdog until the device is
+///   done with them, and are freed then.
 pub struct NcclWork {
     shared: Arc<Shared>,
-    comm_stream: Arc<CudaStream>,
     op: &'static str,
+    completion: Option<Completion>,
     event: Option<Arc<CudaEvent>>,
-    slot: Option<Arc<Mutex<Slot>>>,
-    started: Instant,
+    /// A held-back send or receive: its completion appears here once posted.
+    deferred: Option<Arc<Mutex<Cell>>>,
+    /// Posting it failed (kept for the wait after an `is_completed`).
+    failed: Option<Error>,
     output: Option<Output>,
-    /// Buffers NCCL still reads (staged inputs, device inputs) until the event fires.
-    _keep: Vec<Box<dyn DeviceBuffer>>,
 }
 
 impl std::fmt::Debug for NcclWork {
@@ -211,116 +301,128 @@ impl NcclWork {
         annotate(e, self.op, &self.shared.name)
     }
 
-    /// The completion event, enqueueing a deferred send/receive first.
-    fn event(&mut self) -> Result<Arc<CudaEvent>> {
-        if let Some(ev) = &self.event {
-            return Ok(ev.clone());
-        }
-        let Some(slot) = self.slot.clone() else {
-            return Err(internal(self.op, "work without event"));
+    /// Hands back the result once the held buffers are in hand (`held`: the result first).
+    fn finish(&mut self, held: Vec<Box<dyn Any + Send>>, host_waited: bool) -> Result<Tensor> {
+        let op = self.op;
+        let first = || -> Result<Box<dyn DeviceBuffer>> {
+            let b = held
+                .into_iter()
+                .next()
+                .ok_or_else(|| internal(op, "held result"))?;
+            unhold(op, b)
         };
-        self.shared.flush(self.op)?;
-        let ev = match &*lock(&slot) {
-            Slot::Enqueued(_, ev) => ev.clone(),
-            Slot::Failed(e) => return Err(e.clone()),
-            Slot::Waiting(_) | Slot::Taken => {
-                return Err(internal(self.op, "deferred operation not enqueued"))
-            }
-        };
-        self.event = Some(ev.clone());
-        Ok(ev)
-    }
-
-    fn finish(mut self, event: &CudaEvent) -> Result<Tensor> {
-        let out = self.output.take();
-        let (d, staged) = match out {
-            Some(Output::Ready(t)) => return Ok(t),
-            Some(Output::Device(d)) => (d, false),
-            Some(Output::Staged(d)) => (d, true),
-            Some(Output::Slot { staged }) => {
-                let Some(slot) = self.slot.take() else {
-                    return Err(internal(self.op, "slot"));
-                };
-                let prev = std::mem::replace(&mut *lock(&slot), Slot::Taken);
-                match prev {
-                    Slot::Enqueued(d, _) => (d, staged),
-                    Slot::Failed(e) => return Err(e),
-                    _ => return Err(internal(self.op, "slot state")),
+        match self.output.take() {
+            Some(Output::Ready(t)) => Ok(t),
+            Some(Output::Device) => {
+                let d = first()?;
+                if !host_waited {
+                    // Stream-ordered: the buffer's stream waits for the marker.
+                    let Some(ev) = &self.event else {
+                        return Err(internal(op, "device work without marker"));
+                    };
+                    let s =
+                        with_dtype!(d.dtype(), T => downcast::<T>(op, &*d)?.slice.stream().clone());
+                    if *s != *self.shared.stream {
+                        cuda(op, || s.wait(ev))?;
+                    }
                 }
+                Ok(Tensor::Device(d))
             }
-            None => return Err(internal(self.op, "work finished twice")),
-        };
-        if staged {
-            self.shared.bind(self.op)?;
-            let h = with_dtype!(d.dtype(), T => {
-                let b = downcast::<T>(self.op, &*d)?;
-                owned::<T>(cuda(self.op, || self.comm_stream.clone_dtoh(&b.slice))?)
-            });
-            Ok(Tensor::Host(h))
-        } else {
-            let s =
-                with_dtype!(d.dtype(), T => downcast::<T>(self.op, &*d)?.slice.stream().clone());
-            if *s != *self.comm_stream {
-                cuda(self.op, || s.wait(event))?;
+            Some(Output::Staged) => {
+                let d = first()?;
+                self.shared.bind(op)?;
+                let h = with_dtype!(d.dtype(), T => {
+                    let b = downcast::<T>(op, &*d)?;
+                    owned::<T>(cuda(op, || self.shared.stream.clone_dtoh(&b.slice))?)
+                });
+                Ok(Tensor::Host(h))
             }
-            Ok(Tensor::Device(d))
+            None => Err(internal(op, "work finished twice")),
         }
     }
 
-    fn wait_inner(mut self) -> Result<Tensor> {
-        self.shared.bind(self.op)?;
-        let ev = self.event()?;
-        self.shared.wait_event(self.op, &ev)?;
-        self.finish(&ev)
+    /// For a held-back send or receive: posts everything held back on the device and takes
+    /// the completion.
+    fn resolve(&mut self) -> Result<()> {
+        if let Some(e) = &self.failed {
+            return Err(e.clone());
+        }
+        let Some(cell) = self.deferred.take() else {
+            return Ok(());
+        };
+        self.shared.outbox.post_all();
+        let taken = std::mem::replace(&mut *super::shared::lock(&cell), Cell::Taken);
+        match taken {
+            Cell::Posted(c, ev) => {
+                self.completion = Some(c);
+                self.event = Some(ev);
+                Ok(())
+            }
+            Cell::Failed(e) => {
+                self.failed = Some(e.clone());
+                Err(e)
+            }
+            Cell::Waiting | Cell::Taken => {
+                let e = internal(self.op, "held-back operation not posted");
+                self.failed = Some(e.clone());
+                Err(e)
+            }
+        }
+    }
+
+    fn wait_inner(&mut self) -> Result<Tensor> {
+        self.resolve()?;
+        let Some(c) = self.completion.take() else {
+            return self.finish(Vec::new(), true);
+        };
+        if matches!(self.output, Some(Output::Device)) {
+            if let Some(Err(e)) = c.outcome() {
+                return Err(e);
+            }
+            self.shared.bind(self.op)?;
+            return self.finish(c.take_stream_ordered(), false);
+        }
+        let held = c.wait()?;
+        self.finish(held, true)
     }
 }
 
 impl Work for NcclWork {
     fn is_completed(&mut self) -> bool {
-        if !self.shared.raw.is_live() {
+        if self.resolve().is_err() {
             return true;
         }
-        match self.event() {
-            Ok(ev) => !matches!(cuda(self.op, || ev.try_is_complete()), Ok(false)),
-            Err(_) => true,
-        }
+        self.completion
+            .as_ref()
+            .is_none_or(|c| c.outcome().is_some())
     }
 
-    fn wait(self: Box<Self>) -> Result<Tensor> {
-        let (op, shared) = (self.op, self.shared.clone());
-        (*self)
-            .wait_inner()
-            .map_err(|e| annotate(e, op, &shared.name))
+    fn wait(mut self: Box<Self>) -> Result<Tensor> {
+        let r = self.wait_inner();
+        r.map_err(|e| self.annotate(e))
     }
 
     fn wait_timeout(
         mut self: Box<Self>,
         timeout: Duration,
     ) -> std::result::Result<Result<Tensor>, Box<dyn Work>> {
-        if let Err(e) = self.shared.bind(self.op) {
+        if let Err(e) = self.resolve() {
             return Ok(Err(self.annotate(e)));
         }
-        let ev = match self.event() {
-            Ok(ev) => ev,
-            Err(e) => return Ok(Err(self.annotate(e))),
+        let Some(c) = self.completion.take() else {
+            let r = self.finish(Vec::new(), true);
+            return Ok(r.map_err(|e| self.annotate(e)));
         };
-        let remaining = self.shared.timeout.saturating_sub(self.started.elapsed());
-        match self.shared.poll_event(self.op, &ev, timeout.min(remaining)) {
-            Ok(true) => {
-                let (op, shared) = (self.op, self.shared.clone());
-                Ok(self.finish(&ev).map_err(|e| annotate(e, op, &shared.name)))
+        match c.wait_for(timeout) {
+            Err(c) => {
+                self.completion = Some(c);
+                Err(self)
             }
-            Ok(false) if timeout < remaining => Err(self),
-            Ok(false) => {
-                let millis = u64::try_from(self.shared.timeout.as_millis()).unwrap_or(u64::MAX);
-                Ok(Err(self.shared.failed(Error::Timeout {
-                    op: self.op,
-                    millis,
-                    peer: None,
-                    at: None,
-                })))
+            Ok(Err(e)) => Ok(Err(self.annotate(e))),
+            Ok(Ok(held)) => {
+                let r = self.finish(held, true);
+                Ok(r.map_err(|e| self.annotate(e)))
             }
-            Err(e) => Ok(Err(self.annotate(e))),
         }
     }
 }

@@ -4,6 +4,7 @@
 
 use backend_local::{LocalConfig, LocalWorld};
 use backend_nccl::{probe, NcclCommunicator, NcclFactory, NcclOptions};
+use std::sync::Mutex;
 use std::time::Duration;
 
 /// The number of GPUs, or prints `SKIPPED: <reason>` and returns `None`. With
@@ -21,13 +22,25 @@ pub fn gpus_or_skip(test: &str, min: usize) -> Option<usize> {
     None
 }
 
+/// The GPU tests of one test binary run one at a time (cargo runs tests on parallel threads;
+/// two tests' ranks on one GPU would be two NCCL ranks per device, which the backend refuses).
+static SERIAL: Mutex<()> = Mutex::new(());
+
+/// Runs `f` while holding [`SERIAL`] (for GPU tests that do not use [`on_gpus`]).
+pub fn serialised<T>(f: impl FnOnce() -> T) -> T {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    f()
+}
+
 /// Runs `f` on `n` ranks (rank `i` on GPU `i`), each with its own factory and world
-/// communicator; results in rank order. A rank that fails to initialise aborts the test.
+/// communicator; results in rank order. A rank that fails to initialise aborts the test. Holds
+/// [`SERIAL`] throughout.
 pub fn on_gpus<T: Send>(
     n: usize,
     timeout: Duration,
     f: impl Fn(&NcclFactory, &NcclCommunicator) -> T + Sync,
 ) -> Vec<T> {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
     let config = LocalConfig {
         timeout: Duration::from_secs(120),
         ..LocalConfig::default()

@@ -1,0 +1,813 @@
+//! The NCCL backend's failure-handling state machine ([`backend_nccl::engine`]) on CPU, driven
+//! by a **scripted stand-in for the device runtime** defined in this file: communicators whose
+//! creation finishes only when every rank joined, collectives whose completion marker fires only
+//! when every rank enqueued them, sends that complete when the matching receive is posted,
+//! markers that never fire, and asynchronous errors raised mid-run. The stand-in exists only to
+//! test the state machine; it moves no data and is not an NCCL backend.
+//!
+//! Ranks are threads; each rank has its own watchdog, as each process would. The checks are the
+//! CPU half of the NCCL issue's "done when": a stalled creation, a stalled collective and an
+//! asynchronous error each end in an error on every rank within the time limit plus one second;
+//! `abort()` from another thread returns at once while operations are stalled; dropped
+//! unfinished work keeps its buffers until its marker fires; an `isend` on one communicator
+//! followed by a blocking collective on another completes, because held-back sends are posted
+//! before the rank blocks anywhere (and, as a control, stalls when they are not).
+
+use backend_nccl::engine::{
+    Completion, Deferred, DeviceComm, DeviceEvent, Job, Kicker, Outbox, Progress, Tracked,
+    Watchdog, WatchdogOptions,
+};
+use grid_core::{Error, LibraryError, Result, TimeLimit};
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// One second: the margin the issue allows past a time limit.
+const MARGIN: Duration = Duration::from_secs(1);
+
+// ------------------------------------------------------------------------------------------------
+// The scripted stand-in
+// ------------------------------------------------------------------------------------------------
+
+/// What the ranks of one scripted communicator have done.
+#[derive(Default)]
+struct FabricState {
+    joined: HashSet<usize>,
+    aborted: HashSet<usize>,
+    async_error: HashMap<usize, Error>,
+    /// Collective key -> ranks that enqueued it.
+    posted: HashMap<String, HashSet<usize>>,
+    /// (from, to, n) -> (send posted, receive posted).
+    p2p: HashMap<(usize, usize, usize), (bool, bool)>,
+    /// Creation finished (every rank joined before anyone gave up).
+    created: bool,
+    finalize_stuck: bool,
+    finalizing: bool,
+    destroyed: HashSet<usize>,
+}
+
+/// The "network" of one communicator of `n` ranks.
+struct Fabric {
+    n: usize,
+    st: Mutex<FabricState>,
+    kickers: Mutex<Vec<Kicker>>,
+}
+
+impl Fabric {
+    fn new(n: usize) -> Arc<Fabric> {
+        Arc::new(Fabric {
+            n,
+            st: Mutex::new(FabricState::default()),
+            kickers: Mutex::new(Vec::new()),
+        })
+    }
+
+    fn st(&self) -> std::sync::MutexGuard<'_, FabricState> {
+        self.st.lock().unwrap()
+    }
+
+    /// Something may have completed on some rank: wake every rank's watchdog (what the CUDA
+    /// host function enqueued after each operation does in the real backend).
+    fn kick_all(&self) {
+        for k in self.kickers.lock().unwrap().iter() {
+            k.kick();
+        }
+    }
+
+    /// Rank `rank` joins (its `ncclCommInitRank` started).
+    fn join(self: &Arc<Self>, rank: usize, dog: &Watchdog) -> Arc<ScriptedComm> {
+        self.kickers.lock().unwrap().push(dog.kicker());
+        self.st().joined.insert(rank);
+        self.kick_all();
+        Arc::new(ScriptedComm {
+            rank,
+            fabric: self.clone(),
+        })
+    }
+
+    /// Rank `rank` enqueues collective `key`; its marker fires once every rank enqueued it.
+    fn collective(self: &Arc<Self>, rank: usize, key: &str) -> Box<dyn DeviceEvent> {
+        self.st()
+            .posted
+            .entry(key.to_string())
+            .or_default()
+            .insert(rank);
+        self.kick_all();
+        Box::new(ScriptedEvent {
+            fabric: self.clone(),
+            rank,
+            what: What::Collective(key.to_string()),
+        })
+    }
+
+    /// Rank `from` posts its `n`-th send to `to`, or `to` its receive from `from`.
+    fn p2p(
+        self: &Arc<Self>,
+        rank: usize,
+        from: usize,
+        to: usize,
+        n: usize,
+    ) -> Box<dyn DeviceEvent> {
+        {
+            let mut st = self.st();
+            let e = st.p2p.entry((from, to, n)).or_default();
+            if rank == from {
+                e.0 = true;
+            } else {
+                e.1 = true;
+            }
+        }
+        self.kick_all();
+        Box::new(ScriptedEvent {
+            fabric: self.clone(),
+            rank,
+            what: What::P2p(from, to, n),
+        })
+    }
+
+    /// NCCL reports an asynchronous error on `rank` (a broken connection).
+    fn raise(&self, rank: usize) {
+        let e: Error = LibraryError::new("nccl", "ncclCommGetAsyncError", "remote process exited")
+            .code(6)
+            .class("ncclRemoteError")
+            .into();
+        self.st().async_error.insert(rank, e);
+    }
+}
+
+/// One rank's communicator of the stand-in.
+struct ScriptedComm {
+    rank: usize,
+    fabric: Arc<Fabric>,
+}
+
+impl DeviceComm for ScriptedComm {
+    fn progress(&self) -> Result<Progress> {
+        let mut st = self.fabric.st();
+        if let Some(e) = st.async_error.get(&self.rank) {
+            return Err(e.clone());
+        }
+        // Creation finishes when every rank joined and none of them gave up meanwhile (a peer
+        // that aborted never answers the bootstrap).
+        if !st.created {
+            if st.joined.len() == self.fabric.n && st.aborted.is_empty() {
+                st.created = true;
+            } else {
+                return Ok(Progress::InProgress);
+            }
+        }
+        if st.finalizing && st.finalize_stuck {
+            return Ok(Progress::InProgress);
+        }
+        Ok(Progress::Done)
+    }
+    fn abort(&self) {
+        self.fabric.st().aborted.insert(self.rank);
+        // The device's kernels of this rank exit: its markers fire.
+        self.fabric.kick_all();
+    }
+    fn finalize(&self) -> Result<Progress> {
+        let mut st = self.fabric.st();
+        st.finalizing = true;
+        Ok(if st.finalize_stuck {
+            Progress::InProgress
+        } else {
+            Progress::Done
+        })
+    }
+    fn destroy(&self) {
+        self.fabric.st().destroyed.insert(self.rank);
+    }
+}
+
+enum What {
+    Collective(String),
+    P2p(usize, usize, usize),
+    /// A marker that fires when the gate opens (or never).
+    Gate(Arc<AtomicBool>),
+}
+
+struct ScriptedEvent {
+    fabric: Arc<Fabric>,
+    rank: usize,
+    what: What,
+}
+
+impl DeviceEvent for ScriptedEvent {
+    fn query(&self) -> Result<Progress> {
+        let st = self.fabric.st();
+        let done = match &self.what {
+            What::Collective(k) => st.posted.get(k).is_some_and(|s| s.len() == self.fabric.n),
+            What::P2p(from, to, n) => st.p2p.get(&(*from, *to, *n)) == Some(&(true, true)),
+            What::Gate(g) => {
+                return Ok(if g.load(Ordering::Acquire) {
+                    Progress::Done
+                } else {
+                    Progress::InProgress
+                })
+            }
+        };
+        // After ncclCommAbort the rank's kernels exit, so its markers fire.
+        Ok(if done || st.aborted.contains(&self.rank) {
+            Progress::Done
+        } else {
+            Progress::InProgress
+        })
+    }
+}
+
+/// A buffer the device "uses": records when it is freed.
+struct Buffer(Arc<AtomicBool>);
+impl Drop for Buffer {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Release);
+    }
+}
+
+fn dog() -> Watchdog {
+    Watchdog::start(WatchdogOptions {
+        poll: Duration::from_millis(5),
+        close_limit: Duration::from_millis(300),
+    })
+    .unwrap()
+}
+
+/// Creates rank `rank`'s communicator on `fabric` and waits for its creation.
+fn create(
+    fabric: &Arc<Fabric>,
+    rank: usize,
+    dog: &Watchdog,
+    name: &str,
+    job: Option<&Arc<Job>>,
+    limit: TimeLimit,
+) -> (Arc<Tracked>, Result<()>) {
+    let comm = fabric.join(rank, dog);
+    let t = dog.track(name, comm, "init", job);
+    let r = t.settle("init", limit);
+    (t, r)
+}
+
+fn limit(ms: u64) -> TimeLimit {
+    TimeLimit::from_millis(ms)
+}
+
+/// Runs `f(rank)` on `n` threads; results in rank order.
+fn ranks<T: Send>(n: usize, f: impl Fn(usize) -> T + Sync) -> Vec<T> {
+    std::thread::scope(|s| {
+        let hs: Vec<_> = (0..n)
+            .map(|r| {
+                let f = &f;
+                s.spawn(move || f(r))
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+fn blocking(
+    t: &Arc<Tracked>,
+    fabric: &Arc<Fabric>,
+    rank: usize,
+    key: &str,
+    l: TimeLimit,
+) -> Result<()> {
+    t.check_live("all_reduce")?;
+    let ev = fabric.collective(rank, key);
+    t.launch("all_reduce", l, ev, Vec::new()).wait().map(|_| ())
+}
+
+// ------------------------------------------------------------------------------------------------
+// Creation
+// ------------------------------------------------------------------------------------------------
+
+#[test]
+fn creation_completes_when_every_rank_joined() {
+    let fabric = Fabric::new(3);
+    let out = ranks(3, |r| {
+        let dog = dog();
+        let (t, res) = create(&fabric, r, &dog, "world", None, limit(5_000));
+        res.map(|()| t.state_name())
+    });
+    for o in out {
+        assert_eq!(o.unwrap(), "live");
+    }
+}
+
+/// Rank 3 arrives after the others gave up (a late or dead peer): every rank's creation ends
+/// in `Timeout` within its limit plus one second, and the late rank cannot finish either.
+#[test]
+fn a_stalled_creation_fails_every_rank_within_the_limit() {
+    let fabric = Fabric::new(4);
+    let l = Duration::from_millis(400);
+    let out = ranks(4, |r| {
+        if r == 3 {
+            std::thread::sleep(Duration::from_millis(700));
+        }
+        let dog = dog();
+        let start = Instant::now();
+        let (t, res) = create(&fabric, r, &dog, "world", None, l.into());
+        (res, start.elapsed(), t.state_name())
+    });
+    for (r, (res, took, state)) in out.into_iter().enumerate() {
+        let e = res.unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::Timeout {
+                    op: "init",
+                    millis: 400,
+                    ..
+                }
+            ),
+            "rank {r}: {e:?}"
+        );
+        println!("creation: rank {r} failed after {took:?} (limit {l:?})");
+        assert!(took >= l && took < l + MARGIN, "rank {r}: {took:?}");
+        assert_eq!(state, "failed", "rank {r}");
+    }
+    // Every rank aborted its communicator in the library (on a helper thread).
+    wait_until("every library abort", Duration::from_secs(2), || {
+        fabric.st().aborted.len() == 4
+    });
+}
+
+// ------------------------------------------------------------------------------------------------
+// Stalled collectives and asynchronous errors
+// ------------------------------------------------------------------------------------------------
+
+/// Rank 2 skips one all-reduce: every rank's next operation ends in an error within the limit
+/// plus one second, and the failure aborts every other communicator of the job too.
+#[test]
+fn a_stalled_collective_fails_every_rank_and_its_job() {
+    let world = Fabric::new(3);
+    let tp = Fabric::new(3);
+    let l = Duration::from_millis(500);
+    let out = ranks(3, |r| {
+        let dog = dog();
+        let job = Job::new(true);
+        let (w, res) = create(&world, r, &dog, "world", Some(&job), limit(5_000));
+        res.unwrap();
+        let (t, res) = create(&tp, r, &dog, "tp", Some(&job), limit(5_000));
+        res.unwrap();
+        blocking(&w, &world, r, "ar#0", l.into()).unwrap();
+        let start = Instant::now();
+        let res = if r == 2 {
+            // Skips ar#1 and goes on to the next collective.
+            blocking(&w, &world, r, "ar#2", l.into())
+        } else {
+            blocking(&w, &world, r, "ar#1", l.into())
+        };
+        let took = start.elapsed();
+        (res, took, t.check_live("all_gather"), job.live_count())
+    });
+    for (r, (res, took, other, live)) in out.into_iter().enumerate() {
+        let e = res.unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::Timeout {
+                    op: "all_reduce",
+                    millis: 500,
+                    ..
+                }
+            ),
+            "rank {r}: {e:?}"
+        );
+        println!("collective: rank {r} failed after {took:?} (limit {l:?})");
+        assert!(took >= l && took < l + MARGIN, "rank {r}: {took:?}");
+        let other = other.unwrap_err();
+        assert!(
+            other.to_string().starts_with("all_gather: communicator 'tp' was aborted (communicator 'world' of the same job failed: all_reduce: timed out after 500 ms)"),
+            "rank {r}: {other}"
+        );
+        assert_eq!(live, 0, "rank {r}");
+    }
+}
+
+/// NCCL reports an asynchronous error on rank 1 in the middle of a loop: rank 1 fails at once
+/// (within a few watchdog rounds), the others within their limit plus one second, and nothing
+/// waits for a marker that will never fire.
+#[test]
+fn an_asynchronous_error_fails_every_rank() {
+    let fabric = Fabric::new(3);
+    let l = Duration::from_millis(1500);
+    let out = ranks(3, |r| {
+        let dog = dog();
+        let (w, res) = create(&fabric, r, &dog, "world", None, limit(5_000));
+        res.unwrap();
+        for i in 0..1000 {
+            if r == 1 && i == 5 {
+                // Enqueued, but the network breaks before it completes: its marker stays
+                // unfired and NCCL reports an asynchronous error.
+                let (_never, ev) = gate(&fabric);
+                let c = w.launch("all_reduce", l.into(), ev, Vec::new());
+                fabric.raise(1);
+                let start = Instant::now();
+                let e = c.wait().unwrap_err();
+                return (i, e, start.elapsed());
+            }
+            let last = Instant::now();
+            if let Err(e) = blocking(&w, &fabric, r, &format!("ar#{i}"), l.into()) {
+                return (i, e, last.elapsed());
+            }
+        }
+        panic!("rank {r} never failed");
+    });
+    let (i1, e1, took1) = &out[1];
+    assert_eq!(*i1, 5);
+    let Error::Aborted { op, reason, .. } = e1 else {
+        panic!("rank 1: {e1:?}")
+    };
+    assert_eq!(*op, "all_reduce");
+    assert!(reason.contains("ncclRemoteError"), "{reason}");
+    println!("asynchronous error: rank 1 failed {took1:?} after it started waiting");
+    for r in [0, 2] {
+        println!(
+            "asynchronous error: rank {r} failed {:?} after its last operation began (limit {l:?})",
+            out[r].2
+        );
+    }
+    assert!(
+        *took1 < Duration::from_millis(500),
+        "rank 1 noticed after {took1:?}"
+    );
+    for r in [0, 2] {
+        let (i, e, took) = &out[r];
+        assert_eq!(*i, 5, "rank {r}");
+        assert!(
+            matches!(
+                e,
+                Error::Timeout {
+                    op: "all_reduce",
+                    ..
+                }
+            ),
+            "rank {r}: {e:?}"
+        );
+        assert!(*took < l + MARGIN, "rank {r}: {took:?}");
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Abort
+// ------------------------------------------------------------------------------------------------
+
+/// While one thread is stalled in a creation and another in an operation with no time limit,
+/// `abort()` from a third thread returns at once and both stalled threads return `Aborted`.
+#[test]
+fn abort_from_another_thread_returns_at_once() {
+    let dog = dog();
+    // A creation that can never finish (the second rank never arrives).
+    let lonely = Fabric::new(2);
+    let starting = dog.track("pp", lonely.join(0, &dog), "split", None);
+    // A live communicator with an operation whose peer never arrives.
+    let pair = Fabric::new(2);
+    let (live, res) = {
+        let c = pair.join(0, &dog);
+        pair.st().joined.insert(1);
+        let t = dog.track("world", c, "init", None);
+        let r = t.settle("init", limit(5_000));
+        (t, r)
+    };
+    res.unwrap();
+    let stalled = live.launch(
+        "all_reduce",
+        TimeLimit::Unlimited,
+        pair.collective(0, "ar#0"),
+        Vec::new(),
+    );
+
+    std::thread::scope(|s| {
+        let a = s.spawn(|| {
+            let t = Instant::now();
+            (starting.settle("split", TimeLimit::Unlimited), t.elapsed())
+        });
+        let b = s.spawn(move || {
+            let t = Instant::now();
+            (stalled.wait(), t.elapsed())
+        });
+        std::thread::sleep(Duration::from_millis(200));
+        let t0 = Instant::now();
+        assert!(starting.abort("abort() was called"));
+        assert!(live.abort("abort() was called"));
+        let abort_took = t0.elapsed();
+        println!("two abort() calls took {abort_took:?}");
+        assert!(
+            abort_took < Duration::from_millis(250),
+            "abort took {abort_took:?}"
+        );
+        let (ra, ta) = a.join().unwrap();
+        let (rb, tb) = b.join().unwrap();
+        for (r, t) in [(ra.map(|_| ()), ta), (rb.map(|_| ()), tb)] {
+            let e = r.unwrap_err();
+            assert!(matches!(e, Error::Aborted { .. }), "{e:?}");
+            println!("a stalled thread returned {t:?} after it started waiting (abort at 200 ms)");
+            assert!(t < Duration::from_millis(200 + 500), "woke after {t:?}");
+        }
+    });
+    // Idempotent, and later operations are refused.
+    assert!(!live.abort("again"));
+    let e = live.check_live("barrier").unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "barrier: communicator 'world' was aborted (abort() was called)"
+    );
+    wait_until("the library aborts", Duration::from_secs(2), || {
+        lonely.st().aborted == HashSet::from([0]) && pair.st().aborted == HashSet::from([0])
+    });
+}
+
+// ------------------------------------------------------------------------------------------------
+// Deferred drop of buffers
+// ------------------------------------------------------------------------------------------------
+
+fn wait_until(what: &str, deadline: Duration, f: impl Fn() -> bool) {
+    let t = Instant::now();
+    while !f() {
+        assert!(
+            t.elapsed() < deadline,
+            "{what} did not happen within {deadline:?}"
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+fn gate(fabric: &Arc<Fabric>) -> (Arc<AtomicBool>, Box<dyn DeviceEvent>) {
+    let g = Arc::new(AtomicBool::new(false));
+    let ev = Box::new(ScriptedEvent {
+        fabric: fabric.clone(),
+        rank: 0,
+        what: What::Gate(g.clone()),
+    });
+    (g, ev)
+}
+
+#[test]
+fn dropped_unfinished_work_keeps_its_buffers_until_completion() {
+    let dog = dog();
+    let fabric = Fabric::new(1);
+    let (t, res) = create(&fabric, 0, &dog, "world", None, limit(5_000));
+    res.unwrap();
+
+    // Dropped without a wait.
+    let (open, ev) = gate(&fabric);
+    let freed = Arc::new(AtomicBool::new(false));
+    let c = t.launch(
+        "all_reduce",
+        TimeLimit::Unlimited,
+        ev,
+        vec![Box::new(Buffer(freed.clone()))],
+    );
+    drop(c);
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(
+        !freed.load(Ordering::Acquire),
+        "freed while the device still uses it"
+    );
+    assert_eq!(t.pending(), 1);
+    open.store(true, Ordering::Release);
+    dog.kick();
+    wait_until("the free after completion", Duration::from_secs(2), || {
+        freed.load(Ordering::Acquire)
+    });
+    assert_eq!(t.pending(), 0);
+
+    // Waited for: the buffers come back on success.
+    let (open, ev) = gate(&fabric);
+    let freed2 = Arc::new(AtomicBool::new(false));
+    let c = t.launch(
+        "broadcast",
+        TimeLimit::Unlimited,
+        ev,
+        vec![Box::new(Buffer(freed2.clone()))],
+    );
+    let c = match c.wait_for(Duration::from_millis(30)) {
+        Err(c) => c,
+        Ok(r) => panic!("completed early: {:?}", r.map(|v| v.len())),
+    };
+    open.store(true, Ordering::Release);
+    dog.kick();
+    let back = c.wait().unwrap();
+    assert_eq!(back.len(), 1);
+    assert!(back[0].downcast_ref::<Buffer>().is_some());
+    assert!(!freed2.load(Ordering::Acquire));
+}
+
+/// A failed or aborted operation returns its error at once, but its buffers stay alive until
+/// the device is done with them (here: until the marker fires long after the abort).
+#[test]
+fn failed_work_keeps_its_buffers_until_completion() {
+    let dog = dog();
+    let fabric = Fabric::new(1);
+    let (t, res) = create(&fabric, 0, &dog, "world", None, limit(5_000));
+    res.unwrap();
+    let (open, ev) = gate(&fabric);
+    let freed = Arc::new(AtomicBool::new(false));
+    let c = t.launch(
+        "all_gather",
+        limit(100),
+        ev,
+        vec![Box::new(Buffer(freed.clone()))],
+    );
+    let e = c.wait().unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::Timeout {
+                op: "all_gather",
+                millis: 100,
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    assert_eq!(t.state_name(), "failed");
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(
+        !freed.load(Ordering::Acquire),
+        "freed while the device still uses it"
+    );
+    open.store(true, Ordering::Release);
+    dog.kick();
+    wait_until("the free after completion", Duration::from_secs(2), || {
+        freed.load(Ordering::Acquire)
+    });
+}
+
+// ------------------------------------------------------------------------------------------------
+// Point-to-point: posted before the rank blocks anywhere
+// ------------------------------------------------------------------------------------------------
+
+/// A communicator's held-back sends and receives, as the backend holds them (so that an
+/// `irecv` + `isend` ring is posted as one group): each is posted to the fabric and launched
+/// when the device's [`Outbox`] posts everything.
+struct HeldBack {
+    rank: usize,
+    fabric: Arc<Fabric>,
+    tracked: Arc<Tracked>,
+    queue: Mutex<Vec<Held>>,
+}
+
+/// A held-back operation: from, to, limit, and where its completion goes once posted.
+type Held = (usize, usize, TimeLimit, Arc<Mutex<Option<Completion>>>);
+
+impl HeldBack {
+    /// `isend`/`irecv` between `from` and `to`: held back; the cell gets its completion once
+    /// posted.
+    fn start(&self, from: usize, to: usize, limit: TimeLimit) -> Arc<Mutex<Option<Completion>>> {
+        let cell = Arc::new(Mutex::new(None));
+        self.queue
+            .lock()
+            .unwrap()
+            .push((from, to, limit, cell.clone()));
+        cell
+    }
+}
+
+impl Deferred for HeldBack {
+    fn post_deferred(&self) {
+        let items = std::mem::take(&mut *self.queue.lock().unwrap());
+        for (from, to, limit, cell) in items {
+            let op = if from == self.rank { "send" } else { "recv" };
+            let ev = self.fabric.p2p(self.rank, from, to, 0);
+            *cell.lock().unwrap() = Some(self.tracked.launch(op, limit, ev, Vec::new()));
+        }
+    }
+}
+
+/// Rank 0 starts an `isend` on the pipeline communicator, then blocks in an all-reduce on the
+/// data-parallel communicator; rank 1 receives first (blocking), then joins the all-reduce.
+/// `post_all` before the blocking all-reduce (what the backend does at every entry point)
+/// posts the send, so both ranks finish; `post_all` skipped (`flush = false`, the bug the
+/// NCCL issue describes: the send deferred to rank 0's next pipeline call) leaves both ranks
+/// waiting until their time limit.
+fn isend_then_collective(flush: bool, l: TimeLimit) -> Vec<Result<Duration>> {
+    let pp = Fabric::new(2);
+    let dp = Fabric::new(2);
+    ranks(2, |r| -> Result<Duration> {
+        let dog = dog();
+        let outbox = Arc::new(Outbox::default());
+        let (p, res) = create(&pp, r, &dog, "pp", None, l);
+        res?;
+        let (d, res) = create(&dp, r, &dog, "dp", None, l);
+        res?;
+        let held = Arc::new(HeldBack {
+            rank: r,
+            fabric: pp.clone(),
+            tracked: p.clone(),
+            queue: Mutex::new(Vec::new()),
+        });
+        let weak: std::sync::Weak<dyn Deferred> =
+            Arc::downgrade(&(held.clone() as Arc<dyn Deferred>));
+        outbox.register(weak);
+        let start = Instant::now();
+        if r == 0 {
+            let send = held.start(0, 1, l);
+            if flush {
+                outbox.post_all();
+            }
+            blocking(&d, &dp, 0, "ar#0", l)?;
+            outbox.post_all();
+            let c = send.lock().unwrap().take();
+            c.ok_or_else(|| Error::Invalid("send not posted".into()))?
+                .wait()?;
+        } else {
+            let recv = held.start(0, 1, l);
+            outbox.post_all();
+            let c = recv.lock().unwrap().take();
+            c.ok_or_else(|| Error::Invalid("recv not posted".into()))?
+                .wait()?;
+            blocking(&d, &dp, 1, "ar#0", l)?;
+        }
+        Ok(start.elapsed())
+    })
+}
+
+#[test]
+fn isend_then_a_blocking_collective_on_another_communicator_completes() {
+    for (r, o) in isend_then_collective(true, limit(3_000))
+        .into_iter()
+        .enumerate()
+    {
+        let took = o.unwrap_or_else(|e| panic!("rank {r}: {e}"));
+        assert!(took < Duration::from_secs(1), "rank {r}: {took:?}");
+    }
+}
+
+/// The control: without posting the held-back send first, the same program stalls on both
+/// ranks (each ends in `Timeout`, within the limit plus one second, instead of hanging).
+#[test]
+fn a_send_held_back_past_a_blocking_collective_stalls_both_ranks() {
+    let l = Duration::from_millis(300);
+    for (r, o) in isend_then_collective(false, l.into())
+        .into_iter()
+        .enumerate()
+    {
+        let e = o.unwrap_err();
+        assert!(matches!(e, Error::Timeout { .. }), "rank {r}: {e:?}");
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Teardown
+// ------------------------------------------------------------------------------------------------
+
+#[test]
+fn a_dropped_idle_communicator_is_finalized_and_destroyed() {
+    let dog = dog();
+    let fabric = Fabric::new(1);
+    let (t, res) = create(&fabric, 0, &dog, "world", None, limit(5_000));
+    res.unwrap();
+    t.close();
+    drop(t);
+    wait_until("destroy", Duration::from_secs(2), || {
+        fabric.st().destroyed.contains(&0)
+    });
+    wait_until("untracked", Duration::from_secs(2), || dog.tracked() == 0);
+    assert!(fabric.st().aborted.is_empty());
+}
+
+/// A dropped communicator whose finalize never finishes (a dead peer) is aborted after the
+/// close limit instead of blocking anybody.
+#[test]
+fn a_dropped_communicator_that_cannot_finalize_is_aborted() {
+    let dog = dog();
+    let fabric = Fabric::new(1);
+    let (t, res) = create(&fabric, 0, &dog, "world", None, limit(5_000));
+    res.unwrap();
+    fabric.st().finalize_stuck = true;
+    let t0 = Instant::now();
+    t.close();
+    drop(t);
+    wait_until("abort", Duration::from_secs(2), || {
+        fabric.st().aborted.contains(&0)
+    });
+    assert!(t0.elapsed() >= Duration::from_millis(300));
+    wait_until("untracked", Duration::from_secs(2), || dog.tracked() == 0);
+    assert!(!fabric.st().destroyed.contains(&0));
+}
+
+/// A dropped communicator with an operation that never completes: the operation's limit fails
+/// it (abort), and its buffers stay with the watchdog until the device lets them go.
+#[test]
+fn a_dropped_communicator_with_stalled_work_is_aborted_on_the_first_timeout() {
+    let dog = dog();
+    let fabric = Fabric::new(1);
+    let (t, res) = create(&fabric, 0, &dog, "world", None, limit(5_000));
+    res.unwrap();
+    let (_open, ev) = gate(&fabric);
+    let freed = Arc::new(AtomicBool::new(false));
+    drop(t.launch(
+        "all_reduce",
+        limit(200),
+        ev,
+        vec![Box::new(Buffer(freed.clone()))],
+    ));
+    t.close();
+    wait_until("abort", Duration::from_secs(2), || {
+        fabric.st().aborted.contains(&0)
+    });
+    assert_eq!(t.state_name(), "failed");
+    assert!(!freed.load(Ordering::Acquire));
+}
