@@ -539,13 +539,18 @@ fn collectives_child(test: &str) {
         "dtype",
         &want.iter().map(String::as_str).collect::<Vec<_>>(),
     );
-    // Nonblocking collectives are checked when they start.
+    // Nonblocking collectives are checked on the communicator's worker right before they run:
+    // the start returns at once, and the wait returns the mismatch.
     let w = if me == 0 {
         world.iall_reduce(vec![1.0f32; 100], ReduceOp::Sum)
     } else {
         world.iall_reduce(vec![1.0f32; 10], ReduceOp::Sum)
     };
-    let e = w.map(|_| ()).unwrap_err();
+    let e = w
+        .unwrap_or_else(|e| panic!("rank {me}: a checked start must not fail or block: {e}"))
+        .wait()
+        .map(|_| ())
+        .unwrap_err();
     let want = each(&|r| if r == 0 { "100" } else { "10" }.to_string());
     assert_collective_mismatch(
         e,
