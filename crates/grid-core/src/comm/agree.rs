@@ -473,6 +473,10 @@ impl<B: Backend> Comm<B> {
     }
 }
 
+/// The all-gather a [`DeferredCheck`] is given: this rank's slice into every rank's (rank
+/// order).
+pub type GatherFn<'a> = dyn FnMut(&[i64], &mut [i64]) -> Result<()> + 'a;
+
 /// The mismatch check of one collective, with this rank's fingerprint: run by the front end
 /// before a blocking collective, and by a backend that runs checks in its own order
 /// ([`Backend::checks_when_run`]) right before a nonblocking collective executes (it travels
@@ -496,7 +500,7 @@ impl DeferredCheck {
     pub fn verify(
         &self,
         max_in_place: &mut dyn FnMut(&mut [i64]) -> Result<()>,
-        all_gather: &mut dyn FnMut(&[i64], &mut [i64]) -> Result<()>,
+        all_gather: &mut GatherFn<'_>,
     ) -> Result<()> {
         let (op, seq) = (self.op, self.seq);
         let mut both = [0i64; 2 * FIELDS];
