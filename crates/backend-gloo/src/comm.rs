@@ -7,8 +7,9 @@ use crate::ffi::{
     ShimError, P2P_INLINE_MAX,
 };
 use grid_core::{
-    kernels, Backend, Comm, DType, Error, HostBuffer, HostSlice, HostSliceMut, LibraryError,
-    Memory, MismatchCheck, Op, P2pOp, ReduceOp, Request, Result, Tensor, Validated, Work,
+    kernels, Backend, Comm, DType, DeferredCheck, Error, HostBuffer, HostSlice, HostSliceMut,
+    LibraryError, Memory, MismatchCheck, Op, P2pOp, ReduceOp, Request, Result, Tensor, Validated,
+    Work,
 };
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -53,8 +54,9 @@ const ABORTED: &str = "aborted by the user";
 ///   [`Backend::mismatch_check_default`]): ranks that disagree on a collective's operation,
 ///   count, element type, root or reduction, or a rank that skipped one, get
 ///   [`Error::CollectiveMismatch`] on every rank before Gloo sees the collective. A nonblocking
-///   collective is then checked when it is started, so `start` returns only once every member
-///   has started it. `GRID_DEBUG=off` or `set_mismatch_check(MismatchCheck::Off)` turns the
+///   collective is checked on the communicator's worker right before it runs
+///   ([`Backend::checks_when_run`]): `start` returns at once, and a disagreement fails its
+///   `wait`. `GRID_DEBUG=off` or `set_mismatch_check(MismatchCheck::Off)` turns the
 ///   check off; a disagreement can then terminate the process (libgloo throws on its transport
 ///   thread) or return wrong data on other ranks.
 /// * Every operation is bounded by the communicator's timeout ([`crate::GlooConfig::timeout`]).
@@ -108,6 +110,8 @@ struct Job {
     ticket: u64,
     request: Request,
     limit: Duration,
+    /// The mismatch check to run, in turn, right before the collective.
+    check: Option<DeferredCheck>,
     done: Arc<Completion>,
 }
 
@@ -462,6 +466,18 @@ impl Inner {
             .map_err(|e| self.fail_after(OP, e, limit))
     }
 
+    /// Runs the mismatch check of a nonblocking collective (on the worker, its turn held, right
+    /// before the collective, with the collective's tag: the two exchanges and the collective
+    /// follow each other on every rank in the same order).
+    fn verify(&self, check: &DeferredCheck, tag: u32, limit: Duration) -> Result<()> {
+        check.verify(
+            &mut |both| self.all_reduce(None, HostSliceMut::I64(both), ReduceOp::Max, tag, limit),
+            &mut |mine, all| {
+                self.all_gather(HostSlice::I64(mine), HostSliceMut::I64(all), tag, limit)
+            },
+        )
+    }
+
     /// Runs a nonblocking collective (on the worker, its turn held) and returns its result buffer.
     fn exec(&self, request: Request, tag: u32, limit: Duration) -> Result<Tensor> {
         let op = request.name();
@@ -551,7 +567,12 @@ fn worker_loop(inner: Arc<Inner>, rx: Receiver<Job>) {
         let turn = inner.seq.turn(job.ticket);
         let tag = turn.tag();
         let op = job.request.name();
-        let r = catch_unwind(AssertUnwindSafe(|| inner.exec(job.request, tag, job.limit)));
+        let r = catch_unwind(AssertUnwindSafe(|| {
+            if let Some(check) = &job.check {
+                inner.verify(check, tag, job.limit)?;
+            }
+            inner.exec(job.request, tag, job.limit)
+        }));
         // Complete before releasing the turn, so that `synchronize` (which waits for the turns)
         // sees every earlier operation completed.
         job.done.complete(r.unwrap_or_else(|p| {
@@ -827,6 +848,14 @@ impl Backend for GlooBackend {
         MismatchCheck::All
     }
 
+    /// Gloo runs the check of a nonblocking collective on the communicator's worker, right
+    /// before the collective, so `start` never blocks on the other ranks (a legal overlap, such
+    /// as a rank that starts an all-reduce and then sends to a peer that starts it only after
+    /// receiving, keeps working); a disagreement fails the operation's work on every rank.
+    fn checks_when_run(&self) -> bool {
+        true
+    }
+
     fn check_live(&self, op: &'static str) -> Result<()> {
         self.inner.alive(op)
     }
@@ -900,6 +929,7 @@ impl Backend for GlooBackend {
 
     fn start(&self, request: Validated<Request>) -> Result<Box<dyn Work>> {
         let limit = op_limit(request.time_limit());
+        let check = request.check().cloned();
         match request.into_op() {
             Request::Send { buf, peer, tag } => {
                 self.start_p2p("send", buf, peer, tag, false, limit)
@@ -916,6 +946,7 @@ impl Backend for GlooBackend {
                         ticket,
                         request,
                         limit,
+                        check,
                         done: d,
                     })
                     .map_err(|_| worker_gone(op, &inner.name))

@@ -12,10 +12,12 @@
 //! Every child is killed when the test's deadline passes, so a hang fails the test instead of
 //! blocking it.
 
+mod common;
+
+use common::procs::{forward_output, Redis};
+
 use backend_gloo::{env, init_from_env};
 use grid_core::{Communicator, CommunicatorExt, Error, ReduceOp};
-use std::io::{BufRead, BufReader};
-use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
@@ -23,8 +25,6 @@ use std::time::{Duration, Instant};
 
 /// Set in the environment of the child processes.
 const CHILD: &str = "GRID_GLOO_TEST_CHILD";
-/// Set to 1 to skip the Redis tests on a machine without `redis-server`.
-const SKIP_REDIS: &str = "GRID_GLOO_SKIP_REDIS";
 /// Milliseconds a child waits before its collective (the "no limit" test).
 const DELAY_MS: &str = "GRID_GLOO_TEST_DELAY_MS";
 
@@ -148,28 +148,7 @@ impl Ranks {
             cmd.env(k, v);
         }
         let mut child = cmd.spawn().expect("start a rank process");
-        for pipe in [
-            child
-                .stdout
-                .take()
-                .map(|p| Box::new(p) as Box<dyn std::io::Read + Send>),
-            child
-                .stderr
-                .take()
-                .map(|p| Box::new(p) as Box<dyn std::io::Read + Send>),
-        ]
-        .into_iter()
-        .flatten()
-        {
-            let tx = self.tx.clone();
-            std::thread::spawn(move || {
-                for line in BufReader::new(pipe).lines().map_while(|l| l.ok()) {
-                    if tx.send((rank, line)).is_err() {
-                        break;
-                    }
-                }
-            });
-        }
+        forward_output(&mut child, rank, &self.tx);
         self.started[rank] = Some(Instant::now());
         self.children[rank] = Some(child);
     }
@@ -326,67 +305,6 @@ fn wait_for(what: &str, deadline: Instant, mut cond: impl FnMut() -> bool) {
 }
 
 // ---- Redis -----------------------------------------------------------------------------------
-
-/// A `redis-server` on a free loopback port, without persistence; killed on drop.
-struct Redis {
-    child: Child,
-    port: u16,
-}
-
-impl Redis {
-    fn start() -> Option<Redis> {
-        if std::env::var(SKIP_REDIS).as_deref() == Ok("1") {
-            eprintln!("skipping: {SKIP_REDIS}=1");
-            return None;
-        }
-        let port = TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .map(|a| a.port())
-            .expect("a free port");
-        let child = Command::new("redis-server")
-            .args([
-                "--port",
-                &port.to_string(),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-            ])
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap_or_else(|e| {
-                panic!("cannot start redis-server ({e}): install it (Debian: apt-get install redis-server) or set {SKIP_REDIS}=1")
-            });
-        let mut redis = Redis { child, port };
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while TcpStream::connect(("127.0.0.1", port)).is_err() {
-            if let Ok(Some(s)) = redis.child.try_wait() {
-                panic!("redis-server exited at once: {s}");
-            }
-            assert!(
-                Instant::now() < deadline,
-                "redis-server did not listen on port {port}"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        Some(redis)
-    }
-
-    fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}", self.port)
-    }
-}
-
-impl Drop for Redis {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
 
 // ---- rendezvous ------------------------------------------------------------------------------
 

@@ -77,14 +77,18 @@ fn recv_and_nonblocking_timeouts() {
         let t = Instant::now();
         let e = world.recv_from(&mut [0u8; 4], 1, 3).unwrap_err();
         let took = t.elapsed();
-        // With mismatch checking on (Gloo's default), starting a collective runs the check's
-        // exchange, which waits for the peer: the start itself times out.
+        // With mismatch checking on (Gloo's default), the check runs on the communicator's
+        // worker right before the collective: the start returns at once, and the wait times
+        // out (in the check's exchange, which waits for the peer).
         assert_eq!(checked.mismatch_check(), grid_core::MismatchCheck::All);
         let t3 = Instant::now();
-        let e3 = checked
-            .iall_reduce(vec![1i32], ReduceOp::Sum)
-            .map(|_| ())
-            .unwrap_err();
+        let started = checked.iall_reduce(vec![1i32], ReduceOp::Sum)?;
+        assert!(
+            t3.elapsed() < ms(200),
+            "a checked start blocked for {:?}",
+            t3.elapsed()
+        );
+        let e3 = started.wait().map(|_| ()).unwrap_err();
         assert!(
             matches!(
                 e3,

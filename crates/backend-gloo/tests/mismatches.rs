@@ -9,11 +9,14 @@
 //! as its last line; the parent requires that line from every rank, exit status 0 and no
 //! signal. Every child is killed at a deadline, so a hang fails the test instead of blocking it.
 
+mod common;
+
+use common::procs::forward_output;
+
 use backend_gloo::{env, init_from_env, run_ranks, GlooCommunicator, GlooConfig};
 use grid_core::{
     Communicator, CommunicatorExt, DType, Error, HostBuffer, MismatchCheck, P2pOp, ReduceOp,
 };
-use std::io::{BufRead, BufReader};
 use std::os::unix::process::ExitStatusExt;
 use std::process::{Command, Stdio};
 use std::sync::mpsc;
@@ -56,28 +59,7 @@ fn run_processes(test: &str, n: usize, timeout_ms: u64, envs: &[(&str, &str)]) {
             cmd.env(k, v);
         }
         let mut child = cmd.spawn().expect("start a rank process");
-        for pipe in [
-            child
-                .stdout
-                .take()
-                .map(|p| Box::new(p) as Box<dyn std::io::Read + Send>),
-            child
-                .stderr
-                .take()
-                .map(|p| Box::new(p) as Box<dyn std::io::Read + Send>),
-        ]
-        .into_iter()
-        .flatten()
-        {
-            let tx = tx.clone();
-            std::thread::spawn(move || {
-                for line in BufReader::new(pipe).lines().map_while(|l| l.ok()) {
-                    if tx.send((rank, line)).is_err() {
-                        break;
-                    }
-                }
-            });
-        }
+        forward_output(&mut child, rank, &tx);
         children.push(child);
     }
     drop(tx);
@@ -539,13 +521,18 @@ fn collectives_child(test: &str) {
         "dtype",
         &want.iter().map(String::as_str).collect::<Vec<_>>(),
     );
-    // Nonblocking collectives are checked when they start.
+    // Nonblocking collectives are checked on the communicator's worker right before they run:
+    // the start returns at once, and the wait returns the mismatch.
     let w = if me == 0 {
         world.iall_reduce(vec![1.0f32; 100], ReduceOp::Sum)
     } else {
         world.iall_reduce(vec![1.0f32; 10], ReduceOp::Sum)
     };
-    let e = w.map(|_| ()).unwrap_err();
+    let e = w
+        .unwrap_or_else(|e| panic!("rank {me}: a checked start must not fail or block: {e}"))
+        .wait()
+        .map(|_| ())
+        .unwrap_err();
     let want = each(&|r| if r == 0 { "100" } else { "10" }.to_string());
     assert_collective_mismatch(
         e,

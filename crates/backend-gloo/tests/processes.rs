@@ -8,10 +8,11 @@
 
 mod common;
 
+use common::procs::{forward_output, Redis};
+
 use backend_gloo::{env, init_from_env, run_ranks_with, GlooConfig, Rendezvous};
 use grid_core::{Communicator, CommunicatorExt, Error, ReduceOp};
-use std::io::{BufRead, BufReader};
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpStream;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
@@ -19,8 +20,6 @@ use std::time::{Duration, Instant};
 
 /// Set in the environment of the child processes.
 const CHILD: &str = "GRID_GLOO_TEST_CHILD";
-/// Set to 1 to skip the Redis tests on a machine without `redis-server`.
-const SKIP_REDIS: &str = "GRID_GLOO_SKIP_REDIS";
 
 fn in_child() -> bool {
     std::env::var_os(CHILD).is_some()
@@ -61,28 +60,7 @@ fn spawn(test: &str, n: usize, store: &str, job: &str, timeout_ms: u64) -> Ranks
             .stderr(Stdio::piped())
             .spawn()
             .expect("start a rank process");
-        for pipe in [
-            child
-                .stdout
-                .take()
-                .map(|p| Box::new(p) as Box<dyn std::io::Read + Send>),
-            child
-                .stderr
-                .take()
-                .map(|p| Box::new(p) as Box<dyn std::io::Read + Send>),
-        ]
-        .into_iter()
-        .flatten()
-        {
-            let tx = tx.clone();
-            std::thread::spawn(move || {
-                for line in BufReader::new(pipe).lines().map_while(|l| l.ok()) {
-                    if tx.send((rank, line)).is_err() {
-                        break;
-                    }
-                }
-            });
-        }
+        forward_output(&mut child, rank, &tx);
         children.push(child);
     }
     Ranks {
@@ -242,69 +220,6 @@ fn file_store_processes() {
             Duration::from_secs(300),
         );
         let _ = std::fs::remove_dir_all(&dir);
-    }
-}
-
-/// A `redis-server` on a free loopback port, without persistence; killed on drop.
-struct Redis {
-    child: Child,
-    port: u16,
-}
-
-impl Redis {
-    fn start() -> Option<Redis> {
-        if std::env::var(SKIP_REDIS).as_deref() == Ok("1") {
-            eprintln!("skipping: {SKIP_REDIS}=1");
-            return None;
-        }
-        let port = TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .map(|a| a.port())
-            .expect("a free port");
-        let child = Command::new("redis-server")
-            .args([
-                "--port",
-                &port.to_string(),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--protected-mode",
-                "yes",
-            ])
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap_or_else(|e| {
-                panic!("cannot start redis-server ({e}): install it (Debian: apt-get install redis-server) or set {SKIP_REDIS}=1")
-            });
-        let mut redis = Redis { child, port };
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while TcpStream::connect(("127.0.0.1", port)).is_err() {
-            if let Ok(Some(s)) = redis.child.try_wait() {
-                panic!("redis-server exited at once: {s}");
-            }
-            assert!(
-                Instant::now() < deadline,
-                "redis-server did not listen on port {port}"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        Some(redis)
-    }
-
-    fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}", self.port)
-    }
-}
-
-impl Drop for Redis {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
 

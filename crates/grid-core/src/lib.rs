@@ -61,9 +61,10 @@ mod rankgen;
 
 pub use comm::{
     color_key_for, compact_ranks, kernels, split_members, Backend, BufMut, BufRef, Comm,
-    Communicator, CommunicatorExt, DType, DeviceBuffer, Element, Failure, GroupFactory, HostBuffer,
-    HostSlice, HostSliceMut, Limited, Memory, MismatchCheck, Op, OpSite, OwnedOp, P2pOp, ReduceOp,
-    Request, SplitEntry, SplitMembers, Tensor, TimeLimit, TypedWork, Validated, Work,
+    Communicator, CommunicatorExt, DType, DeferredCheck, DeviceBuffer, Element, Failure,
+    GroupFactory, HostBuffer, HostSlice, HostSliceMut, Limited, Memory, MismatchCheck, Op, OpSite,
+    OwnedOp, P2pOp, ReduceOp, Request, SplitEntry, SplitMembers, Tensor, TimeLimit, TypedWork,
+    Validated, Work,
 };
 pub use error::{Error, LibraryError, Result};
 pub use grid::{GridSpec, GroupList, HyperGrid};

@@ -2,6 +2,8 @@
 //! Redis tests. Every rank of a communicator calls [`suite`] with the same arguments.
 #![allow(dead_code)]
 
+pub mod procs;
+
 use grid_core::{
     Communicator, CommunicatorExt, DType, Element, Error, HostBuffer, P2pOp, ReduceOp, Request,
     Tensor,

@@ -26,15 +26,20 @@
 //! # What is checked
 //! * every collective: all-reduce (in place and out of place compare alike), broadcast,
 //!   all-gather, reduce-scatter, all-to-all, and barrier (its operation only: it has no data);
-//! * nonblocking collectives are checked when they are started, and **only in the `All` mode**
-//!   (`GRID_DEBUG=detail`, or [`super::Comm::set_mismatch_check`]): [`super::Communicator::start`]
-//!   then blocks for the exchange until every member has started the same collective (on a
-//!   backend that runs one communicator's collectives in order it also waits for those started
-//!   before). That turns a legal overlap into a deadlock when one rank's start depends on a
-//!   message another rank sends only after its own start (a data-parallel all-reduce started
-//!   before a pipeline send the peer needs before it starts its own), so a size threshold
-//!   ([`MismatchCheck::Above`], a backend's default) never applies to them: a debugging mode may
-//!   change timing, a default must not;
+//! * nonblocking collectives: on a backend that runs checks in its own order
+//!   ([`Backend::checks_when_run`], Gloo) the check travels with the request
+//!   ([`Validated::check`], a [`DeferredCheck`]) and the backend runs it right before the
+//!   collective executes, so `start` never blocks and every mode applies; a disagreement fails
+//!   the operation's [`super::Work`] on every rank. Elsewhere they are checked when they are
+//!   started, and **only in the `All` mode** (`GRID_DEBUG=detail`, or
+//!   [`super::Comm::set_mismatch_check`]): [`super::Communicator::start`] then blocks for the
+//!   exchange until every member has started the same collective (on a backend that runs one
+//!   communicator's collectives in order it also waits for those started before). That turns a
+//!   legal overlap into a deadlock when one rank's start depends on a message another rank
+//!   sends only after its own start (a data-parallel all-reduce started before a pipeline send
+//!   the peer needs before it starts its own), so a size threshold ([`MismatchCheck::Above`], a
+//!   backend's default) never applies to them there: a debugging mode may change timing, a
+//!   default must not;
 //! * **point-to-point is not checked**: a send and its receive concern two ranks, not the whole
 //!   group, so a group-wide exchange would make every rank wait for pairs it is not part of;
 //!   the backends check a received message's length against the buffer instead;
@@ -366,14 +371,52 @@ impl<B: Backend> Comm<B> {
     }
 
     /// The check for a nonblocking operation, after validation and before the backend starts it.
-    pub(super) fn agree_request(&self, r: &Request, seq: u64, limit: TimeLimit) -> Result<()> {
+    ///
+    /// On a backend that runs checks in its own order ([`Backend::checks_when_run`]) nothing
+    /// is exchanged here: the check is returned, to travel with the request
+    /// ([`Validated::check`]) and run right before the collective executes, so `start` never
+    /// blocks.
+    pub(super) fn agree_request(
+        &self,
+        r: &Request,
+        seq: u64,
+        limit: TimeLimit,
+    ) -> Result<Option<DeferredCheck>> {
         if self.mismatch_check() == MismatchCheck::Off {
-            return Ok(());
+            return Ok(None);
         }
-        match Fingerprint::of_request(r) {
-            Some((f, bytes)) => self.agree(r.name(), f, bytes, seq, limit, true),
-            None => Ok(()),
+        let Some((pending, bytes)) = Fingerprint::of_request(r) else {
+            return Ok(None);
+        };
+        if !self.inner().checks_when_run() {
+            return self
+                .agree(r.name(), pending, bytes, seq, limit, true)
+                .map(|()| None);
         }
+        let n = self.count_collective();
+        let size = self.inner().size();
+        if size < 2 || !self.mismatch_check().applies(bytes) {
+            return Ok(None);
+        }
+        let mut f = pending.fingerprint();
+        f.0[1] = i64::try_from(n).unwrap_or(i64::MAX);
+        Ok(Some(DeferredCheck {
+            op: r.name(),
+            comm: self.comm_name().to_string(),
+            seq,
+            size,
+            fingerprint: f.0,
+        }))
+    }
+
+    /// The number of collectives issued before this one while checking was on, counting this
+    /// one. Collectives of one communicator are issued in one order by one thread at a time
+    /// (concurrent collectives on one communicator have no defined order on any backend), so a
+    /// plain load and store suffices: no read-modify-write on every operation.
+    fn count_collective(&self) -> u64 {
+        let n = self.agree.collectives.load(Ordering::Relaxed);
+        self.agree.collectives.store(n + 1, Ordering::Relaxed);
+        n
     }
 
     fn agree(
@@ -385,12 +428,7 @@ impl<B: Backend> Comm<B> {
         limit: TimeLimit,
         nonblocking: bool,
     ) -> Result<()> {
-        // The number of collectives issued while checking was on. Collectives of one
-        // communicator are issued in one order by one thread at a time (concurrent collectives
-        // on one communicator have no defined order on any backend), so a plain load and store
-        // suffices: no read-modify-write on every operation.
-        let n = self.agree.collectives.load(Ordering::Relaxed);
-        self.agree.collectives.store(n + 1, Ordering::Relaxed);
+        let n = self.count_collective();
         let size = self.inner().size();
         let check = match self.mismatch_check() {
             MismatchCheck::All => true,
@@ -403,37 +441,90 @@ impl<B: Backend> Comm<B> {
         }
         let mut f = pending.fingerprint();
         f.0[1] = i64::try_from(n).unwrap_or(i64::MAX);
+        let check = DeferredCheck {
+            op,
+            comm: self.comm_name().to_string(),
+            seq,
+            size,
+            fingerprint: f.0,
+        };
+        check.verify(
+            &mut |both| {
+                self.inner().run_check(Validated::new(
+                    Op::AllReduceInPlace {
+                        buf: BufMut::from(both),
+                        op: ReduceOp::Max,
+                    },
+                    seq,
+                    limit,
+                ))
+            },
+            &mut |mine, all| {
+                self.inner().run_check(Validated::new(
+                    Op::AllGather {
+                        send: BufRef::from(mine),
+                        recv: BufMut::from(all),
+                    },
+                    seq,
+                    limit,
+                ))
+            },
+        )
+    }
+}
+
+/// The all-gather a [`DeferredCheck`] is given: this rank's slice into every rank's (rank
+/// order).
+pub type GatherFn<'a> = dyn FnMut(&[i64], &mut [i64]) -> Result<()> + 'a;
+
+/// The mismatch check of one collective, with this rank's fingerprint: run by the front end
+/// before a blocking collective, and by a backend that runs checks in its own order
+/// ([`Backend::checks_when_run`]) right before a nonblocking collective executes (it travels
+/// with the request: [`Validated::check`]), so that starting one never blocks.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeferredCheck {
+    op: &'static str,
+    comm: String,
+    seq: u64,
+    size: usize,
+    fingerprint: [i64; FIELDS],
+}
+
+impl DeferredCheck {
+    /// Runs the check over the communicator: `max_in_place` must all-reduce the given `i64`
+    /// buffer in place with [`ReduceOp::Max`] over every rank, and `all_gather` must gather
+    /// every rank's slice into the second buffer (rank order); each is called at most once, in
+    /// that order, by every rank alike (both are fixed-size, so they cannot disagree). `Ok` when
+    /// every rank has the same fingerprint; otherwise [`Error::CollectiveMismatch`] naming the
+    /// first field that differs and every rank's value, the same on every rank.
+    pub fn verify(
+        &self,
+        max_in_place: &mut dyn FnMut(&mut [i64]) -> Result<()>,
+        all_gather: &mut GatherFn<'_>,
+    ) -> Result<()> {
+        let (op, seq) = (self.op, self.seq);
         let mut both = [0i64; 2 * FIELDS];
-        for (i, v) in f.0.iter().enumerate() {
+        for (i, v) in self.fingerprint.iter().enumerate() {
             both[i] = *v;
             both[FIELDS + i] = -*v;
         }
-        let exchange = Op::AllReduceInPlace {
-            buf: BufMut::from(&mut both[..]),
-            op: ReduceOp::Max,
-        };
-        self.inner()
-            .run_check(Validated::new(exchange, seq, limit))?;
+        max_in_place(&mut both[..])?;
         if (0..FIELDS).all(|i| both[i] == -both[FIELDS + i]) {
             return Ok(());
         }
-        let mut all = vec![0i64; FIELDS * size];
-        let gather = Op::AllGather {
-            send: BufRef::from(&f.0[..]),
-            recv: BufMut::from(&mut all[..]),
-        };
-        self.inner().run_check(Validated::new(gather, seq, limit))?;
+        let mut all = vec![0i64; FIELDS * self.size];
+        all_gather(&self.fingerprint[..], &mut all[..])?;
         let (field, values) = Fingerprint::first_difference(&all).ok_or_else(|| {
             // The all-reduce saw a difference that the all-gather does not show: a rank
             // changed its fingerprint between the two, which the front end never does.
             Error::Invalid(format!(
                 "{op} #{seq} on communicator '{}': the mismatch check's two exchanges disagree",
-                self.comm_name()
+                self.comm
             ))
         })?;
         Err(Error::CollectiveMismatch {
             op,
-            comm: self.comm_name().to_string(),
+            comm: self.comm.clone(),
             seq,
             field,
             values,

@@ -66,6 +66,16 @@ pub trait Backend: Send + Sync + 'static {
     }
     /// Starts one validated nonblocking operation on owned buffers.
     fn start(&self, op: Validated<Request>) -> Result<Box<dyn Work>>;
+    /// True when this backend runs the mismatch check of a nonblocking collective itself,
+    /// right before the collective executes in the communicator's order
+    /// ([`Validated::check`], [`super::DeferredCheck::verify`]); the front end then does not
+    /// exchange anything when the collective is started, so `start` never blocks on the
+    /// other ranks. A disagreement then fails the operation's [`Work`]. False by default: the
+    /// front end checks at the start, which blocks until every member started it (so only
+    /// [`MismatchCheck::All`] checks nonblocking collectives there).
+    fn checks_when_run(&self) -> bool {
+        false
+    }
     /// The mismatch-checking mode a communicator of this backend starts with when
     /// `GRID_DEBUG` selects none ([`MismatchCheck`]; `Off` unless the backend overrides it).
     fn mismatch_check_default(&self) -> MismatchCheck {

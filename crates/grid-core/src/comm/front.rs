@@ -510,7 +510,10 @@ impl<B: Backend> Comm<B> {
         let _g = span.enter();
         let started = self
             .agree_request(&r, seq, limit)
-            .and_then(|()| self.backend.start(Validated::new(r, seq, limit)))
+            .and_then(|check| {
+                self.backend
+                    .start(Validated::new(r, seq, limit).with_check(check))
+            })
             .map_err(|e| op_failed(&self.life, &self.ident, name, seq, e));
         let log = match (&self.log, handle) {
             (Some(log), Some(h)) => match &started {

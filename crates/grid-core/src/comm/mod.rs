@@ -58,7 +58,7 @@ mod op;
 mod split;
 
 pub(crate) use agree::describe_values;
-pub use agree::MismatchCheck;
+pub use agree::{DeferredCheck, GatherFn, MismatchCheck};
 pub use backend::Backend;
 pub use buffer::{BufMut, BufRef, DeviceBuffer, Memory, Tensor};
 pub use dtype::{DType, Element, HostBuffer, HostSlice, HostSliceMut, ReduceOp};

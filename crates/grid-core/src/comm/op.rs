@@ -1,5 +1,6 @@
 //! Typed descriptions of operations.
 
+use super::agree::DeferredCheck;
 use super::buffer::{BufMut, BufRef, Tensor};
 use super::dtype::ReduceOp;
 use super::lifecycle::TimeLimit;
@@ -295,11 +296,27 @@ pub struct Validated<T> {
     op: T,
     seq: u64,
     limit: TimeLimit,
+    check: Option<DeferredCheck>,
 }
 
 impl<T> Validated<T> {
     pub(crate) fn new(op: T, seq: u64, limit: TimeLimit) -> Validated<T> {
-        Validated { op, seq, limit }
+        Validated {
+            op,
+            seq,
+            limit,
+            check: None,
+        }
+    }
+    pub(crate) fn with_check(mut self, check: Option<DeferredCheck>) -> Validated<T> {
+        self.check = check;
+        self
+    }
+    /// The mismatch check to run right before this nonblocking collective executes, when the
+    /// backend runs checks in its own order ([`super::Backend::checks_when_run`]) and the
+    /// communicator's mode checks it; `None` otherwise.
+    pub fn check(&self) -> Option<&DeferredCheck> {
+        self.check.as_ref()
     }
     /// How long the operation may wait for its peers (the communicator's default or the
     /// caller's override, [`super::CommunicatorExt::with_time_limit`]): past it the backend
