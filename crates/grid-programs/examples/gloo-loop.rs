@@ -4,7 +4,7 @@
 //! ```text
 //! cargo build --release --examples
 //! target/release/examples/gloo-loop --rank R --world-size N --store file:DIR|redis://HOST:PORT/PREFIX \
-//!     [--bytes B] [--iters K | --seconds S] [--timeout-ms T] [--trace-dir D]
+//!     [--bytes B] [--iters K | --seconds S] [--timeout-ms T] [--trace-dir D] [--fault RANK:KIND@ITER]
 //! ```
 //!
 //! Start one process per rank `0..N`, all with the same `--world-size` and `--store`:
@@ -20,17 +20,26 @@
 //! written to `D/rank-<rank>.json` when an operation fails or times out, and at the end of a
 //! rank that ended by an error; `grid trace D` reads them.
 //!
+//! `--fault RANK:KIND@ITER` is a testing aid: give every rank the same one, and rank `RANK`
+//! misbehaves at iteration `ITER` (needs `--iters`): `kill` (SIGKILL to itself), `skip` (leaves
+//! one all-reduce out), `count`, `dtype`, `op`, `root` (disagrees with the others on that
+//! field of the collective), `long-send` (sends more than its partner posted to receive),
+//! `abort` (stalls, and the others' watchdog threads call `abort()` on their stuck all-reduce).
+//! The table in `grid_programs::smoke::FaultKind` says exactly what each does;
+//! docs/when-a-job-fails.md shows what the other ranks then see.
+//!
 //! Each rank prints exactly one line when it ends, `{"rank":R,"completed":K,"error":null}` or
 //! with `"error":"<message>"`, and exits 0 only if it completed every iteration without error
 //! (1 otherwise; 2 with one line on standard error for invalid options).
 
 use backend_gloo::{GlooConfig, GlooFactory, Rendezvous};
-use grid_core::{Communicator, CommunicatorExt, Error, ReduceOp};
-use grid_programs::smoke::{dump_after_error, install_trace_dir, run_loop, LoopOptions, Outcome};
+use grid_programs::smoke::{
+    dump_after_error, install_trace_dir, run_loop, LoopOptions, Outcome, Waits,
+};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-const USAGE: &str = "usage: gloo-loop --rank R --world-size N --store file:DIR|redis://HOST:PORT/PREFIX [--bytes B] [--iters K | --seconds S] [--timeout-ms T] [--trace-dir D]";
+const USAGE: &str = "usage: gloo-loop --rank R --world-size N --store file:DIR|redis://HOST:PORT/PREFIX [--bytes B] [--iters K | --seconds S] [--timeout-ms T] [--trace-dir D] [--fault RANK:KIND@ITER (a testing aid; KIND: kill, skip, count, dtype, op, root, long-send, abort)]";
 
 /// The command line.
 struct Args {
@@ -101,11 +110,19 @@ fn parse_args() -> Result<Args, String> {
             other => return Err(format!("unknown option {other:?}; {USAGE}")),
         }
     }
+    options.check()?;
     let (Some(rank), Some(world_size), Some((store, job))) = (rank, world_size, store) else {
         return Err(format!(
             "--rank, --world-size and --store are required; {USAGE}"
         ));
     };
+    if let Some(f) = options.fault.filter(|f| f.rank >= world_size) {
+        return Err(format!(
+            "--fault {f}: rank {} is outside the world of --world-size {world_size} (valid: 0..={})",
+            f.rank,
+            world_size - 1
+        ));
+    }
     if rank >= world_size {
         return Err(format!(
             "--rank {rank}: outside the world of --world-size {world_size} (valid: 0..={})",
@@ -149,25 +166,19 @@ fn run(args: &Args, completed: &mut u64) -> Result<(), String> {
     if let Some(dir) = &args.options.trace_dir {
         install_trace_dir(dir, Some(args.rank))?;
     }
-    let e = |e: Error| e.to_string();
     let config = GlooConfig::new(args.job.clone()).with_timeout(args.options.timeout());
-    let result = GlooFactory::new(&args.store, config)
-        .and_then(|f| f.world(args.rank, args.world_size))
-        .map_err(e)
-        .and_then(|world| {
-            run_loop(
-                world.rank(),
-                world.size(),
-                &args.options,
-                completed,
-                |send, recv| world.all_reduce_into(send, recv, ReduceOp::Sum),
-            )
-            .map_err(e)
-        });
-    if let Err(msg) = &result {
-        if let Some(warning) = dump_after_error(&format!("failure: {msg}")) {
+    let world =
+        GlooFactory::new(&args.store, config).and_then(|f| f.world(args.rank, args.world_size));
+    let result = match &world {
+        Ok(world) => run_loop(world, &args.options, Waits::Blocking, completed),
+        Err(err) => Err(err.clone()),
+    };
+    // Dumped while the world communicator is alive: a dump holds the live communicators' logs.
+    if let Err(err) = &result {
+        if let Some(warning) = dump_after_error(err) {
             eprintln!("gloo-loop: rank {}: {warning}", args.rank);
         }
     }
-    result
+    drop(world);
+    result.map_err(|e| e.to_string())
 }

@@ -3,16 +3,26 @@
 //!
 //! ```text
 //! cargo build --release --examples
-//! mpirun -np N target/release/examples/mpi-loop [--bytes B] [--iters K | --seconds S] [--timeout-ms T] [--trace-dir D]
+//! mpirun -np N target/release/examples/mpi-loop [--bytes B] [--iters K | --seconds S] [--timeout-ms T] [--trace-dir D] [--fault RANK:KIND@ITER]
 //! ```
 //!
 //! `--bytes` is the size of one all-reduce (a multiple of 4; default 1048576), `--iters` the
 //! number of all-reduces (default 100) or `--seconds` how long to loop (the ranks vote after every
 //! all-reduce, with a one-element all-reduce, so that all stop together), `--timeout-ms` the time
-//! limit of each all-reduce (default 30000): every all-reduce is started nonblocking and waited
-//! for at most that long. With `--trace-dir D`, every rank's operation log is written to
+//! limit of each operation (default 30000; the world communicator's time limit): every
+//! operation is started nonblocking and waited for, so that one that passes its limit returns a
+//! timeout the rank reports (its buffers are left to MPI) instead of ending the job. With `--trace-dir D`, every rank's operation log is written to
 //! `D/rank-<rank>.json` when an operation fails or times out (reason `timeout`), and at the end
 //! of a rank that ended by an error; `grid trace D` reads them.
+//!
+//! `--fault RANK:KIND@ITER` is a testing aid: rank `RANK` misbehaves at iteration `ITER` (needs
+//! `--iters`): `kill` (SIGKILL to itself), `skip` (leaves one all-reduce out), `count`, `dtype`,
+//! `op`, `root` (disagrees with the others on that field of the collective), `long-send` (sends
+//! more than its partner posted to receive), `abort` (stalls, and the others' watchdog threads
+//! call `abort()` on their stuck all-reduce). The table in `grid_programs::smoke::FaultKind`
+//! says exactly what each does; docs/when-a-job-fails.md shows what the other ranks then see.
+//! By default `mpirun` ends the whole job as soon as one rank dies or exits with an error; to
+//! let every rank report, run with `--enable-recovery --mca orte_abort_on_non_zero_status 0`.
 //!
 //! Each rank prints exactly one line when it ends, `{"rank":R,"completed":K,"error":null}` or
 //! with `"error":"<message>"`, and exits 0 only if it completed every iteration without error
@@ -21,12 +31,14 @@
 //! `mpirun` then ends the job.
 
 use backend_mpi::MpiRuntime;
-use grid_core::{Communicator, CommunicatorExt, Error, ReduceOp};
-use grid_programs::smoke::{dump_after_error, install_trace_dir, run_loop, LoopOptions, Outcome};
+use grid_core::{Communicator, Error, TimeLimit};
+use grid_programs::smoke::{
+    dump_after_error, install_trace_dir, run_loop, LoopOptions, Outcome, Waits,
+};
 use std::io::Write;
 use std::process::ExitCode;
 
-const USAGE: &str = "usage: mpirun -np N mpi-loop [--bytes B] [--iters K | --seconds S] [--timeout-ms T] [--trace-dir D]";
+const USAGE: &str = "usage: mpirun -np N mpi-loop [--bytes B] [--iters K | --seconds S] [--timeout-ms T] [--trace-dir D] [--fault RANK:KIND@ITER (a testing aid; KIND: kill, skip, count, dtype, op, root, long-send, abort)]";
 
 fn parse_args() -> Result<LoopOptions, String> {
     let mut options = LoopOptions::default();
@@ -42,6 +54,7 @@ fn parse_args() -> Result<LoopOptions, String> {
             return Err(format!("unknown option {flag:?}; {USAGE}"));
         }
     }
+    options.check()?;
     Ok(options)
 }
 
@@ -78,15 +91,10 @@ fn main() -> ExitCode {
         }
     };
     let world = rt.world();
+    world.set_time_limit(TimeLimit::After(options.timeout()));
     let rank = world.rank();
     let mut completed = 0u64;
-    let result = run_loop(
-        rank,
-        world.size(),
-        &options,
-        &mut completed,
-        |send, recv| all_reduce(world, send, recv, &options),
-    );
+    let result = run_loop(world, &options, Waits::Nonblocking, &mut completed);
     let outcome = Outcome {
         rank,
         completed,
@@ -98,46 +106,13 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            let reason = match e {
-                Error::Timeout { .. } => "timeout".to_string(),
-                other => format!("failure: {other}"),
-            };
-            if let Some(warning) = dump_after_error(&reason) {
+            if let Some(warning) = dump_after_error(&e) {
                 eprintln!("mpi-loop: rank {rank}: {warning}");
             }
             let _ = std::io::stdout().flush();
             let _ = std::io::stderr().flush();
             // Not MPI_Finalize: it would wait for the all-reduce that never finished.
             std::process::exit(1)
-        }
-    }
-}
-
-/// One all-reduce with a time limit: started nonblocking, waited for at most `--timeout-ms`.
-/// On timeout the all-reduce stays `started` in the operation log, which `main` dumps (reason
-/// `timeout`) after printing the rank's line.
-fn all_reduce(
-    world: &impl Communicator,
-    send: &[f32],
-    recv: &mut [f32],
-    options: &LoopOptions,
-) -> grid_core::Result<()> {
-    let work = world.iall_reduce_into(send.to_vec(), vec![0f32; recv.len()], ReduceOp::Sum)?;
-    match work.into_inner().wait_timeout(options.timeout()) {
-        Ok(result) => {
-            let out = result?.into_vec::<f32>()?;
-            recv.copy_from_slice(&out);
-            Ok(())
-        }
-        Err(still_running) => {
-            // The work is dropped unfinished; the program exits without MPI_Finalize.
-            std::mem::forget(still_running);
-            Err(Error::Timeout {
-                op: "all_reduce",
-                millis: options.timeout_ms,
-                peer: None,
-                at: None,
-            })
         }
     }
 }

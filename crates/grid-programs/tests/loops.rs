@@ -1,43 +1,14 @@
 //! The smoke-test programs `gloo-loop` and `mpi-loop` (examples of this crate, built by
 //! `cargo test` beside the tests): their JSON line, exit status and operation-log dumps.
 
-use grid_core::oplog::TraceDump;
+mod common;
+
+use common::{example, fresh_dir};
+use grid_core::oplog::{OpState, TraceDump};
 use grid_core::trace::analyze;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
-
-/// `target/<profile>/examples/<name>`, beside this test's own `deps/` directory, brought up to
-/// date with `cargo build --example` first (a no-op when the test run built the examples; a
-/// run of only this test target does not, and would otherwise find a stale program).
-fn example(name: &str) -> PathBuf {
-    let exe = std::env::current_exe().expect("the test's own path");
-    let profile_dir = exe
-        .parent()
-        .and_then(Path::parent)
-        .expect("target/<profile>/deps/<test>");
-    let path = profile_dir.join("examples").join(name);
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let mut c = Command::new(cargo);
-    c.args(["build", "--quiet", "-p", "grid-programs", "--example", name]);
-    if profile_dir.file_name().is_some_and(|p| p == "release") {
-        c.arg("--release");
-    }
-    let status = c.status().expect("cargo runs");
-    assert!(status.success(), "building the example {name} failed");
-    assert!(path.is_file(), "{} was not built", path.display());
-    path
-}
-
-/// A fresh, empty directory under the system's temporary directory.
-fn fresh_dir(what: &str) -> PathBuf {
-    let nanos = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos());
-    let d = std::env::temp_dir().join(format!("grid-{what}-{}-{nanos}", std::process::id()));
-    std::fs::create_dir_all(&d).expect("create a temporary directory");
-    d
-}
+use std::time::{Duration, Instant};
 
 fn spawn_rank(exe: &Path, rank: usize, size: usize, store: &Path, extra: &[&str]) -> Child {
     Command::new(exe)
@@ -276,6 +247,50 @@ fn gloo_loop_rejects_bad_options_with_one_line_and_status_2() {
             "1",
         ],
         &["--frobnicate", "1"],
+        &[
+            "--rank",
+            "0",
+            "--world-size",
+            "2",
+            "--store",
+            "file:/tmp/x",
+            "--fault",
+            "1:crash@3",
+        ],
+        &[
+            "--rank",
+            "0",
+            "--world-size",
+            "2",
+            "--store",
+            "file:/tmp/x",
+            "--fault",
+            "2:kill@3",
+        ],
+        &[
+            "--rank",
+            "0",
+            "--world-size",
+            "2",
+            "--store",
+            "file:/tmp/x",
+            "--iters",
+            "3",
+            "--fault",
+            "1:kill@3",
+        ],
+        &[
+            "--rank",
+            "0",
+            "--world-size",
+            "2",
+            "--store",
+            "file:/tmp/x",
+            "--seconds",
+            "3",
+            "--fault",
+            "1:kill@0",
+        ],
         &["--iters"],
     ] {
         let out = Command::new(&exe)
@@ -330,7 +345,7 @@ fn mpi_loop_two_ranks_complete_every_iteration() {
 }
 
 #[test]
-fn mpi_loop_timeout_reports_and_dumps_the_started_all_reduce() {
+fn mpi_loop_timeout_reports_and_dumps_the_timed_out_all_reduce() {
     let exe = example("mpi-loop");
     let exe = exe.to_string_lossy();
     // 64 MiB cannot be all-reduced in 1 ms: every rank times out in its first iteration.
@@ -354,10 +369,14 @@ fn mpi_loop_timeout_reports_and_dumps_the_started_all_reduce() {
         .find(|l| l.starts_with('{'))
         .unwrap_or_else(|| panic!("no JSON line in {}", out.output));
     let v: serde_json::Value = serde_json::from_str(line).expect("JSON");
-    assert_eq!(v["error"], "all_reduce: timed out after 1 ms", "{v}");
+    assert_eq!(
+        v["error"],
+        "all_reduce #0 on communicator 'world' (world ranks 0, 1): timed out after 1 ms",
+        "{v}"
+    );
     assert_eq!(v["completed"], 0, "{v}");
     // The first rank to exit makes mpirun end the other, which may not have dumped yet: at
-    // least one dump, and every dump names the timeout and holds the started all-reduce.
+    // least one dump, and every dump names the timeout and holds the all-reduce, failed by it.
     let dumps: Vec<TraceDump> = (0..2)
         .filter_map(|r| std::fs::read_to_string(trace.join(format!("rank-{r}.json"))).ok())
         .map(|t| TraceDump::from_json(&t).expect("a valid dump"))
@@ -378,7 +397,12 @@ fn mpi_loop_timeout_reports_and_dumps_the_started_all_reduce() {
         let last = world.records.last().expect("a record");
         assert_eq!(
             (last.op.as_str(), last.count, last.state.name()),
-            ("all_reduce", 16 << 20, "started")
+            ("all_reduce", 16 << 20, "failed")
+        );
+        assert!(
+            matches!(&last.state, OpState::Failed { reason } if reason.contains("timed out after 1 ms")),
+            "{:?}",
+            last.state
         );
     }
     std::fs::remove_dir_all(&trace).expect("remove the dumps");
