@@ -1603,6 +1603,30 @@ void gloo_shim_context_close(gloo_shim_context* ctx) {
   }
 }
 
+}  // extern "C"
+
+// gloo::transport::tcp::Pair::signalExceptionExternal(const std::string&), exported by libgloo
+// but declared in a header (gloo/transport/tcp/pair.h) that Debian's libgloo-dev cannot compile
+// (it includes gloo/common/memory.h, which the package does not ship). Declared here by its
+// mangled name as a free function with the same Itanium C++ ABI calling sequence: the hidden
+// return slot, then `this`, then the message. Invariants: every pair of a context this shim
+// creates is a tcp::Pair (the shim only creates TCP devices), whose only base is
+// gloo::transport::Pair, so the base pointer is the tcp::Pair's `this`.
+std::exception_ptr gloo_tcp_pair_signal_exception_external(void* self, const std::string& msg)
+    __asm__("_ZN4gloo9transport3tcp4Pair23signalExceptionExternalERKNSt7__cxx1112basic_stringIcSt11char_traitsIcESaIcEEE");
+
+namespace {
+
+// Fails one TCP pair as a lost connection would: every operation waiting on it (a collective's
+// internal buffers included) wakes with an I/O error, and the pair closes.
+void fail_tcp_pair(gloo::transport::Pair* pair, const std::string& msg) {
+  gloo_tcp_pair_signal_exception_external(static_cast<void*>(pair), msg);
+}
+
+}  // namespace
+
+extern "C" {
+
 void gloo_shim_context_abort_waits(gloo_shim_context* ctx) {
   if (ctx == nullptr || !ctx->waits) {
     return;
@@ -1618,6 +1642,24 @@ void gloo_shim_context_abort_waits(gloo_shim_context* ctx) {
       }
     }
   } catch (...) {
+  }
+  // Collectives wait inside Gloo's algorithms on buffers the shim never sees: failing every
+  // TCP pair (tcp::Pair::signalExceptionExternal, the path of a lost connection) wakes each
+  // of them with an I/O error and closes the pair.
+  if (!ctx->ctx) {
+    return;
+  }
+  for (int i = 0; i < ctx->ctx->size; i++) {
+    if (i == ctx->ctx->rank) {
+      continue;
+    }
+    try {
+      auto& pair = ctx->ctx->getPair(i);
+      if (pair) {
+        fail_tcp_pair(pair.get(), "the communicator was aborted on this rank (abort() was called)");
+      }
+    } catch (...) {
+    }
   }
 }
 

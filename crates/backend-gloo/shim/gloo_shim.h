@@ -183,10 +183,11 @@ void gloo_shim_context_free(gloo_shim_context* ctx);
  * instead of at their timeout. Operations on the context fail afterwards. */
 void gloo_shim_context_close(gloo_shim_context* ctx);
 
-/* Wakes every point-to-point wait of this context (blocking or posted) and makes every later
- * one fail at once with GLOO_SHIM_ABORTED (Gloo's abortWaitRecv/abortWaitSend). Thread-safe,
- * idempotent, never throws. Collectives are not interrupted (Gloo gives no handle on their
- * waits): they end at their timeout, or at once when a peer's connection closes. */
+/* Wakes every wait of this context and makes every later one fail at once: point-to-point
+ * waits (blocking or posted) end with GLOO_SHIM_ABORTED (Gloo's abortWaitRecv/abortWaitSend);
+ * every TCP pair is then failed as a lost connection would fail it
+ * (tcp::Pair::signalExceptionExternal), which wakes the waits of a collective inside Gloo's
+ * algorithms with an I/O error and closes the pair. Thread-safe, idempotent, never throws. */
 void gloo_shim_context_abort_waits(gloo_shim_context* ctx);
 int32_t gloo_shim_context_rank(const gloo_shim_context* ctx);
 int32_t gloo_shim_context_size(const gloo_shim_context* ctx);

@@ -308,8 +308,29 @@ impl Inner {
         self.fail_after(op, e, self.timeout)
     }
 
+    /// True once [`GlooBackend::abort`] marked this context aborted.
+    fn was_aborted(&self) -> bool {
+        self.failure
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_deref()
+            == Some(ABORTED)
+    }
+
     /// [`Inner::fail`] for an operation whose time limit was `limit`.
     fn fail_after(&self, op: &'static str, e: ShimError, limit: Duration) -> Error {
+        if e.code != ShimCode::Invalid && self.was_aborted() {
+            // Woken by this rank's own abort(): nobody else to blame, and no reason to wait
+            // for the others' failure records.
+            return Error::Aborted {
+                op,
+                reason: format!(
+                    "the communicator was aborted on this rank (abort() was called); Gloo reported: {}",
+                    e.message
+                ),
+                at: None,
+            };
+        }
         if e.code != ShimCode::Invalid {
             let mut f = self.failure.lock().unwrap_or_else(|p| p.into_inner());
             if f.is_none() {
@@ -862,11 +883,10 @@ impl Backend for GlooBackend {
     fn default_time_limit(&self) -> grid_core::TimeLimit {
         grid_core::TimeLimit::After(self.timeout())
     }
-    /// Marks the context aborted, wakes every point-to-point wait of this rank (blocking or
-    /// posted: they return at once) and closes the context's connections, so that the peers
-    /// blocked on this rank fail at once too. A collective blocked inside Gloo cannot be woken
-    /// (Gloo gives no handle on its waits): it returns at its time limit, or earlier when a
-    /// peer's connection closes.
+    /// Marks the context aborted, wakes every wait of this rank (point-to-point waits through
+    /// Gloo's abortWait*, the waits of a collective inside Gloo's algorithms by failing every
+    /// TCP pair as a lost connection would) and closes the context's connections, so that the
+    /// peers blocked on this rank fail at once too.
     fn abort(&self) {
         GlooBackend::abort(self);
         self.inner.ctx.abort_waits();
