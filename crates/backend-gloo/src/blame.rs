@@ -197,11 +197,15 @@ impl Blame {
     /// `close` closes this rank's connections of the communicator: called once the record is
     /// written (for a lost connection or a timeout), so that the peers blocked on this rank
     /// fail now, find the record, and look further, instead of waiting for their timeout.
+    ///
+    /// `stop` is polled while waiting for the others' records: once it returns true (this rank
+    /// was aborted meanwhile: the caller reports that instead), the wait ends with no verdict.
     pub(crate) fn assign(
         &self,
         op: &'static str,
         e: &ShimError,
         close: impl FnOnce() + Send,
+        stop: &(dyn Fn() -> bool + Sync),
     ) -> Option<Verdict> {
         let mut cached = self.verdict.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(v) = cached.as_ref() {
@@ -246,7 +250,7 @@ impl Blame {
                 if let Err(e) = &closing {
                     tracing::warn!(error = %e, "gloo: no thread to close the connections; they close when the communicator is dropped");
                 }
-                self.resolve(op, saw)
+                self.resolve(op, saw, stop)
             }),
         };
         if let Some(v) = &verdict {
@@ -280,7 +284,12 @@ impl Blame {
     }
 
     /// Polls the records until [`Blame::grace`] has passed or the answer is certain.
-    fn resolve(&self, op: &'static str, saw: Saw) -> Option<Verdict> {
+    fn resolve(
+        &self,
+        op: &'static str,
+        saw: Saw,
+        stop: &(dyn Fn() -> bool + Sync),
+    ) -> Option<Verdict> {
         let start = Instant::now();
         let deadline = start + self.grace;
         // While several members are silent, one of them may only be late: wait up to twice
@@ -289,6 +298,9 @@ impl Blame {
         let mut known = HashMap::new();
         let collective = !POINT_TO_POINT.contains(&op);
         loop {
+            if stop() {
+                return None;
+            }
             match self.step(&mut known, saw, collective) {
                 Ok(Step::Done(v)) => return v,
                 Ok(Step::Suspect(v)) => {
@@ -413,11 +425,12 @@ impl Blame {
         e: &ShimError,
         mut err: Error,
         close: impl FnOnce() + Send,
+        stop: &(dyn Fn() -> bool + Sync),
     ) -> Error {
         if e.code == ShimCode::Invalid {
             return err;
         }
-        let Some(v) = self.assign(op, e, close) else {
+        let Some(v) = self.assign(op, e, close, stop) else {
             return err;
         };
         match &mut err {
@@ -490,9 +503,13 @@ mod tests {
             message: "Timed out".into(),
         };
         // Rank 2 dies (no record); rank 1 loses it; rank 0 loses rank 1 (which exited).
-        let v1 = blame(1).assign("all_reduce", &lost(2), || {}).unwrap();
+        let v1 = blame(1)
+            .assign("all_reduce", &lost(2), || {}, &|| false)
+            .unwrap();
         assert_eq!(v1.blamed, 2, "{}", v1.why);
-        let v0 = blame(0).assign("all_reduce", &lost(1), || {}).unwrap();
+        let v0 = blame(0)
+            .assign("all_reduce", &lost(1), || {}, &|| false)
+            .unwrap();
         assert_eq!(v0.blamed, 2, "{}", v0.why);
         assert!(
             v0.why.contains("rank 1 had lost its connection"),
@@ -506,17 +523,31 @@ mod tests {
             peer: None,
             message: "enforce fail".into(),
         };
-        assert_eq!(blame(4).assign("broadcast", &own, || {}), None);
-        let v5 = blame(5).assign("broadcast", &lost(4), || {}).unwrap();
+        assert_eq!(blame(4).assign("broadcast", &own, || {}, &|| false), None);
+        let v5 = blame(5)
+            .assign("broadcast", &lost(4), || {}, &|| false)
+            .unwrap();
         assert_eq!(v5.blamed, 4);
         assert!(v5.why.contains("on its own"), "{}", v5.why);
         // Rank 3 times out: every member but rank 2 has reported.
-        let v3 = blame(3).assign("all_reduce", &timeout, || {}).unwrap();
+        let v3 = blame(3)
+            .assign("all_reduce", &timeout, || {}, &|| false)
+            .unwrap();
         assert_eq!(v3.blamed, 2, "{}", v3.why);
         assert!(v3.why.contains("every other member"), "{}", v3.why);
+        // A rank aborted while it waits for the others' records stops waiting at once (with
+        // the full grace period of 1 s it would wait 2 s here: two members are silent).
+        let t = std::time::Instant::now();
+        let aborted = Blame::new(store.clone(), "q".into(), 0, vec![0, 1, 2]);
+        assert_eq!(aborted.assign("barrier", &timeout, || {}, &|| true), None);
+        assert!(
+            t.elapsed() < Duration::from_millis(500),
+            "{:?}",
+            t.elapsed()
+        );
         // Two silent members: the first is named, and the message says so.
         let b = Blame::new(store.clone(), "r".into(), 0, vec![0, 1, 2]);
-        let v = b.assign("barrier", &timeout, || {}).unwrap();
+        let v = b.assign("barrier", &timeout, || {}, &|| false).unwrap();
         assert_eq!(v.blamed, 1);
         assert!(
             v.why.starts_with("2 ranks reported no failure"),
@@ -525,8 +556,8 @@ mod tests {
         );
         // A point-to-point timeout blames nobody by silence.
         let b = Blame::new(store.clone(), "q".into(), 0, vec![0, 1, 2]);
-        assert_eq!(b.assign("recv", &timeout, || {}), None);
+        assert_eq!(b.assign("recv", &timeout, || {}, &|| false), None);
         // The verdict is computed once per communicator.
-        assert_eq!(b.assign("recv", &lost(1), || {}), None);
+        assert_eq!(b.assign("recv", &lost(1), || {}, &|| false), None);
     }
 }

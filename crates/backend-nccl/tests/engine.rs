@@ -359,7 +359,15 @@ fn a_stalled_collective_fails_every_rank_and_its_job() {
             blocking(&w, &world, r, "ar#1", l.into())
         };
         let took = start.elapsed();
-        (res, took, t.check_live("all_gather"), job.live_count())
+        // The job aborts its other communicators from the failing rank's watchdog, which may
+        // run just after this rank's own error returned: allow it a second.
+        let deadline = Instant::now() + Duration::from_secs(1);
+        let mut other = t.check_live("all_gather");
+        while other.is_ok() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+            other = t.check_live("all_gather");
+        }
+        (res, took, other, job.live_count())
     });
     for (r, (res, took, other, live)) in out.into_iter().enumerate() {
         let e = res.unwrap_err();
