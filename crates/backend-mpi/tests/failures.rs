@@ -328,9 +328,10 @@ fn helper(rt: &MpiRuntime) -> Result<(), String> {
             let mut v = [1f32; 16];
             for i in 0.. {
                 if me == 1 && i == 100 {
-                    let _ = std::process::Command::new("kill")
-                        .args(["-STOP", &std::process::id().to_string()])
-                        .status();
+                    // raise(): the process is stopped before the call returns, so it never
+                    // enters all-reduce #101 (a `kill -STOP` from a child process can land a few
+                    // iterations later on a loaded machine).
+                    let _ = signal_hook::low_level::raise(signal_hook::consts::SIGSTOP);
                 }
                 w.all_reduce_in_place(&mut v[..], ReduceOp::Sum)
                     .map_err(e)?;
