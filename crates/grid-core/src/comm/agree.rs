@@ -398,15 +398,28 @@ impl<B: Backend> Comm<B> {
         if size < 2 || !self.mismatch_check().applies(bytes) {
             return Ok(None);
         }
+        Ok(Some(self.check_of(r.name(), pending, n, seq, size)))
+    }
+
+    /// The check of collective `op` (`n`-th collective while checking, sequence number `seq`)
+    /// on this communicator of `size` ranks.
+    fn check_of(
+        &self,
+        op: &'static str,
+        pending: Pending,
+        n: u64,
+        seq: u64,
+        size: usize,
+    ) -> DeferredCheck {
         let mut f = pending.fingerprint();
         f.0[1] = i64::try_from(n).unwrap_or(i64::MAX);
-        Ok(Some(DeferredCheck {
-            op: r.name(),
+        DeferredCheck {
+            op,
             comm: self.comm_name().to_string(),
             seq,
             size,
             fingerprint: f.0,
-        }))
+        }
     }
 
     /// The number of collectives issued before this one while checking was on, counting this
@@ -439,16 +452,7 @@ impl<B: Backend> Comm<B> {
         if size < 2 || !check {
             return Ok(());
         }
-        let mut f = pending.fingerprint();
-        f.0[1] = i64::try_from(n).unwrap_or(i64::MAX);
-        let check = DeferredCheck {
-            op,
-            comm: self.comm_name().to_string(),
-            seq,
-            size,
-            fingerprint: f.0,
-        };
-        check.verify(
+        self.check_of(op, pending, n, seq, size).verify(
             &mut |both| {
                 self.inner().run_check(Validated::new(
                     Op::AllReduceInPlace {

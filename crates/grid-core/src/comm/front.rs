@@ -106,9 +106,8 @@ use std::time::Duration;
 #[derive(Debug)]
 pub struct Comm<B: Backend> {
     backend: B,
-    name: String,
-    /// The name and members, shared with the [`Work`] of nonblocking operations for their
-    /// errors.
+    /// The descriptive name and the members, shared with the [`Work`] of nonblocking
+    /// operations for their errors.
     ident: Arc<Ident>,
     life: Arc<Lifecycle>,
     seq: AtomicU64,
@@ -148,13 +147,12 @@ impl<B: Backend> Comm<B> {
         }
         let agree = super::agree::Agreement::new(&backend);
         let ident = Arc::new(Ident {
-            name: name.clone(),
+            name,
             ranks: backend.global_ranks().to_vec(),
         });
         let life = Arc::new(Lifecycle::new(backend.default_time_limit()));
         Comm {
             backend,
-            name,
             ident,
             life,
             seq: AtomicU64::new(0),
@@ -175,7 +173,7 @@ impl<B: Backend> Comm<B> {
     }
     /// The communicator's descriptive name.
     pub fn comm_name(&self) -> &str {
-        &self.name
+        &self.ident.name
     }
     /// Aborts the communicator on this rank ([`Communicator::abort`]; here so that it is
     /// found before a backend method of the same name reached through `Deref`).
@@ -459,7 +457,7 @@ impl<B: Backend> Comm<B> {
         tracing::trace_span!(
             "comm",
             op,
-            comm = %self.name,
+            comm = %self.ident.name,
             backend = self.backend.name(),
             seq,
             send,
@@ -838,7 +836,7 @@ impl<B: Backend> Communicator for Comm<B> {
         self.backend.name()
     }
     fn name(&self) -> &str {
-        &self.name
+        &self.ident.name
     }
     fn rank(&self) -> usize {
         self.backend.rank()
