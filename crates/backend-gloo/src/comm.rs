@@ -129,13 +129,13 @@ pub(crate) struct Inner {
     blame: Option<crate::blame::Blame>,
 }
 
-/// What Gloo is given for "no limit": 30 years, far beyond any job, and small enough that
-/// Gloo's `steady_clock::now() + timeout` cannot overflow its nanosecond count.
-const NO_LIMIT: Duration = Duration::from_secs(30 * 365 * 24 * 3600);
-
-/// The time limit of one operation as Gloo takes it.
+/// The time limit of one operation as Gloo takes it: no limit is the shim's longest timeout
+/// ([`crate::ffi::NO_LIMIT`], which every duration handed to the shim is clamped to).
 fn op_limit(limit: grid_core::TimeLimit) -> Duration {
-    limit.duration().unwrap_or(NO_LIMIT).min(NO_LIMIT)
+    limit
+        .duration()
+        .unwrap_or(crate::ffi::NO_LIMIT)
+        .min(crate::ffi::NO_LIMIT)
 }
 
 fn raw_op(op: ReduceOp) -> RawOp {
