@@ -53,6 +53,7 @@ mod exec;
 mod factory;
 #[allow(unsafe_code)]
 mod ffi;
+pub mod testing;
 
 pub use comm::{GlooBackend, GlooCommunicator};
 pub use factory::{

@@ -14,7 +14,7 @@
 
 mod common;
 
-use common::procs::{forward_output, Redis};
+use common::procs::{forward_output, start_redis};
 
 use backend_gloo::{env, init_from_env};
 use grid_core::{Communicator, CommunicatorExt, Error, ReduceOp};
@@ -393,7 +393,7 @@ fn rendezvous_lists_missing_ranks_redis() {
     if in_child() {
         return child_rendezvous();
     }
-    let Some(redis) = Redis::start() else { return };
+    let Some(redis) = start_redis() else { return };
     missing_ranks_are_listed("rendezvous_lists_missing_ranks_redis", &redis.url());
 }
 
@@ -525,7 +525,7 @@ fn survivors_blame_the_victim(
     n: usize,
     victim: usize,
     signal: &str,
-    redis: Option<&Redis>,
+    redis: Option<&backend_gloo::testing::RedisServer>,
 ) {
     let timeout = secs(3.0);
     let job = unique("blame");
@@ -616,7 +616,7 @@ fn killed_rank_is_blamed_by_every_survivor_redis() {
     if in_child() {
         return child_loop();
     }
-    let Some(redis) = Redis::start() else { return };
+    let Some(redis) = start_redis() else { return };
     survivors_blame_the_victim(
         "killed_rank_is_blamed_by_every_survivor_redis",
         6,
@@ -634,7 +634,7 @@ fn redis_stopped_during_rendezvous() {
     if in_child() {
         return;
     }
-    let Some(redis) = Redis::start() else { return };
+    let Some(redis) = start_redis() else { return };
     let timeout = secs(3.0);
     let store = backend_gloo::Rendezvous::parse(&redis.url()).expect("a Redis location");
     let factory = backend_gloo::GlooFactory::new(
@@ -642,7 +642,7 @@ fn redis_stopped_during_rendezvous() {
         backend_gloo::GlooConfig::new(unique("redis-stop")).with_timeout(timeout),
     )
     .expect("a factory");
-    let pid = redis.child.id().to_string();
+    let pid = redis.process().id().to_string();
     let stopper = std::thread::spawn(move || {
         std::thread::sleep(secs(0.5));
         Command::new("kill").args(["-STOP", &pid]).status()
@@ -653,7 +653,7 @@ fn redis_stopped_during_rendezvous() {
     let took = t.elapsed();
     let stopped = stopper.join().expect("the stopping thread");
     let _ = Command::new("kill")
-        .args(["-CONT", &redis.child.id().to_string()])
+        .args(["-CONT", &redis.process().id().to_string()])
         .status();
     assert!(
         stopped.map(|s| s.success()).unwrap_or(false),

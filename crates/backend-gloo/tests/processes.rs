@@ -8,7 +8,7 @@
 
 mod common;
 
-use common::procs::{forward_output, Redis};
+use common::procs::{forward_output, start_redis};
 
 use backend_gloo::{env, init_from_env, run_ranks_with, GlooConfig, Rendezvous};
 use grid_core::{Communicator, CommunicatorExt, Error, ReduceOp};
@@ -228,7 +228,7 @@ fn redis_processes() {
     if in_child() {
         return child_suite();
     }
-    let Some(redis) = Redis::start() else { return };
+    let Some(redis) = start_redis() else { return };
     for n in [1, 2, 4, 8] {
         run_processes(
             "redis_processes",
@@ -245,7 +245,7 @@ fn redis_threads_and_reused_job() {
     if in_child() {
         return;
     }
-    let Some(redis) = Redis::start() else { return };
+    let Some(redis) = start_redis() else { return };
     let store = Rendezvous::parse(&redis.url()).unwrap();
     let cfg = GlooConfig::new("redis-threads").with_timeout(Duration::from_secs(5));
     let out = run_ranks_with(&store, 4, &cfg, |_f, w| {
@@ -443,9 +443,9 @@ fn redis_forgets_finished_groups() {
     if in_child() {
         return;
     }
-    let Some(redis) = Redis::start() else { return };
+    let Some(redis) = start_redis() else { return };
     let store = Rendezvous::parse(&redis.url()).unwrap();
-    let port = redis.port;
+    let port = redis.port();
     let (before, first, last) = churn_groups(&store, &unique("forget"), || redis_dbsize(port));
     assert!(before > 0, "the world's keys are in the store");
     assert_eq!(first, before, "keys left by the first group");

@@ -27,7 +27,7 @@
 
 mod common;
 
-use common::{example, fresh_dir, grid_command, Redis};
+use common::{example, fresh_dir, grid_command, start_redis};
 use grid_core::oplog::TraceDump;
 use serde_json::Value;
 use std::os::unix::process::ExitStatusExt;
@@ -215,9 +215,9 @@ enum Store {
 fn run_gloo(store: Store, trace: &Path, fault: Option<&str>, detail: bool) -> Vec<RankEnd> {
     let exe = example("gloo-loop");
     let store_dir = fresh_dir("fault-store");
-    let redis = matches!(store, Store::Redis).then(Redis::start);
+    let redis = matches!(store, Store::Redis).then(start_redis);
     let url = match &redis {
-        Some(r) => format!("redis://127.0.0.1:{}/faults", r.port),
+        Some(r) => format!("redis://127.0.0.1:{}/faults", r.port()),
         None => format!("file:{}", store_dir.display()),
     };
     let args = loop_args(trace, fault);
@@ -616,9 +616,9 @@ fn gloo_redis_down_at_start() {
     let trace = fresh_dir("fault-trace");
     // A port nothing listens on: a server that was started, then stopped.
     let port = {
-        let mut redis = Redis::start();
+        let mut redis = start_redis();
         redis.kill();
-        redis.port
+        redis.port()
     };
     let url = format!("redis://127.0.0.1:{port}/faults");
     let args = loop_args(&trace, None);
@@ -640,8 +640,8 @@ fn gloo_redis_down_at_start() {
 fn gloo_redis_killed_during_rendezvous() {
     let exe = example("gloo-loop");
     let trace = fresh_dir("fault-trace");
-    let mut redis = Redis::start();
-    let url = format!("redis://127.0.0.1:{}/faults", redis.port);
+    let mut redis = start_redis();
+    let url = format!("redis://127.0.0.1:{}/faults", redis.port());
     let args = loop_args(&trace, None);
     // Ranks 0..2 start and wait in the rendezvous for rank 3, which is not there yet.
     let mut started: Vec<(usize, Child, Instant)> = (0..RANKS - 1)

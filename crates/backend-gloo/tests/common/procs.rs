@@ -2,78 +2,21 @@
 //! forwarding of a rank process's output lines.
 #![allow(dead_code)]
 
+use backend_gloo::testing::RedisServer;
 use std::io::{BufRead, BufReader};
-use std::net::{TcpListener, TcpStream};
-use std::process::{Child, Command, Stdio};
+use std::process::Child;
 use std::sync::mpsc;
-use std::time::{Duration, Instant};
 
 /// Set to `1` to skip the Redis tests on a machine without `redis-server` (they say so).
 pub const SKIP_REDIS: &str = "GRID_GLOO_SKIP_REDIS";
 
-/// A `redis-server` on a free loopback port, without persistence; killed on drop.
-pub struct Redis {
-    pub child: Child,
-    pub port: u16,
-}
-
-impl Redis {
-    /// Starts one and waits until it listens; `None` when [`SKIP_REDIS`] is `1`.
-    pub fn start() -> Option<Redis> {
-        if std::env::var(SKIP_REDIS).as_deref() == Ok("1") {
-            eprintln!("skipping: {SKIP_REDIS}=1");
-            return None;
-        }
-        let port = TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .map(|a| a.port())
-            .expect("a free port");
-        let child = Command::new("redis-server")
-            .args([
-                "--port",
-                &port.to_string(),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--protected-mode",
-                "yes",
-            ])
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap_or_else(|e| {
-                panic!("cannot start redis-server ({e}): install it (Debian: apt-get install redis-server) or set {SKIP_REDIS}=1")
-            });
-        let mut redis = Redis { child, port };
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while TcpStream::connect(("127.0.0.1", port)).is_err() {
-            if let Ok(Some(s)) = redis.child.try_wait() {
-                panic!("redis-server exited at once: {s}");
-            }
-            assert!(
-                Instant::now() < deadline,
-                "redis-server did not listen on port {port}"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        Some(redis)
+/// A `redis-server` of the test's own (killed when dropped); `None` when [`SKIP_REDIS`] is `1`.
+pub fn start_redis() -> Option<RedisServer> {
+    if std::env::var(SKIP_REDIS).as_deref() == Ok("1") {
+        eprintln!("skipping: {SKIP_REDIS}=1");
+        return None;
     }
-
-    /// Its URL.
-    pub fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}", self.port)
-    }
-}
-
-impl Drop for Redis {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+    Some(RedisServer::start().unwrap_or_else(|e| panic!("{e}, or set {SKIP_REDIS}=1")))
 }
 
 /// Sends every line `child` writes on its stdout and stderr to `tx` as `(rank, line)`, from

@@ -3,10 +3,10 @@
 
 #![allow(dead_code)] // each test target uses a part
 
-use std::net::{TcpListener, TcpStream};
+use backend_gloo::testing::RedisServer;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::process::Command;
+use std::time::{SystemTime, UNIX_EPOCH};
 
 /// `target/<profile>/`, the parent of this test's own `deps/` directory.
 fn profile_dir() -> PathBuf {
@@ -56,62 +56,7 @@ pub fn fresh_dir(what: &str) -> PathBuf {
     d
 }
 
-/// A `redis-server` on a free loopback port, without persistence; killed on drop.
-pub struct Redis {
-    child: Child,
-    /// Its port on 127.0.0.1.
-    pub port: u16,
-}
-
-impl Redis {
-    /// Starts one and waits until it listens.
-    pub fn start() -> Redis {
-        let port = TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .map(|a| a.port())
-            .expect("a free port");
-        let child = Command::new("redis-server")
-            .args([
-                "--port",
-                &port.to_string(),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-            ])
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap_or_else(|e| {
-                panic!("cannot start redis-server ({e}): install it (Debian: apt-get install redis-server)")
-            });
-        let mut redis = Redis { child, port };
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while TcpStream::connect(("127.0.0.1", port)).is_err() {
-            if let Ok(Some(s)) = redis.child.try_wait() {
-                panic!("redis-server exited at once: {s}");
-            }
-            assert!(
-                Instant::now() < deadline,
-                "redis-server did not listen on port {port}"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        redis
-    }
-
-    /// Kills it (SIGKILL) and waits for it.
-    pub fn kill(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for Redis {
-    fn drop(&mut self) {
-        self.kill();
-    }
+/// A `redis-server` of the test's own (killed when dropped).
+pub fn start_redis() -> RedisServer {
+    RedisServer::start().unwrap_or_else(|e| panic!("{e}"))
 }
