@@ -140,23 +140,28 @@ impl Work for GlooWork {
         self: Box<Self>,
         timeout: Duration,
     ) -> std::result::Result<Result<Tensor>, Box<dyn Work>> {
-        let deadline = Instant::now() + timeout;
+        // `None`: a timeout beyond what `Instant` can hold, which is no limit.
+        let deadline = grid_core::TimeLimit::After(timeout).deadline_from(Instant::now());
         {
             let mut g = lock(&self.c.result);
             loop {
                 if let Some(r) = g.take() {
                     return Ok(r);
                 }
-                let now = Instant::now();
-                if now >= deadline {
-                    break;
-                }
-                g = self
-                    .c
-                    .cv
-                    .wait_timeout(g, deadline - now)
-                    .map(|(g, _)| g)
-                    .unwrap_or_else(|e| e.into_inner().0);
+                g = match deadline {
+                    None => self.c.cv.wait(g).unwrap_or_else(|e| e.into_inner()),
+                    Some(deadline) => {
+                        let now = Instant::now();
+                        if now >= deadline {
+                            break;
+                        }
+                        self.c
+                            .cv
+                            .wait_timeout(g, deadline - now)
+                            .map(|(g, _)| g)
+                            .unwrap_or_else(|e| e.into_inner().0)
+                    }
+                };
             }
         }
         Err(self)

@@ -9,7 +9,7 @@ use grid_core::{
 };
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// A communicator of the local backend: the front end over [`LocalBackend`].
 pub type LocalComm = Comm<LocalBackend>;
@@ -531,11 +531,7 @@ impl Work for LocalWork {
         timeout: Duration,
     ) -> std::result::Result<Result<Tensor>, Box<dyn Work>> {
         let aborted = Arc::clone(&self.aborted);
-        let until = Until {
-            deadline: Some(Instant::now() + timeout),
-            limit: TimeLimit::After(timeout),
-            abort: &aborted,
-        };
+        let until = Until::limit(TimeLimit::After(timeout), &aborted);
         match self.finish(&until, false) {
             Ok(Some(t)) => Ok(Ok(t)),
             Ok(None) => Err(self),

@@ -185,3 +185,22 @@ fn an_empty_world_is_an_error() {
         Err(Error::NonPositive { value: 0, .. })
     ));
 }
+
+#[test]
+fn wait_timeout_of_duration_max_means_no_limit() {
+    // A timeout beyond what `Instant` can hold waits like `wait` (it used to panic computing
+    // the deadline).
+    let r = run(2, &quick(false), |_, w| {
+        if w.rank() == 0 {
+            let work = w.irecv::<i32>(1, 1, 4)?.into_inner();
+            return match work.wait_timeout(Duration::MAX) {
+                Ok(r) => Ok(r?.into_vec::<i32>()?),
+                Err(_) => Err(Error::Invalid("wait_timeout(MAX) gave up".into())),
+            };
+        }
+        w.send_to(&[7i32][..], 0, 4)?;
+        Ok(vec![])
+    })
+    .unwrap();
+    assert_eq!(r[0], vec![7]);
+}

@@ -723,7 +723,8 @@ impl Work for MpiWork {
         mut self: Box<Self>,
         timeout: Duration,
     ) -> std::result::Result<Result<Tensor>, Box<dyn Work>> {
-        let deadline = Instant::now() + timeout;
+        // `None`: a timeout beyond what `Instant` can hold, which is no limit.
+        let deadline = TimeLimit::After(timeout).deadline_from(Instant::now());
         let mut spins = 0u32;
         loop {
             // Past the operation's own limit, or aborted: `finish` gives it up at once.
@@ -740,7 +741,7 @@ impl Work for MpiWork {
             if done {
                 return Ok(self.finish());
             }
-            if Instant::now() >= deadline {
+            if deadline.is_some_and(|d| Instant::now() >= d) {
                 return Err(self);
             }
             spins += 1;
