@@ -90,3 +90,8 @@ pub mod oplog;
 pub mod trace;
 pub use oplog::{OpDesc, OpHandle, OpLog, OpRecord, OpState, Recorder, TraceDump, TraceError};
 pub use trace::{analyze, TraceReport};
+mod initplan;
+pub use initplan::{
+    verify_plan, CallOp, CommInfo, Creation, InitCall, InitPlan, InitSummary, RankInitPlan,
+    SharedComm, SharedCommSummary, Spread, VerifyReport,
+};
