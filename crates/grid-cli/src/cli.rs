@@ -2,7 +2,8 @@
 //! clap error to one [`UsageError`] line that names the option, the value and what is valid.
 
 use crate::commands::{
-    comm_grid, completions, enumerate, hierarchical, layout, pipeline, rank_generator, trace,
+    comm_grid, completions, enumerate, hierarchical, init_plan, layout, pipeline, rank_generator,
+    trace,
 };
 use crate::error::UsageError;
 use crate::values::ValueError;
@@ -24,6 +25,9 @@ const USAGE: &str = "
   grid comm-grid --shape S1,S2,... --dims D1,D2,... [--rank-offset O] [--world-size W]
                  [--rank R] --queries FILE|- [--format text|json]
   grid trace DIR [--format text|json]
+  grid init-plan --world-size W [layout options as above] [--creation split|members-only]
+                 [--rank R | --verify] [--backend nccl|gloo|mpi] [--comm-memory BYTES]
+                 [--format text|json]
   grid completions bash|zsh|fish
   grid help [COMMAND]      grid --version";
 
@@ -68,6 +72,8 @@ pub enum Command {
     CommGrid(comm_grid::Args),
     /// Read every rank's operation log (GRID_TRACE_DIR) and find where the ranks diverged
     Trace(trace::Args),
+    /// Communicators, collective calls and memory of building every rank's groups
+    InitPlan(init_plan::Args),
     /// Print a shell completion script for grid (bash, zsh or fish)
     Completions(completions::Args),
 }

@@ -28,7 +28,8 @@ pub use error::UsageError;
 
 use cli::{Command, Parsed};
 use commands::{
-    comm_grid, completions, enumerate, hierarchical, layout, pipeline, rank_generator, trace,
+    comm_grid, completions, enumerate, hierarchical, init_plan, layout, pipeline, rank_generator,
+    trace,
 };
 use std::io::{self, Write};
 
@@ -108,6 +109,7 @@ pub fn run(args: &[String], w: &mut dyn Write) -> Result<(), Failure> {
             Command::Pipeline(a) => pipeline::run(a, &mut out)?,
             Command::CommGrid(a) => comm_grid::run(a, &mut out)?,
             Command::Trace(a) => trace::run(a, &mut out)?,
+            Command::InitPlan(a) => init_plan::run(a, &mut out)?,
             Command::Completions(a) => completions::run(a, &mut out)?,
         },
     }

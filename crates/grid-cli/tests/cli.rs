@@ -350,7 +350,7 @@ fn argument_errors_exit_2_with_one_line() {
         (
             &[],
             "grid: error: missing command: expected layout, enum, hierarchical, rank-generator, \
-             pipeline, comm-grid, trace or completions (see grid --help)",
+             pipeline, comm-grid, trace, init-plan or completions (see grid --help)",
         ),
         (&["--frob"], "grid: error: unknown command '--frob': expected layout"),
         (&["help", "nope"], "grid: error: help: unknown command 'nope'"),
@@ -492,6 +492,7 @@ fn help_lists_commands_and_options() {
         "pipeline",
         "comm-grid",
         "trace",
+        "init-plan",
         "completions",
     ] {
         assert!(

@@ -135,8 +135,9 @@ pub struct InitCall {
     /// The families the resulting communicator serves (empty for the plan check).
     #[serde(serialize_with = "family_names")]
     pub families: Vec<FamilyLevel>,
-    /// The colour passed to the split: the index of the rank's group (`None`: no colour, the
-    /// rank is in no group of these families).
+    /// The index of the rank's group ([`crate::LayoutPlan::group_at`] numbering): the colour
+    /// passed to a split, or which group a creation makes (`None`: the rank is in no group of
+    /// these families and passes no colour).
     pub colour: Option<usize>,
     /// The key passed to the split: the rank's world rank (`None` for other calls).
     pub key: Option<usize>,
@@ -177,7 +178,7 @@ pub struct Spread {
     /// The first rank with the largest value.
     pub max_rank: usize,
     /// Sum over all ranks.
-    pub total: u128,
+    pub total: u64,
 }
 
 impl Spread {
@@ -187,7 +188,7 @@ impl Spread {
             min_rank: rank,
             max: v,
             max_rank: rank,
-            total: v as u128,
+            total: v as u64,
         }
     }
     fn merge(a: Spread, b: Spread) -> Spread {
@@ -243,7 +244,7 @@ pub struct InitSummary {
     /// Collective calls per rank.
     pub calls: Spread,
     /// Communicators in the whole world (each counted once, not once per member).
-    pub world_communicators: u128,
+    pub world_communicators: u64,
 }
 
 /// What [`verify_plan`] checked.
@@ -260,7 +261,7 @@ pub struct VerifyReport {
     /// Families served by another family's communicator, checked to have identical groups.
     pub shared_checked: usize,
     /// (rank, family level) memberships checked.
-    pub memberships_checked: u128,
+    pub memberships_checked: u64,
 }
 
 /// The initialisation plan of a layout; see the module documentation.
@@ -451,10 +452,10 @@ impl<'a> InitPlan<'a> {
         let (communicators, calls) = spreads
             .ok_or_else(|| Error::Invalid("the plan has no rank to summarise".to_string()))?;
         let mut shared = Vec::with_capacity(n);
-        let mut world_communicators = 0u128;
+        let mut world_communicators = 0u64;
         for (s, &m) in self.shared.iter().zip(&members) {
             let size0 = plan.group_at(s.creator(), 0)?.len();
-            world_communicators += s.groups as u128;
+            world_communicators += s.groups as u64;
             shared.push(SharedCommSummary {
                 families: s.families.clone(),
                 groups: s.groups,
@@ -590,7 +591,7 @@ pub fn verify_plan(plan: &LayoutPlan, creation: Creation) -> Result<VerifyReport
         .try_reduce(|| (usize::MAX, 0), |a, b| Ok((a.0.min(b.0), a.1.max(b.1))))?;
 
     // 2. and 3. Partitions, one family level at a time (each in parallel over its groups).
-    let mut memberships = 0u128;
+    let mut memberships = 0u64;
     let mut shared_checked = 0;
     for s in &init.shared {
         let creator = s.creator();
@@ -618,7 +619,7 @@ fn check_partition(
     plan: &LayoutPlan,
     fl: FamilyLevel,
     against: Option<(FamilyLevel, usize)>,
-) -> Result<u128> {
+) -> Result<u64> {
     let first = plan.rank_offset();
     let world = plan.world_size();
     let n = plan.num_groups(fl)?;
@@ -708,5 +709,5 @@ fn check_partition(
             "{what}, but the {n} groups of {fl} hold {members} ranks"
         )));
     }
-    Ok(members as u128)
+    Ok(members as u64)
 }

@@ -264,10 +264,10 @@ fn the_summary_adds_up_the_ranks() {
         let calls: Vec<usize> = per.iter().map(|p| p.collective_calls).collect();
         assert_eq!(s.communicators.min, *comms.iter().min().unwrap());
         assert_eq!(s.communicators.max, *comms.iter().max().unwrap());
-        assert_eq!(s.communicators.total, comms.iter().sum::<usize>() as u128);
+        assert_eq!(s.communicators.total, comms.iter().sum::<usize>() as u64);
         assert_eq!(comms[s.communicators.max_rank], s.communicators.max);
         assert_eq!(comms[s.communicators.min_rank], s.communicators.min);
-        assert_eq!(s.calls.total, calls.iter().sum::<usize>() as u128);
+        assert_eq!(s.calls.total, calls.iter().sum::<usize>() as u64);
         // Members of each shared communicator = ranks that got it.
         for (i, sh) in s.shared.iter().enumerate() {
             let got = per
@@ -333,7 +333,7 @@ fn verify_passes_on_large_worlds_of_several_layouts() {
         for creation in [Creation::Split, Creation::MembersOnly] {
             let v = verify_plan(plan, creation).unwrap();
             assert_eq!(v.ranks, 1 << 14);
-            assert!(v.memberships_checked >= (1u128 << 14) * v.splits_checked as u128 / 2);
+            assert!(v.memberships_checked >= (1u64 << 14) * v.splits_checked as u64 / 2);
         }
     }
 }

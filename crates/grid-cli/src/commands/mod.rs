@@ -4,6 +4,7 @@ pub mod comm_grid;
 pub mod completions;
 pub mod enumerate;
 pub mod hierarchical;
+pub mod init_plan;
 pub mod layout;
 pub mod pipeline;
 pub mod rank_generator;
