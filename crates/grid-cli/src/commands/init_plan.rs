@@ -344,17 +344,22 @@ fn rank_text(
         layout_words(plan),
         p.creation
     ))?;
-    out.line(&format!(
-        "  {:>4}  {:<10}  {:>8}  {:>8}  {:>12}  {:<18}  families",
-        "call", "op", "colour", "key", "participants", "communicator"
-    ))?;
     let dash = || "-".to_string();
-    for c in &p.calls {
-        let comm = match c.communicator {
+    let comms: Vec<String> = p
+        .calls
+        .iter()
+        .map(|c| match c.communicator {
             Some(m) if m.size == 1 => "1 rank, rank 0".to_string(),
             Some(m) => format!("{} ranks, rank {}", m.size, m.group_rank),
             None => dash(),
-        };
+        })
+        .collect();
+    let width = comms.iter().map(String::len).max().unwrap_or(0).max(18);
+    out.line(&format!(
+        "  {:>4}  {:<10}  {:>8}  {:>8}  {:>12}  {:<width$}  families",
+        "call", "op", "colour", "key", "participants", "communicator"
+    ))?;
+    for (c, comm) in p.calls.iter().zip(comms) {
         let families = if c.op == CallOp::PlanCheck {
             "(all-gather of the plan fingerprint)".to_string()
         } else {
@@ -370,7 +375,7 @@ fn rank_text(
             (_, None) => dash(),
         };
         out.line(&format!(
-            "  {:>4}  {:<10}  {:>8}  {:>8}  {:>12}  {:<18}  {}",
+            "  {:>4}  {:<10}  {:>8}  {:>8}  {:>12}  {:<width$}  {}",
             c.index,
             c.op.name(),
             colour,
