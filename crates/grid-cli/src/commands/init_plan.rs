@@ -24,9 +24,9 @@ id per group): the same plan check, then one creation per group the rank is in, 
 Memory (an estimate per communicator; --comm-memory BYTES overrides --backend):
   nccl  688 MiB of GPU memory: measured for a group of more than 2 GPUs (544 MB for 2) on 4 A100s
         with NVLink after a 4 MB all-reduce (NVIDIA/nccl issue 964); issue 864 reports about
-        1.6 GB for one communicator. It grows with the channels NCCL uses (NCCL_BUFFSIZE,
-        default 4 MiB, per channel and peer) and the algorithms; splits that share resources
-        (ncclCommSplit with splitShare) cost less (NVIDIA/nccl issue 986).
+        1.6 GB for one communicator. It grows with the channels NCCL uses (buffers of
+        NCCL_BUFFSIZE, 4 MiB by default in NCCL's src/init.cc, per channel and connection)
+        and the algorithms; splits that share resources cost less (NVIDIA/nccl issue 986).
   gloo, mpi  0 bytes of GPU memory: their communicators live in host memory (socket pairs,
         MPI contexts); pass --comm-memory to estimate that.
 BYTES: an integer with an optional unit: B, KiB, MiB, GiB, TiB, KB, MB, GB, TB.
