@@ -190,7 +190,14 @@ fn memory_defaults_and_override() {
     // --comm-memory wins over --backend.
     let v = json(&args(
         "64",
-        &["--backend", "nccl", "--comm-memory", "2MB", "--format", "json"],
+        &[
+            "--backend",
+            "nccl",
+            "--comm-memory",
+            "2MB",
+            "--format",
+            "json",
+        ],
     ));
     assert_eq!(v["memory"]["bytes_per_communicator"], 2_000_000);
     assert_eq!(v["memory"]["source"], "--comm-memory");

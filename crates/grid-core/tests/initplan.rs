@@ -346,7 +346,7 @@ fn verify_finds_a_rule_that_ranks_would_disagree_on() {
     let calls = Arc::new(AtomicUsize::new(0));
     let c2 = calls.clone();
     let rule: EmbeddingFn = Arc::new(move |g: &[usize]| {
-        if c2.fetch_add(1, Ordering::Relaxed) % 2 == 0 {
+        if c2.fetch_add(1, Ordering::Relaxed).is_multiple_of(2) {
             vec![g[0]]
         } else {
             vec![g[g.len() - 1]]
