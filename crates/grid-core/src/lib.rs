@@ -74,16 +74,21 @@ mod collection;
 mod hierarchical;
 mod plan;
 mod view;
+mod wiring;
 
 pub use collection::{
     build_collection, BuiltCollection, FamilyBuildStat, PgEntry, ProcessGroupCollection,
 };
 pub use hierarchical::{hierarchical_groups, hierarchical_groups_of};
 pub use plan::{
-    EmbeddingFn, EmbeddingRule, Family, FamilyLevel, GroupSignature, LayoutConfig, LayoutPlan,
-    CUSTOM_RULE_SAMPLE, DEFAULT_ORDER,
+    default_embedding_ranks, default_position_embedding_ranks, EmbeddingFn, EmbeddingRule, Family,
+    FamilyLevel, GroupSignature, LayoutConfig, LayoutPlan, CUSTOM_RULE_SAMPLE, DEFAULT_ORDER,
 };
 pub use view::{Coords, RankView};
+pub use wiring::{
+    setup_process_groups_for_ddp, setup_process_groups_for_optimizer, use_mpu_process_groups,
+    DdpGroups, DdpSettings, DdpWiring, OptimizerGroups, OptimizerWiring, Provided, ProvidedGroups,
+};
 mod hypercomm;
 pub use hypercomm::{CommGrid, CreatedGroup, PgKey};
 pub mod oplog;
