@@ -50,6 +50,11 @@
 //!   `local_world_size`); with `rank_offset` O it covers ranks O..O+world_size.
 //! * The removed `pipeline_model_parallel_split_rank` and Megatron's embedding-rank callables
 //!   are both expressed by [`EmbeddingRule`].
+//! * **A virtual pipeline stage that does not exist is an error** ([`Error::VpStage`]) in
+//!   [`RankView::is_pipeline_first_stage`] and its siblings, where Megatron answers `False`.
+//! * The optimizer/DDP wiring ([`setup_process_groups_for_optimizer`],
+//!   [`setup_process_groups_for_ddp`], [`use_mpu_process_groups`]) expresses Megatron's
+//!   "explicitly set to None" with [`ProvidedGroups::with_none`].
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 

@@ -329,7 +329,8 @@ impl RankView {
             .unwrap_or_default()
     }
 
-    /// The view as a collection of arithmetic groups (Megatron's `use_mpu_process_groups`).
+    /// The view as a collection of arithmetic groups: every group of the rank, the counterpart
+    /// of Megatron's `parallel_state` globals that [`crate::use_mpu_process_groups`] picks from.
     pub fn collection(&self) -> ProcessGroupCollection<Group> {
         let mut c = ProcessGroupCollection::new();
         for f in Family::ALL {

@@ -1,7 +1,7 @@
 //! The optimizer and DDP wiring of Megatron-Core's `ProcessGroupCollection`
 //! (`megatron/core/process_groups_config.py`): [`use_mpu_process_groups`],
 //! [`setup_process_groups_for_optimizer`] and [`setup_process_groups_for_ddp`], with Megatron's
-//! checks, in Megatron's order, and its fallbacks (docs/semantics.md §4.3).
+//! checks, in Megatron's order, and its fallbacks (docs/semantics.md §4.1).
 //!
 //! Everything here is generic over the group handle `G`: membership [`crate::Group`]s (from
 //! [`crate::RankView::collection`]) and live communicators (`Arc<C>` from
