@@ -210,7 +210,7 @@ impl RankView {
         vp_stage: Option<usize>,
     ) -> Result<bool> {
         let stage = self.vp_stage("is_pipeline_first_stage", ignore_virtual, vp_stage)?;
-        Ok(stage.is_none_or(|s| s == 0) && self.is_first_stage)
+        Ok(stage.map_or(self.is_first_stage, |c| self.first_in_chunk(c)))
     }
 
     /// Megatron's `is_pipeline_last_stage(ignore_virtual, vp_stage)`: with `ignore_virtual` or
@@ -234,11 +234,7 @@ impl RankView {
         vp_stage: Option<usize>,
     ) -> Result<bool> {
         let stage = self.vp_stage("is_pipeline_last_stage", ignore_virtual, vp_stage)?;
-        let last_chunk = match (stage, self.vpp) {
-            (Some(s), Some(v)) => s + 1 == v,
-            _ => true,
-        };
-        Ok(last_chunk && self.is_last_stage)
+        Ok(stage.map_or(self.is_last_stage, |c| self.last_in_chunk(c)))
     }
 
     /// Megatron's `is_rank_in_embedding_group(ignore_virtual, vp_stage)`: with `ignore_virtual`,
@@ -291,42 +287,44 @@ impl RankView {
         self.in_position_embedding_group()
     }
 
-    /// The model chunks (`vp_stage` values) for which `question(false, vp_stage)` is true,
-    /// `[0]`-based; without `vpp`, the one chunk 0 when the answer is true.
-    fn chunks_where(
-        &self,
-        question: impl Fn(&Self, bool, Option<usize>) -> Result<bool>,
-    ) -> Result<Vec<usize>> {
-        let n = self.vpp.unwrap_or(1);
-        let mut out = Vec::new();
-        for s in 0..n {
-            let stage = self.vpp.map(|_| s);
-            if question(self, false, stage)? {
-                out.push(s);
-            }
+    /// Chunk `c` (a valid `vp_stage`, or 0 without `vpp`) is on the virtual first stage.
+    fn first_in_chunk(&self, c: usize) -> bool {
+        c == 0 && self.is_first_stage
+    }
+    /// Chunk `c` is on the virtual last stage.
+    fn last_in_chunk(&self, c: usize) -> bool {
+        c + 1 == self.vpp.unwrap_or(1) && self.is_last_stage
+    }
+    /// Chunk `c` holds the embedding: [`RankView::is_rank_in_embedding_group`]`(false, c)`.
+    fn embedding_in_chunk(&self, c: usize) -> bool {
+        match self.group(Family::Embd) {
+            None => false,
+            Some(g) if self.rank == g.first() => self.first_in_chunk(c),
+            Some(g) if self.rank == g.last() => self.last_in_chunk(c),
+            Some(_) => true,
         }
-        Ok(out)
+    }
+    /// The chunks `0..vpp` (just 0 without `vpp`) for which `f` holds.
+    fn chunks_where(&self, f: impl Fn(&Self, usize) -> bool) -> Vec<usize> {
+        (0..self.vpp.unwrap_or(1)).filter(|&c| f(self, c)).collect()
     }
 
     /// The model chunks of this rank that sit on the virtual first stage: `[0]` on the first
     /// physical stage, `[]` elsewhere (what `grid layout --vpp N --rank R` prints).
     pub fn first_stage_chunks(&self) -> Vec<usize> {
-        self.chunks_where(Self::is_pipeline_first_stage)
-            .unwrap_or_default()
+        self.chunks_where(Self::first_in_chunk)
     }
 
     /// The model chunks of this rank that sit on the virtual last stage: `[vpp - 1]` (`[0]`
     /// without `vpp`) on the last physical stage, `[]` elsewhere.
     pub fn last_stage_chunks(&self) -> Vec<usize> {
-        self.chunks_where(Self::is_pipeline_last_stage)
-            .unwrap_or_default()
+        self.chunks_where(Self::last_in_chunk)
     }
 
     /// The model chunks for which [`RankView::is_rank_in_embedding_group`]`(false, chunk)` is
     /// true.
     pub fn embedding_chunks(&self) -> Vec<usize> {
-        self.chunks_where(Self::is_rank_in_embedding_group)
-            .unwrap_or_default()
+        self.chunks_where(Self::embedding_in_chunk)
     }
 
     /// The view as a collection of arithmetic groups: every group of the rank, the counterpart

@@ -110,9 +110,12 @@ impl<G> ProvidedGroups<G> {
     /// An unknown name, or one whose group is set, is an error.
     pub fn with_none(mut self, name: &str) -> Result<Self> {
         let field = field_name("ProvidedGroups::with_none", name)?;
-        if self.lookup(field)?.group().is_some()
-            || (field == "hcp" && self.collection.hcp.is_some())
-        {
+        let set = if field == "hcp" {
+            self.collection.hcp.is_some()
+        } else {
+            self.collection.get(field)?.is_some()
+        };
+        if set {
             return Err(Error::Invalid(format!(
                 "ProvidedGroups::with_none: the {field} group is set; a field is either a group or explicitly none"
             )));

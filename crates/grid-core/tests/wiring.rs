@@ -401,3 +401,18 @@ fn live_communicators_of_the_in_process_backend() {
     });
     assert_eq!(out, (0..16).collect::<Vec<_>>());
 }
+
+#[test]
+fn hcp_can_be_explicitly_none_unless_set() {
+    let plain = plain_plan().rank_view(0).unwrap().collection();
+    let p = ProvidedGroups::new(plain).with_none("hcp").unwrap();
+    assert_eq!(p.explicit_none(), vec!["hcp"]);
+    let hier = LayoutPlan::new(LayoutConfig {
+        cp: 4,
+        hcp_sizes: Some(vec![2, 2]),
+        ..LayoutConfig::new(8)
+    })
+    .unwrap();
+    let with_levels = ProvidedGroups::new(hier.rank_view(0).unwrap().collection());
+    assert!(with_levels.with_none("hcp").is_err());
+}
