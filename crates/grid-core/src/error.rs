@@ -175,6 +175,29 @@ pub enum Error {
     /// An unknown family name.
     #[error("unknown process-group family '{name}': valid names are {valid}")]
     UnknownFamily { name: String, valid: String },
+    /// A virtual-pipeline query without the `vp_stage` it needs, or with one out of range.
+    #[error("{function}: {problem}")]
+    VpStage {
+        function: &'static str,
+        problem: String,
+    },
+    /// An empty pipeline group given to an embedding-rank function.
+    #[error("{function}: the pipeline group is empty; give the ranks of at least one stage")]
+    EmptyPipelineGroup { function: &'static str },
+    /// The optimizer/DDP wiring lacks a group it needs.
+    #[error("{function}: the {group} process group is required but not provided in the collection: {why}")]
+    WiringGroupMissing {
+        function: &'static str,
+        group: String,
+        why: String,
+    },
+    /// Names that are not process groups of a collection.
+    #[error("{function}: invalid process groups requested: {invalid:?} (valid names: {valid})")]
+    InvalidGroupNames {
+        function: &'static str,
+        invalid: Vec<String>,
+        valid: String,
+    },
     /// A general invalid argument with an explanation.
     #[error("{0}")]
     Invalid(String),
@@ -482,7 +505,11 @@ impl Error {
             DistOptDpCp { .. } | DistOptExpertDp { .. } | HierarchicalProduct { .. } => {
                 "AssertionError"
             }
-            UnknownFamily { .. } => "ValueError",
+            UnknownFamily { .. } | WiringGroupMissing { .. } | InvalidGroupNames { .. } => {
+                "ValueError"
+            }
+            VpStage { .. } => "AssertionError",
+            EmptyPipelineGroup { .. } => "IndexError",
             _ => return None,
         })
     }

@@ -50,6 +50,11 @@
 //!   `local_world_size`); with `rank_offset` O it covers ranks O..O+world_size.
 //! * The removed `pipeline_model_parallel_split_rank` and Megatron's embedding-rank callables
 //!   are both expressed by [`EmbeddingRule`].
+//! * **A virtual pipeline stage that does not exist is an error** ([`Error::VpStage`]) in
+//!   [`RankView::is_pipeline_first_stage`] and its siblings, where Megatron answers `False`.
+//! * The optimizer/DDP wiring ([`setup_process_groups_for_optimizer`],
+//!   [`setup_process_groups_for_ddp`], [`use_mpu_process_groups`]) expresses Megatron's
+//!   "explicitly set to None" with [`ProvidedGroups::with_none`].
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
@@ -74,16 +79,21 @@ mod collection;
 mod hierarchical;
 mod plan;
 mod view;
+mod wiring;
 
 pub use collection::{
     build_collection, BuiltCollection, FamilyBuildStat, PgEntry, ProcessGroupCollection,
 };
 pub use hierarchical::{hierarchical_groups, hierarchical_groups_of};
 pub use plan::{
-    EmbeddingFn, EmbeddingRule, Family, FamilyLevel, GroupSignature, LayoutConfig, LayoutPlan,
-    CUSTOM_RULE_SAMPLE, DEFAULT_ORDER,
+    default_embedding_ranks, default_position_embedding_ranks, EmbeddingFn, EmbeddingRule, Family,
+    FamilyLevel, GroupSignature, LayoutConfig, LayoutPlan, CUSTOM_RULE_SAMPLE, DEFAULT_ORDER,
 };
 pub use view::{Coords, RankView};
+pub use wiring::{
+    setup_process_groups_for_ddp, setup_process_groups_for_optimizer, use_mpu_process_groups,
+    DdpGroups, DdpSettings, DdpWiring, OptimizerGroups, OptimizerWiring, Provided, ProvidedGroups,
+};
 mod hypercomm;
 pub use hypercomm::{CommGrid, CreatedGroup, PgKey};
 pub mod oplog;

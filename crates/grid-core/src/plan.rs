@@ -159,6 +159,49 @@ impl EmbeddingRule {
     }
 }
 
+/// Megatron's `default_embedding_ranks(pp_ranks)`: the ranks of one pipeline group (its stages
+/// in order) on which the word embeddings live, the first and the last stage, or only the
+/// first when the pipeline has one stage (docs/semantics.md §1.4). This is the rule
+/// [`EmbeddingRule::Default`] applies to every pipeline group of a plan.
+///
+/// An empty pipeline group is [`Error::EmptyPipelineGroup`] (Megatron's `IndexError`).
+///
+/// ```
+/// use grid_core::default_embedding_ranks;
+/// assert_eq!(default_embedding_ranks(&[1, 5, 9, 13]).unwrap(), vec![1, 13]);
+/// assert_eq!(default_embedding_ranks(&[7]).unwrap(), vec![7]);
+/// assert!(default_embedding_ranks(&[]).is_err());
+/// ```
+pub fn default_embedding_ranks(pp_ranks: &[usize]) -> Result<Vec<usize>> {
+    match pp_ranks {
+        [] => Err(Error::EmptyPipelineGroup {
+            function: "default_embedding_ranks",
+        }),
+        [only] => Ok(vec![*only]),
+        [first, .., last] => Ok(vec![*first, *last]),
+    }
+}
+
+/// Megatron's `default_position_embedding_ranks(pp_ranks)`: the first stage of the pipeline
+/// group, on which the position embeddings live (docs/semantics.md §1.4); the rule
+/// [`EmbeddingRule::Default`] applies to the `pos_embd` family.
+///
+/// An empty pipeline group is [`Error::EmptyPipelineGroup`] (Megatron's `IndexError`).
+///
+/// ```
+/// use grid_core::default_position_embedding_ranks;
+/// assert_eq!(default_position_embedding_ranks(&[1, 5, 9, 13]).unwrap(), vec![1]);
+/// assert!(default_position_embedding_ranks(&[]).is_err());
+/// ```
+pub fn default_position_embedding_ranks(pp_ranks: &[usize]) -> Result<Vec<usize>> {
+    match pp_ranks.first() {
+        Some(first) => Ok(vec![*first]),
+        None => Err(Error::EmptyPipelineGroup {
+            function: "default_position_embedding_ranks",
+        }),
+    }
+}
+
 /// The inputs of `initialize_model_parallel` that shape the groups.
 ///
 /// ```
@@ -185,7 +228,9 @@ pub struct LayoutConfig {
     pub etp: Option<usize>,
     /// Order string, fastest dimension first.
     pub order: String,
-    /// Virtual pipeline size: validated only (needs pp > 1), changes no group.
+    /// Virtual pipeline size (Megatron's `virtual_pipeline_model_parallel_size`): needs pp > 1
+    /// and changes no group; a rank view answers the virtual first/last-stage and embedding
+    /// questions with it ([`crate::RankView::is_pipeline_first_stage`]).
     pub vpp: Option<usize>,
     /// Number of partial distributed-optimizer instances.
     pub dist_opt_instances: usize,
@@ -480,6 +525,11 @@ impl LayoutPlan {
     /// First rank.
     pub fn rank_offset(&self) -> usize {
         self.cfg.rank_offset
+    }
+    /// The virtual pipeline world size (Megatron's
+    /// `get_virtual_pipeline_model_parallel_world_size()`): `None` without `vpp`.
+    pub fn virtual_pipeline_size(&self) -> Option<usize> {
+        self.cfg.vpp
     }
     /// Data-parallel size: world / (tp·pp·cp).
     pub fn dp(&self) -> usize {

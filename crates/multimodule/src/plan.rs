@@ -379,17 +379,23 @@ impl PipelinePlan {
                 .map(|(k, _)| k)
                 .collect()
         };
+        let edges = self.spec.edges();
         rp.modules
             .iter()
             .map(|(name, ms)| {
+                let index = self.spec.module_index(name)?;
+                let first = ms.pp_rank == 0;
+                let last = ms.pp_rank + 1 == ms.pp_size;
                 Ok(RankModuleInfo {
                     name: name.to_string(),
-                    index: self.spec.module_index(name)?,
+                    index,
                     pp_rank: ms.pp_rank,
                     pp_size: ms.pp_size,
                     stages_through: ms.stages_through,
                     bridges_as_src: serving(ms.pp_rank + 1 == ms.pp_size, &|b| b.src_name(), name),
                     bridges_as_dest: serving(ms.pp_rank == 0, &|b| b.dst_name(), name),
+                    is_source_stage: first && !edges.iter().any(|&(_, b)| b == index),
+                    is_terminal_stage: last && !edges.iter().any(|&(a, _)| a == index),
                 })
             })
             .collect()
@@ -481,6 +487,23 @@ fn compact<T: Serialize>(v: &T) -> String {
 
 /// What one rank does in one module: Megatron's `RankModuleInfo`, plus the stage count
 /// ([`PipelinePlan::rank_modules`]).
+///
+/// Megatron's `p2p_communicator` field (a `P2PCommunicator` over the module's pp group) has no
+/// counterpart: this is plan data, computed without communicators, and the pipeline
+/// communicator exchanges a module's activations point to point over its parent by world rank
+/// (the previous and next stage are the world ranks one `pp` stride away).
+///
+/// ```
+/// use multimodule::{PipelinePlan, PipelineSpec};
+/// let spec = PipelineSpec::from_json_str(r#"{"modules": {"enc": {}, "llm": {"pp": 2, "offset": 1}},
+///                                          "topology": {"enc": ["llm"]}}"#).unwrap();
+/// let plan = PipelinePlan::new(&spec).unwrap();
+/// let enc = &plan.rank_modules(0).unwrap()[0];
+/// assert!(enc.is_source_stage && !enc.is_terminal_stage);
+/// let (first, last) = (&plan.rank_modules(1).unwrap()[0], &plan.rank_modules(2).unwrap()[0]);
+/// assert!(!first.is_source_stage && !first.is_terminal_stage);
+/// assert!(!last.is_source_stage && last.is_terminal_stage);
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct RankModuleInfo {
     /// Module name.
@@ -498,6 +521,15 @@ pub struct RankModuleInfo {
     pub bridges_as_src: Vec<usize>,
     /// Edges entering the module, if the rank is at the module's first stage.
     pub bridges_as_dest: Vec<usize>,
+    /// True if the rank is at an absolute first stage of the whole model: the first stage of a
+    /// module with no incoming edge (Megatron's documented meaning of
+    /// `RankModuleInfo.is_source_stage`; Megatron itself never sets the field, which keeps its
+    /// default `True` on every rank).
+    pub is_source_stage: bool,
+    /// True if the rank is at an absolute last stage of the whole model: the last stage of a
+    /// module with no outgoing edge (Megatron's documented meaning of `is_terminal_stage`;
+    /// Megatron leaves it at its default `True`, as above).
+    pub is_terminal_stage: bool,
 }
 
 /// The bridge plans of every edge of a spec, in Megatron's creation order (computed once, by

@@ -13,7 +13,11 @@ pub const MAX_VIEW_MEMBERS: usize = 1 << 25;
 const AFTER_HELP: &str = "Data parallel size dp = W / (tp·pp·cp); expert dp = W / (etp·ep·pp).
 JSON without --rank: {\"world_size\", \"dp\", \"expert_tp\", \"expert_dp\", \"families\": {NAME: [[ranks], ...]}}
 JSON with --rank:    {\"world_size\", \"dp\", \"expert_tp\", \"expert_dp\", \"rank\", \"coords\", \"groups\": {NAME: [ranks] or null},
-                      \"pp_next\", \"pp_prev\", \"is_first_stage\", \"is_last_stage\"}
+                      \"pp_next\", \"pp_prev\", \"is_first_stage\", \"is_last_stage\"}, and with --vpp N
+                      \"vpp\": {\"size\", \"first_stage_chunks\", \"last_stage_chunks\", \"embedding_chunks\"}
+                      (the model chunks c for which Megatron's is_pipeline_first_stage /
+                      is_pipeline_last_stage / is_rank_in_embedding_group(ignore_virtual=False,
+                      vp_stage=c) is true)
 Families: tp pp mp embd pos_embd cp tp_cp hcp ep expt_tp tp_ep tp_ep_pp tp_dp tp_dp_cp dp dp_cp
           expt_dp intra_dp_cp intra_expt_dp inter_dist_opt intra_dist_opt
 The hcp family (a list of levels) appears only with --hcp, in the text and in the JSON.
@@ -57,7 +61,7 @@ pub struct Args {
     /// First rank of the layout (default 0)
     #[arg(long, value_name = "O", value_parser = uint)]
     rank_offset: Option<usize>,
-    /// Virtual pipeline size (validated only; needs pp > 1)
+    /// Virtual pipeline size (needs pp > 1; with --rank, the rank's virtual stages)
     #[arg(long, value_name = "N", value_parser = positive)]
     vpp: Option<usize>,
     /// Expected data-parallel size: an error unless W / (tp·pp·cp) = N
@@ -438,6 +442,22 @@ fn rank_view_json(
     out.boolean(v.is_first_stage)?;
     out.key("is_last_stage", false)?;
     out.boolean(v.is_last_stage)?;
+    if let Some(size) = v.virtual_pipeline_size() {
+        // Only with --vpp, as `hcp` only with --hcp.
+        out.key("vpp", false)?;
+        out.raw("{")?;
+        out.key("size", true)?;
+        out.num(size)?;
+        for (k, chunks) in [
+            ("first_stage_chunks", v.first_stage_chunks()),
+            ("last_stage_chunks", v.last_stage_chunks()),
+            ("embedding_chunks", v.embedding_chunks()),
+        ] {
+            out.key(k, false)?;
+            out.ranks(&chunks)?;
+        }
+        out.raw("}")?;
+    }
     out.raw("}\n")?;
     Ok(())
 }
@@ -446,6 +466,15 @@ fn rank_view_json(
 /// time for every group a plan produces (unsorted ones are full lattices).
 fn group_rank_text(g: &Group, rank: usize) -> String {
     g.group_rank(rank).map_or("-".into(), |r| r.to_string())
+}
+
+/// `[0, 1]`, or `none`.
+fn show_chunks(chunks: &[usize]) -> String {
+    if chunks.is_empty() {
+        "none".into()
+    } else {
+        format!("{chunks:?}")
+    }
 }
 
 fn rank_view_text(
@@ -481,6 +510,15 @@ fn rank_view_text(
         "  pipeline: stage {} of {pp}{stage}; next rank {}, previous rank {} (wrapping around)",
         c.pp, v.pp_next, v.pp_prev
     ))?;
+    if let Some(size) = v.virtual_pipeline_size() {
+        out.line(&format!(
+            "  virtual pipeline: {size} model chunks per stage; virtual first stage in chunks {}, \
+             virtual last stage in chunks {}, embedding in chunks {}",
+            show_chunks(&v.first_stage_chunks()),
+            show_chunks(&v.last_stage_chunks()),
+            show_chunks(&v.embedding_chunks())
+        ))?;
+    }
     let member = |b: bool| if b { "member" } else { "not a member" };
     out.line(&format!(
         "  embedding group: {}; position-embedding group: {}",
