@@ -291,6 +291,67 @@ impl GroupFactory for NcclFactory {
         color: Option<u32>,
         key: usize,
     ) -> Result<Option<NcclCommunicator>> {
+        self.split_configured(parent, color, key, None, None)
+    }
+
+    /// `ncclCommSplit` with the group's options: the communicator is created under the
+    /// options' name, with their time limit, and with their NCCL options
+    /// ([`grid_core::NcclGroupOptions`]) over the factory's [`NcclConfig`] (`cga_cluster_size`,
+    /// `min_ctas`, `max_ctas`, `net_name`, `split_share` in the split's `ncclConfig_t`).
+    /// `is_high_priority_stream: true` is rejected ([`Error::Unsupported`]: this backend
+    /// creates every stream with the default priority), and so are options for another
+    /// backend, before any communication.
+    fn split_with(
+        &self,
+        parent: &NcclCommunicator,
+        color: Option<u32>,
+        key: usize,
+        options: &grid_core::GroupOptions,
+    ) -> Result<Option<NcclCommunicator>> {
+        options.check_backend(BACKEND)?;
+        let config = match &options.backend {
+            grid_core::BackendOptions::Nccl(n) => {
+                if n.is_high_priority_stream {
+                    return Err(Error::Unsupported {
+                        op: "split",
+                        backend: BACKEND,
+                        what: format!(
+                            "is_high_priority_stream for group '{}' (the NCCL backend creates its streams with the default priority; set it to false)",
+                            options.name.as_deref().unwrap_or("(unnamed)")
+                        ),
+                    });
+                }
+                let base = &self.opts.config;
+                let merged = NcclConfig {
+                    split_share: n.split_share.unwrap_or(base.split_share),
+                    cga_cluster_size: n.cga_cluster_size.or(base.cga_cluster_size),
+                    min_ctas: n.min_ctas.or(base.min_ctas),
+                    max_ctas: n.max_ctas.or(base.max_ctas),
+                    net_name: n.net_name.clone().or_else(|| base.net_name.clone()),
+                };
+                Some(merged.to_raw()?)
+            }
+            _ => None,
+        };
+        let comm =
+            self.split_configured(parent, color, key, options.name.as_deref(), config.as_ref())?;
+        if let (Some(c), Some(t)) = (&comm, options.timeout) {
+            c.set_time_limit(t);
+        }
+        Ok(comm)
+    }
+}
+
+impl NcclFactory {
+    /// The split, under `name` (else an automatic one) with `config` (else the factory's).
+    fn split_configured(
+        &self,
+        parent: &NcclCommunicator,
+        color: Option<u32>,
+        key: usize,
+        name: Option<&str>,
+        config: Option<&CommConfig>,
+    ) -> Result<Option<NcclCommunicator>> {
         const OP: &str = "split";
         parent.ensure_usable(OP)?;
         let c = nccl_color(color)?;
@@ -323,12 +384,15 @@ impl GroupFactory for NcclFactory {
         let wrap = |e| annotate(e, OP, parent.comm_name());
         let limit = parent.time_limit();
         cuda("bind context", || shared.ctx.bind_to_thread()).map_err(wrap)?;
-        let name = format!("{}/split{n}.{}", parent.comm_name(), color.unwrap_or(0));
+        let name = match name {
+            Some(given) => given.to_string(),
+            None => format!("{}/split{n}.{}", parent.comm_name(), color.unwrap_or(0)),
+        };
         // Held-back sends and receives were started first: posted first. Then one NCCL call
         // at a time on this device, until the split settled.
         shared.outbox.post_all();
         let _calls = shared.device_guard();
-        let (raw, progress) = match shared.raw.split(c, k, &self.config) {
+        let (raw, progress) = match shared.raw.split(c, k, config.unwrap_or(&self.config)) {
             Ok(v) => v,
             Err(e) => return Err(shared.failed_call(OP, e)),
         };
