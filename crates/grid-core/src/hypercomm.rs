@@ -336,11 +336,11 @@ pub struct LocatedGroup {
 ///     assert!(live.get_pg(&["tp", "dp"], None).is_err()); // not created yet
 ///     let g = live.create_pg(&["dp", "tp"], None, &GroupOptions::new())?.unwrap();
 ///     assert!(live.create_pg(&["tp", "dp"], None, &GroupOptions::new()).is_err()); // same key
-///     let mut sum = [0u64];
-///     g.all_reduce_into(&[g.global_ranks()[g.rank()] as u64], &mut sum, ReduceOp::Sum)?;
+///     let mut sum = [0i64];
+///     g.all_reduce_into(&[g.global_ranks()[g.rank()] as i64], &mut sum, ReduceOp::Sum)?;
 ///     Ok((g.name().to_string(), g.global_ranks().to_vec(), sum[0]))
 /// })?;
-/// assert_eq!(out[2], ("dp-tp".to_string(), vec![0, 1, 4, 5], 10));
+/// assert_eq!(out[2], ("dp-tp".to_string(), vec![2, 3, 6, 7], 18)); // rank 2: cp = 1
 /// # Ok::<(), Error>(())
 /// ```
 pub struct LiveCommGrid<'f, F: GroupFactory> {

@@ -528,3 +528,130 @@ fn scalar(s: &str) -> serde_json::Value {
     }
     Value::String(s.to_string())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn err(text: &str) -> String {
+        CollectionOptions::from_nccl_comm_cfgs_text(text)
+            .unwrap_err()
+            .to_string()
+    }
+
+    #[test]
+    fn megatron_yaml_and_json_read_the_same() {
+        let yaml = "# Megatron nccl_comm_cfgs\n---\ntp:\n  cga_cluster_size: 4   # Hopper\n  max_ctas: 32\n  min_ctas: 1\n  is_high_priority_stream: True\ndp:\n  net_name: 'Socket'\nmp: {}\n";
+        let json = r#"{"tp": {"cga_cluster_size": 4, "max_ctas": 32, "min_ctas": 1, "is_high_priority_stream": true}, "dp": {"net_name": "Socket"}, "mp": {}}"#;
+        let a = CollectionOptions::from_nccl_comm_cfgs_text(yaml).unwrap();
+        let b = CollectionOptions::from_nccl_comm_cfgs_text(json).unwrap();
+        assert_eq!(a, b);
+        let names: Vec<&str> = a.families().map(|(n, _)| n).collect();
+        assert_eq!(names, ["dp", "mp", "tp"]);
+        assert_eq!(
+            a.family("tp").unwrap().backend,
+            BackendOptions::Nccl(NcclGroupOptions {
+                is_high_priority_stream: true,
+                cga_cluster_size: Some(4),
+                min_ctas: Some(1),
+                max_ctas: Some(32),
+                net_name: None,
+                split_share: None,
+            })
+        );
+        let dir = std::env::temp_dir().join(format!("grid-nccl-cfgs-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("nccl.yaml");
+        std::fs::write(&path, yaml).unwrap();
+        assert_eq!(
+            CollectionOptions::from_nccl_comm_cfgs_file(&path).unwrap(),
+            a
+        );
+        let missing = dir.join("absent.yaml");
+        let e = CollectionOptions::from_nccl_comm_cfgs_file(&missing).unwrap_err();
+        assert!(e.to_string().contains("absent.yaml"), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn bad_files_are_errors_naming_the_problem() {
+        assert_eq!(
+            err("tp:\n  max_cta: 3\n"),
+            "nccl_comm_cfgs: family 'tp': unknown option 'max_cta'; valid: is_high_priority_stream, cga_cluster_size, max_ctas, min_ctas, net_name"
+        );
+        assert!(err("tpp:\n  max_ctas: 3\n").contains("tpp"));
+        assert_eq!(
+            err("tp:\n  max_ctas: -1\n"),
+            "nccl_comm_cfgs: family 'tp': max_ctas must be an integer in 0..=4294967295, found -1"
+        );
+        assert_eq!(
+            err("tp:\n  is_high_priority_stream: 3\n"),
+            "nccl_comm_cfgs: family 'tp': is_high_priority_stream must be true or false, found 3"
+        );
+        assert_eq!(
+            err("dp:\n  net_name: nvlink\n"),
+            "nccl_comm_cfgs: family 'dp': group '(unnamed)': NCCL net_name \"nvlink\" is not supported; accepted values: 'IB' or 'Socket'"
+        );
+        assert!(err("tp:\n  min_ctas: 8\n  max_ctas: 4\n")
+            .contains("min_ctas 8 is larger than max_ctas 4"));
+        assert!(err("  max_ctas: 4\n").contains("line 1: an indented option before any family"));
+        assert!(err("tp: 3\n").contains("line 1"));
+        assert!(err("tp:\n  max_ctas\n").contains("line 2: no ':'"));
+        assert!(err("tp:\ntp:\n").contains("family 'tp' appears twice"));
+        assert!(
+            err("tp:\n  max_ctas: 1\n  max_ctas: 2\n").contains("option 'max_ctas' appears twice")
+        );
+        assert!(err("{\"tp\": 3}").contains("expected a mapping of options, found 3"));
+        assert!(err("{\"tp\": ").contains("invalid JSON"));
+        assert!(err("[1]").contains("line 1"));
+    }
+
+    #[test]
+    fn family_levels_get_their_names_and_the_merged_options() {
+        let mut o = CollectionOptions::new()
+            .with_default(GroupOptions::new().with_timeout(Duration::from_secs(9)));
+        o.set("hcp", GroupOptions::new().named("HCP")).unwrap();
+        o.set("dp_cp_ag", GroupOptions::new()).unwrap();
+        let e = o.set("nope", GroupOptions::new()).unwrap_err().to_string();
+        assert!(e.contains("nope") && e.contains("tp"), "{e}");
+        let l1 = o.for_level(FamilyLevel {
+            family: Family::Hcp,
+            level: 1,
+        });
+        assert_eq!(l1.name.as_deref(), Some("HCP[1]"));
+        assert_eq!(l1.timeout, Some(TimeLimit::After(Duration::from_secs(9))));
+        let pp = o.for_level(FamilyLevel {
+            family: Family::Pp,
+            level: 0,
+        });
+        assert_eq!(pp.name.as_deref(), Some("pp"));
+    }
+
+    #[test]
+    fn options_are_validated() {
+        let bad = |o: GroupOptions| o.validate().unwrap_err().to_string();
+        assert!(bad(GroupOptions::new().named("a\nb")).contains("control characters"));
+        assert!(bad(GroupOptions::new()
+            .named("g")
+            .with_backend(BackendOptions::Gloo(GlooGroupOptions {
+                timeout: Some(Duration::ZERO),
+                hostname: None
+            })))
+        .starts_with("group 'g': Gloo timeout 0"));
+        assert!(bad(
+            GroupOptions::new().with_backend(BackendOptions::Gloo(GlooGroupOptions {
+                timeout: None,
+                hostname: Some(String::new())
+            }))
+        )
+        .contains("hostname is empty"));
+        assert!(GroupOptions::new()
+            .with_timeout(TimeLimit::Unlimited)
+            .check_backend("mpi")
+            .is_ok());
+        assert!(GroupOptions::new()
+            .with_backend(BackendOptions::Nccl(NcclGroupOptions::default()))
+            .check_backend("nccl")
+            .is_ok());
+    }
+}
