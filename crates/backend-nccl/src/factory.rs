@@ -309,36 +309,47 @@ impl GroupFactory for NcclFactory {
         options: &grid_core::GroupOptions,
     ) -> Result<Option<NcclCommunicator>> {
         options.check_backend(BACKEND)?;
-        let config = match &options.backend {
-            grid_core::BackendOptions::Nccl(n) => {
-                if n.is_high_priority_stream {
-                    return Err(Error::Unsupported {
-                        op: "split",
-                        backend: BACKEND,
-                        what: format!(
-                            "is_high_priority_stream for group '{}' (the NCCL backend creates its streams with the default priority; set it to false)",
-                            options.name.as_deref().unwrap_or("(unnamed)")
-                        ),
-                    });
-                }
-                let base = &self.opts.config;
-                let merged = NcclConfig {
-                    split_share: n.split_share.unwrap_or(base.split_share),
-                    cga_cluster_size: n.cga_cluster_size.or(base.cga_cluster_size),
-                    min_ctas: n.min_ctas.or(base.min_ctas),
-                    max_ctas: n.max_ctas.or(base.max_ctas),
-                    net_name: n.net_name.clone().or_else(|| base.net_name.clone()),
-                };
-                Some(merged.to_raw()?)
-            }
-            _ => None,
-        };
+        let config = group_config(&self.opts.config, options)?;
         let comm =
             self.split_configured(parent, color, key, options.name.as_deref(), config.as_ref())?;
         if let (Some(c), Some(t)) = (&comm, options.timeout) {
             c.set_time_limit(t);
         }
         Ok(comm)
+    }
+}
+
+/// The `ncclConfig_t` of a group with `options`: its NCCL options over the factory's `base`
+/// (`None`: no NCCL options, the factory's configuration). `is_high_priority_stream: true` is
+/// [`Error::Unsupported`]: this backend creates every stream with the default priority.
+fn group_config(
+    base: &NcclConfig,
+    options: &grid_core::GroupOptions,
+) -> Result<Option<CommConfig>> {
+    let grid_core::BackendOptions::Nccl(n) = &options.backend else {
+        return Ok(None);
+    };
+    if n.is_high_priority_stream {
+        return Err(Error::Unsupported {
+            op: "split",
+            backend: BACKEND,
+            what: format!(
+                "is_high_priority_stream for group '{}' (the NCCL backend creates its streams with the default priority; set it to false)",
+                options.name.as_deref().unwrap_or("(unnamed)")
+            ),
+        });
+    }
+    Ok(Some(merged_config(base, n).to_raw()?))
+}
+
+/// A group's NCCL options over the factory's configuration: each field given wins.
+fn merged_config(base: &NcclConfig, n: &grid_core::NcclGroupOptions) -> NcclConfig {
+    NcclConfig {
+        split_share: n.split_share.unwrap_or(base.split_share),
+        cga_cluster_size: n.cga_cluster_size.or(base.cga_cluster_size),
+        min_ctas: n.min_ctas.or(base.min_ctas),
+        max_ctas: n.max_ctas.or(base.max_ctas),
+        net_name: n.net_name.clone().or_else(|| base.net_name.clone()),
     }
 }
 
@@ -465,6 +476,69 @@ impl NcclFactory {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn group_options_merge_over_the_factory_config() {
+        let base = NcclConfig {
+            split_share: true,
+            max_ctas: Some(16),
+            net_name: Some("IB".into()),
+            ..Default::default()
+        };
+        let n = grid_core::NcclGroupOptions {
+            cga_cluster_size: Some(2),
+            max_ctas: Some(32),
+            split_share: Some(false),
+            ..Default::default()
+        };
+        assert_eq!(
+            merged_config(&base, &n),
+            NcclConfig {
+                split_share: false,
+                cga_cluster_size: Some(2),
+                min_ctas: None,
+                max_ctas: Some(32),
+                net_name: Some("IB".into()),
+            }
+        );
+        let o = |n: grid_core::NcclGroupOptions| {
+            grid_core::GroupOptions::new()
+                .named("tp")
+                .with_backend(grid_core::BackendOptions::Nccl(n))
+        };
+        assert!(group_config(&base, &o(n.clone())).unwrap().is_some());
+        assert!(group_config(&base, &grid_core::GroupOptions::new())
+            .unwrap()
+            .is_none());
+        let e = group_config(
+            &base,
+            &o(grid_core::NcclGroupOptions {
+                is_high_priority_stream: true,
+                ..Default::default()
+            }),
+        )
+        .unwrap_err();
+        assert!(matches!(e, Error::Unsupported { .. }), "{e}");
+        assert!(
+            e.to_string()
+                .contains("is_high_priority_stream for group 'tp'"),
+            "{e}"
+        );
+        // The factory's own checks apply to the merged configuration.
+        let e = group_config(
+            &base,
+            &o(grid_core::NcclGroupOptions {
+                min_ctas: Some(64),
+                ..Default::default()
+            }),
+        )
+        .unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("min_ctas 64 is larger than max_ctas 16"),
+            "{e}"
+        );
+    }
 
     #[test]
     fn config_values_are_checked() {
