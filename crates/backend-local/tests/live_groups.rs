@@ -105,3 +105,53 @@ fn a_named_split_keeps_its_name_in_errors_and_its_time_limit() {
     .unwrap();
     assert_eq!(out, vec![("PAIR".to_string(), 250); 2]);
 }
+
+#[test]
+fn live_groups_take_options_and_update_pg_timeout() {
+    use grid_core::{CommGrid, LiveCommGrid, TimeLimit};
+    let out = run(4, &LocalConfig::default(), |f, world| {
+        let grid = CommGrid::new(vec![2, 2], &["tp", "dp"], 0, 4, world.rank())?;
+        let mut live = LiveCommGrid::new(grid, f, Arc::new(world))?;
+        // Not created yet: an error, also for update_pg_timeout.
+        let missing = live.update_pg_timeout(&["dp"], None, TimeLimit::Unlimited);
+        let o = GroupOptions::new()
+            .named("DATA_PARALLEL_GROUP")
+            .with_timeout(Duration::from_millis(700));
+        let dp = live.create_pg(&["dp"], None, &o)?.unwrap();
+        let tp = live
+            .create_pg(&["tp"], None, &GroupOptions::new())?
+            .unwrap();
+        let before = (
+            dp.name().to_string(),
+            dp.time_limit(),
+            tp.name().to_string(),
+        );
+        live.update_pg_timeout(&["dp"], None, Duration::from_millis(900))?;
+        let one = dp.time_limit();
+        let all = live.update_all_pg_timeouts(TimeLimit::Unlimited);
+        Ok((
+            missing.map_err(|e| e.to_string()),
+            before,
+            one,
+            all,
+            tp.time_limit(),
+        ))
+    })
+    .unwrap();
+    for (missing, before, one, all, tp_after) in out {
+        assert_eq!(
+            missing.unwrap_err(),
+            "process group for dp hasn't been created: call create_pg first"
+        );
+        assert_eq!(
+            before,
+            (
+                "DATA_PARALLEL_GROUP".to_string(),
+                TimeLimit::from_millis(700),
+                "tp".to_string()
+            )
+        );
+        assert_eq!(one, TimeLimit::from_millis(900));
+        assert_eq!((all, tp_after), (2, TimeLimit::Unlimited));
+    }
+}
