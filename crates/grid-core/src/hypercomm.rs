@@ -524,3 +524,68 @@ impl<'f, F: GroupFactory> LiveCommGrid<'f, F> {
             .count()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `locate_pg` (the colour of a live group's split) is arithmetic: on a grid of 2^30 ranks,
+    /// whose groups could never be listed, it answers at once, and it agrees with the
+    /// enumeration on a small grid for every rank and every subset of dims.
+    #[test]
+    fn locate_pg_never_enumerates_and_agrees_with_rank_enum() {
+        let n = 1usize << 30;
+        let g = CommGrid::new(
+            vec![1 << 10, 1 << 10, 1 << 10],
+            &["tp", "dp", "pp"],
+            0,
+            n,
+            n - 3,
+        )
+        .unwrap();
+        let t = std::time::Instant::now();
+        let l = g.locate_pg(&["dp"], None).unwrap();
+        assert!(t.elapsed() < std::time::Duration::from_secs(1));
+        // rank n-3: tp = 1021, dp = 1023, pp = 1023; groups over dp are indexed by (pp, tp),
+        // the slowest first.
+        assert_eq!(l.num_groups, 1 << 20);
+        assert_eq!(l.index, Some(1023 * 1024 + 1021));
+        let members = l.my_group.unwrap();
+        assert_eq!(members.len(), 1024);
+        assert_eq!(
+            members.to_vec()[..2],
+            [1023 * (1 << 20) + 1021, 1023 * (1 << 20) + 1021 + 1024]
+        );
+
+        let shape = vec![2, 3, 1, 2];
+        let names = ["a", "b", "c", "d"];
+        for rank in 0..12 {
+            let mut g = CommGrid::new(shape.clone(), &names, 0, 12, rank).unwrap();
+            g.register_view("v", vec![6, 2], &["x", "d"], Some(&["d"][..]))
+                .unwrap();
+            let mut cases: Vec<(Vec<&str>, Option<&str>)> = Vec::new();
+            for mask in 1u32..16 {
+                let dims: Vec<&str> = (0..4)
+                    .filter(|i| mask & (1 << i) != 0)
+                    .map(|i| names[i])
+                    .collect();
+                cases.push((dims, None));
+            }
+            cases.push((vec!["x"], Some("v")));
+            cases.push((vec!["x", "d"], Some("v")));
+            cases.push((vec!["d"], Some("v")));
+            for (dims, view) in cases {
+                let l = g.locate_pg(&dims, view).unwrap();
+                let all = g.rank_enum(&dims, view).unwrap();
+                let i = l.index.unwrap();
+                assert_eq!(all.len(), l.num_groups);
+                assert_eq!(
+                    all.get(i),
+                    &l.my_group.unwrap().to_vec()[..],
+                    "{dims:?} {view:?} rank {rank}"
+                );
+                assert!(all.get(i).contains(&rank));
+            }
+        }
+    }
+}
