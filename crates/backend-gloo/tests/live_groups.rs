@@ -8,7 +8,6 @@ use grid_core::{
     BackendOptions, Communicator, CommunicatorExt, Error, GlooGroupOptions, GroupFactory,
     GroupOptions, ReduceOp,
 };
-use std::sync::Arc;
 use std::time::Duration;
 
 fn cfg(job: &str) -> GlooConfig {
@@ -28,7 +27,7 @@ fn a_live_group_for_every_subset_of_a_4d_grid_and_a_view() {
         }),
     };
     let out = run_ranks(16, &cfg("live-all-subsets"), |f, world| {
-        check_live_groups(f, Arc::new(world), &case).map_err(Error::Invalid)
+        check_live_groups(f, &world, &case).map_err(Error::Invalid)
     })
     .unwrap();
     for (r, rep) in out.into_iter().enumerate() {

@@ -27,7 +27,7 @@ fn case() -> LiveGridCase {
 #[test]
 fn a_live_group_for_every_subset_of_a_4d_grid_and_a_view() {
     let out = run(16, &LocalConfig::default(), |f, world| {
-        check_live_groups(f, Arc::new(world), &case()).map_err(Error::Invalid)
+        check_live_groups(f, &world, &case()).map_err(Error::Invalid)
     })
     .unwrap();
     for (r, rep) in out.iter().enumerate() {
@@ -111,7 +111,7 @@ fn live_groups_take_options_and_update_pg_timeout() {
     use grid_core::{CommGrid, LiveCommGrid, TimeLimit};
     let out = run(4, &LocalConfig::default(), |f, world| {
         let grid = CommGrid::new(vec![2, 2], &["tp", "dp"], 0, 4, world.rank())?;
-        let mut live = LiveCommGrid::new(grid, f, Arc::new(world))?;
+        let mut live = LiveCommGrid::new(grid, f, &world)?;
         // Not created yet: an error, also for update_pg_timeout.
         let missing = live.update_pg_timeout(&["dp"], None, TimeLimit::Unlimited);
         let o = GroupOptions::new()
@@ -153,5 +153,52 @@ fn live_groups_take_options_and_update_pg_timeout() {
         );
         assert_eq!(one, TimeLimit::from_millis(900));
         assert_eq!((all, tp_after), (2, TimeLimit::Unlimited));
+    }
+}
+
+/// A factory that implements only `split`: the trait's default `split_with` applies the time
+/// limit and refuses what it cannot apply (a name, backend options) before splitting.
+struct SplitOnly<'a>(&'a backend_local::LocalFactory);
+
+impl GroupFactory for SplitOnly<'_> {
+    type Comm = backend_local::LocalComm;
+    fn split(
+        &self,
+        parent: &Self::Comm,
+        color: Option<u32>,
+        key: usize,
+    ) -> grid_core::Result<Option<Self::Comm>> {
+        self.0.split(parent, color, key)
+    }
+}
+
+#[test]
+fn the_default_split_with_applies_the_time_limit_and_refuses_names() {
+    let out = run(2, &LocalConfig::default(), |f, world| {
+        let plain = SplitOnly(f);
+        let timed = GroupOptions::new().with_timeout(Duration::from_millis(321));
+        let g = plain
+            .split_with(&world, Some(0), world.rank(), &timed)?
+            .unwrap();
+        let named = plain
+            .split_with(
+                &world,
+                Some(0),
+                world.rank(),
+                &GroupOptions::new().named("x"),
+            )
+            .map(|_| ())
+            .unwrap_err();
+        Ok((g.time_limit().as_millis(), named.to_string(), f.splits()))
+    })
+    .unwrap();
+    for (ms, e, splits) in out {
+        assert_eq!(ms, 321);
+        assert!(
+            matches!(e.as_str(), s if s.contains("group names and backend options")),
+            "{e}"
+        );
+        // The refused call made no split.
+        assert_eq!(splits, 1);
     }
 }

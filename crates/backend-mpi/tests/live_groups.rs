@@ -4,7 +4,6 @@
 use backend_mpi::{mpi_test, MpiFactory};
 use grid_conformance::live::{check_live_groups, LiveGridCase, ViewCase};
 use grid_core::{Communicator, GroupFactory, GroupOptions, TimeLimit};
-use std::sync::Arc;
 use std::time::Duration;
 
 mpi_test!(
@@ -13,17 +12,6 @@ mpi_test!(
     timeout = 120,
     |rt| {
         let f = MpiFactory::new();
-        let world = rt.world();
-        // A parent of our own (a split of the world), so that the live grid can own it.
-        let parent = f
-            .split_with(
-                world,
-                Some(0),
-                world.rank(),
-                &GroupOptions::new().named("live-parent"),
-            )
-            .map_err(|e| e.to_string())?
-            .ok_or("no parent")?;
         let case = LiveGridCase {
             // 4-D over 8 ranks: one dimension of size 1 (its groups are single ranks).
             shape: vec![2, 2, 1, 2],
@@ -35,13 +23,13 @@ mpi_test!(
                 shared: vec!["pp"],
             }),
         };
-        let rep = check_live_groups(&f, Arc::new(parent), &case)?;
+        let rep = check_live_groups(&f, rt.world(), &case)?;
         if (rep.created, rep.shared_with_base) != (21, 1) {
             return Err(format!("report {rep:?}"));
         }
-        // One split per create_pg, plus the parent's.
-        if f.calls().splits != 22 {
-            return Err(format!("{} splits, expected 22", f.calls().splits));
+        // One split per create_pg.
+        if f.calls().splits != 21 {
+            return Err(format!("{} splits, expected 21", f.calls().splits));
         }
         Ok(())
     }

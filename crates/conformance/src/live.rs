@@ -71,7 +71,7 @@ fn subsets(names: &[&'static str]) -> Vec<Vec<&'static str>> {
 /// wrong values are collected and returned together, after every collective ran.
 pub fn check_live_groups<F: GroupFactory>(
     factory: &F,
-    world: Arc<F::Comm>,
+    world: &F::Comm,
     case: &LiveGridCase,
 ) -> Result<LiveReport, String> {
     let n = world.size();

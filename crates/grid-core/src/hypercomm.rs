@@ -332,7 +332,7 @@ pub struct LocatedGroup {
 /// use grid_core::*;
 /// let out = run(8, &LocalConfig::default(), |f, world| {
 ///     let grid = CommGrid::new(vec![2, 2, 2], &["tp", "cp", "dp"], 0, 8, world.rank())?;
-///     let mut live = LiveCommGrid::new(grid, f, std::sync::Arc::new(world))?;
+///     let mut live = LiveCommGrid::new(grid, f, &world)?;
 ///     assert!(live.get_pg(&["tp", "dp"], None).is_err()); // not created yet
 ///     let g = live.create_pg(&["dp", "tp"], None, &GroupOptions::new())?.unwrap();
 ///     assert!(live.create_pg(&["tp", "dp"], None, &GroupOptions::new()).is_err()); // same key
@@ -346,7 +346,7 @@ pub struct LocatedGroup {
 pub struct LiveCommGrid<'f, F: GroupFactory> {
     grid: CommGrid,
     factory: &'f F,
-    parent: Arc<F::Comm>,
+    parent: &'f F::Comm,
     groups: HashMap<PgKey, Option<Arc<F::Comm>>>,
 }
 
@@ -366,7 +366,7 @@ impl<'f, F: GroupFactory> LiveCommGrid<'f, F> {
     /// `global_ranks()` are world ranks: this rank (the grid's current rank) must be the
     /// parent's own world rank, and every rank of the grid one of the parent's members.
     /// Checked locally; no communication.
-    pub fn new(grid: CommGrid, factory: &'f F, parent: Arc<F::Comm>) -> Result<Self> {
+    pub fn new(grid: CommGrid, factory: &'f F, parent: &'f F::Comm) -> Result<Self> {
         let ranks = parent.global_ranks();
         let me = ranks.get(parent.rank()).copied().unwrap_or(parent.rank());
         if me != grid.rank() {
@@ -403,8 +403,8 @@ impl<'f, F: GroupFactory> LiveCommGrid<'f, F> {
     }
 
     /// The parent communicator.
-    pub fn parent(&self) -> &Arc<F::Comm> {
-        &self.parent
+    pub fn parent(&self) -> &'f F::Comm {
+        self.parent
     }
 
     /// Registers a view ([`CommGrid::register_view`]); local, no communication.
@@ -455,7 +455,7 @@ impl<'f, F: GroupFactory> LiveCommGrid<'f, F> {
         }
         let comm = self
             .factory
-            .split_with(&self.parent, color, self.grid.rank(), &options)?
+            .split_with(self.parent, color, self.grid.rank(), &options)?
             .map(Arc::new);
         if let (Some(c), Some(g)) = (&comm, &located.my_group) {
             if c.size() != g.len() {
