@@ -125,6 +125,9 @@ pub(crate) struct Inner {
     seq: Sequencer,
     failure: Mutex<Option<String>>,
     splits: AtomicU64,
+    /// The unique name its sub-groups' store prefixes start with (the factory's internal
+    /// name; `name` may be a group name that several communicators share).
+    store_name: String,
     /// Failure records and blame (`crate::blame`); touched only after a failure.
     blame: Option<crate::blame::Blame>,
 }
@@ -626,6 +629,7 @@ impl GlooBackend {
                 seq: Sequencer::default(),
                 failure: Mutex::new(None),
                 splits: AtomicU64::new(0),
+                store_name: String::new(),
                 blame: None,
             }),
             worker: Mutex::new(None),
@@ -711,6 +715,23 @@ impl GlooBackend {
         let mut f = self.inner.failure.lock().unwrap_or_else(|e| e.into_inner());
         if f.is_none() {
             *f = Some(ABORTED.to_string());
+        }
+    }
+
+    /// Sets the unique name sub-groups' store prefixes start with (default: the name).
+    pub(crate) fn with_store_name(mut self, store_name: String) -> GlooBackend {
+        if let Some(inner) = Arc::get_mut(&mut self.inner) {
+            inner.store_name = store_name;
+        }
+        self
+    }
+
+    /// The unique name sub-groups' store prefixes start with.
+    pub(crate) fn store_name(&self) -> &str {
+        if self.inner.store_name.is_empty() {
+            &self.inner.name
+        } else {
+            &self.inner.store_name
         }
     }
 

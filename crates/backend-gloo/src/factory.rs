@@ -494,6 +494,21 @@ impl GlooFactory {
         global_ranks: Vec<usize>,
         keys: Keys,
     ) -> Result<GlooCommunicator> {
+        self.connect_with(name, rank, global_ranks, keys, &Link::default())
+    }
+
+    /// [`GlooFactory::connect`] with a group's own name, timeout and device.
+    fn connect_with(
+        &self,
+        name: &str,
+        rank: usize,
+        global_ranks: Vec<usize>,
+        keys: Keys,
+        link: &Link<'_>,
+    ) -> Result<GlooCommunicator> {
+        let device = link.device.unwrap_or(&self.device);
+        let timeout = link.timeout.unwrap_or(self.config.timeout);
+        let display = link.name.unwrap_or(name);
         let size = global_ranks.len();
         let prefix = self.prefix(name);
         let t = std::time::Instant::now();
@@ -502,10 +517,10 @@ impl GlooFactory {
             RawContext::connect(
                 &mut store,
                 &prefix,
-                &self.device,
+                device,
                 rank,
                 size,
-                self.config.timeout,
+                timeout,
                 keys == Keys::Remove,
             )
         }
@@ -524,15 +539,16 @@ impl GlooFactory {
         let mut backend = GlooBackend::new(
             ctx,
             global_ranks,
-            name.to_string(),
-            self.config.timeout,
+            display.to_string(),
+            timeout,
             self.config.allreduce,
             self.config.reduce_scatter,
-        );
+        )
+        .with_store_name(name.to_string());
         if let Some(b) = blame {
             backend = backend.with_blame(b);
         }
-        Ok(Comm::new(backend, name))
+        Ok(Comm::new(backend, display))
     }
 
     fn rendezvous_error(&self, name: &str, rank: usize, size: usize, e: ShimError) -> Error {
@@ -615,6 +631,67 @@ impl GroupFactory for GlooFactory {
         color: Option<u32>,
         key: usize,
     ) -> Result<Option<GlooCommunicator>> {
+        self.split_linked(parent, color, key, &Link::default())
+    }
+
+    /// The split, creating the communicator under the options' name, with their time limit
+    /// and their Gloo options ([`grid_core::GlooGroupOptions`]): Gloo's timeout for the
+    /// group's rendezvous and operations, and a TCP device on the given hostname (created for
+    /// the group; its rendezvous store stays the factory's). Options for another backend are
+    /// rejected before any communication.
+    fn split_with(
+        &self,
+        parent: &GlooCommunicator,
+        color: Option<u32>,
+        key: usize,
+        options: &grid_core::GroupOptions,
+    ) -> Result<Option<GlooCommunicator>> {
+        options.check_backend(BACKEND)?;
+        let gloo = match &options.backend {
+            grid_core::BackendOptions::Gloo(g) => Some(g),
+            _ => None,
+        };
+        // Only members connect on a device: creating one is local, and a failure here is
+        // reported before the collective exchange of the split, on every rank (same options).
+        let device = match gloo.and_then(|g| g.hostname.as_deref()) {
+            Some(h) => Some(RawDevice::tcp(h).map_err(|e| {
+                Error::from(
+                    LibraryError::new(
+                        BACKEND,
+                        "device",
+                        format!(
+                            "group '{}': cannot create a TCP device on {h}: {}",
+                            options.name.as_deref().unwrap_or("(unnamed)"),
+                            e.message
+                        ),
+                    )
+                    .code(e.code.status())
+                    .class(e.code.class()),
+                )
+            })?),
+            None => None,
+        };
+        let link = Link {
+            name: options.name.as_deref(),
+            timeout: gloo.and_then(|g| g.timeout),
+            device: device.as_ref(),
+        };
+        let comm = self.split_linked(parent, color, key, &link)?;
+        if let (Some(c), Some(t)) = (&comm, options.timeout) {
+            c.set_time_limit(t);
+        }
+        Ok(comm)
+    }
+}
+
+impl GlooFactory {
+    fn split_linked(
+        &self,
+        parent: &GlooCommunicator,
+        color: Option<u32>,
+        key: usize,
+        link: &Link<'_>,
+    ) -> Result<Option<GlooCommunicator>> {
         const OP: &str = "split";
         parent.ensure_usable(OP)?;
         let seq = parent.next_split();
@@ -642,10 +719,19 @@ impl GroupFactory for GlooFactory {
                 .comm(parent.comm_name()),
             )
         })?;
-        let name = format!("{}/s{seq}/c{color}", parent.comm_name());
-        self.connect(&name, members.rank, members.members, Keys::Remove)
+        let name = format!("{}/s{seq}/c{color}", parent.inner().store_name());
+        self.connect_with(&name, members.rank, members.members, Keys::Remove, link)
             .map(Some)
     }
+}
+
+/// What a group's options change in its rendezvous: the name it is shown under, Gloo's
+/// timeout and the TCP device (`None`: the factory's).
+#[derive(Default)]
+struct Link<'a> {
+    name: Option<&'a str>,
+    timeout: Option<std::time::Duration>,
+    device: Option<&'a RawDevice>,
 }
 
 /// Runs `world_size` ranks as threads of this process, meeting through a fresh in-process store,

@@ -590,6 +590,35 @@ impl GroupFactory for LocalFactory {
         color: Option<u32>,
         key: usize,
     ) -> Result<Option<LocalComm>> {
+        self.split_named(parent, color, key, None)
+    }
+
+    /// The split, creating the communicator under the options' name with their time limit.
+    /// The local backend has no backend options: options for another backend are rejected.
+    fn split_with(
+        &self,
+        parent: &LocalComm,
+        color: Option<u32>,
+        key: usize,
+        options: &grid_core::GroupOptions,
+    ) -> Result<Option<LocalComm>> {
+        options.check_backend(grid_core::Communicator::backend(parent))?;
+        let comm = self.split_named(parent, color, key, options.name.as_deref())?;
+        if let (Some(c), Some(t)) = (&comm, options.timeout) {
+            c.set_time_limit(t);
+        }
+        Ok(comm)
+    }
+}
+
+impl LocalFactory {
+    fn split_named(
+        &self,
+        parent: &LocalComm,
+        color: Option<u32>,
+        key: usize,
+        name: Option<&str>,
+    ) -> Result<Option<LocalComm>> {
         const OP: &str = "split";
         parent.ensure_usable(OP)?;
         let b = parent.inner();
@@ -632,7 +661,10 @@ impl GroupFactory for LocalFactory {
             return Ok(None);
         };
         let child = b.group.child(seq, color, &m.members);
-        let name = format!("{}/split{seq}.{color}", parent.comm_name());
+        let name = match name {
+            Some(n) => n.to_string(),
+            None => format!("{}/split{seq}.{color}", parent.comm_name()),
+        };
         tracing::debug!(comm = %name, rank = m.rank, members = ?m.members, "local communicator created");
         Ok(Some(Comm::new(LocalBackend::new(child, m.rank), name)))
     }

@@ -78,35 +78,20 @@ impl GroupFactory for MpiFactory {
         color: Option<u32>,
         key: usize,
     ) -> Result<Option<MpiCommunicator>> {
-        const OP: &str = "split";
-        // The front end's check: refused once the parent was aborted or failed.
-        parent.ensure_usable(OP)?;
-        if let Some(c) = color {
-            if c > i32::MAX as u32 {
-                return Err(Error::Invalid(format!("split: colour {c} exceeds the MPI limit {} (colours must be non-negative ints)", i32::MAX)));
-            }
-        }
-        if key > i32::MAX as usize {
-            return Err(Error::Invalid(format!(
-                "split: key {key} exceeds the MPI limit {}",
-                i32::MAX
-            )));
-        }
-        let _s =
-            tracing::debug_span!("mpi.split", comm = parent.comm_name(), ?color, key).entered();
-        let n = self.splits.fetch_add(1, Ordering::Relaxed);
-        // MPI_Comm_split and the new communicator's duplicate, under the parent's time limit.
-        let _w = parent.creating(crate::watch::SPLIT, parent.time_limit());
-        let raw = parent
-            .raw()
-            .split(color.map(|c| c as usize), key)
-            .map_err(|e| parent.err(OP, e))?;
-        let name = match color {
-            Some(c) => format!("{}/split{n}.{c}", parent.comm_name()),
-            None => String::new(),
-        };
-        raw.map(|r| MpiBackend::from_raw(r, OP, name, parent.configured_timeout()))
-            .transpose()
+        self.split_named(parent, color, key, None, None)
+    }
+
+    /// `MPI_Comm_split`, creating the communicator under the options' name and with their
+    /// time limit. MPI has no backend options: options for another backend are rejected.
+    fn split_with(
+        &self,
+        parent: &MpiCommunicator,
+        color: Option<u32>,
+        key: usize,
+        options: &grid_core::GroupOptions,
+    ) -> Result<Option<MpiCommunicator>> {
+        options.check_backend(parent.backend())?;
+        self.split_named(parent, color, key, options.name.as_deref(), options.timeout)
     }
 
     /// `MPI_Comm_create` over `parent` with the group of `ranks` (sorted ascending, so the new
@@ -134,6 +119,50 @@ impl GroupFactory for MpiFactory {
             .map_err(|e| parent.err(OP, e))?;
         let name = format!("{}/group{n}", parent.comm_name());
         raw.map(|r| MpiBackend::from_raw(r, OP, name, parent.configured_timeout()))
+            .transpose()
+    }
+}
+
+impl MpiFactory {
+    fn split_named(
+        &self,
+        parent: &MpiCommunicator,
+        color: Option<u32>,
+        key: usize,
+        name: Option<&str>,
+        timeout: Option<grid_core::TimeLimit>,
+    ) -> Result<Option<MpiCommunicator>> {
+        const OP: &str = "split";
+
+        // The front end's check: refused once the parent was aborted or failed.
+        parent.ensure_usable(OP)?;
+        if let Some(c) = color {
+            if c > i32::MAX as u32 {
+                return Err(Error::Invalid(format!("split: colour {c} exceeds the MPI limit {} (colours must be non-negative ints)", i32::MAX)));
+            }
+        }
+        if key > i32::MAX as usize {
+            return Err(Error::Invalid(format!(
+                "split: key {key} exceeds the MPI limit {}",
+                i32::MAX
+            )));
+        }
+        let _s =
+            tracing::debug_span!("mpi.split", comm = parent.comm_name(), ?color, key).entered();
+        let n = self.splits.fetch_add(1, Ordering::Relaxed);
+        // MPI_Comm_split and the new communicator's duplicate, under the parent's time limit.
+        let _w = parent.creating(crate::watch::SPLIT, parent.time_limit());
+        let raw = parent
+            .raw()
+            .split(color.map(|c| c as usize), key)
+            .map_err(|e| parent.err(OP, e))?;
+        let name = match (color, name) {
+            (Some(_), Some(given)) => given.to_string(),
+            (Some(c), None) => format!("{}/split{n}.{c}", parent.comm_name()),
+            (None, _) => String::new(),
+        };
+        let timeout = timeout.unwrap_or_else(|| parent.configured_timeout());
+        raw.map(|r| MpiBackend::from_raw(r, OP, name, timeout))
             .transpose()
     }
 }

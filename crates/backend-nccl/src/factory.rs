@@ -291,6 +291,78 @@ impl GroupFactory for NcclFactory {
         color: Option<u32>,
         key: usize,
     ) -> Result<Option<NcclCommunicator>> {
+        self.split_configured(parent, color, key, None, None)
+    }
+
+    /// `ncclCommSplit` with the group's options: the communicator is created under the
+    /// options' name, with their time limit, and with their NCCL options
+    /// ([`grid_core::NcclGroupOptions`]) over the factory's [`NcclConfig`] (`cga_cluster_size`,
+    /// `min_ctas`, `max_ctas`, `net_name`, `split_share` in the split's `ncclConfig_t`).
+    /// `is_high_priority_stream: true` is rejected ([`Error::Unsupported`]: this backend
+    /// creates every stream with the default priority), and so are options for another
+    /// backend, before any communication.
+    fn split_with(
+        &self,
+        parent: &NcclCommunicator,
+        color: Option<u32>,
+        key: usize,
+        options: &grid_core::GroupOptions,
+    ) -> Result<Option<NcclCommunicator>> {
+        options.check_backend(BACKEND)?;
+        let config = group_config(&self.opts.config, options)?;
+        let comm =
+            self.split_configured(parent, color, key, options.name.as_deref(), config.as_ref())?;
+        if let (Some(c), Some(t)) = (&comm, options.timeout) {
+            c.set_time_limit(t);
+        }
+        Ok(comm)
+    }
+}
+
+/// The `ncclConfig_t` of a group with `options`: its NCCL options over the factory's `base`
+/// (`None`: no NCCL options, the factory's configuration). `is_high_priority_stream: true` is
+/// [`Error::Unsupported`]: this backend creates every stream with the default priority.
+fn group_config(
+    base: &NcclConfig,
+    options: &grid_core::GroupOptions,
+) -> Result<Option<CommConfig>> {
+    let grid_core::BackendOptions::Nccl(n) = &options.backend else {
+        return Ok(None);
+    };
+    if n.is_high_priority_stream {
+        return Err(Error::Unsupported {
+            op: "split",
+            backend: BACKEND,
+            what: format!(
+                "is_high_priority_stream for group '{}' (the NCCL backend creates its streams with the default priority; set it to false)",
+                options.name.as_deref().unwrap_or("(unnamed)")
+            ),
+        });
+    }
+    Ok(Some(merged_config(base, n).to_raw()?))
+}
+
+/// A group's NCCL options over the factory's configuration: each field given wins.
+fn merged_config(base: &NcclConfig, n: &grid_core::NcclGroupOptions) -> NcclConfig {
+    NcclConfig {
+        split_share: n.split_share.unwrap_or(base.split_share),
+        cga_cluster_size: n.cga_cluster_size.or(base.cga_cluster_size),
+        min_ctas: n.min_ctas.or(base.min_ctas),
+        max_ctas: n.max_ctas.or(base.max_ctas),
+        net_name: n.net_name.clone().or_else(|| base.net_name.clone()),
+    }
+}
+
+impl NcclFactory {
+    /// The split, under `name` (else an automatic one) with `config` (else the factory's).
+    fn split_configured(
+        &self,
+        parent: &NcclCommunicator,
+        color: Option<u32>,
+        key: usize,
+        name: Option<&str>,
+        config: Option<&CommConfig>,
+    ) -> Result<Option<NcclCommunicator>> {
         const OP: &str = "split";
         parent.ensure_usable(OP)?;
         let c = nccl_color(color)?;
@@ -323,12 +395,15 @@ impl GroupFactory for NcclFactory {
         let wrap = |e| annotate(e, OP, parent.comm_name());
         let limit = parent.time_limit();
         cuda("bind context", || shared.ctx.bind_to_thread()).map_err(wrap)?;
-        let name = format!("{}/split{n}.{}", parent.comm_name(), color.unwrap_or(0));
+        let name = match name {
+            Some(given) => given.to_string(),
+            None => format!("{}/split{n}.{}", parent.comm_name(), color.unwrap_or(0)),
+        };
         // Held-back sends and receives were started first: posted first. Then one NCCL call
         // at a time on this device, until the split settled.
         shared.outbox.post_all();
         let _calls = shared.device_guard();
-        let (raw, progress) = match shared.raw.split(c, k, &self.config) {
+        let (raw, progress) = match shared.raw.split(c, k, config.unwrap_or(&self.config)) {
             Ok(v) => v,
             Err(e) => return Err(shared.failed_call(OP, e)),
         };
@@ -401,6 +476,69 @@ impl GroupFactory for NcclFactory {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn group_options_merge_over_the_factory_config() {
+        let base = NcclConfig {
+            split_share: true,
+            max_ctas: Some(16),
+            net_name: Some("IB".into()),
+            ..Default::default()
+        };
+        let n = grid_core::NcclGroupOptions {
+            cga_cluster_size: Some(2),
+            max_ctas: Some(32),
+            split_share: Some(false),
+            ..Default::default()
+        };
+        assert_eq!(
+            merged_config(&base, &n),
+            NcclConfig {
+                split_share: false,
+                cga_cluster_size: Some(2),
+                min_ctas: None,
+                max_ctas: Some(32),
+                net_name: Some("IB".into()),
+            }
+        );
+        let o = |n: grid_core::NcclGroupOptions| {
+            grid_core::GroupOptions::new()
+                .named("tp")
+                .with_backend(grid_core::BackendOptions::Nccl(n))
+        };
+        assert!(group_config(&base, &o(n.clone())).unwrap().is_some());
+        assert!(group_config(&base, &grid_core::GroupOptions::new())
+            .unwrap()
+            .is_none());
+        let e = group_config(
+            &base,
+            &o(grid_core::NcclGroupOptions {
+                is_high_priority_stream: true,
+                ..Default::default()
+            }),
+        )
+        .unwrap_err();
+        assert!(matches!(e, Error::Unsupported { .. }), "{e}");
+        assert!(
+            e.to_string()
+                .contains("is_high_priority_stream for group 'tp'"),
+            "{e}"
+        );
+        // The factory's own checks apply to the merged configuration.
+        let e = group_config(
+            &base,
+            &o(grid_core::NcclGroupOptions {
+                min_ctas: Some(64),
+                ..Default::default()
+            }),
+        )
+        .unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("min_ctas 64 is larger than max_ctas 16"),
+            "{e}"
+        );
+    }
 
     #[test]
     fn config_values_are_checked() {

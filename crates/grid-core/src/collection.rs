@@ -1,9 +1,11 @@
 //! `ProcessGroupCollection` (docs/semantics.md §4), generic over the group handle, and
 //! [`build_collection`], which fills one with live communicators.
 
+use crate::comm::TimeLimit;
 use crate::comm::{Communicator, CommunicatorExt, GroupFactory};
 use crate::error::{Error, Result};
 use crate::group::GroupSize;
+use crate::options::{CollectionOptions, GroupOptions};
 use crate::plan::{Family, FamilyLevel, GroupSignature, LayoutPlan};
 use std::collections::HashMap;
 use std::fmt;
@@ -219,6 +221,60 @@ impl<G> ProcessGroupCollection<G> {
     }
 }
 
+impl<C: Communicator + ?Sized> ProcessGroupCollection<Arc<C>> {
+    /// Megatron's `update_pg_timeout`: sets the default time limit of later operations of the
+    /// group of `family` (`"hcp"`: every level), or of every group when `family` is `None`,
+    /// on this rank. Returns how many communicators were updated (a communicator shared by
+    /// several families counts once per family). An unknown family name is an error; a family
+    /// this rank has no group of updates nothing.
+    ///
+    /// ```
+    /// use backend_local::{run, LocalConfig};
+    /// use grid_core::*;
+    /// use std::time::Duration;
+    /// let plan = LayoutPlan::new(LayoutConfig { world_size: 2, tp: 2, ..Default::default() })?;
+    /// let out = run(2, &LocalConfig::default(), |f, world| {
+    ///     let c = build_collection(f, &world, &plan)?.collection;
+    ///     c.update_pg_timeout(Some("tp"), Duration::from_millis(200))?;
+    ///     let tp = c.tp.as_ref().unwrap().time_limit();
+    ///     let n = c.update_pg_timeout(None, TimeLimit::Unlimited)?;
+    ///     Ok((tp, n, c.pp.as_ref().unwrap().time_limit()))
+    /// })?;
+    /// assert_eq!(out[0].0, TimeLimit::After(Duration::from_millis(200)));
+    /// assert_eq!(out[0].2, TimeLimit::Unlimited);
+    /// # Ok::<(), Error>(())
+    /// ```
+    pub fn update_pg_timeout(
+        &self,
+        family: Option<&str>,
+        limit: impl Into<TimeLimit>,
+    ) -> Result<usize> {
+        let limit = limit.into();
+        let mut n = 0;
+        let mut apply = |e: PgEntry<'_, Arc<C>>| match e {
+            PgEntry::Group(g) => {
+                g.set_time_limit(limit);
+                n += 1;
+            }
+            PgEntry::Levels(l) => {
+                for g in l {
+                    g.set_time_limit(limit);
+                    n += 1;
+                }
+            }
+        };
+        match family {
+            Some(name) => {
+                if let Some(e) = self.entry(name)? {
+                    apply(e);
+                }
+            }
+            None => self.iter().for_each(|(_, e)| apply(e)),
+        }
+        Ok(n)
+    }
+}
+
 impl<G: GroupSize> fmt::Display for ProcessGroupCollection<G> {
     /// `ProcessGroupCollection(tp(2), pp(4), hcp([2, 4]))`, or `ProcessGroupCollection(empty)`.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -317,6 +373,61 @@ pub fn build_collection<F: GroupFactory>(
     parent: &F::Comm,
     plan: &LayoutPlan,
 ) -> Result<BuiltCollection<F::Comm>> {
+    build(factory, parent, plan, None)
+}
+
+/// [`build_collection`] with options per family (Megatron's `timeout`, `group_desc` and
+/// `nccl_comm_cfgs`): each family level's communicator is created with
+/// [`CollectionOptions::for_level`] through [`GroupFactory::split_with`], so it carries its
+/// family's name (`"tp"`, `"hcp[1]"`, or the name given) in every error, span and operation
+/// log, its time limit, and its backend options.
+///
+/// A family reuses an earlier family's communicator (identical groups, as in
+/// [`build_collection`]) only when both were given the same options (apart from the automatic
+/// family name): the reused communicator keeps the first family's name (`dp` for `dp_cp` when
+/// cp = 1). A family with its own name, time limit or backend options gets its own
+/// communicator. Every family's options are checked against the factory's backend before the
+/// first collective call, so bad options fail on every rank alike without communication.
+///
+/// ```
+/// use backend_local::{run, LocalConfig};
+/// use grid_core::*;
+/// use std::time::Duration;
+/// let plan = LayoutPlan::new(LayoutConfig { world_size: 4, tp: 2, ..Default::default() })?;
+/// let mut opts = CollectionOptions::new();
+/// opts.set("tp", GroupOptions::new().named("TENSOR_MODEL_PARALLEL_GROUP").with_timeout(Duration::from_secs(3)))?;
+/// let out = run(4, &LocalConfig::default(), |f, world| {
+///     let built = build_collection_with(f, &world, &plan, &opts)?;
+///     let tp = built.collection.tp.clone().unwrap();
+///     let dp = built.collection.dp.clone().unwrap();
+///     Ok((tp.name().to_string(), tp.time_limit(), dp.name().to_string()))
+/// })?;
+/// assert_eq!(out[0].0, "TENSOR_MODEL_PARALLEL_GROUP");
+/// assert_eq!(out[0].1, TimeLimit::After(Duration::from_secs(3)));
+/// assert_eq!(out[0].2, "dp");
+/// # Ok::<(), Error>(())
+/// ```
+pub fn build_collection_with<F: GroupFactory>(
+    factory: &F,
+    parent: &F::Comm,
+    plan: &LayoutPlan,
+    options: &CollectionOptions,
+) -> Result<BuiltCollection<F::Comm>> {
+    build(factory, parent, plan, Some(options))
+}
+
+fn build<F: GroupFactory>(
+    factory: &F,
+    parent: &F::Comm,
+    plan: &LayoutPlan,
+    options: Option<&CollectionOptions>,
+) -> Result<BuiltCollection<F::Comm>> {
+    // Options are the same on every rank: checked before any communication.
+    if let Some(o) = options {
+        for fl in plan.family_levels() {
+            o.for_level(fl).check_backend(parent.backend())?;
+        }
+    }
     let _span = tracing::debug_span!("build_collection", backend = parent.backend()).entered();
     let fp = plan.fingerprint() as i64;
     // -1: the plan fits this rank's view of the parent; else the first plan rank it lacks.
@@ -358,11 +469,18 @@ pub fn build_collection<F: GroupFactory>(
     let in_plan = plan.contains(me);
     let mut collection = ProcessGroupCollection::new();
     let mut stats = Vec::new();
-    type Made<C> = HashMap<GroupSignature, (FamilyLevel, Option<Arc<C>>)>;
+    // Reuse needs identical groups and, with options, identical explicit options.
+    type Made<C> = HashMap<(GroupSignature, Option<GroupOptions>), (FamilyLevel, Option<Arc<C>>)>;
     let mut made: Made<F::Comm> = HashMap::new();
     let mut calls = 1;
     for fl in plan.family_levels() {
-        let sig = plan.group_signature(fl)?;
+        let sig = (
+            plan.group_signature(fl)?,
+            options.map(|o| match o.family(fl.family.name()) {
+                Some(f) => f.over(&o.default),
+                None => o.default.clone(),
+            }),
+        );
         let group = if in_plan {
             plan.group_of(fl, me)?
         } else {
@@ -397,7 +515,11 @@ pub fn build_collection<F: GroupFactory>(
         };
         let t = Instant::now();
         let _s = tracing::trace_span!("split", family = %fl).entered();
-        let comm = factory.split(parent, color, me)?.map(Arc::new);
+        let comm = match options {
+            None => factory.split(parent, color, me)?,
+            Some(o) => factory.split_with(parent, color, me, &o.for_level(fl))?,
+        }
+        .map(Arc::new);
         calls += 1;
         if let (Some(c), Some(g)) = (&comm, &group) {
             if c.size() != g.len() {

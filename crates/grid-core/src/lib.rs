@@ -82,7 +82,8 @@ mod view;
 mod wiring;
 
 pub use collection::{
-    build_collection, BuiltCollection, FamilyBuildStat, PgEntry, ProcessGroupCollection,
+    build_collection, build_collection_with, BuiltCollection, FamilyBuildStat, PgEntry,
+    ProcessGroupCollection,
 };
 pub use hierarchical::{hierarchical_groups, hierarchical_groups_of};
 pub use plan::{
@@ -95,7 +96,12 @@ pub use wiring::{
     DdpGroups, DdpSettings, DdpWiring, OptimizerGroups, OptimizerWiring, Provided, ProvidedGroups,
 };
 mod hypercomm;
-pub use hypercomm::{CommGrid, CreatedGroup, PgKey};
+pub use hypercomm::{CommGrid, CreatedGroup, LiveCommGrid, LocatedGroup, PgKey};
+mod options;
+pub use options::{
+    BackendOptions, CollectionOptions, GlooGroupOptions, GroupOptions, NcclGroupOptions,
+    NCCL_COMM_CFG_KEYS,
+};
 pub mod oplog;
 pub mod trace;
 pub use oplog::{OpDesc, OpHandle, OpLog, OpRecord, OpState, Recorder, TraceDump, TraceError};

@@ -317,6 +317,54 @@ pub trait GroupFactory {
         let me = parent.rank();
         self.split(parent, members.binary_search(&me).is_ok().then_some(0), me)
     }
+
+    /// [`GroupFactory::split`] with the new group's [`crate::GroupOptions`]: its name (the
+    /// communicator's name in errors, spans and the operation log), its default time limit,
+    /// and backend options. Options are checked ([`crate::GroupOptions::check_backend`])
+    /// before any communication, so every rank (all pass the same options) fails alike.
+    ///
+    /// Every factory of this workspace overrides it to create the communicator under the
+    /// name and with the backend options. This default, for other factories, applies the time
+    /// limit only: it rejects a name or backend options with [`Error::Unsupported`] (it
+    /// cannot apply them) before the split.
+    fn split_with(
+        &self,
+        parent: &Self::Comm,
+        color: Option<u32>,
+        key: usize,
+        options: &crate::GroupOptions,
+    ) -> Result<Option<Self::Comm>> {
+        options.check_backend(parent.backend())?;
+        if options.name.is_some() || options.backend != crate::BackendOptions::None {
+            return Err(Error::Unsupported {
+                op: "split_with",
+                backend: parent.backend(),
+                what: "group names and backend options (this factory does not apply them)".into(),
+            });
+        }
+        let comm = self.split(parent, color, key)?;
+        if let (Some(c), Some(t)) = (&comm, options.timeout) {
+            c.set_time_limit(t);
+        }
+        Ok(comm)
+    }
+
+    /// [`GroupFactory::create_group`] with the group's options ([`GroupFactory::split_with`]).
+    fn create_group_with(
+        &self,
+        parent: &Self::Comm,
+        ranks: &[usize],
+        options: &crate::GroupOptions,
+    ) -> Result<Option<Self::Comm>> {
+        let members = check::group_members("create_group", ranks, parent.size())?;
+        let me = parent.rank();
+        self.split_with(
+            parent,
+            members.binary_search(&me).is_ok().then_some(0),
+            me,
+            options,
+        )
+    }
 }
 
 /// Typed conveniences over any [`Communicator`], including `dyn Communicator`.
