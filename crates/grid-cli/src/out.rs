@@ -201,6 +201,20 @@ impl<'w> Out<'w> {
     }
 }
 
+/// Bytes written through [`Write`] go to the same buffer (for writers such as serde_json's
+/// that stream a large document).
+impl Write for Out<'_> {
+    fn write(&mut self, bytes: &[u8]) -> io::Result<usize> {
+        self.buf.extend_from_slice(bytes);
+        self.spill()?;
+        Ok(bytes.len())
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Out::flush(self)
+    }
+}
+
 const PAIRS: &[u8; 200] = b"\
 0001020304050607080910111213141516171819\
 2021222324252627282930313233343536373839\
