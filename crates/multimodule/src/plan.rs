@@ -421,54 +421,101 @@ impl PipelinePlan {
     /// ");
     /// ```
     pub fn write_text<W: std::io::Write>(&self, mut w: W) -> std::io::Result<()> {
-        writeln!(w, "total stages: {}", self.total_stages)?;
-        for (r, p) in &self.ranks {
-            write!(
-                w,
-                "rank {r}: stage {}{}{} [",
-                p.current_stage,
-                if p.is_first_stage { " first" } else { "" },
-                if p.is_last_stage { " last" } else { "" },
-            )?;
-            for (i, (n, m)) in p.modules.iter().enumerate() {
-                write!(
-                    w,
-                    "{}{n} pp {}/{} through {}",
-                    if i > 0 { "; " } else { "" },
-                    m.pp_rank,
-                    m.pp_size,
-                    m.stages_through
-                )?;
+        // Lines are assembled in one buffer handed to `w` in large pieces (a million-rank plan
+        // is tens of MB of text: no formatting machinery per number, no write per piece).
+        let mut buf: Vec<u8> = Vec::with_capacity(TEXT_CHUNK + 4096);
+        let spill = |buf: &mut Vec<u8>, w: &mut W| -> std::io::Result<()> {
+            if buf.len() >= TEXT_CHUNK {
+                w.write_all(buf)?;
+                buf.clear();
             }
-            w.write_all(b"]\n")?;
+            Ok(())
+        };
+        buf.extend_from_slice(b"total stages: ");
+        push_num(&mut buf, self.total_stages);
+        buf.push(b'\n');
+        for (r, p) in &self.ranks {
+            buf.extend_from_slice(b"rank ");
+            push_num(&mut buf, *r);
+            buf.extend_from_slice(b": stage ");
+            push_num(&mut buf, p.current_stage);
+            if p.is_first_stage {
+                buf.extend_from_slice(b" first");
+            }
+            if p.is_last_stage {
+                buf.extend_from_slice(b" last");
+            }
+            buf.extend_from_slice(b" [");
+            for (i, (n, m)) in p.modules.iter().enumerate() {
+                if i > 0 {
+                    buf.extend_from_slice(b"; ");
+                }
+                buf.extend_from_slice(n.as_bytes());
+                buf.extend_from_slice(b" pp ");
+                push_num(&mut buf, m.pp_rank);
+                buf.push(b'/');
+                push_num(&mut buf, m.pp_size);
+                buf.extend_from_slice(b" through ");
+                push_num(&mut buf, m.stages_through);
+            }
+            buf.extend_from_slice(b"]\n");
+            spill(&mut buf, &mut w)?;
         }
         for b in &self.bridges {
-            write!(w, "bridge {} -> {}: leaders ", b.src, b.dst)?;
-            write_list(&mut w, &b.src_leaders)?;
-            w.write_all(b" -> ")?;
-            write_list(&mut w, &b.dst_leaders)?;
-            w.write_all(b"; sends ")?;
+            buf.extend_from_slice(b"bridge ");
+            buf.extend_from_slice(b.src.as_bytes());
+            buf.extend_from_slice(b" -> ");
+            buf.extend_from_slice(b.dst.as_bytes());
+            buf.extend_from_slice(b": leaders ");
+            push_list(&mut buf, &b.src_leaders);
+            buf.extend_from_slice(b" -> ");
+            push_list(&mut buf, &b.dst_leaders);
+            buf.extend_from_slice(b"; sends ");
             let senders = b.routes.iter().filter(|(_, r)| r.role != Role::Receiver);
             for (i, (r, route)) in senders.enumerate() {
-                write!(w, "{}{r}->", if i > 0 { " " } else { "" })?;
-                write_list(&mut w, &route.peers)?;
+                if i > 0 {
+                    buf.push(b' ');
+                }
+                push_num(&mut buf, *r);
+                buf.extend_from_slice(b"->");
+                push_list(&mut buf, &route.peers);
+                spill(&mut buf, &mut w)?;
             }
-            w.write_all(b"\n")?;
+            buf.push(b'\n');
+            spill(&mut buf, &mut w)?;
         }
-        Ok(())
+        w.write_all(&buf)
     }
 }
 
-/// `[1, 2, 3]`, as `{:?}` prints a list of ranks.
-fn write_list<W: std::io::Write>(w: &mut W, v: &[usize]) -> std::io::Result<()> {
-    w.write_all(b"[")?;
-    for (i, x) in v.iter().enumerate() {
-        if i > 0 {
-            w.write_all(b", ")?;
+/// How much text [`PipelinePlan::write_text`] collects before handing it on.
+const TEXT_CHUNK: usize = 1 << 16;
+
+/// Appends the decimal digits of `n`.
+fn push_num(buf: &mut Vec<u8>, mut n: usize) {
+    let mut digits = [0u8; 20];
+    let mut i = digits.len();
+    loop {
+        i -= 1;
+        digits[i] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
         }
-        write!(w, "{x}")?;
     }
-    w.write_all(b"]")
+    buf.extend_from_slice(&digits[i..]);
+}
+
+/// `[1, 2, 3]`, as `{:?}` prints a list of ranks.
+fn push_list(buf: &mut Vec<u8>, v: &[usize]) {
+    buf.push(b'[');
+    for (i, &x) in v.iter().enumerate() {
+        if i > 0 {
+            buf.extend_from_slice(b", ");
+        }
+        push_num(buf, x);
+    }
+    buf.push(b']');
 }
 
 impl Serialize for PipelinePlan {
