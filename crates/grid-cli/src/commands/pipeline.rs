@@ -39,8 +39,8 @@ pub struct Args {
 
 /// The largest plan `grid pipeline` makes and prints, in rank entries
 /// ([`multimodule::PipelineSpec::plan_size`]: every rank of every module, plus every rank of both
-/// ends of every bridge). A 1,048,576-rank fan-in is about 2.1 M; at the cap the text is about
-/// 300 MB, the JSON 1.8 GB and the process holds about 2 GB.
+/// ends of every bridge). A 1,048,576-rank fan-in is about 2.1 M; at the cap (a 2,097,151-rank
+/// fan-in) the text is 162 MB, the JSON 900 MB and the process holds 1.6 GB.
 pub const MAX_PLAN_SIZE: usize = 1 << 22;
 
 /// `grid pipeline`.
