@@ -129,24 +129,49 @@ impl<'w> Out<'w> {
     pub fn ranks(&mut self, ranks: &[usize]) -> io::Result<()> {
         self.buf.push(b'[');
         let mut dec = Decimal::default();
-        for (i, chunk) in ranks.chunks(CHUNK / 32).enumerate() {
-            self.buf.reserve(chunk.len() * 21);
-            for (j, &r) in chunk.iter().enumerate() {
-                if i + j > 0 {
-                    self.buf.push(b',');
-                }
-                dec.set_next(r);
-                // A byte loop: these are a few bytes, a memcpy call per number costs more.
-                for &b in dec.digits() {
-                    self.buf.push(b);
-                }
-            }
-            if self.buf.len() >= CHUNK {
-                self.spill()?;
-            }
+        for chunk in ranks.chunks(CHUNK / 32) {
+            self.push_ranks(chunk, &mut dec);
+            self.spill()?;
         }
         self.buf.push(b']');
         Ok(())
+    }
+
+    /// A JSON list of a group's members in Megatron's order, like [`Out::ranks`], written in
+    /// chunks through one small reused buffer: a million-member group is never materialized
+    /// (that costs more in page faults than formatting it).
+    pub fn group(&mut self, g: &Group) -> io::Result<()> {
+        const STEP: usize = 4096;
+        self.buf.push(b'[');
+        let mut dec = Decimal::default();
+        let mut ranks = Vec::with_capacity(STEP.min(g.len()));
+        let mut start = 0;
+        while start < g.len() {
+            let end = start.saturating_add(STEP);
+            ranks.clear();
+            g.extend_range_into(start..end, &mut ranks);
+            self.push_ranks(&ranks, &mut dec);
+            self.spill()?;
+            start = end;
+        }
+        self.buf.push(b']');
+        Ok(())
+    }
+
+    /// Appends `ranks` as comma-separated numbers (a comma first unless `dec` is still unused,
+    /// i.e. these are the first numbers of the list).
+    fn push_ranks(&mut self, ranks: &[usize], dec: &mut Decimal) {
+        self.buf.reserve(ranks.len() * 21);
+        for &r in ranks {
+            if dec.value.is_some() {
+                self.buf.push(b',');
+            }
+            dec.set_next(r);
+            // A byte loop: these are a few bytes, a memcpy call per number costs more.
+            for &b in dec.digits() {
+                self.buf.push(b);
+            }
+        }
     }
 
     /// A JSON list of rank lists.
@@ -173,6 +198,20 @@ impl<'w> Out<'w> {
         }
         self.buf.push(b']');
         Ok(())
+    }
+}
+
+/// Bytes written through [`Write`] go to the same buffer (for writers such as serde_json's
+/// that stream a large document).
+impl Write for Out<'_> {
+    fn write(&mut self, bytes: &[u8]) -> io::Result<usize> {
+        self.buf.extend_from_slice(bytes);
+        self.spill()?;
+        Ok(bytes.len())
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Out::flush(self)
     }
 }
 

@@ -592,3 +592,153 @@ fn option_spellings_give_the_same_output() {
         assert_eq!(run(args), want, "grid {args:?}");
     }
 }
+
+/// `grid layout --rank R --format json` writes its JSON by hand (groups in chunks, numbers
+/// formatted in place): byte for byte it is serde_json's compact form of the same document,
+/// built here from the library's view, for layouts with every optional part and for the
+/// million-rank view of the performance target.
+#[test]
+fn rank_view_json_equals_serde() {
+    use grid_core::{Family, LayoutConfig, LayoutPlan};
+    use serde_json::{Map, Value};
+    // (world, tp, pp, cp, ep, etp, order, dist-opt instances, hcp, rank offset, rank)
+    type Case<'a> = (
+        usize,
+        usize,
+        usize,
+        usize,
+        usize,
+        Option<usize>,
+        &'a str,
+        usize,
+        Option<Vec<usize>>,
+        usize,
+        usize,
+    );
+    let cases: Vec<Case> = vec![
+        (8, 2, 2, 1, 1, None, "tp-cp-ep-dp-pp", 1, None, 0, 5),
+        (
+            64,
+            2,
+            2,
+            4,
+            2,
+            Some(1),
+            "tp-cp-ep-dp-pp",
+            2,
+            Some(vec![2, 2]),
+            0,
+            37,
+        ),
+        (96, 2, 3, 2, 4, None, "tp-dp-cp-ep-pp", 1, None, 1000, 1077),
+        (
+            4096,
+            4,
+            4,
+            2,
+            8,
+            Some(2),
+            "tp-cp-ep-dp-pp",
+            4,
+            None,
+            0,
+            4095,
+        ),
+        (
+            1 << 20,
+            8,
+            16,
+            2,
+            8,
+            None,
+            "tp-cp-ep-dp-pp",
+            1,
+            None,
+            0,
+            654_321,
+        ),
+    ];
+    for (world, tp, pp, cp, ep, etp, order, instances, hcp, offset, rank) in cases {
+        let mut cfg = LayoutConfig::new(world);
+        (cfg.tp, cfg.pp, cfg.cp, cfg.ep, cfg.etp) = (tp, pp, cp, ep, etp);
+        cfg.order = order.into();
+        cfg.dist_opt_instances = instances;
+        cfg.hcp_sizes = hcp.clone();
+        cfg.rank_offset = offset;
+        let plan = LayoutPlan::new(cfg).expect("valid layout");
+        let v = plan.rank_view(rank).expect("a rank of the layout");
+        let mut doc = Map::new();
+        doc.insert("world_size".into(), world.into());
+        doc.insert("dp".into(), plan.dp().into());
+        doc.insert("expert_tp".into(), plan.expert_tp().into());
+        doc.insert("expert_dp".into(), plan.expert_dp().into());
+        doc.insert("rank".into(), rank.into());
+        let c = v.coords;
+        doc.insert(
+            "coords".into(),
+            json!({"tp": c.tp, "cp": c.cp, "dp": c.dp, "pp": c.pp, "ep": c.ep,
+                   "expt_tp": c.expt_tp, "expt_dp": c.expt_dp}),
+        );
+        let mut groups = Map::new();
+        for f in Family::ALL {
+            if f == Family::Hcp {
+                if let Some(levels) = v.hcp() {
+                    let levels: Vec<Vec<usize>> = levels.iter().map(|g| g.to_vec()).collect();
+                    groups.insert(f.name().into(), json!(levels));
+                }
+            } else {
+                groups.insert(
+                    f.name().into(),
+                    v.group(f).map_or(Value::Null, |g| json!(g.to_vec())),
+                );
+            }
+        }
+        doc.insert("groups".into(), Value::Object(groups));
+        doc.insert("pp_next".into(), v.pp_next.into());
+        doc.insert("pp_prev".into(), v.pp_prev.into());
+        doc.insert("is_first_stage".into(), v.is_first_stage.into());
+        doc.insert("is_last_stage".into(), v.is_last_stage.into());
+        let want = serde_json::to_string(&Value::Object(doc)).expect("serializable") + "\n";
+
+        let mut args: Vec<String> = [
+            "layout",
+            "--world-size",
+            &world.to_string(),
+            "--tp",
+            &tp.to_string(),
+            "--pp",
+            &pp.to_string(),
+            "--cp",
+            &cp.to_string(),
+            "--ep",
+            &ep.to_string(),
+            "--order",
+            order,
+            "--dist-opt-instances",
+            &instances.to_string(),
+            "--rank-offset",
+            &offset.to_string(),
+            "--rank",
+            &rank.to_string(),
+            "--format",
+            "json",
+        ]
+        .map(String::from)
+        .to_vec();
+        if let Some(e) = etp {
+            args.extend(["--etp".into(), e.to_string()]);
+        }
+        if let Some(h) = &hcp {
+            let h: Vec<String> = h.iter().map(|x| x.to_string()).collect();
+            args.extend(["--hcp".into(), h.join(",")]);
+        }
+        let mut out = Vec::new();
+        grid_cli::run(&args, &mut out).expect("grid layout runs");
+        let got = String::from_utf8(out).expect("UTF-8");
+        assert!(
+            got == want,
+            "grid {}: differs from serde_json's form",
+            args.join(" ")
+        );
+    }
+}

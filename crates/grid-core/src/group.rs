@@ -299,6 +299,65 @@ impl Group {
         }
     }
 
+    /// Appends the members at positions `range` (in Megatron's order, clamped to the group) to
+    /// `out`, without enumerating the ones before it: a large group can be written in small
+    /// chunks through one reused buffer instead of being materialized whole.
+    ///
+    /// ```
+    /// use grid_core::Group;
+    /// let g = Group::strided(4, 5, 8); // 4, 12, 20, 28, 36
+    /// let mut out = Vec::new();
+    /// g.extend_range_into(1..3, &mut out);
+    /// g.extend_range_into(4..99, &mut out);
+    /// assert_eq!(out, vec![12, 20, 36]);
+    /// ```
+    pub fn extend_range_into(&self, range: std::ops::Range<usize>, out: &mut Vec<usize>) {
+        let end = range.end.min(self.len());
+        let start = range.start.min(end);
+        match &self.0 {
+            Repr::List(v) => out.extend_from_slice(&v[start..end]),
+            Repr::Lattice(l) => {
+                let mut left = end - start;
+                if left == 0 {
+                    return;
+                }
+                out.reserve(left);
+                let n = l.start + start;
+                let mut digits = l.digits(n);
+                let mut r = l.at_full(n);
+                let Some(&fast) = l.terms.first() else {
+                    // No term: the lattice is its base alone.
+                    out.push(r);
+                    return;
+                };
+                loop {
+                    // The rest of the fastest term's run, then a carry into the slower terms.
+                    let run = fast.size.saturating_sub(digits[0]).min(left);
+                    out.extend((0..run).map(|k| r + k * fast.stride));
+                    left -= run;
+                    if left == 0 {
+                        return;
+                    }
+                    r -= digits[0] * fast.stride;
+                    digits[0] = 0;
+                    let mut i = 1;
+                    loop {
+                        // Members are left, so some slower digit can still be incremented.
+                        let Some(t) = l.terms.get(i) else { return };
+                        digits[i] += 1;
+                        if digits[i] < t.size {
+                            r += t.stride;
+                            break;
+                        }
+                        r -= (digits[i] - 1) * t.stride;
+                        digits[i] = 0;
+                        i += 1;
+                    }
+                }
+            }
+        }
+    }
+
     /// The members in ascending order.
     pub fn sorted(&self) -> Vec<usize> {
         let mut v = self.to_vec();
@@ -497,5 +556,52 @@ mod tests {
             format!("{}", Group::strided(0, 100, 1)),
             "[0, 1, 2, …, 99] (100 ranks)"
         );
+    }
+
+    #[test]
+    fn range_extension_matches_iteration() {
+        let full = Group::lattice(
+            3,
+            vec![
+                Term { size: 3, stride: 1 },
+                Term {
+                    size: 1,
+                    stride: 50,
+                },
+                Term {
+                    size: 2,
+                    stride: 16,
+                },
+                Term {
+                    size: 4,
+                    stride: 100,
+                },
+            ],
+        );
+        let unsorted = Group::lattice(
+            0,
+            vec![Term { size: 2, stride: 4 }, Term { size: 2, stride: 2 }],
+        );
+        let groups = [
+            full.clone(),
+            full.slice(5, 13),
+            unsorted.clone(),
+            unsorted.slice(1, 2),
+            Group::lattice(7, vec![]),
+            Group::from_list(vec![9, 2, 5]),
+        ];
+        for g in groups {
+            let all: Vec<usize> = g.iter().collect();
+            for a in 0..=all.len() + 1 {
+                for b in a..=all.len() + 2 {
+                    let mut out = vec![42];
+                    g.extend_range_into(a..b, &mut out);
+                    let lo = a.min(all.len());
+                    let hi = b.min(all.len());
+                    assert_eq!(out[1..], all[lo..hi], "{g:?} {a}..{b}");
+                    assert_eq!(out[0], 42);
+                }
+            }
+        }
     }
 }

@@ -9,7 +9,6 @@ use crate::spec::PipelineSpec;
 use crate::stages::StageTable;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use std::collections::BTreeMap;
-use std::fmt::Write;
 use std::path::Path;
 
 /// A rank's place in one module.
@@ -84,21 +83,25 @@ pub struct BridgeSummary {
 }
 
 impl BridgeSummary {
-    /// The summary of a bridge plan.
+    /// The summary of a bridge plan, in time linear in its leaders and routes.
     pub fn from_plan(p: &BridgePlan) -> BridgeSummary {
         let mut routes: BTreeMap<usize, Route> = BTreeMap::new();
-        for &r in p.src().leaders() {
+        // Leaders by index: the peers of leader `i` are its routes' peers (no search by rank).
+        let peers = |routes: Vec<crate::routing::PartRoute>| -> Vec<usize> {
+            routes.into_iter().map(|r| r.peer).collect()
+        };
+        for (i, &r) in p.src().leaders().iter().enumerate() {
             routes.insert(
                 r,
                 Route {
                     role: Role::Sender,
-                    peers: p.send_peers(r),
+                    peers: peers(p.send_routes(i)),
                     recv_peers: None,
                 },
             );
         }
-        for &r in p.dst().leaders() {
-            let peers = p.recv_peers(r);
+        for (j, &r) in p.dst().leaders().iter().enumerate() {
+            let peers = peers(p.recv_routes(j));
             match routes.get_mut(&r) {
                 Some(route) => {
                     route.role = Role::SenderReceiver;
@@ -203,40 +206,11 @@ struct PlanIn {
 }
 
 impl PipelinePlan {
-    /// The plan of a validated spec.
+    /// The plan of a validated spec, in time linear in the ranks, modules and bridge members
+    /// (plus a sort of the modules by first rank).
     pub fn new(spec: &PipelineSpec) -> Result<PipelinePlan> {
         let st = StageTable::new(spec);
-        let mut ranks = BTreeMap::new();
-        for m in spec.modules() {
-            let (first, end) = m.rank_range();
-            for r in first..end {
-                if ranks.contains_key(&r) {
-                    continue;
-                }
-                let mut modules = OrderedMap::new();
-                for i in spec.modules_of_rank(r) {
-                    let mm = &spec.modules()[i];
-                    let pp_rank = mm.pp_rank(r).unwrap_or(0);
-                    modules.push(
-                        mm.name.clone(),
-                        ModuleStage {
-                            pp_rank,
-                            pp_size: mm.pp_size(),
-                            stages_through: st.stages_before(i) + pp_rank + 1,
-                        },
-                    );
-                }
-                ranks.insert(
-                    r,
-                    RankPlan {
-                        modules,
-                        current_stage: st.current_stage(spec, r)?,
-                        is_first_stage: st.is_first_stage(spec, r),
-                        is_last_stage: st.is_last_stage(spec, r),
-                    },
-                );
-            }
-        }
+        let ranks = rank_plans(spec, &st);
         let bridge_plans = bridge_plans(spec)?;
         let bridges = bridge_plans.iter().map(BridgeSummary::from_plan).collect();
         Ok(PipelinePlan {
@@ -406,6 +380,21 @@ impl PipelinePlan {
         serde_json::to_string_pretty(self).unwrap_or_else(|e| format!("{{\"error\": \"{e}\"}}"))
     }
 
+    /// Writes [`PipelinePlan::to_json`] to `w` as it is produced, without holding the text
+    /// (hundreds of MB for a million-rank pipeline) in memory.
+    ///
+    /// ```
+    /// # use multimodule::{PipelinePlan, PipelineSpec};
+    /// let spec = PipelineSpec::from_json_str(r#"{"modules": {"a": {}, "b": {"offset": 1}}, "topology": {"a": ["b"]}}"#).unwrap();
+    /// let plan = PipelinePlan::new(&spec).unwrap();
+    /// let mut out = Vec::new();
+    /// plan.write_json(&mut out).unwrap();
+    /// assert_eq!(String::from_utf8(out).unwrap(), plan.to_json());
+    /// ```
+    pub fn write_json<W: std::io::Write>(&self, w: W) -> std::io::Result<()> {
+        serde_json::to_writer_pretty(w, self).map_err(std::io::Error::from)
+    }
+
     /// A short human-readable summary: one line per rank and per bridge.
     ///
     /// ```
@@ -416,47 +405,123 @@ impl PipelinePlan {
     /// assert!(text.contains("bridge a -> b: leaders [0] -> [1]"));
     /// ```
     pub fn to_text(&self) -> String {
-        let mut s = String::new();
-        let _ = writeln!(s, "total stages: {}", self.total_stages);
+        let mut out = Vec::new();
+        match self.write_text(&mut out) {
+            Ok(()) => String::from_utf8_lossy(&out).into_owned(),
+            Err(e) => format!("error: {e}"),
+        }
+    }
+
+    /// Writes [`PipelinePlan::to_text`] to `w` as it is produced.
+    ///
+    /// ```
+    /// # use multimodule::{PipelinePlan, PipelineSpec};
+    /// let spec = PipelineSpec::from_json_str(r#"{"modules": {"a": {"pp": 2}, "b": {"offset": 2}}, "topology": {"a": ["b"]}}"#).unwrap();
+    /// let mut out = Vec::new();
+    /// PipelinePlan::new(&spec).unwrap().write_text(&mut out).unwrap();
+    /// assert_eq!(String::from_utf8(out).unwrap(), "total stages: 3
+    /// rank 0: stage 0 first [a pp 0/2 through 1]
+    /// rank 1: stage 1 [a pp 1/2 through 2]
+    /// rank 2: stage 2 last [b pp 0/1 through 3]
+    /// bridge a -> b: leaders [1] -> [2]; sends 1->[2]
+    /// ");
+    /// ```
+    pub fn write_text<W: std::io::Write>(&self, mut w: W) -> std::io::Result<()> {
+        // Lines are assembled in one buffer handed to `w` in large pieces (a million-rank plan
+        // is tens of MB of text: no formatting machinery per number, no write per piece).
+        let mut buf: Vec<u8> = Vec::with_capacity(TEXT_CHUNK + 4096);
+        let spill = |buf: &mut Vec<u8>, w: &mut W| -> std::io::Result<()> {
+            if buf.len() >= TEXT_CHUNK {
+                w.write_all(buf)?;
+                buf.clear();
+            }
+            Ok(())
+        };
+        buf.extend_from_slice(b"total stages: ");
+        push_num(&mut buf, self.total_stages);
+        buf.push(b'\n');
         for (r, p) in &self.ranks {
-            let mods: Vec<String> = p
-                .modules
-                .iter()
-                .map(|(n, m)| {
-                    format!(
-                        "{n} pp {}/{} through {}",
-                        m.pp_rank, m.pp_size, m.stages_through
-                    )
-                })
-                .collect();
-            let _ = writeln!(
-                s,
-                "rank {r}: stage {}{}{} [{}]",
-                p.current_stage,
-                if p.is_first_stage { " first" } else { "" },
-                if p.is_last_stage { " last" } else { "" },
-                mods.join("; ")
-            );
+            buf.extend_from_slice(b"rank ");
+            push_num(&mut buf, *r);
+            buf.extend_from_slice(b": stage ");
+            push_num(&mut buf, p.current_stage);
+            if p.is_first_stage {
+                buf.extend_from_slice(b" first");
+            }
+            if p.is_last_stage {
+                buf.extend_from_slice(b" last");
+            }
+            buf.extend_from_slice(b" [");
+            for (i, (n, m)) in p.modules.iter().enumerate() {
+                if i > 0 {
+                    buf.extend_from_slice(b"; ");
+                }
+                buf.extend_from_slice(n.as_bytes());
+                buf.extend_from_slice(b" pp ");
+                push_num(&mut buf, m.pp_rank);
+                buf.push(b'/');
+                push_num(&mut buf, m.pp_size);
+                buf.extend_from_slice(b" through ");
+                push_num(&mut buf, m.stages_through);
+            }
+            buf.extend_from_slice(b"]\n");
+            spill(&mut buf, &mut w)?;
         }
         for b in &self.bridges {
-            let routes: Vec<String> = b
-                .routes
-                .iter()
-                .filter(|(_, r)| r.role != Role::Receiver)
-                .map(|(r, route)| format!("{r}->{:?}", route.peers))
-                .collect();
-            let _ = writeln!(
-                s,
-                "bridge {} -> {}: leaders {:?} -> {:?}; sends {}",
-                b.src,
-                b.dst,
-                b.src_leaders,
-                b.dst_leaders,
-                routes.join(" ")
-            );
+            buf.extend_from_slice(b"bridge ");
+            buf.extend_from_slice(b.src.as_bytes());
+            buf.extend_from_slice(b" -> ");
+            buf.extend_from_slice(b.dst.as_bytes());
+            buf.extend_from_slice(b": leaders ");
+            push_list(&mut buf, &b.src_leaders);
+            buf.extend_from_slice(b" -> ");
+            push_list(&mut buf, &b.dst_leaders);
+            buf.extend_from_slice(b"; sends ");
+            let senders = b.routes.iter().filter(|(_, r)| r.role != Role::Receiver);
+            for (i, (r, route)) in senders.enumerate() {
+                if i > 0 {
+                    buf.push(b' ');
+                }
+                push_num(&mut buf, *r);
+                buf.extend_from_slice(b"->");
+                push_list(&mut buf, &route.peers);
+                spill(&mut buf, &mut w)?;
+            }
+            buf.push(b'\n');
+            spill(&mut buf, &mut w)?;
         }
-        s
+        w.write_all(&buf)
     }
+}
+
+/// How much text [`PipelinePlan::write_text`] collects before handing it on.
+const TEXT_CHUNK: usize = 1 << 16;
+
+/// Appends the decimal digits of `n`.
+fn push_num(buf: &mut Vec<u8>, mut n: usize) {
+    let mut digits = [0u8; 20];
+    let mut i = digits.len();
+    loop {
+        i -= 1;
+        digits[i] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    buf.extend_from_slice(&digits[i..]);
+}
+
+/// `[1, 2, 3]`, as `{:?}` prints a list of ranks.
+fn push_list(buf: &mut Vec<u8>, v: &[usize]) {
+    buf.push(b'[');
+    for (i, &x) in v.iter().enumerate() {
+        if i > 0 {
+            buf.extend_from_slice(b", ");
+        }
+        push_num(buf, x);
+    }
+    buf.push(b']');
 }
 
 impl Serialize for PipelinePlan {
@@ -532,6 +597,93 @@ pub struct RankModuleInfo {
     pub is_terminal_stage: bool,
 }
 
+/// Every rank's [`RankPlan`], in one ascending sweep over the ranks: the modules are sorted by
+/// first rank and the sweep keeps those covering the current rank (several only where modules
+/// are colocated), so the cost is the number of (rank, module) pairs, not ranks × modules.
+fn rank_plans(spec: &PipelineSpec, st: &StageTable) -> BTreeMap<usize, RankPlan> {
+    /// What a rank's entry needs of one module, computed once per module.
+    struct Span<'a> {
+        index: usize,
+        name: &'a str,
+        offset: usize,
+        end: usize,
+        pp_stride: usize,
+        pp_size: usize,
+        before: usize,
+        is_source: bool,
+        is_sink: bool,
+    }
+    let spans: Vec<Span<'_>> = spec
+        .modules()
+        .iter()
+        .enumerate()
+        .map(|(index, m)| {
+            let (offset, end) = m.rank_range();
+            let pp = m.grid.dim_index("pp").ok();
+            Span {
+                index,
+                name: &m.name,
+                offset,
+                end,
+                pp_stride: pp.map_or(1, |d| m.grid.strides()[d]),
+                pp_size: m.pp_size(),
+                before: st.stages_before(index),
+                is_source: spec.predecessors()[index].is_empty(),
+                is_sink: spec.successors()[index].is_empty(),
+            }
+        })
+        .collect();
+    let mut by_start: Vec<&Span<'_>> = spans.iter().filter(|s| s.offset < s.end).collect();
+    by_start.sort_by_key(|s| (s.offset, s.index));
+    let mut ranks = BTreeMap::new();
+    // The modules containing rank `r`, in spec (file) order.
+    let mut active: Vec<&Span<'_>> = Vec::new();
+    let mut next = 0;
+    let mut r = 0;
+    loop {
+        active.retain(|s| s.end > r);
+        if active.is_empty() {
+            match by_start.get(next) {
+                Some(s) => r = r.max(s.offset),
+                None => break,
+            }
+        }
+        while let Some(&s) = by_start.get(next).filter(|s| s.offset <= r) {
+            let at = active.partition_point(|a| a.index < s.index);
+            active.insert(at, s);
+            next += 1;
+        }
+        let mut modules = OrderedMap::new();
+        let (mut through, mut first, mut last) = (0, false, false);
+        for s in &active {
+            let pp_rank = (r - s.offset) / s.pp_stride % s.pp_size.max(1);
+            let stages_through = s.before + pp_rank + 1;
+            through = through.max(stages_through);
+            first |= s.is_source && pp_rank == 0;
+            last |= s.is_sink && pp_rank + 1 == s.pp_size;
+            modules.push(
+                s.name,
+                ModuleStage {
+                    pp_rank,
+                    pp_size: s.pp_size,
+                    stages_through,
+                },
+            );
+        }
+        ranks.insert(
+            r,
+            RankPlan {
+                modules,
+                current_stage: through - 1,
+                is_first_stage: first,
+                is_last_stage: last,
+            },
+        );
+        r += 1;
+    }
+    ranks
+}
+
 /// The bridge plans of every edge of a spec, in Megatron's creation order (computed once, by
 /// [`PipelinePlan::new`]).
 fn bridge_plans(spec: &PipelineSpec) -> Result<Vec<BridgePlan>> {
@@ -549,4 +701,139 @@ fn bridge_plans(spec: &PipelineSpec) -> Result<Vec<BridgePlan>> {
             )
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The rank plans as they were first computed: for each rank, a scan of every module.
+    fn rank_plans_by_scan(spec: &PipelineSpec) -> BTreeMap<usize, RankPlan> {
+        let st = StageTable::new(spec);
+        let mut ranks = BTreeMap::new();
+        for m in spec.modules() {
+            let (first, end) = m.rank_range();
+            for r in first..end {
+                let mut modules = OrderedMap::new();
+                for i in spec.modules_of_rank(r) {
+                    let mm = &spec.modules()[i];
+                    let pp_rank = mm.pp_rank(r).unwrap_or(0);
+                    modules.push(
+                        mm.name.clone(),
+                        ModuleStage {
+                            pp_rank,
+                            pp_size: mm.pp_size(),
+                            stages_through: st.stages_before(i) + pp_rank + 1,
+                        },
+                    );
+                }
+                let plan = RankPlan {
+                    modules,
+                    current_stage: st.current_stage(spec, r).unwrap(),
+                    is_first_stage: st.is_first_stage(spec, r),
+                    is_last_stage: st.is_last_stage(spec, r),
+                };
+                ranks.insert(r, plan);
+            }
+        }
+        ranks
+    }
+
+    /// A bridge summary as it was first computed: each leader's peers by searching its rank.
+    fn summary_by_search(p: &BridgePlan) -> BridgeSummary {
+        let mut routes: BTreeMap<usize, Route> = BTreeMap::new();
+        for &r in p.src().leaders() {
+            let route = Route {
+                role: Role::Sender,
+                peers: p.send_peers(r),
+                recv_peers: None,
+            };
+            routes.insert(r, route);
+        }
+        for &r in p.dst().leaders() {
+            let peers = p.recv_peers(r);
+            match routes.get_mut(&r) {
+                Some(route) => {
+                    route.role = Role::SenderReceiver;
+                    route.recv_peers = Some(peers);
+                }
+                None => {
+                    let route = Route {
+                        role: Role::Receiver,
+                        peers,
+                        recv_peers: None,
+                    };
+                    routes.insert(r, route);
+                }
+            }
+        }
+        BridgeSummary {
+            src: p.src_name().to_string(),
+            dst: p.dst_name().to_string(),
+            src_leaders: p.src().leaders().to_vec(),
+            dst_leaders: p.dst().leaders().to_vec(),
+            routes,
+            src_broadcast_groups: p.src().broadcast_groups().to_vec(),
+            dst_broadcast_groups: p.dst().broadcast_groups().to_vec(),
+        }
+    }
+
+    /// The sweep and the indexed summaries give what the per-rank scans gave: gaps between
+    /// modules, modules out of rank order, colocated modules (nested and partly overlapping),
+    /// pp > 1 in every position of the dims, fan-in, fan-out and lcm routing.
+    #[test]
+    fn linear_plan_equals_the_scans() {
+        let specs = [
+            r#"{"modules": {"enc": {"dp": 2}, "llm": {"tp": 2, "offset": 2}}, "topology": {"enc": ["llm"]}}"#,
+            r#"{"modules": {"late": {"tp": 2, "pp": 2, "offset": 9}, "early": {"dp": 3, "pp": 2, "offset": 1},
+                            "mid": {"dp": 2, "offset": 7}},
+                "topology": {"early": ["mid", "late"], "mid": ["late"]}}"#,
+            r#"{"modules": {"enc": {"tp": 2, "pp": 2, "dp": 2}, "llm": {"pp": 4, "dp": 2}, "gen": {"dp": 3, "offset": 4}},
+                "topology": {"enc": ["llm", "gen"], "llm": ["gen"]},
+                "colocated": [["enc", "llm", "gen"]]}"#,
+            r#"{"modules": {"a": {"grid": {"shape": [2, 3, 2], "dims": ["pp", "dp", "tp"], "rank_offset": 3}},
+                            "b": {"cp": 2, "dp": 5, "offset": 15}, "c": {"dp": 4, "gtp_remat": 2, "offset": 25}},
+                "topology": {"a": ["b"], "b": ["c"]}}"#,
+        ];
+        for text in specs {
+            let spec = PipelineSpec::from_json_str(text).unwrap();
+            let plan = PipelinePlan::new(&spec).unwrap();
+            assert_eq!(plan.ranks, rank_plans_by_scan(&spec), "{text}");
+            for (b, p) in plan.bridges().iter().zip(plan.bridge_plans()) {
+                assert_eq!(*b, summary_by_search(p), "{text}");
+            }
+        }
+    }
+
+    /// 20,000 modules in a chain: the scan is 4·10^8 steps, the sweep 2·10^4 (this finished in
+    /// seconds only with the sweep in a debug build).
+    #[test]
+    fn long_chain_is_linear() {
+        let n = 20_000;
+        let modules: Vec<String> = (0..n)
+            .map(|i| format!("\"m{i}\": {{\"offset\": {i}}}"))
+            .collect();
+        let topology: Vec<String> = (0..n - 1)
+            .map(|i| format!("\"m{i}\": [\"m{}\"]", i + 1))
+            .collect();
+        let text = format!(
+            "{{\"modules\": {{{}}}, \"topology\": {{{}}}}}",
+            modules.join(","),
+            topology.join(",")
+        );
+        let started = std::time::Instant::now();
+        let spec = PipelineSpec::from_json_str(&text).unwrap();
+        let plan = PipelinePlan::new(&spec).unwrap();
+        assert_eq!(plan.total_stages(), n);
+        assert_eq!(plan.ranks().len(), n);
+        assert_eq!(plan.rank(n - 1).unwrap().current_stage, n - 1);
+        assert_eq!(plan.bridges().len(), n - 1);
+        let mut text = Vec::new();
+        plan.write_text(&mut text).unwrap();
+        assert_eq!(
+            text.iter().filter(|&&b| b == b'\n').count(),
+            1 + n + (n - 1)
+        );
+        assert!(started.elapsed() < std::time::Duration::from_secs(60));
+    }
 }

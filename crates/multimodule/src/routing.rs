@@ -280,7 +280,11 @@ impl BridgePlan {
             )));
         }
         let (s, d) = (src.leaders.len(), dst.leaders.len());
-        let parts = s / gcd(s, d) * d;
+        let parts = (s / gcd(s, d).max(1)).checked_mul(d).ok_or_else(|| {
+            cfg(format!(
+                "{s} source and {d} destination lanes need lcm({s}, {d}) batch parts, more than a usize holds"
+            ))
+        })?;
         Ok(BridgePlan {
             src_name,
             dst_name,
@@ -409,18 +413,22 @@ impl BridgePlan {
     }
 }
 
+/// The messages for the consecutive `parts`, one per peer they go to (peer `j` takes parts
+/// `j·per_peer ..`). Arithmetic per message, not per part: a range of `lcm(S, D)`-sized parts
+/// costs as many steps as it has peers, however large the lcm.
 fn group_routes(parts: Range<usize>, per_peer: usize, peers: &[usize]) -> Vec<PartRoute> {
+    let per_peer = per_peer.max(1);
     let mut out: Vec<PartRoute> = Vec::new();
-    for u in parts {
-        let j = u / per_peer.max(1);
-        match out.last_mut() {
-            Some(r) if r.peer_index == j => r.parts.end = u + 1,
-            _ => out.push(PartRoute {
-                peer_index: j,
-                peer: peers.get(j).copied().unwrap_or(usize::MAX),
-                parts: u..u + 1,
-            }),
-        }
+    let mut u = parts.start;
+    while u < parts.end {
+        let j = u / per_peer;
+        let end = parts.end.min(j.saturating_add(1).saturating_mul(per_peer));
+        out.push(PartRoute {
+            peer_index: j,
+            peer: peers.get(j).copied().unwrap_or(usize::MAX),
+            parts: u..end,
+        });
+        u = end;
     }
     out
 }
@@ -483,5 +491,68 @@ mod tests {
         let d = BridgeEnd::new(Side::Dst, g(2, 2, 1, 1, 0));
         assert_eq!(d.cp_chain(0), vec![0, 2]);
         assert_eq!(d.cp_leader_for(2), Some(0));
+    }
+
+    /// The routes computed per message are those of the per-part walk (one step per part), for
+    /// every pair of leader counts up to 12.
+    #[test]
+    fn routes_per_message_equal_the_part_walk() {
+        fn walk(parts: Range<usize>, per_peer: usize, peers: &[usize]) -> Vec<PartRoute> {
+            let mut out: Vec<PartRoute> = Vec::new();
+            for u in parts {
+                let j = u / per_peer.max(1);
+                match out.last_mut() {
+                    Some(r) if r.peer_index == j => r.parts.end = u + 1,
+                    _ => out.push(PartRoute {
+                        peer_index: j,
+                        peer: peers.get(j).copied().unwrap_or(usize::MAX),
+                        parts: u..u + 1,
+                    }),
+                }
+            }
+            out
+        }
+        for s in 1..=12 {
+            for d in 1..=12 {
+                let p = BridgePlan::new(
+                    "a",
+                    g(1, 1, 1, s, 0),
+                    "b",
+                    g(1, 1, 1, d, s),
+                    3,
+                    DimMapping::default(),
+                )
+                .unwrap();
+                let (ps, pd) = (p.parts_per_src(), p.parts_per_dst());
+                for i in 0..s {
+                    let want = walk(i * ps..(i + 1) * ps, pd, p.dst().leaders());
+                    assert_eq!(p.send_routes(i), want, "{s} -> {d}, source {i}");
+                }
+                for j in 0..d {
+                    let want = walk(j * pd..(j + 1) * pd, ps, p.src().leaders());
+                    assert_eq!(p.recv_routes(j), want, "{s} -> {d}, destination {j}");
+                }
+            }
+        }
+    }
+
+    /// Coprime leader counts near a million: lcm(S, D) is about 10^12 parts, routed in as many
+    /// steps as there are messages.
+    #[test]
+    fn coprime_lane_counts_route_in_messages() {
+        let p = BridgePlan::new(
+            "a",
+            g(1, 1, 1, 1 << 20, 0),
+            "b",
+            g(1, 1, 1, (1 << 20) - 1, 1 << 20),
+            3,
+            DimMapping::default(),
+        )
+        .unwrap();
+        assert_eq!(p.parts(), (1 << 20) * ((1 << 20) - 1));
+        let routes = p.send_routes(5);
+        assert_eq!(routes.len(), 2);
+        assert_eq!(routes[0].parts.end, routes[1].parts.start);
+        assert_eq!(p.recv_routes(0).len(), 2);
     }
 }

@@ -223,10 +223,14 @@ impl PipelineSpec {
         world_size: Option<usize>,
     ) -> Result<PipelineSpec> {
         let mut topology: OrderedMap<Vec<String>> = OrderedMap::new();
+        let mut key_of: std::collections::HashMap<&str, usize> = std::collections::HashMap::new();
         for (a, b) in edges {
-            match topology.0.iter_mut().find(|(k, _)| k == a) {
-                Some((_, v)) => v.push(b.to_string()),
-                None => topology.push(*a, vec![b.to_string()]),
+            match key_of.get(a) {
+                Some(&k) => topology.0[k].1.push(b.to_string()),
+                None => {
+                    key_of.insert(a, topology.len());
+                    topology.push(*a, vec![b.to_string()]);
+                }
             }
         }
         Self::validate(
@@ -409,6 +413,28 @@ impl PipelineSpec {
     pub fn colocated(&self) -> &[Vec<String>] {
         &self.colocated
     }
+    /// The size of this spec's [`crate::PipelinePlan`], in rank entries: every rank of every
+    /// module (a rank of colocated modules once per module) plus, for every edge, every rank of
+    /// both its modules (a bridge's leaders, routes and broadcast groups are drawn from them).
+    /// The plan's memory, the time to make it and the length of its JSON and text are linear in
+    /// it; it is computed in O(modules + edges), before any of that, so that a caller can refuse
+    /// a spec too large for it (`grid pipeline` does). Saturates at `usize::MAX`.
+    ///
+    /// ```
+    /// use multimodule::PipelineSpec;
+    /// let spec = PipelineSpec::from_json_str(r#"{"modules": {"enc": {"dp": 4}, "llm": {"tp": 2, "offset": 4}},
+    ///                                          "topology": {"enc": ["llm"]}}"#).unwrap();
+    /// assert_eq!(spec.plan_size(), (4 + 2) + (4 + 2));
+    /// ```
+    pub fn plan_size(&self) -> usize {
+        let size = |i: usize| self.modules[i].grid.size();
+        let ranks = (0..self.modules.len()).fold(0usize, |acc, i| acc.saturating_add(size(i)));
+        self.succ.iter().enumerate().fold(ranks, |acc, (a, s)| {
+            s.iter().fold(acc, |acc, &b| {
+                acc.saturating_add(size(a)).saturating_add(size(b))
+            })
+        })
+    }
     /// Indices of the modules whose grid contains `rank`, in file order.
     pub fn modules_of_rank(&self, rank: usize) -> Vec<usize> {
         (0..self.modules.len())
@@ -472,6 +498,16 @@ mod tests {
                 "colocated": [["a", "b"]]}"#
         )
         .is_ok());
+        match e(
+            r#"{"modules": {"a": {"dp": 2}, "b": {"offset": 1}, "c": {"offset": 1}},
+                     "topology": {"a": ["b", "c"]}, "colocated": [["a", "b"], ["c", "a", "c"]]}"#,
+        ) {
+            Error::BadColocated { group, message } => {
+                assert_eq!(group, ["c", "a", "c"]);
+                assert_eq!(message, "module 'c' appears twice");
+            }
+            other => panic!("{other}"),
+        }
         assert!(matches!(
             e(r#"{"modules": {"a": {"tp": 2, "shape": [2], "dims": ["pp"]}}}"#),
             Error::GridForm { .. }

@@ -404,7 +404,6 @@ fn rank_view_json(
     out.raw("}")?;
     out.key("groups", false)?;
     out.raw("{")?;
-    let mut buf = Vec::new();
     for (i, f) in Family::ALL.into_iter().enumerate() {
         if f == Family::Hcp {
             // Only with --hcp: no `hcp` key at all otherwise, as in the full layout.
@@ -415,20 +414,14 @@ fn rank_view_json(
                     if j > 0 {
                         out.raw(",")?;
                     }
-                    buf.clear();
-                    g.extend_into(&mut buf);
-                    out.ranks(&buf)?;
+                    out.group(g)?;
                 }
                 out.raw("]")?;
             }
         } else {
             out.key(f.name(), i == 0)?;
             match v.group(f) {
-                Some(g) => {
-                    buf.clear();
-                    g.extend_into(&mut buf);
-                    out.ranks(&buf)?;
-                }
+                Some(g) => out.group(g)?,
                 None => out.raw("null")?,
             }
         }

@@ -19,7 +19,9 @@ The bridges are in Megatron's creation order: leaders, routes (peers in message 
 broadcast groups as its BridgeCommunicator plans them. Where Megatron is defective this
 command differs on purpose (any cycle is an error, a module without a topology key is a sink,
 a rank in both grids of a bridge is a sender_receiver, current_stage is the maximum over
-colocated modules; see crates/multimodule/README.md). An invalid spec exits with status 2.";
+colocated modules; see crates/multimodule/README.md). An invalid spec exits with status 2, and
+so does a spec file over 64 MiB or a plan of more than 4194304 rank entries (every rank of every
+module and of both ends of every bridge), too large to print.";
 
 /// Options of `grid pipeline`.
 #[derive(Debug, clap::Args)]
@@ -35,11 +37,27 @@ pub struct Args {
     svg: Option<String>,
 }
 
+/// The largest plan `grid pipeline` makes and prints, in rank entries
+/// ([`multimodule::PipelineSpec::plan_size`]: every rank of every module, plus every rank of both
+/// ends of every bridge). A 1,048,576-rank fan-in is about 2.1 M; at the cap (a 2,097,151-rank
+/// fan-in) the text is 162 MB, the JSON 900 MB and the process holds 1.6 GB.
+pub const MAX_PLAN_SIZE: usize = 1 << 22;
+
 /// `grid pipeline`.
 pub fn run(a: &Args, out: &mut Out<'_>) -> std::result::Result<(), Failure> {
     let path = a.spec.as_str();
-    let plan = multimodule::PipelinePlan::from_spec_file(path)
+    let spec = multimodule::PipelineSpec::from_file(path)
         .map_err(|e| usage!("grid pipeline: {path}: {e}"))?;
+    // Refused before planning: a plan is made in memory and printed whole.
+    let size = spec.plan_size();
+    if size > MAX_PLAN_SIZE {
+        return Err(usage!(
+            "grid pipeline: {path}: the plan of this spec has {size} rank entries (every rank of every module and of both ends of every bridge), too large to print (at most {MAX_PLAN_SIZE})"
+        )
+        .into());
+    }
+    let plan =
+        multimodule::PipelinePlan::new(&spec).map_err(|e| usage!("grid pipeline: {path}: {e}"))?;
     if let Some(svg) = &a.svg {
         let pic = crate::picture::PipelinePicture::new(&plan, path)?;
         crate::picture::write_file("pipeline", svg, &pic.to_svg())?;
@@ -47,8 +65,23 @@ pub fn run(a: &Args, out: &mut Out<'_>) -> std::result::Result<(), Failure> {
         return Ok(());
     }
     match a.format.format {
-        Format::Json => out.line(&plan.to_json())?,
-        Format::Text => out.raw(&plan.to_text())?,
+        Format::Json => {
+            plan.write_json(&mut *out)?;
+            out.raw("\n")?;
+        }
+        Format::Text => plan.write_text(&mut *out)?,
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The help text states the caps the command applies.
+    #[test]
+    fn help_names_the_caps() {
+        assert!(AFTER_HELP.contains(&format!("a plan of more than {MAX_PLAN_SIZE} rank entries")));
+        assert!(AFTER_HELP.contains(&format!("over {} MiB", multimodule::MAX_SPEC_BYTES >> 20)));
+    }
 }

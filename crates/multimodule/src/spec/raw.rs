@@ -240,17 +240,22 @@ impl PipelineSpec {
             });
         }
         // Megatron's top-level module_output_ndim map.
+        // First module of each name (repeated names are reported by the validation).
+        let mut index: std::collections::HashMap<String, usize> = std::collections::HashMap::new();
+        for (i, m) in modules.iter().enumerate() {
+            index.entry(m.name.clone()).or_insert(i);
+        }
         for (k, v) in raw.module_output_ndim.iter() {
-            let known: Vec<String> = modules.iter().map(|m| m.name.clone()).collect();
-            let m =
-                modules
-                    .iter_mut()
-                    .find(|m| m.name == k)
-                    .ok_or_else(|| Error::UnknownModule {
+            let m = match index.get(k) {
+                Some(&i) => &mut modules[i],
+                None => {
+                    return Err(Error::UnknownModule {
                         name: k.to_string(),
                         context: "module_output_ndim".into(),
-                        known,
-                    })?;
+                        known: modules.iter().map(|m| m.name.clone()).collect(),
+                    })
+                }
+            };
             if m.output_ndim != 0 && m.output_ndim != *v {
                 return Err(Error::GridForm {
                     module: k.to_string(),

@@ -70,6 +70,9 @@ impl PipelineSpec {
         let n = modules.len();
         let mut succ: Vec<Vec<usize>> = vec![Vec::new(); n];
         let mut seen_key = vec![false; n];
+        // last_source[b] == a: edge a -> b is already listed (repeated edges are kept once, in
+        // constant time each: a module may have many downstream modules).
+        let mut last_source = vec![usize::MAX; n];
         for (k, targets) in topology.iter() {
             let a = lookup(k, "topology key")?;
             if std::mem::replace(&mut seen_key[a], true) {
@@ -78,8 +81,11 @@ impl PipelineSpec {
                 });
             }
             for t in targets {
-                let b = lookup(t, &format!("topology entry of '{k}'"))?;
-                if !succ[a].contains(&b) {
+                let b = match index.get(t.as_str()) {
+                    Some(&b) => b,
+                    None => lookup(t, &format!("topology entry of '{k}'"))?,
+                };
+                if std::mem::replace(&mut last_source[b], a) != a {
                     succ[a].push(b);
                 }
             }
@@ -109,16 +115,15 @@ impl PipelineSpec {
                     message: "a colocation group needs at least two modules".into(),
                 });
             }
-            let mut members = Vec::new();
             for name in group {
                 let i = lookup(name, "colocated")?;
-                if members.contains(&i) {
+                // Pushed below for each member: the last entry is this group iff seen before.
+                if group_of[i].last() == Some(&gi) {
                     return Err(Error::BadColocated {
                         group: group.clone(),
                         message: format!("module '{name}' appears twice"),
                     });
                 }
-                members.push(i);
                 group_of[i].push(gi);
             }
         }
