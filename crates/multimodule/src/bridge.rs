@@ -133,7 +133,7 @@ pub struct Crossing {
     pub shape: Vec<usize>,
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct State {
     last: Vec<Crossing>,
     fwd_stash: Option<Activation>,
@@ -142,6 +142,21 @@ struct State {
     received: VecDeque<Received>,
     mode: ShapeMode,
     cache: ShapeCache,
+}
+
+impl Default for State {
+    fn default() -> Self {
+        let mode = ShapeMode::default();
+        State {
+            last: Vec::new(),
+            fwd_stash: None,
+            bwd_stash: None,
+            sent: VecDeque::new(),
+            received: VecDeque::new(),
+            cache: ShapeCache::for_mode(&mode),
+            mode,
+        }
+    }
 }
 
 /// Moves activations and gradients between a source and a destination module.
@@ -275,8 +290,8 @@ impl<C: Communicator> BridgeCommunicator<C> {
             }
         }
         let mut st = self.lock()?;
+        st.cache = ShapeCache::for_mode(&mode);
         st.mode = mode;
-        st.cache = ShapeCache::default();
         Ok(())
     }
 

@@ -100,19 +100,56 @@ pub enum ShapeMode {
     Learned,
 }
 
-/// The shape of the last message on each channel, both directions (for [`ShapeMode::Learned`]).
-/// Both ends of a channel update it from the same headers, so they agree on what to expect.
+/// The shape of the last message on each channel, both directions ([`ShapeMode::Learned`] and
+/// [`ShapeMode::Static`]; with `repeats_only`, [`ShapeMode::Variable`]). Both ends of a channel
+/// update it from the same headers, so they agree on what to expect.
 #[derive(Debug, Default)]
 pub(crate) struct ShapeCache {
-    sent: std::collections::HashMap<(usize, u32), Meta>,
-    received: std::collections::HashMap<(usize, u32), Meta>,
+    sent: std::collections::HashMap<(usize, u32), Seen>,
+    received: std::collections::HashMap<(usize, u32), Seen>,
+    /// Expect a channel's shape only once it came twice in a row ([`ShapeMode::Variable`]: a
+    /// channel whose shapes keep changing never pays a placeholder, one whose shape repeats
+    /// pays no header round trip).
+    repeats_only: bool,
+}
+
+/// The last shape seen on a channel, and whether the one before it was the same.
+#[derive(Debug)]
+struct Seen {
+    meta: Meta,
+    repeated: bool,
 }
 
 impl ShapeCache {
+    /// The cache a bridge in `mode` uses.
+    pub fn for_mode(mode: &ShapeMode) -> ShapeCache {
+        ShapeCache {
+            repeats_only: matches!(mode, ShapeMode::Variable),
+            ..ShapeCache::default()
+        }
+    }
+
     /// Forgets the channels with a tag in `tags` (both directions).
     pub fn forget(&mut self, tags: Range<u32>) {
         self.sent.retain(|k, _| !tags.contains(&k.1));
         self.received.retain(|k, _| !tags.contains(&k.1));
+    }
+
+    fn expect(&self, sent: bool, key: (usize, u32)) -> Option<Meta> {
+        let map = if sent { &self.sent } else { &self.received };
+        map.get(&key)
+            .filter(|s| s.repeated || !self.repeats_only)
+            .map(|s| s.meta.clone())
+    }
+
+    fn record(&mut self, sent: bool, key: (usize, u32), meta: Meta) {
+        let map = if sent {
+            &mut self.sent
+        } else {
+            &mut self.received
+        };
+        let repeated = map.get(&key).is_some_and(|s| s.meta == meta);
+        map.insert(key, Seen { meta, repeated });
     }
 }
 
@@ -356,14 +393,14 @@ impl<C: Communicator + ?Sized> Wire<'_, C> {
                     .iter_mut()
                     .filter(|o| o.peer != me && o.expect.is_none())
                 {
-                    o.expect = c.sent.get(&(o.peer, o.tag)).cloned();
+                    o.expect = c.expect(true, (o.peer, o.tag));
                 }
                 learned_ins = ins
                     .iter()
                     .map(|i| In {
                         expect: i.expect.clone().or_else(|| {
                             (i.peer != me)
-                                .then(|| c.received.get(&(i.peer, i.tag)).cloned())
+                                .then(|| c.expect(false, (i.peer, i.tag)))
                                 .flatten()
                         }),
                         ..i.clone()
@@ -456,10 +493,25 @@ impl<C: Communicator + ?Sized> Wire<'_, C> {
             });
         }
 
+        // A rank that receives nothing from another rank in this exchange (a pure sender) posts
+        // its header-first payloads in round 1 too, right behind their headers: its receivers
+        // still take the header before posting the payload's receive (their round 2), but
+        // nothing here waits for the header to arrive before the payload is on its way. No
+        // cycle: such a rank's round 1 waits for its receivers' round 2, and their round 1
+        // never waits for this rank (it receives nothing, so no round 2 of its own is needed).
+        // Ranks that also receive keep the two rounds (two ranks sending payloads eagerly to
+        // each other while each waits for the other's header would deadlock).
+        let eager = ins.iter().all(|i| i.peer == me);
+
         // ----- round 1: headers, and the payloads whose shape is expected -------------------
+        // Every header first (so every receiver can act on its header as soon as possible),
+        // then the payloads; a resend's placeholder goes before its real payload (same tag, so
+        // the receiver's two receives match them in that order).
         let mut in_hdr: Vec<[i64; HDR]> = vec![[0; HDR]; n];
         {
             let mut ops = Vec::new();
+            let mut payload_ops = Vec::new();
+            let mut eager_ops = Vec::new();
             for (k, o) in outs.iter().enumerate() {
                 if o.peer == me {
                     continue;
@@ -476,12 +528,28 @@ impl<C: Communicator + ?Sized> Wire<'_, C> {
                     Pay::No => None,
                 };
                 if let Some(p) = payload.filter(|p| !p.is_empty()) {
-                    ops.push(P2pOp::Send {
+                    payload_ops.push(P2pOp::Send {
                         buf: BufRef::Host(p),
                         peer,
                         tag: o.tag + 1,
                     });
                 }
+                // A payload its receiver takes in its round 2 (its shape was unknown there, or
+                // a placeholder went first).
+                if eager && second[k] {
+                    if let Some(p) = o.data.payload().filter(|p| !p.is_empty()) {
+                        eager_ops.push(P2pOp::Send {
+                            buf: BufRef::Host(p),
+                            peer,
+                            tag: o.tag + 1,
+                        });
+                    }
+                }
+            }
+            ops.append(&mut payload_ops);
+            ops.append(&mut eager_ops);
+            if eager {
+                second.iter_mut().for_each(|s| *s = false);
             }
             let mut slots: Vec<Vec<Option<HostSliceMut<'_>>>> = jbuf
                 .iter_mut()
@@ -805,10 +873,10 @@ impl<C: Communicator + ?Sized> Wire<'_, C> {
         }
         if let Some(c) = cache {
             for (peer, tag, m) in sent_metas {
-                c.sent.insert((peer, tag), m);
+                c.record(true, (peer, tag), m);
             }
             for (peer, tag, m) in arrived {
-                c.received.insert((peer, tag), m);
+                c.record(false, (peer, tag), m);
             }
         }
         Ok(Exchanged { parts, joined })
