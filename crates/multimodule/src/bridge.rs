@@ -10,7 +10,9 @@
 //! 2. **bridge**: sending leaders split their lane's batch by the routing plan (torch's
 //!    `tensor_split` rule or the tensor's per-sample split sizes; gradients go back with exactly
 //!    the sizes the forward pass delivered) and send each part; receiving leaders concatenate
-//!    what they get along the batch dimension in sender order. Headers first, then payloads.
+//!    what they get along the batch dimension in sender order. Each part travels with a small
+//!    header (its status and shape); when the receiver cannot expect the shape yet (see
+//!    [`ShapeMode`]), it takes the headers first, then the payloads.
 //! 3. **broadcast**: the receiving leader broadcasts over its tp × cp group at the boundary stage;
 //!    with cp > 1 every rank then keeps its own sequence chunk (`tensor_split` rule).
 //!

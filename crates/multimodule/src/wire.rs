@@ -7,18 +7,24 @@
 //! [`Error::PeerError`] instead of waiting forever or taking garbage for data.
 //!
 //! Two ways a payload travels, chosen per message by what the receiver knows in advance:
-//! * **shape unknown** (variable shapes, the default): headers travel in one `batch_p2p`,
-//!   payloads in a second one (Megatron exchanges shapes first the same way), so the receiver
-//!   knows what to allocate. One extra round trip per exchange.
-//! * **shape expected** (static or learned shapes, once a channel's first message has set the
-//!   expectation on both ends): header and payload travel in the **same** `batch_p2p`, the
-//!   payload straight into a buffer of the expected size; the header is checked afterwards. If
-//!   the sender's tensor no longer has the expected shape, it sends status `RESEND` and a
-//!   placeholder, and the real payload follows in a second round (only that message pays the
-//!   round trip).
+//! * **shape unknown** (a channel's first messages): the receiver takes the headers in one
+//!   `batch_p2p` and the payloads in a second one (Megatron exchanges shapes first the same way),
+//!   so it knows what to allocate. A rank that receives nothing from another rank in the
+//!   exchange (a pure sender) posts such payloads in its first round, right behind their
+//!   headers, so only the receiver pays the second round; a rank that also receives sends them
+//!   in its second round.
+//! * **shape expected**, once a channel's (one peer's and message kind's) history has set the
+//!   expectation on both ends (static and learned shapes: after its first message; variable
+//!   shapes: once the same shape came twice in a row): header and payload travel in the
+//!   **same** `batch_p2p`, the payload straight into a buffer of the expected size; the header
+//!   is checked afterwards. If the sender's tensor no longer has the expected shape, it sends
+//!   status `RESEND` and a placeholder, and the real payload follows (in the receiver's second
+//!   round; only that message pays it).
 //!
 //! Every exchange is deadlock-free whatever the backend's send protocol: each round is one
-//! `batch_p2p` on every rank, and both ends of a message agree on which round its payload uses.
+//! `batch_p2p` on every rank, and both ends of a message agree on which round its payload uses
+//! (a pure sender's first round holds the payloads its receivers take in their second: it
+//! waits for them, but nothing waits for its own second round, since it has none).
 //!
 //! Receives of several messages meant to be concatenated along one dimension (a fan-in) go
 //! straight into their slices of one output buffer when the parts are contiguous in it; no
@@ -70,8 +76,15 @@ fn dtype_of(code: i64) -> Option<DType> {
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub enum ShapeMode {
-    /// Shapes may change from message to message: each one is preceded by a header round trip
-    /// (the default; Megatron's `variable_seq_lengths = True`).
+    /// Shapes may change from message to message (the default; Megatron's
+    /// `variable_seq_lengths = True`). While a channel's (peer's and message kind's) shape
+    /// repeats, the receiver expects it: once the same shape came twice in a row, header and
+    /// payload travel in one round, no header round trip. Otherwise each message goes header
+    /// first (the receiver takes the header, then the payload: one round trip). A shape that
+    /// breaks a repeat costs one placeholder of the expected size and a second round for that
+    /// message; shapes that keep changing never do (they are never expected). This holds for
+    /// bridges; the pipeline communicator's messages between the stages of one module send
+    /// every header first in this mode.
     #[default]
     Variable,
     /// Every activation handed to the sending side has this shape and dtype (for a bridge: what

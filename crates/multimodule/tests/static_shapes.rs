@@ -192,6 +192,16 @@ fn static_shapes_cp_colocated_batch_dim_one() {
     all_modes(case(grid(2, 1, 1, 1, 0), grid(1, 1, 1, 3, 2), sbh, vec![7]));
 }
 
+/// A model of the rounds a receiver pays for a sequence of shapes.
+type RoundsFn<T> = fn(&[T]) -> usize;
+
+/// A shape mode with its round models for one source lane and for the fan-in destination.
+type Mode = (
+    ShapeMode,
+    RoundsFn<(usize, usize)>,
+    RoundsFn<([usize; 2], usize)>,
+);
+
 /// Rounds a receiving rank pays for a sequence of messages on one channel group under learned
 /// shapes: one per message, plus one whenever the shapes differ from the previous message's (or
 /// for the first).
@@ -240,11 +250,7 @@ fn learned_and_variable_shapes_follow_changes() {
         ([2, 2], 3),
         ([2, 3], 3),
     ];
-    let modes: [(
-        ShapeMode,
-        fn(&[(usize, usize)]) -> usize,
-        fn(&[([usize; 2], usize)]) -> usize,
-    ); 2] = [
+    let modes: [Mode; 2] = [
         (ShapeMode::Learned, learned_rounds, learned_rounds),
         (ShapeMode::Variable, variable_rounds, variable_rounds),
     ];
