@@ -507,7 +507,7 @@ impl<C: Communicator + ?Sized> Wire<'_, C> {
         }
 
         // A rank that receives nothing from another rank in this exchange (a pure sender) posts
-        // its header-first payloads in round 1 too, right behind their headers: its receivers
+        // its header-first payloads in round 1 too, after its other messages: its receivers
         // still take the header before posting the payload's receive (their round 2), but
         // nothing here waits for the header to arrive before the payload is on its way. No
         // cycle: such a rank's round 1 waits for its receivers' round 2, and their round 1
@@ -517,13 +517,13 @@ impl<C: Communicator + ?Sized> Wire<'_, C> {
         let eager = ins.iter().all(|i| i.peer == me);
 
         // ----- round 1: headers, and the payloads whose shape is expected -------------------
-        // Every header first (so every receiver can act on its header as soon as possible),
-        // then the payloads; a resend's placeholder goes before its real payload (same tag, so
-        // the receiver's two receives match them in that order).
+        // Each header with its payload, in the order the receivers post their receives (also
+        // for backends that match by order alone); a pure sender's late payloads after all of
+        // them, as its receivers post those in their second round (a resend's placeholder
+        // before its real payload).
         let mut in_hdr: Vec<[i64; HDR]> = vec![[0; HDR]; n];
         {
             let mut ops = Vec::new();
-            let mut payload_ops = Vec::new();
             let mut eager_ops = Vec::new();
             for (k, o) in outs.iter().enumerate() {
                 if o.peer == me {
@@ -541,7 +541,7 @@ impl<C: Communicator + ?Sized> Wire<'_, C> {
                     Pay::No => None,
                 };
                 if let Some(p) = payload.filter(|p| !p.is_empty()) {
-                    payload_ops.push(P2pOp::Send {
+                    ops.push(P2pOp::Send {
                         buf: BufRef::Host(p),
                         peer,
                         tag: o.tag + 1,
@@ -559,7 +559,6 @@ impl<C: Communicator + ?Sized> Wire<'_, C> {
                     }
                 }
             }
-            ops.append(&mut payload_ops);
             ops.append(&mut eager_ops);
             if eager {
                 second.iter_mut().for_each(|s| *s = false);
