@@ -1,8 +1,8 @@
 //! Static, learned and variable shapes (`ShapeMode`) on thread ranks and on Gloo: every element
 //! checked, the header round trip gone where the shape is expected (counted in `batch_p2p`
-//! rounds), and a tensor that does not match
-//! the declared shape is an error on its sender before anything is sent, with an error (never a
-//! hang, never misread data) on its peers; the bridge keeps working afterwards.
+//! rounds), and a tensor that does not match the declared shape is an error on its sender
+//! before anything is sent, with an error (never a hang, never misread data) on its peers; the
+//! bridge keeps working afterwards.
 
 mod common;
 use backend_gloo::{run_ranks, GlooConfig};
