@@ -319,6 +319,26 @@ fn learned_and_variable_shapes_follow_changes() {
             );
         }
         assert_eq!(hub.batches(2), dst_rounds(&steps) + n, "{mode:?}");
+        // Payload-sized messages per lane and direction: one per transfer, plus a placeholder
+        // wherever an expected shape changed (learned: any change; variable: only a change
+        // after the same shape came twice in a row; never while shapes keep changing).
+        let log = hub.log();
+        for lane in 0..2 {
+            let shapes: Vec<(usize, usize)> = steps.iter().map(|(b, s)| (b[lane], *s)).collect();
+            let placeholders = (1..n)
+                .filter(|&k| {
+                    let expected = match mode {
+                        ShapeMode::Variable => k > 1 && shapes[k - 1] == shapes[k - 2],
+                        _ => true,
+                    };
+                    expected && shapes[k] != shapes[k - 1]
+                })
+                .count();
+            for (from, to) in [(lane, 2), (2, lane)] {
+                let sent = log.iter().filter(|m| (m.0, m.1) == (from, to)).count();
+                assert_eq!(sent, n + placeholders, "{mode:?} {from} -> {to}");
+            }
+        }
     }
 }
 
