@@ -391,7 +391,7 @@ fn main() -> ExitCode {
     println!("bridge-bench: BridgeCommunicator vs plain point-to-point sends of the same bytes between the same ranks");
     println!("backend: Gloo, ranks as threads of this process, TCP loopback; f32 activations [2*MiB, 512, 256] (batch first)");
     println!("columns: p2p      = plain send/recv (fan-out: the two halves of one buffer; fan-in: received into the two halves of one buffer)");
-    println!("         variable = send_forward/recv_forward with ShapeMode::Variable (the default; the receiver takes the header, then the payload)");
+    println!("         variable = send_forward/recv_forward with ShapeMode::Variable (the default; header and payload in one round once a channel's shape came twice in a row)");
     println!("         static   = the same with ShapeMode::Static (declared shape; header and payload in one round)");
     println!("         learned  = the same with ShapeMode::Learned (after each channel's first message, header and payload in one round)");
     println!("         bridge outputs are simply dropped: their buffers go back to the bridge's pool on their own (the default behaviour)");
