@@ -10,13 +10,14 @@
 //!   buffer (one `batch_p2p`).
 //!
 //! "size" is the activation a transfer delivers (f32 `[2·MiB, 512, 256]`, batch first). The
-//! bridge kinds are `ShapeMode::Static` and `ShapeMode::Variable`, outputs simply dropped (their
+//! bridge kinds are `ShapeMode::Variable` (the default), `ShapeMode::Static` and
+//! `ShapeMode::Learned`, outputs simply dropped (their
 //! buffers return to the bridge's pool on their own). For every run and size: a fresh Gloo world,
 //! one warm-up transfer of each kind (its data checked element by element), then rounds in which
 //! every kind runs once, in an order that rotates from round to round; each transfer starts after
 //! a barrier and its time is the slowest rank's; the median over rounds. Several runs
 //! (`--runs`, default 3) are interleaved over sizes and topologies and the median of the runs is
-//! reported, with the spread of the static ratio. Throughput = bytes / time; ratio = bridge / p2p.
+//! reported, with the spread of each ratio over runs. Throughput = bytes / time; ratio = bridge / p2p.
 //!
 //! Run: `cargo run --release -p grid-programs --example bridge-bench
 //! [-- --runs 3 --max-mib 256 --min-mib 1 --rounds N --topo 1:1|fan-out|fan-in]`
@@ -100,20 +101,24 @@ impl Topo {
 enum Kind {
     /// Plain sends of the same bytes between the same ranks.
     P2p,
-    /// `send_forward` / `recv_forward` with static shapes, the output dropped (its buffer goes
-    /// back to the bridge's pool on its own).
-    Static,
-    /// The same with variable shapes (a header round trip per transfer).
+    /// `send_forward` / `recv_forward` with variable shapes (the default), the output dropped
+    /// (its buffer goes back to the bridge's pool on its own).
     Variable,
+    /// The same with static (declared) shapes.
+    Static,
+    /// The same with learned shapes.
+    Learned,
 }
 
-const KINDS: [Kind; 3] = [Kind::P2p, Kind::Static, Kind::Variable];
+/// The default shape mode first.
+const KINDS: [Kind; 4] = [Kind::P2p, Kind::Variable, Kind::Static, Kind::Learned];
 
 fn kind_name(k: Kind) -> &'static str {
     match k {
         Kind::P2p => "p2p",
         Kind::Static => "static",
         Kind::Variable => "variable",
+        Kind::Learned => "learned",
     }
 }
 
@@ -149,13 +154,16 @@ fn rank_main(
         let src_rows = total_rows / nsrc;
         let dst_rows = total_rows / ndst;
         for (b, k) in bridges.iter().zip(KINDS) {
-            if k == Kind::Static {
-                b.set_shape_mode(ShapeMode::Static {
+            // A fresh mode per size (the learned shapes start over).
+            let mode = match k {
+                Kind::Static => ShapeMode::Static {
                     shape: vec![src_rows, 512, 256],
                     dtype: grid_core::DType::F32,
-                })
-                .map_err(invalid)?;
-            }
+                },
+                Kind::Learned => ShapeMode::Learned,
+                _ => ShapeMode::Variable,
+            };
+            b.set_shape_mode(mode).map_err(invalid)?;
         }
         let lane = if is_src { me } else { me - nsrc };
         let act = if is_src {
@@ -383,13 +391,14 @@ fn main() -> ExitCode {
     println!("bridge-bench: BridgeCommunicator vs plain point-to-point sends of the same bytes between the same ranks");
     println!("backend: Gloo, ranks as threads of this process, TCP loopback; f32 activations [2*MiB, 512, 256] (batch first)");
     println!("columns: p2p      = plain send/recv (fan-out: the two halves of one buffer; fan-in: received into the two halves of one buffer)");
-    println!("         static   = send_forward/recv_forward with ShapeMode::Static (declared shape; header travels with the payload, one round)");
-    println!("         variable = send_forward/recv_forward with ShapeMode::Variable (default; a header round trip, then the payload)");
+    println!("         variable = send_forward/recv_forward with ShapeMode::Variable (the default; header and payload in one round once a channel's shape came twice in a row)");
+    println!("         static   = the same with ShapeMode::Static (declared shape; header and payload in one round)");
+    println!("         learned  = the same with ShapeMode::Learned (after each channel's first message, header and payload in one round)");
     println!("         bridge outputs are simply dropped: their buffers go back to the bridge's pool on their own (the default behaviour)");
     println!("method:  per run and size a fresh world, 1 warm-up transfer per kind (data checked element by element), then rounds of one");
     println!("         transfer per kind in rotating order, each after a barrier, timed as the slowest rank; median over rounds;");
     println!("         ratio = median over rounds of (p2p time / bridge time) in the same round, so load changes hit both alike;");
-    println!("         {runs} runs (interleaved over sizes and topologies): medians of the runs shown, (min-max) of the static ratio over runs");
+    println!("         {runs} runs (interleaved over sizes and topologies): medians of the runs shown, (min-max) of each ratio over runs");
     println!("load average before: {load_before}");
     // results[topo][size][run]
     let mut results: Vec<Vec<Vec<RunStats>>> = (0..topos.len())
@@ -419,17 +428,16 @@ fn main() -> ExitCode {
             (0..s).collect::<Vec<_>>(),
             (s..s + d).collect::<Vec<_>>()
         );
-        println!(
-            "{:>8} {:>8} {:>9} {:>11} {:>7} {:>13} {:>13} {:>7}",
-            "size",
-            "rounds",
-            "p2p GB/s",
-            "static GB/s",
-            "ratio",
-            "(runs)",
-            "variable GB/s",
-            "ratio"
-        );
+        print!("{:>8} {:>8} {:>9}", "size", "rounds", "p2p GB/s");
+        for kind in &KINDS[1..] {
+            print!(
+                " {:>13} {:>7} {:>11}",
+                format!("{} GB/s", kind_name(*kind)),
+                "ratio",
+                "(runs)"
+            );
+        }
+        println!();
         for (si, &mib) in sizes.iter().enumerate() {
             let per_run = &results[ti][si];
             let bytes = (mib << 20) as f64;
@@ -442,34 +450,36 @@ fn main() -> ExitCode {
                 )
                 .unwrap_or(f64::NAN)
             };
-            let ratios = |k: usize| -> Vec<f64> { per_run.iter().map(|r| r.paired[k]).collect() };
-            let (p, st, va) = (gbs(0), gbs(1), gbs(2));
-            let (rst, rva) = (
-                median(&ratios(1)).unwrap_or(f64::NAN),
-                median(&ratios(2)).unwrap_or(f64::NAN),
+            print!(
+                "{:>4} MiB {:>8} {:>9.3}",
+                mib,
+                format!("{runs}x{}", rounds(mib)),
+                gbs(0)
             );
-            let rs = ratios(1);
-            let lo = rs.iter().copied().fold(f64::INFINITY, f64::min);
-            let hi = rs.iter().copied().fold(0.0, f64::max);
-            for (k, r) in [(1, rst), (2, rva)] {
+            for (k, kind) in KINDS.iter().enumerate().skip(1) {
+                let rs: Vec<f64> = per_run.iter().map(|r| r.paired[k]).collect();
+                let r = median(&rs).unwrap_or(f64::NAN);
+                let lo = rs.iter().copied().fold(f64::INFINITY, f64::min);
+                let hi = rs.iter().copied().fold(0.0, f64::max);
                 if r < worst[k].0 {
                     worst[k] = (r, format!("{} {mib} MiB", topo.name()));
                 }
+                if r < 0.9 {
+                    misses.push(format!(
+                        "{} {} {mib} MiB ({:.1}%)",
+                        kind_name(*kind),
+                        topo.name(),
+                        100.0 * r
+                    ));
+                }
+                print!(
+                    " {:>13.3} {:>6.1}% {:>11}",
+                    gbs(k),
+                    100.0 * r,
+                    format!("({:.0}-{:.0}%)", 100.0 * lo, 100.0 * hi)
+                );
             }
-            if rst < 0.9 {
-                misses.push(format!("{} {mib} MiB ({:.1}%)", topo.name(), 100.0 * rst));
-            }
-            println!(
-                "{:>4} MiB {:>8} {:>9.3} {:>11.3} {:>6.1}% {:>13} {:>13.3} {:>6.1}%",
-                mib,
-                format!("{runs}x{}", rounds(mib)),
-                p,
-                st,
-                100.0 * rst,
-                format!("({:.0}-{:.0}%)", 100.0 * lo, 100.0 * hi),
-                va,
-                100.0 * rva
-            );
+            println!();
         }
     }
     println!();
@@ -482,9 +492,9 @@ fn main() -> ExitCode {
         );
     }
     if misses.is_empty() {
-        println!("static shapes: every size at >= 90% of plain p2p");
+        println!("every shape mode: every size at >= 90% of plain p2p");
     } else {
-        println!("static shapes under 90%: {}", misses.join(", "));
+        println!("under 90%: {}", misses.join(", "));
     }
     let load_after = load_average().unwrap_or_else(|| "unknown".into());
     println!("load average after: {load_after}");

@@ -10,7 +10,9 @@
 //! 2. **bridge**: sending leaders split their lane's batch by the routing plan (torch's
 //!    `tensor_split` rule or the tensor's per-sample split sizes; gradients go back with exactly
 //!    the sizes the forward pass delivered) and send each part; receiving leaders concatenate
-//!    what they get along the batch dimension in sender order. Headers first, then payloads.
+//!    what they get along the batch dimension in sender order. Each part travels with a small
+//!    header (its status and shape); when the receiver cannot expect the shape yet (see
+//!    [`ShapeMode`]), it takes the headers first, then the payloads.
 //! 3. **broadcast**: the receiving leader broadcasts over its tp × cp group at the boundary stage;
 //!    with cp > 1 every rank then keeps its own sequence chunk (`tensor_split` rule).
 //!
@@ -133,7 +135,7 @@ pub struct Crossing {
     pub shape: Vec<usize>,
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct State {
     last: Vec<Crossing>,
     fwd_stash: Option<Activation>,
@@ -142,6 +144,21 @@ struct State {
     received: VecDeque<Received>,
     mode: ShapeMode,
     cache: ShapeCache,
+}
+
+impl Default for State {
+    fn default() -> Self {
+        let mode = ShapeMode::default();
+        State {
+            last: Vec::new(),
+            fwd_stash: None,
+            bwd_stash: None,
+            sent: VecDeque::new(),
+            received: VecDeque::new(),
+            cache: ShapeCache::for_mode(&mode),
+            mode,
+        }
+    }
 }
 
 /// Moves activations and gradients between a source and a destination module.
@@ -275,8 +292,8 @@ impl<C: Communicator> BridgeCommunicator<C> {
             }
         }
         let mut st = self.lock()?;
+        st.cache = ShapeCache::for_mode(&mode);
         st.mode = mode;
-        st.cache = ShapeCache::default();
         Ok(())
     }
 

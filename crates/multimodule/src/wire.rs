@@ -7,18 +7,24 @@
 //! [`Error::PeerError`] instead of waiting forever or taking garbage for data.
 //!
 //! Two ways a payload travels, chosen per message by what the receiver knows in advance:
-//! * **shape unknown** (variable shapes, the default): headers travel in one `batch_p2p`,
-//!   payloads in a second one (Megatron exchanges shapes first the same way), so the receiver
-//!   knows what to allocate. One extra round trip per exchange.
-//! * **shape expected** (static or learned shapes, once a channel's first message has set the
-//!   expectation on both ends): header and payload travel in the **same** `batch_p2p`, the
-//!   payload straight into a buffer of the expected size; the header is checked afterwards. If
-//!   the sender's tensor no longer has the expected shape, it sends status `RESEND` and a
-//!   placeholder, and the real payload follows in a second round (only that message pays the
-//!   round trip).
+//! * **shape unknown** (a channel's first messages): the receiver takes the headers in one
+//!   `batch_p2p` and the payloads in a second one (Megatron exchanges shapes first the same way),
+//!   so it knows what to allocate. A rank that receives nothing from another rank in the
+//!   exchange (a pure sender) posts such payloads in its first round, right behind their
+//!   headers, so only the receiver pays the second round; a rank that also receives sends them
+//!   in its second round.
+//! * **shape expected**, once a channel's (one peer's and message kind's) history has set the
+//!   expectation on both ends (static and learned shapes: after its first message; variable
+//!   shapes: once the same shape came twice in a row): header and payload travel in the
+//!   **same** `batch_p2p`, the payload straight into a buffer of the expected size; the header
+//!   is checked afterwards. If the sender's tensor no longer has the expected shape, it sends
+//!   status `RESEND` and a placeholder, and the real payload follows (in the receiver's second
+//!   round; only that message pays it).
 //!
 //! Every exchange is deadlock-free whatever the backend's send protocol: each round is one
-//! `batch_p2p` on every rank, and both ends of a message agree on which round its payload uses.
+//! `batch_p2p` on every rank, and both ends of a message agree on which round its payload uses
+//! (a pure sender's first round holds the payloads its receivers take in their second: it
+//! waits for them, but nothing waits for its own second round, since it has none).
 //!
 //! Receives of several messages meant to be concatenated along one dimension (a fan-in) go
 //! straight into their slices of one output buffer when the parts are contiguous in it; no
@@ -70,8 +76,15 @@ fn dtype_of(code: i64) -> Option<DType> {
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub enum ShapeMode {
-    /// Shapes may change from message to message: each one is preceded by a header round trip
-    /// (the default; Megatron's `variable_seq_lengths = True`).
+    /// Shapes may change from message to message (the default; Megatron's
+    /// `variable_seq_lengths = True`). While a channel's (peer's and message kind's) shape
+    /// repeats, the receiver expects it: once the same shape came twice in a row, header and
+    /// payload travel in one round, no header round trip. Otherwise each message goes header
+    /// first (the receiver takes the header, then the payload: one round trip). A shape that
+    /// breaks a repeat costs one placeholder of the expected size and a second round for that
+    /// message; shapes that keep changing never do (they are never expected). This holds for
+    /// bridges; the pipeline communicator's messages between the stages of one module send
+    /// every header first in this mode.
     #[default]
     Variable,
     /// Every activation handed to the sending side has this shape and dtype (for a bridge: what
@@ -100,19 +113,56 @@ pub enum ShapeMode {
     Learned,
 }
 
-/// The shape of the last message on each channel, both directions (for [`ShapeMode::Learned`]).
-/// Both ends of a channel update it from the same headers, so they agree on what to expect.
+/// The shape of the last message on each channel, both directions ([`ShapeMode::Learned`] and
+/// [`ShapeMode::Static`]; with `repeats_only`, [`ShapeMode::Variable`]). Both ends of a channel
+/// update it from the same headers, so they agree on what to expect.
 #[derive(Debug, Default)]
 pub(crate) struct ShapeCache {
-    sent: std::collections::HashMap<(usize, u32), Meta>,
-    received: std::collections::HashMap<(usize, u32), Meta>,
+    sent: std::collections::HashMap<(usize, u32), Seen>,
+    received: std::collections::HashMap<(usize, u32), Seen>,
+    /// Expect a channel's shape only once it came twice in a row ([`ShapeMode::Variable`]: a
+    /// channel whose shapes keep changing never pays a placeholder, one whose shape repeats
+    /// pays no header round trip).
+    repeats_only: bool,
+}
+
+/// The last shape seen on a channel, and whether the one before it was the same.
+#[derive(Debug)]
+struct Seen {
+    meta: Meta,
+    repeated: bool,
 }
 
 impl ShapeCache {
+    /// The cache a bridge in `mode` uses.
+    pub fn for_mode(mode: &ShapeMode) -> ShapeCache {
+        ShapeCache {
+            repeats_only: matches!(mode, ShapeMode::Variable),
+            ..ShapeCache::default()
+        }
+    }
+
     /// Forgets the channels with a tag in `tags` (both directions).
     pub fn forget(&mut self, tags: Range<u32>) {
         self.sent.retain(|k, _| !tags.contains(&k.1));
         self.received.retain(|k, _| !tags.contains(&k.1));
+    }
+
+    fn expect(&self, sent: bool, key: (usize, u32)) -> Option<Meta> {
+        let map = if sent { &self.sent } else { &self.received };
+        map.get(&key)
+            .filter(|s| s.repeated || !self.repeats_only)
+            .map(|s| s.meta.clone())
+    }
+
+    fn record(&mut self, sent: bool, key: (usize, u32), meta: Meta) {
+        let map = if sent {
+            &mut self.sent
+        } else {
+            &mut self.received
+        };
+        let repeated = map.get(&key).is_some_and(|s| s.meta == meta);
+        map.insert(key, Seen { meta, repeated });
     }
 }
 
@@ -356,14 +406,14 @@ impl<C: Communicator + ?Sized> Wire<'_, C> {
                     .iter_mut()
                     .filter(|o| o.peer != me && o.expect.is_none())
                 {
-                    o.expect = c.sent.get(&(o.peer, o.tag)).cloned();
+                    o.expect = c.expect(true, (o.peer, o.tag));
                 }
                 learned_ins = ins
                     .iter()
                     .map(|i| In {
                         expect: i.expect.clone().or_else(|| {
                             (i.peer != me)
-                                .then(|| c.received.get(&(i.peer, i.tag)).cloned())
+                                .then(|| c.expect(false, (i.peer, i.tag)))
                                 .flatten()
                         }),
                         ..i.clone()
@@ -456,10 +506,25 @@ impl<C: Communicator + ?Sized> Wire<'_, C> {
             });
         }
 
+        // A rank that receives nothing from another rank in this exchange (a pure sender) posts
+        // its header-first payloads in round 1 too, after its other messages: its receivers
+        // still take the header before posting the payload's receive (their round 2), but
+        // nothing here waits for the header to arrive before the payload is on its way. No
+        // cycle: such a rank's round 1 waits for its receivers' round 2, and their round 1
+        // never waits for this rank (it receives nothing, so no round 2 of its own is needed).
+        // Ranks that also receive keep the two rounds (two ranks sending payloads eagerly to
+        // each other while each waits for the other's header would deadlock).
+        let eager = ins.iter().all(|i| i.peer == me);
+
         // ----- round 1: headers, and the payloads whose shape is expected -------------------
+        // Each header with its payload, in the order the receivers post their receives (also
+        // for backends that match by order alone); a pure sender's late payloads after all of
+        // them, as its receivers post those in their second round (a resend's placeholder
+        // before its real payload).
         let mut in_hdr: Vec<[i64; HDR]> = vec![[0; HDR]; n];
         {
             let mut ops = Vec::new();
+            let mut eager_ops = Vec::new();
             for (k, o) in outs.iter().enumerate() {
                 if o.peer == me {
                     continue;
@@ -482,6 +547,21 @@ impl<C: Communicator + ?Sized> Wire<'_, C> {
                         tag: o.tag + 1,
                     });
                 }
+                // A payload its receiver takes in its round 2 (its shape was unknown there, or
+                // a placeholder went first).
+                if eager && second[k] {
+                    if let Some(p) = o.data.payload().filter(|p| !p.is_empty()) {
+                        eager_ops.push(P2pOp::Send {
+                            buf: BufRef::Host(p),
+                            peer,
+                            tag: o.tag + 1,
+                        });
+                    }
+                }
+            }
+            ops.append(&mut eager_ops);
+            if eager {
+                second.iter_mut().for_each(|s| *s = false);
             }
             let mut slots: Vec<Vec<Option<HostSliceMut<'_>>>> = jbuf
                 .iter_mut()
@@ -805,10 +885,10 @@ impl<C: Communicator + ?Sized> Wire<'_, C> {
         }
         if let Some(c) = cache {
             for (peer, tag, m) in sent_metas {
-                c.sent.insert((peer, tag), m);
+                c.record(true, (peer, tag), m);
             }
             for (peer, tag, m) in arrived {
-                c.received.insert((peer, tag), m);
+                c.record(false, (peer, tag), m);
             }
         }
         Ok(Exchanged { parts, joined })

@@ -1,7 +1,8 @@
-//! Static and learned shapes (`ShapeMode`) on thread ranks and on Gloo: every element checked,
-//! the header round trip gone (counted in `batch_p2p` rounds), and a tensor that does not match
-//! the declared shape is an error on its sender before anything is sent, with an error (never a
-//! hang, never misread data) on its peers; the bridge keeps working afterwards.
+//! Static, learned and variable shapes (`ShapeMode`) on thread ranks and on Gloo: every element
+//! checked, the header round trip gone where the shape is expected (counted in `batch_p2p`
+//! rounds), and a tensor that does not match the declared shape is an error on its sender
+//! before anything is sent, with an error (never a hang, never misread data) on its peers; the
+//! bridge keeps working afterwards.
 
 mod common;
 use backend_gloo::{run_ranks, GlooConfig};
@@ -75,20 +76,24 @@ fn all_modes(mut c: Case) {
 
 #[test]
 fn static_shapes_one_to_one_take_one_round_per_transfer() {
-    // 3 micro-batches forward then backward, tp 1: with variable shapes every transfer takes
-    // two batch_p2p rounds on each side; with static and learned shapes one, except each
-    // channel's first message (forward and backward: 2 + 1 + 1 each way).
+    // 3 micro-batches forward then backward, tp 1. A rank that only sends in an exchange posts
+    // header and payload in one round whatever the mode; a receiver takes one round per
+    // transfer once both ends expect the shape, two (header, then payload) before: with static
+    // and learned shapes from each channel's second message on, with variable shapes from its
+    // third (once the same shape came twice in a row). Each side sends 3 and receives 3:
+    // static and learned 3 + (2 + 1 + 1), variable 3 + (2 + 2 + 1).
     let c = case(grid(1, 1, 1, 1, 0), grid(1, 1, 1, 1, 1), l3(2), vec![3]);
-    assert_eq!(run_in(&c, &ShapeMode::Variable).1, vec![12, 12]);
-    assert_eq!(run_in(&c, &static_mode(&c)).1, vec![8, 8]);
-    assert_eq!(run_in(&c, &ShapeMode::Learned).1, vec![8, 8]);
-    // 10 micro-batches: 20 rounds per side instead of 40.
+    assert_eq!(run_in(&c, &ShapeMode::Variable).1, vec![8, 8]);
+    assert_eq!(run_in(&c, &static_mode(&c)).1, vec![7, 7]);
+    assert_eq!(run_in(&c, &ShapeMode::Learned).1, vec![7, 7]);
+    // 10 micro-batches: 21 rounds per side with static shapes, 22 with variable ones (the
+    // header round trip everywhere would be 40).
     let c = Case {
         microbatches: 10,
         ..c
     };
-    assert_eq!(run_in(&c, &ShapeMode::Variable).1, vec![40, 40]);
-    assert_eq!(run_in(&c, &static_mode(&c)).1, vec![22, 22]);
+    assert_eq!(run_in(&c, &ShapeMode::Variable).1, vec![22, 22]);
+    assert_eq!(run_in(&c, &static_mode(&c)).1, vec![21, 21]);
 }
 
 #[test]
@@ -188,9 +193,19 @@ fn static_shapes_cp_colocated_batch_dim_one() {
     all_modes(case(grid(2, 1, 1, 1, 0), grid(1, 1, 1, 3, 2), sbh, vec![7]));
 }
 
-/// Rounds a rank pays for a sequence of messages on one channel group under learned shapes: one
-/// per message, plus one whenever the shapes differ from the previous message's (or for the
-/// first).
+/// A model of the rounds a receiver pays for a sequence of shapes.
+type RoundsFn<T> = fn(&[T]) -> usize;
+
+/// A shape mode with its round models for one source lane and for the fan-in destination.
+type Mode = (
+    ShapeMode,
+    RoundsFn<(usize, usize)>,
+    RoundsFn<([usize; 2], usize)>,
+);
+
+/// Rounds a receiving rank pays for a sequence of messages on one channel group under learned
+/// shapes: one per message, plus one whenever the shapes differ from the previous message's (or
+/// for the first).
 fn learned_rounds<T: PartialEq>(shapes: &[T]) -> usize {
     shapes
         .iter()
@@ -199,26 +214,55 @@ fn learned_rounds<T: PartialEq>(shapes: &[T]) -> usize {
         .sum()
 }
 
+/// The same under variable shapes: one round only for a message whose shape is that of the two
+/// messages before it (the receiver expects a shape once it came twice in a row), else two.
+fn variable_rounds<T: PartialEq>(shapes: &[T]) -> usize {
+    shapes
+        .iter()
+        .enumerate()
+        .map(|(k, s)| {
+            if k > 1 && shapes[k - 1] == *s && shapes[k - 2] == *s {
+                1
+            } else {
+                2
+            }
+        })
+        .sum()
+}
+
 #[test]
-fn learned_shapes_follow_changes() {
+fn learned_and_variable_shapes_follow_changes() {
     // Fan-in 2 -> 1; the lanes' batch rows and the sequence change from micro-batch to
     // micro-batch, sometimes on one lane only (the destination's in-place receive of both parts
-    // then falls back to a copy). Every element is checked, forward and backward.
+    // then falls back to a copy). Every element is checked, forward and backward, in learned
+    // and in variable shapes (which expect a shape once it came twice in a row: a run of three
+    // equal shapes, then a change that arrives as a placeholder and a resend).
     let c = case(grid(1, 1, 1, 2, 0), grid(1, 1, 1, 1, 2), l3(2), vec![2, 2]);
     let plan = plan_of(&c);
     let steps: Vec<([usize; 2], usize)> = vec![
+        ([2, 2], 2),
         ([2, 2], 2),
         ([2, 2], 2),
         ([3, 2], 2),
         ([3, 2], 3),
         ([2, 2], 3),
         ([2, 2], 3),
+        ([2, 2], 3),
+        ([2, 2], 3),
+        ([2, 3], 3),
     ];
-    for rendezvous in [false, true] {
+    let modes: [Mode; 2] = [
+        (ShapeMode::Learned, learned_rounds, learned_rounds),
+        (ShapeMode::Variable, variable_rounds, variable_rounds),
+    ];
+    for ((mode, lane_rounds, dst_rounds), rendezvous) in modes
+        .iter()
+        .flat_map(|m| [(m.clone(), false), (m.clone(), true)])
+    {
         let (res, hub) = run_world(3, rendezvous, |rank, comm: Arc<ThreadComm>| -> usize {
             let bridge = BridgeCommunicator::new(&ThreadFactory, comm, plan.clone(), 40)
                 .unwrap()
-                .with_shape_mode(ShapeMode::Learned)
+                .with_shape_mode(mode.clone())
                 .unwrap();
             let mut checked = 0;
             let mut kept = Vec::new();
@@ -262,17 +306,39 @@ fn learned_shapes_follow_changes() {
         });
         let rows: usize = steps.iter().map(|(b, s)| (b[0] + b[1]) * s * 3).sum();
         assert_eq!(res.iter().sum::<usize>(), 2 * rows);
-        // Forward then backward over the same channels: each direction pays a second round at
-        // its first message and wherever a shape changed.
+        // Forward then backward over the same channels. Sending only, a rank takes one round
+        // per transfer (a changed shape's placeholder and its real payload go together);
+        // receiving, a second round wherever the shape was not expected.
+        let n = steps.len();
         for lane in 0..2 {
             let shapes: Vec<(usize, usize)> = steps.iter().map(|(b, s)| (b[lane], *s)).collect();
             assert_eq!(
                 hub.batches(lane),
-                2 * learned_rounds(&shapes),
-                "lane {lane}"
+                n + lane_rounds(&shapes),
+                "{mode:?} lane {lane}"
             );
         }
-        assert_eq!(hub.batches(2), 2 * learned_rounds(&steps));
+        assert_eq!(hub.batches(2), dst_rounds(&steps) + n, "{mode:?}");
+        // Payload-sized messages per lane and direction: one per transfer, plus a placeholder
+        // wherever an expected shape changed (learned: any change; variable: only a change
+        // after the same shape came twice in a row; never while shapes keep changing).
+        let log = hub.log();
+        for lane in 0..2 {
+            let shapes: Vec<(usize, usize)> = steps.iter().map(|(b, s)| (b[lane], *s)).collect();
+            let placeholders = (1..n)
+                .filter(|&k| {
+                    let expected = match mode {
+                        ShapeMode::Variable => k > 1 && shapes[k - 1] == shapes[k - 2],
+                        _ => true,
+                    };
+                    expected && shapes[k] != shapes[k - 1]
+                })
+                .count();
+            for (from, to) in [(lane, 2), (2, lane)] {
+                let sent = log.iter().filter(|m| (m.0, m.1) == (from, to)).count();
+                assert_eq!(sent, n + placeholders, "{mode:?} {from} -> {to}");
+            }
+        }
     }
 }
 

@@ -117,10 +117,10 @@ impl<C: Communicator> BridgeCommunicator<C> {
             ShapeMode::Static { shape, dtype } => Some(StaticShapes::new(plan, shape, *dtype)),
             _ => None,
         };
-        // Static and learned shapes: payloads travel with their header once a channel's first
-        // message has set both ends' expectation (static ones are also checked against the
-        // declared shape, on both ends).
-        let cached = !matches!(st.mode, ShapeMode::Variable);
+        // Payloads travel with their header once a channel's history has set both ends'
+        // expectation: its first message in static and learned shapes (static ones are also
+        // checked against the declared shape, on both ends), the same shape twice in a row in
+        // variable shapes (see `ShapeCache`).
         let what = || format!("bridge {} -> {}", plan.src_name(), plan.dst_name());
         // This destination rank's static chunk (what it receives and sends back).
         let my_dst_chunk = stat
@@ -206,7 +206,7 @@ impl<C: Communicator> BridgeCommunicator<C> {
         let mut got = if outs.is_empty() && ins.is_empty() {
             Vec::new()
         } else {
-            let cache = cached.then_some(&mut st.cache);
+            let cache = Some(&mut st.cache);
             wire.exchange(outs, &ins, &[], cache)?.into_tensors()
         }
         .into_iter();
@@ -435,7 +435,7 @@ impl<C: Communicator> BridgeCommunicator<C> {
         let (parts, mut joined) = if outs.is_empty() && ins.is_empty() {
             (Vec::new(), Vec::new())
         } else {
-            let cache = cached.then_some(&mut st.cache);
+            let cache = Some(&mut st.cache);
             let ex = wire.exchange(outs, &ins, &joins, cache)?;
             (ex.parts, ex.joined)
         };
