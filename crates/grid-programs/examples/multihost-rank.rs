@@ -18,27 +18,36 @@
 //!   then an all-reduce on every family, each result and each group's members checked;
 //! * `pipeline`: the multi-module pipeline of `multimodule-demo` (image encoder dp 2 and audio
 //!   encoder feeding an LLM tp 2 pp 2 feeding a generator, 8 ranks): two micro-batches forward
-//!   and backward, every row that arrives checked against its sender.
+//!   and backward, every row that arrives checked against its sender;
+//! * `loop`: the loop of `gloo-loop` and `mpi-loop` (`grid_programs::smoke::run_loop`, with
+//!   their options `--bytes`, `--seconds` or `--iters`, `--timeout-ms`, every operation limited
+//!   to the timeout, nonblocking waits on MPI): 3 all-reduces first, then the line
+//!   `{"rank":R,"host":"H","check":"loop","looping":true}`, then the loop. The cut-host test
+//!   takes a host's link down once every rank has printed it.
 //!
 //! Each rank prints exactly one line when it ends, `{"rank":R,"host":"H","check":"C","ok":true,
 //! "detail":"..."}` (`"ok":false` with the error as the detail), and exits 0 only when its check
-//! passed (1 otherwise, 2 with one line on standard error for invalid options). `H` is the
+//! passed (1 otherwise, 2 with one line on standard error for invalid options). The `loop`
+//! check adds `"completed":K`, the all-reduces done and checked. `H` is the
 //! kernel's host name (`/proc/sys/kernel/hostname`), so a run shows where each rank ran.
-//! Under MPI a failed rank calls `MPI_Abort` after printing its line, so no other rank waits.
+//! Under MPI a failed rank calls `MPI_Abort` after printing its line, so no other rank waits;
+//! except in the `loop` check, where it exits with 1 without `MPI_Finalize`, as `mpi-loop` does
+//! (mpirun then ends the job).
 
 use backend_gloo::init_from_env;
 use backend_mpi::{MpiCommunicator, MpiFactory, MpiRuntime};
-use grid_core::{build_collection, Communicator, GroupFactory, LayoutPlan};
+use grid_core::{build_collection, Communicator, GroupFactory, LayoutPlan, TimeLimit};
 use grid_programs::demo::{all_reduce_every_family, config};
+use grid_programs::smoke::{run_loop, LoopOptions, Stop, Waits};
 use multimodule::{
     Activation, ModuleInputs, MultiModulePipelineCommunicator, OrderedMap, PipelinePlan,
     PipelineSpec,
 };
+use std::io::Write;
 use std::process::ExitCode;
 use std::sync::Arc;
 
-const USAGE: &str =
-    "usage: multihost-rank --backend mpi|gloo --check conformance|collection|pipeline";
+const USAGE: &str = "usage: multihost-rank --backend mpi|gloo --check conformance|collection|pipeline|loop [--bytes B] [--iters K | --seconds S] [--timeout-ms T]";
 
 /// What a rank checks.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -46,6 +55,7 @@ enum Check {
     Conformance,
     Collection,
     Pipeline,
+    Loop,
 }
 
 impl Check {
@@ -54,12 +64,17 @@ impl Check {
             Check::Conformance => "conformance",
             Check::Collection => "collection",
             Check::Pipeline => "pipeline",
+            Check::Loop => "loop",
         }
     }
 }
 
-fn parse_args() -> Result<(String, Check), String> {
+/// The command line: backend, check, and the loop's options.
+type Args = (String, Check, LoopOptions);
+
+fn parse_args() -> Result<Args, String> {
     let (mut backend, mut check) = (None, None);
+    let mut options = LoopOptions::default();
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         if flag == "-h" || flag == "--help" {
@@ -68,6 +83,14 @@ fn parse_args() -> Result<(String, Check), String> {
         let value = it
             .next()
             .ok_or_else(|| format!("{flag} needs a value; {USAGE}"))?;
+        if options.flag(&flag, &value)? {
+            if flag == "--fault" {
+                return Err(
+                    "--fault is not an option of multihost-rank (use gloo-loop or mpi-loop)".into(),
+                );
+            }
+            continue;
+        }
         match flag.as_str() {
             "--backend" => match value.as_str() {
                 "mpi" | "gloo" => backend = Some(value),
@@ -78,9 +101,10 @@ fn parse_args() -> Result<(String, Check), String> {
                     "conformance" => Check::Conformance,
                     "collection" => Check::Collection,
                     "pipeline" => Check::Pipeline,
+                    "loop" => Check::Loop,
                     other => {
                         return Err(format!(
-                            "--check {other:?}: expected conformance, collection or pipeline"
+                            "--check {other:?}: expected conformance, collection, pipeline or loop"
                         ))
                     }
                 })
@@ -88,8 +112,9 @@ fn parse_args() -> Result<(String, Check), String> {
             other => return Err(format!("unknown option {other:?}; {USAGE}")),
         }
     }
+    options.check()?;
     match (backend, check) {
-        (Some(b), Some(c)) => Ok((b, c)),
+        (Some(b), Some(c)) => Ok((b, c, options)),
         _ => Err(format!("--backend and --check are required; {USAGE}")),
     }
 }
@@ -118,22 +143,30 @@ fn json_str(s: &str) -> String {
     out
 }
 
-fn report(rank: Option<usize>, check: Check, result: &Result<String, String>) {
+fn report(
+    rank: Option<usize>,
+    check: Check,
+    result: &Result<String, String>,
+    completed: Option<u64>,
+) {
     let (ok, detail) = match result {
         Ok(d) => (true, d.as_str()),
         Err(e) => (false, e.as_str()),
     };
     println!(
-        "{{\"rank\":{},\"host\":{},\"check\":\"{}\",\"ok\":{ok},\"detail\":{}}}",
+        "{{\"rank\":{},\"host\":{},\"check\":\"{}\",\"ok\":{ok},{}\"detail\":{}}}",
         rank.map_or("null".to_string(), |r| r.to_string()),
         json_str(&host_name()),
         check.name(),
+        completed.map_or(String::new(), |k| format!("\"completed\":{k},")),
         json_str(detail)
     );
+    // Once one rank exits, mpirun may end the others at any moment: the line goes out first.
+    let _ = std::io::stdout().flush();
 }
 
 fn main() -> ExitCode {
-    let (backend, check) = match parse_args() {
+    let (backend, check, options) = match parse_args() {
         Ok(a) => a,
         Err(e) => {
             eprintln!("multihost-rank: {e}");
@@ -144,13 +177,17 @@ fn main() -> ExitCode {
         let rt = match MpiRuntime::init() {
             Ok(rt) => rt,
             Err(e) => {
-                report(None, check, &Err(format!("MPI initialisation: {e}")));
+                let rank = std::env::var("OMPI_COMM_WORLD_RANK")
+                    .ok()
+                    .and_then(|r| r.parse().ok());
+                report(rank, check, &Err(format!("MPI initialisation: {e}")), None);
                 return ExitCode::FAILURE;
             }
         };
         let factory = MpiFactory::new();
         let world = rt.world();
         let rank = world.rank();
+        let mut completed = 0u64;
         let result = factory
             .split(world, Some(0), rank)
             .map_err(|e| e.to_string())
@@ -159,10 +196,29 @@ fn main() -> ExitCode {
                 // MPI communicators can be finished; the suite checks calls after it.
                 let finish: grid_conformance::FinishFn<MpiCommunicator> =
                     Box::new(|c: &MpiCommunicator| c.finish());
-                run_check(&factory, Arc::new(w), check, Some(finish))
+                run_check(
+                    &factory,
+                    Arc::new(w),
+                    check,
+                    Some(finish),
+                    &options,
+                    Waits::Nonblocking,
+                    &mut completed,
+                )
             });
-        report(Some(rank), check, &result);
+        report(
+            Some(rank),
+            check,
+            &result,
+            (check == Check::Loop).then_some(completed),
+        );
         if result.is_err() {
+            if check == Check::Loop {
+                // As mpi-loop: not MPI_Finalize (it would wait for the operation that never
+                // finished); mpirun ends the job.
+                let _ = std::io::stderr().flush();
+                std::process::exit(1);
+            }
             // Let the others print their lines, then end the job: nobody waits for this rank.
             std::thread::sleep(std::time::Duration::from_millis(300));
             rt.abort(1);
@@ -175,13 +231,27 @@ fn main() -> ExitCode {
             Ok(fw) => fw,
             Err(e) => {
                 let rank = std::env::var("RANK").ok().and_then(|r| r.parse().ok());
-                report(rank, check, &Err(format!("Gloo initialisation: {e}")));
+                report(rank, check, &Err(format!("Gloo initialisation: {e}")), None);
                 return ExitCode::FAILURE;
             }
         };
         let rank = world.rank();
-        let result = run_check(&factory, Arc::new(world), check, None);
-        report(Some(rank), check, &result);
+        let mut completed = 0u64;
+        let result = run_check(
+            &factory,
+            Arc::new(world),
+            check,
+            None,
+            &options,
+            Waits::Blocking,
+            &mut completed,
+        );
+        report(
+            Some(rank),
+            check,
+            &result,
+            (check == Check::Loop).then_some(completed),
+        );
         if result.is_ok() {
             ExitCode::SUCCESS
         } else {
@@ -196,6 +266,9 @@ fn run_check<F: GroupFactory>(
     world: Arc<F::Comm>,
     check: Check,
     finish: Option<grid_conformance::FinishFn<F::Comm>>,
+    options: &LoopOptions,
+    waits: Waits,
+    completed: &mut u64,
 ) -> Result<String, String> {
     let me = world.rank();
     match check {
@@ -204,8 +277,8 @@ fn run_check<F: GroupFactory>(
                 finish,
                 ..Default::default()
             };
-            let report = grid_conformance::run_with(factory, &world, &opts)
-                .map_err(|f| f.to_string())?;
+            let report =
+                grid_conformance::run_with(factory, &world, &opts).map_err(|f| f.to_string())?;
             if report.passed() == 0 {
                 return Err("the conformance suite ran no check".to_string());
             }
@@ -232,6 +305,22 @@ fn run_check<F: GroupFactory>(
             ))
         }
         Check::Pipeline => pipeline(factory, world),
+        Check::Loop => {
+            world.set_time_limit(TimeLimit::After(options.timeout()));
+            let mut warm = options.clone();
+            warm.stop = Stop::Iters(3);
+            run_loop(&*world, &warm, waits, completed).map_err(|e| e.to_string())?;
+            println!(
+                "{{\"rank\":{me},\"host\":{},\"check\":\"loop\",\"looping\":true}}",
+                json_str(&host_name())
+            );
+            let _ = std::io::stdout().flush();
+            let mut more = 0u64;
+            let r = run_loop(&*world, options, waits, &mut more);
+            *completed += more;
+            r.map_err(|e| e.to_string())?;
+            Ok(format!("{completed} all-reduces checked"))
+        }
     }
 }
 
@@ -272,7 +361,12 @@ fn rows(t: &Activation) -> Vec<i64> {
 }
 
 fn negate(t: &Activation) -> Result<Activation, String> {
-    let v: Vec<f32> = t.as_slice::<f32>().unwrap_or(&[]).iter().map(|x| -x).collect();
+    let v: Vec<f32> = t
+        .as_slice::<f32>()
+        .unwrap_or(&[])
+        .iter()
+        .map(|x| -x)
+        .collect();
     Activation::from_vec(t.shape().to_vec(), v).map_err(|e| e.to_string())
 }
 
@@ -338,7 +432,9 @@ fn pipeline<F: GroupFactory>(factory: &F, world: Arc<F::Comm>) -> Result<String,
             // The generator sends back -x of what it got (the LLM's output, its image input);
             // the LLM passes that gradient to each input of the same shape.
             let want: Vec<i64> = match module.as_str() {
-                "image_encoder" => (0..2).map(|b| -((mb * 10000 + me * 1000 + b) as i64)).collect(),
+                "image_encoder" => (0..2)
+                    .map(|b| -((mb * 10000 + me * 1000 + b) as i64))
+                    .collect(),
                 // The LLM's output is its image input, so both inputs get that gradient.
                 _ => (0..4)
                     .map(|b| -((mb * 10000 + (b / 2) * 1000 + b % 2) as i64))
