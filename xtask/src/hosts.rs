@@ -565,6 +565,9 @@ struct Finished {
     ended: Option<Instant>,
 }
 
+/// How a process ended: exit code, killed at the deadline, when it was seen ended.
+type Ended = (Option<i32>, bool, Option<Instant>);
+
 /// Processes started together, their output read line by line as it comes.
 struct Running {
     children: Vec<Child>,
@@ -649,7 +652,7 @@ impl Running {
     /// process in the test hosts (so that no pipe stays open), then reads the rest of the output.
     fn finish(mut self, tb: &Testbed, deadline: Instant) -> Vec<Finished> {
         let n = self.children.len();
-        let mut done: Vec<Option<(Option<i32>, bool, Option<Instant>)>> = vec![None; n];
+        let mut done: Vec<Option<Ended>> = vec![None; n];
         while done.iter().any(Option::is_none) {
             let late = Instant::now() >= deadline;
             for (i, c) in self.children.iter_mut().enumerate() {
@@ -883,7 +886,7 @@ fn mpirun(tb: &Testbed, timeout_s: u64, extra: &[&str], program: &Path, args: &[
 /// Checks the 8 JSON lines of a `multihost-rank` run: every rank reported success from the
 /// host it belongs on. Returns rank 0's detail.
 fn check_rank_lines(tb: &Testbed, lines: &[String], check: &str) -> Result<String, String> {
-    let mut seen = vec![false; HOSTS * PER_HOST];
+    let mut seen = [false; HOSTS * PER_HOST];
     let mut detail0 = String::new();
     for l in lines {
         let rank: usize = json_field(l, "rank")
