@@ -240,6 +240,15 @@ fn ip(args: &[&str]) -> Result<(), String> {
 impl Testbed {
     /// Creates `hosts` hosts; on any error, removes what it had made.
     pub fn up(hosts: usize) -> Result<Testbed, String> {
+        match remove_stale() {
+            Ok(stale) if !stale.is_empty() => eprintln!(
+                "xtask hosts: removed {} namespace(s) of runs that no longer exist: {}",
+                stale.len(),
+                stale.join(" ")
+            ),
+            Ok(_) => {}
+            Err(e) => eprintln!("xtask hosts: could not remove the leftovers of earlier runs: {e}"),
+        }
         let id = format!("{PREFIX}{}", std::process::id());
         let dir = std::env::temp_dir().join(&id);
         let _ = std::fs::remove_dir_all(&dir);
@@ -361,10 +370,39 @@ impl Testbed {
         ])
     }
 
-    /// Brings every host's link up again (after a cut).
+    /// Brings every host's link up again (after a cut), forgets the neighbours marked
+    /// unreachable meanwhile, and waits (at most 10 s) until every host reaches host 0 again.
     pub fn restore(&self) -> Result<(), String> {
-        (0..self.hosts)
-            .try_for_each(|i| ip(&["-n", &self.switch(), "link", "set", &format!("h{i}"), "up"]))
+        for i in 0..self.hosts {
+            ip(&["-n", &self.switch(), "link", "set", &format!("h{i}"), "up"])?;
+        }
+        for i in 0..self.hosts {
+            ip(&["-n", &self.ns(i), "neigh", "flush", "all"])?;
+        }
+        let deadline = Instant::now() + Duration::from_secs(10);
+        for i in 1..self.hosts {
+            while !self.reaches(i, 0) {
+                if Instant::now() > deadline {
+                    return Err(format!(
+                        "host {} does not reach {} 10 s after its link came back",
+                        self.ns(i),
+                        self.addr(0)
+                    ));
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether host `from` reaches host `to`: a TCP connection to port 9 (nothing listens) is
+    /// refused, rather than failing for want of a route or an answer.
+    fn reaches(&self, from: usize, to: usize) -> bool {
+        let probe = format!("exec 3<>/dev/tcp/{}/9", self.addr(to));
+        let out = self
+            .command(from, Path::new("timeout"), &["2", "bash", "-c", &probe])
+            .output();
+        out.is_ok_and(|o| String::from_utf8_lossy(&o.stderr).contains("refused"))
     }
 
     /// The processes in the namespaces of this test bed.
@@ -518,9 +556,28 @@ fn up(n: usize) -> i32 {
 
 /// Removes every `gridhost-` namespace (killing its processes) and run directory.
 pub fn down_all() -> Result<Vec<String>, String> {
+    remove_where(&|_| true)
+}
+
+/// The pid in a name `gridhost-<pid>...`.
+fn run_pid(name: &str) -> Option<u32> {
+    let rest = name.strip_prefix(PREFIX)?;
+    let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
+    digits.parse().ok()
+}
+
+/// Removes the namespaces and run directories of runs whose process no longer exists (a run
+/// killed by a signal cannot clean up after itself); those of live processes are left alone,
+/// so parallel runs do not disturb each other.
+pub fn remove_stale() -> Result<Vec<String>, String> {
+    remove_where(&|name| run_pid(name).is_some_and(|p| !Path::new(&format!("/proc/{p}")).exists()))
+}
+
+/// Removes the `gridhost-` namespaces and run directories whose name `keep` accepts.
+fn remove_where(keep: &dyn Fn(&str) -> bool) -> Result<Vec<String>, String> {
     let names: Vec<String> = list_namespaces()
         .into_iter()
-        .filter(|n| n.starts_with(PREFIX))
+        .filter(|n| n.starts_with(PREFIX) && keep(n))
         .collect();
     let inodes: Vec<u64> = names
         .iter()
@@ -536,7 +593,8 @@ pub fn down_all() -> Result<Vec<String>, String> {
     }
     if let Ok(d) = std::fs::read_dir(std::env::temp_dir()) {
         for e in d.flatten() {
-            if e.file_name().to_string_lossy().starts_with(PREFIX) {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if name.starts_with(PREFIX) && keep(&name) {
                 let _ = std::fs::remove_dir_all(e.path());
             }
         }
@@ -1323,6 +1381,14 @@ mod tests {
             Some("null")
         );
         assert_eq!(json_field(l, "host"), None);
+    }
+
+    #[test]
+    fn reads_run_pids() {
+        assert_eq!(run_pid("gridhost-123-h0"), Some(123));
+        assert_eq!(run_pid("gridhost-123"), Some(123));
+        assert_eq!(run_pid("gridhost-probe-5"), None);
+        assert_eq!(run_pid("other-123-h0"), None);
     }
 
     #[test]
