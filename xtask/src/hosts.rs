@@ -7,7 +7,8 @@
 //! own network namespace, so parallel runs cannot clash (each has its own namespaces, and the
 //! same subnet in each is private to it) and nothing outside the machine is contacted.
 //!
-//! * `up [--hosts N]`: creates the hosts and leaves them (prints the commands to use them);
+//! * `up [--hosts N]`: creates the hosts (`gridhost-up<pid>-h<i>`) and leaves them (prints the
+//!   commands to use them);
 //! * `down`: removes every `gridhost-` namespace, killing the processes inside, and the run
 //!   directories (leftovers of a run that was killed);
 //! * `run [SCENARIO...]`: builds the programs, creates 4 hosts, runs the scenarios (all by
@@ -65,7 +66,7 @@ const SCENARIOS: &[&str] = &[
 const HELP: &str = "usage: cargo xtask hosts up [--hosts N] | down | run [SCENARIO...]
 
 Test hosts as Linux network namespaces on one bridge (needs root and `ip netns`):
-  up [--hosts N]     create N hosts (default 4) gridhost-<pid>-h0.. at 10.231.0.1.. and leave them
+  up [--hosts N]     create N hosts (default 4) gridhost-up<pid>-h0.. at 10.231.0.1.., leave them
   down               remove every gridhost-* namespace and the processes in it
   run [SCENARIO...]  create 4 hosts, run the scenarios (default: all), remove the hosts
 scenarios: mpi-conformance mpi-collection mpi-pipeline gloo-redis gloo-file gloo-pipeline
@@ -180,7 +181,15 @@ pub fn available() -> Result<(), String> {
             "not root (effective uid {uid}): network namespaces need root"
         ));
     }
-    for tool in ["ip", "unshare", "mpirun", "redis-server", "redis-cli"] {
+    for tool in [
+        "ip",
+        "unshare",
+        "bash",
+        "timeout",
+        "mpirun",
+        "redis-server",
+        "redis-cli",
+    ] {
         if !crate::util::on_path(tool) {
             return Err(format!("`{tool}` is not installed"));
         }
@@ -245,8 +254,9 @@ fn ip(args: &[&str]) -> Result<(), String> {
 }
 
 impl Testbed {
-    /// Creates `hosts` hosts; on any error, removes what it had made.
-    pub fn up(hosts: usize) -> Result<Testbed, String> {
+    /// Creates `hosts` hosts (named to be kept after this process when `kept`); first removes
+    /// the leftovers of dead runs; on any error, removes what it had made.
+    pub fn up(hosts: usize, kept: bool) -> Result<Testbed, String> {
         match remove_stale() {
             Ok(stale) if !stale.is_empty() => eprintln!(
                 "xtask hosts: removed {} namespace(s) of runs that no longer exist: {}",
@@ -256,7 +266,13 @@ impl Testbed {
             Ok(_) => {}
             Err(e) => eprintln!("xtask hosts: could not remove the leftovers of earlier runs: {e}"),
         }
-        let id = format!("{PREFIX}{}", std::process::id());
+        // Hosts made to be kept (`hosts up`) outlive this process: their names carry no bare
+        // pid, so that the next run does not take them for a dead run's leftovers.
+        let id = if kept {
+            format!("{PREFIX}up{}", std::process::id())
+        } else {
+            format!("{PREFIX}{}", std::process::id())
+        };
         let dir = std::env::temp_dir().join(&id);
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir)
@@ -532,7 +548,7 @@ fn up(n: usize) -> i32 {
         eprintln!("xtask hosts up: {why}");
         return 1;
     }
-    let tb = match Testbed::up(n) {
+    let tb = match Testbed::up(n, true) {
         Ok(t) => t,
         Err(e) => {
             eprintln!("xtask hosts up: {e}");
@@ -841,7 +857,7 @@ fn tail(s: &str, n: usize) -> String {
 /// that nothing is left. Prints one line per scenario as it ends, then one for the cleanup.
 fn run_scenarios(names: &[&str]) -> Result<(), String> {
     let started = Instant::now();
-    let mut tb = Testbed::up(HOSTS)?;
+    let mut tb = Testbed::up(HOSTS, false)?;
     println!(
         "xtask hosts: {HOSTS} test hosts {}..{} at {SUBNET}.1..{HOSTS}, {PER_HOST} ranks each",
         tb.ns(0),
@@ -1395,6 +1411,7 @@ mod tests {
         assert_eq!(run_pid("gridhost-123-h0"), Some(123));
         assert_eq!(run_pid("gridhost-123"), Some(123));
         assert_eq!(run_pid("gridhost-probe-5"), None);
+        assert_eq!(run_pid("gridhost-up77-h0"), None);
         assert_eq!(run_pid("other-123-h0"), None);
     }
 
