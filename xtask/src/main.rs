@@ -4,6 +4,8 @@
 //! * `cargo xtask demo [layout|mpi|gloo|multimodule]`: the main job (layout, communicators,
 //!   multi-module pipeline), or one of its steps.
 //! * `cargo xtask bench layout|mpi|gloo|bridge|nccl`: benchmarks.
+//! * `cargo xtask hosts up|down|run`: test hosts as network namespaces, and the multi-host
+//!   scenarios run on them (also a step of `cargo xtask test`, as root).
 //!
 //! The alias lives in `.cargo/config.toml` (`xtask = "run --quiet --package xtask --"`).
 
@@ -12,6 +14,7 @@ mod compare;
 mod demo;
 mod examples;
 mod external;
+mod hosts;
 mod packages;
 mod test;
 mod util;
@@ -24,7 +27,9 @@ commands:
   demo layout                      only the layout of a realistic configuration (grid command)
   demo mpi|gloo|multimodule        the backend demos (examples of crates/grid-programs)
   bench layout [--quick]           topology benchmarks (library and grid command)
-  bench mpi|gloo|bridge|nccl [-- ARGS]  backend benchmarks (examples of crates/grid-programs)";
+  bench mpi|gloo|bridge|nccl [-- ARGS]  backend benchmarks (examples of crates/grid-programs)
+  hosts up|down|run [SCENARIO...]  test hosts as network namespaces (root): MPI, Gloo, the
+                                   pipeline and a cut host across them (docs/multi-host.md)";
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -32,6 +37,7 @@ fn main() {
         Some("test") => test::main(&args[1..]),
         Some("demo") => demo::main(&args[1..]),
         Some("bench") => bench::main(&args[1..]),
+        Some("hosts") => hosts::main(&args[1..]),
         Some("-h" | "--help" | "help") => {
             println!("{HELP}");
             0

@@ -7,9 +7,10 @@ use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 /// The Debian packages the workspace needs to build and test (the MPI, Gloo and bindgen
-/// dependencies of the backend crates, a Redis server for Gloo's rendezvous store, and the C++
-/// compiler that builds backend-gloo's shim: a machine with Rust has a C compiler, not
-/// necessarily a C++ one).
+/// dependencies of the backend crates, a Redis server for Gloo's rendezvous store (with
+/// `redis-cli`, from its dependency redis-tools), the C++ compiler that builds backend-gloo's
+/// shim: a machine with Rust has a C compiler, not necessarily a C++ one; and iproute2, whose
+/// `ip netns` makes the test hosts of `cargo xtask hosts`).
 /// This list is the one place they are named; the README points here.
 pub const DEBIAN_PACKAGES: &[&str] = &[
     "libopenmpi-dev",
@@ -18,6 +19,7 @@ pub const DEBIAN_PACKAGES: &[&str] = &[
     "libgloo-dev",
     "redis-server",
     "g++",
+    "iproute2",
 ];
 
 /// Checks the Debian packages before anything is built: present, it says so; missing and root, it

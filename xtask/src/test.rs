@@ -1,6 +1,7 @@
 //! `cargo xtask test`: system packages, formatting, lints, every test.
 
 use crate::examples;
+use crate::hosts;
 use crate::packages::{ensure_packages, DEBIAN_PACKAGES};
 use crate::util::{self, cargo, color_args, run, run_capture, secs, timed, MPI_ENV};
 use std::path::Path;
@@ -147,6 +148,10 @@ pub fn main(args: &[String]) -> i32 {
     // (5) The examples of the library crates, each run with the command its documentation gives.
     steps.extend(example_steps(&mut counts));
 
+    // (5b) Multi-host: the scenarios of `cargo xtask hosts run` on network namespaces (root
+    // only; skipped with the reason otherwise).
+    steps.push(multi_host_step(&mut counts));
+
     // (6) The GPU suite, when asked for.
     if gpu {
         steps.push(gpu_suite(&mut counts));
@@ -196,13 +201,54 @@ fn example_steps(counts: &mut Counts) -> Vec<Step> {
     steps
 }
 
+/// The multi-host scenarios as one step (and one test count); skipped, not failed, where network
+/// namespaces cannot be made.
+fn multi_host_step(counts: &mut Counts) -> Step {
+    let name = "multi-host (network namespaces)".to_string();
+    let (result, t) = timed(hosts::test_step);
+    match result {
+        Ok(Some(note)) => {
+            counts.seen = true;
+            counts.passed += 1;
+            Step {
+                name,
+                ok: true,
+                time: t,
+                note,
+            }
+        }
+        Ok(None) => {
+            counts.seen = true;
+            counts.skipped += 1;
+            Step {
+                name,
+                ok: true,
+                time: t,
+                note: format!("skipped: {}", hosts::available().err().unwrap_or_default()),
+            }
+        }
+        Err(e) => {
+            counts.seen = true;
+            counts.failed += 1;
+            eprintln!("xtask: multi-host: {e}");
+            Step {
+                name,
+                ok: false,
+                time: t,
+                note: e,
+            }
+        }
+    }
+}
+
 const HELP: &str = "usage: cargo xtask test [--gpu]
 
 Checks the Debian packages (installs them when running as root), then runs
 cargo fmt --check, cargo clippy -D warnings, cargo doc -D warnings, the doc tests and every test of
 the workspace (cargo nextest when installed, else cargo test), then builds the
 examples and runs each library crate's example with the command its
-documentation gives (`//! Run: `...``).
+documentation gives (`//! Run: `...``), then (as root) the multi-host scenarios of
+`cargo xtask hosts run` on network namespaces (skipped with the reason otherwise).
   --gpu   also run the NCCL suite (crates/backend-nccl with feature gpu-tests)";
 
 fn with_test_env(c: &mut Command) {

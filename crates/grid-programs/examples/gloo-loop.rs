@@ -7,7 +7,9 @@
 //!     [--bytes B] [--iters K | --seconds S] [--timeout-ms T] [--trace-dir D] [--fault RANK:KIND@ITER]
 //! ```
 //!
-//! Start one process per rank `0..N`, all with the same `--world-size` and `--store`:
+//! Start one process per rank `0..N`, all with the same `--world-size` and `--store`; across
+//! hosts, give each rank its host's address in `GRID_GLOO_HOSTNAME` (the address its Gloo device
+//! listens on and the others connect to; default 127.0.0.1, this host only):
 //! * `file:DIR`: a fresh, empty directory every rank can reach (a shared file system across
 //!   hosts);
 //! * `redis://HOST:PORT/PREFIX`: a Redis server; `PREFIX` names the job (its keys), so use a new
@@ -32,7 +34,7 @@
 //! with `"error":"<message>"`, and exits 0 only if it completed every iteration without error
 //! (1 otherwise; 2 with one line on standard error for invalid options).
 
-use backend_gloo::{GlooConfig, GlooFactory, Rendezvous};
+use backend_gloo::{env, GlooConfig, GlooFactory, Rendezvous};
 use grid_programs::smoke::{
     dump_after_error, install_trace_dir, run_loop, LoopOptions, Outcome, Waits,
 };
@@ -166,7 +168,11 @@ fn run(args: &Args, completed: &mut u64) -> Result<(), String> {
     if let Some(dir) = &args.options.trace_dir {
         install_trace_dir(dir, Some(args.rank))?;
     }
-    let config = GlooConfig::new(args.job.clone()).with_timeout(args.options.timeout());
+    let mut config = GlooConfig::new(args.job.clone()).with_timeout(args.options.timeout());
+    // Across hosts, each rank listens on its own host's address (default 127.0.0.1).
+    if let Ok(h) = std::env::var(env::HOSTNAME) {
+        config = config.with_hostname(h);
+    }
     let world =
         GlooFactory::new(&args.store, config).and_then(|f| f.world(args.rank, args.world_size));
     let result = match &world {
