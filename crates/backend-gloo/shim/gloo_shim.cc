@@ -532,7 +532,8 @@ void with_dtype(int32_t dtype, F&& f) {
 template <typename T>
 void run_allreduce(
     const std::shared_ptr<gloo::Context>& ctx, const void* send, void* recv, size_t count,
-    int32_t op, gloo_shim_reduce_fn reduce, int32_t algorithm, uint32_t tag, Millis timeout) {
+    int32_t op, gloo_shim_reduce_fn reduce, int32_t algorithm, size_t max_segment_bytes,
+    uint32_t tag, Millis timeout) {
   gloo::AllreduceOptions opts(ctx);
   if (send != recv) {
     // Without an input Gloo reduces the output buffer in place.
@@ -546,6 +547,10 @@ void run_allreduce(
   opts.setAlgorithm(
       algorithm == GLOO_SHIM_ALLREDUCE_BCUBE ? gloo::AllreduceOptions::Algorithm::BCUBE
                                              : gloo::AllreduceOptions::Algorithm::RING);
+  if (max_segment_bytes != 0) {
+    // The ring's largest segment (Gloo's default: 1 MiB); Gloo rounds it to whole elements.
+    opts.setMaxSegmentSize(max_segment_bytes);
+  }
   opts.setTag(tag);
   opts.setTimeout(timeout);
   gloo::allreduce(opts);
@@ -607,14 +612,16 @@ void run_reduce_scatter_hd(
 template <typename T>
 void run_reduce_scatter_ar(
     gloo_shim_context* c, const void* send, void* recv, size_t recv_count, int32_t op,
-    gloo_shim_reduce_fn reduce, uint32_t tag, Millis timeout) {
+    gloo_shim_reduce_fn reduce, int32_t allreduce_algorithm, size_t max_segment_bytes,
+    uint32_t tag, Millis timeout) {
   const size_t size = static_cast<size_t>(c->ctx->size);
-  std::vector<T> scratch(recv_count * size);
+  // Not value-initialised (no memset of the whole buffer): the all-reduce writes every element.
+  std::unique_ptr<T[]> scratch(new T[recv_count * size]);
   run_allreduce<T>(
-      c->ctx, send, scratch.data(), recv_count * size, op, reduce, GLOO_SHIM_ALLREDUCE_RING,
-      tag, timeout);
+      c->ctx, send, scratch.get(), recv_count * size, op, reduce, allreduce_algorithm,
+      max_segment_bytes, tag, timeout);
   std::memcpy(
-      recv, scratch.data() + static_cast<size_t>(c->ctx->rank) * recv_count,
+      recv, scratch.get() + static_cast<size_t>(c->ctx->rank) * recv_count,
       recv_count * sizeof(T));
 }
 
@@ -1686,11 +1693,14 @@ int32_t gloo_shim_context_size(const gloo_shim_context* ctx) {
 
 int32_t gloo_shim_allreduce(
     gloo_shim_context* c, const void* send, void* recv, size_t count, int32_t dtype, int32_t op,
-    gloo_shim_reduce_fn reduce, int32_t algorithm, uint32_t tag, int64_t timeout_ms,
-    gloo_shim_status* st) {
+    gloo_shim_reduce_fn reduce, int32_t algorithm, size_t max_segment_bytes, uint32_t tag,
+    int64_t timeout_ms, gloo_shim_status* st) {
   return guarded(c->ctx.get(), st, [&] {
     if (!valid_dtype(dtype) || !valid_op(op) || reduce == nullptr) {
       throw std::invalid_argument("unknown dtype or reduction, or no reduction function");
+    }
+    if (algorithm != GLOO_SHIM_ALLREDUCE_RING && algorithm != GLOO_SHIM_ALLREDUCE_BCUBE) {
+      throw std::invalid_argument("unknown allreduce algorithm " + std::to_string(algorithm));
     }
     if (count == 0) {
       return;
@@ -1698,7 +1708,8 @@ int32_t gloo_shim_allreduce(
     with_dtype(dtype, [&](auto t) {
       using T = decltype(t);
       run_allreduce<T>(
-          c->ctx, send, recv, count, op, reduce, algorithm, tag, to_millis(timeout_ms));
+          c->ctx, send, recv, count, op, reduce, algorithm, max_segment_bytes, tag,
+          to_millis(timeout_ms));
     });
   });
 }
@@ -1737,11 +1748,16 @@ int32_t gloo_shim_allgather(
 
 int32_t gloo_shim_reduce_scatter(
     gloo_shim_context* c, const void* send, void* recv, size_t recv_count, int32_t dtype,
-    int32_t op, gloo_shim_reduce_fn reduce, int32_t algorithm, uint32_t tag, int64_t timeout_ms,
-    gloo_shim_status* st) {
+    int32_t op, gloo_shim_reduce_fn reduce, int32_t algorithm, int32_t allreduce_algorithm,
+    size_t max_segment_bytes, uint32_t tag, int64_t timeout_ms, gloo_shim_status* st) {
   return guarded(c->ctx.get(), st, [&] {
     if (!valid_dtype(dtype) || !valid_op(op) || reduce == nullptr) {
       throw std::invalid_argument("unknown dtype or reduction, or no reduction function");
+    }
+    if (allreduce_algorithm != GLOO_SHIM_ALLREDUCE_RING &&
+        allreduce_algorithm != GLOO_SHIM_ALLREDUCE_BCUBE) {
+      throw std::invalid_argument(
+          "unknown allreduce algorithm " + std::to_string(allreduce_algorithm));
     }
     if (recv_count == 0) {
       return;
@@ -1755,7 +1771,8 @@ int32_t gloo_shim_reduce_scatter(
         run_reduce_scatter_hd<T>(c, send, recv, recv_count, dtype, op, reduce);
       } else {
         run_reduce_scatter_ar<T>(
-            c, send, recv, recv_count, op, reduce, tag, to_millis(timeout_ms));
+            c, send, recv, recv_count, op, reduce, allreduce_algorithm, max_segment_bytes, tag,
+            to_millis(timeout_ms));
       }
     });
   });

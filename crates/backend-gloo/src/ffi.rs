@@ -15,6 +15,7 @@
 //! The wrappers here check every length and dtype that the C++ side relies on for memory
 //! safety, right next to the call.
 
+pub use crate::tuning::AllreduceAlgorithm;
 use grid_core::{kernels, DType, HostBuffer, HostSlice, HostSliceMut, ReduceOp};
 use std::cell::RefCell;
 use std::ffi::{c_void, CStr, CString};
@@ -229,20 +230,6 @@ impl RawOp {
             RawOp::Max => sys::GLOO_SHIM_MAX,
         }) as i32
     }
-}
-
-/// Gloo's allreduce algorithms (`gloo::AllreduceOptions::Algorithm`).
-///
-/// ```
-/// assert_eq!(backend_gloo::AllreduceAlgorithm::default(), backend_gloo::AllreduceAlgorithm::Ring);
-/// ```
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum AllreduceAlgorithm {
-    /// Ring (Gloo's default).
-    #[default]
-    Ring,
-    /// BCube.
-    Bcube,
 }
 
 /// How reduce-scatter runs.
@@ -970,10 +957,7 @@ impl RawContext {
         timeout: Duration,
     ) -> ShimResult<()> {
         Self::same(&send, &recv, send.len())?;
-        let algo = match algorithm {
-            AllreduceAlgorithm::Ring => sys::GLOO_SHIM_ALLREDUCE_RING,
-            AllreduceAlgorithm::Bcube => sys::GLOO_SHIM_ALLREDUCE_BCUBE,
-        } as i32;
+        let (algo, segment) = self.allreduce_codes(algorithm, bytes_of(&send));
         let mut st = new_status();
         let _g = self.lock();
         clear_reduce_failure();
@@ -990,6 +974,7 @@ impl RawContext {
                 op.code(),
                 Some(reduce_callback),
                 algo,
+                segment,
                 tag,
                 millis(timeout),
                 &mut st,
@@ -997,6 +982,19 @@ impl RawContext {
         };
         check(rc, &st)?;
         reduce_failure()
+    }
+
+    /// The shim's algorithm code and segment limit (0: Gloo's default) of an all-reduce of
+    /// `bytes` bytes on this context.
+    fn allreduce_codes(&self, algorithm: AllreduceAlgorithm, bytes: usize) -> (i32, usize) {
+        match algorithm.resolve(self.size, bytes) {
+            AllreduceAlgorithm::Bcube => (sys::GLOO_SHIM_ALLREDUCE_BCUBE as i32, 0),
+            AllreduceAlgorithm::RingSegments(b) => (sys::GLOO_SHIM_ALLREDUCE_RING as i32, b),
+            // `resolve` never returns Auto; Ring is Gloo's ring as it is.
+            AllreduceAlgorithm::Ring | AllreduceAlgorithm::Auto => {
+                (sys::GLOO_SHIM_ALLREDUCE_RING as i32, 0)
+            }
+        }
     }
 
     /// `buf = op(buf of every rank)`, in place (no copy of the input).
@@ -1008,10 +1006,7 @@ impl RawContext {
         tag: u32,
         timeout: Duration,
     ) -> ShimResult<()> {
-        let algo = match algorithm {
-            AllreduceAlgorithm::Ring => sys::GLOO_SHIM_ALLREDUCE_RING,
-            AllreduceAlgorithm::Bcube => sys::GLOO_SHIM_ALLREDUCE_BCUBE,
-        } as i32;
+        let (algo, segment) = self.allreduce_codes(algorithm, bytes_of(&buf.as_slice()));
         let len = buf.len();
         let dtype = buf.dtype();
         let p = buf.as_mut_ptr();
@@ -1031,6 +1026,7 @@ impl RawContext {
                 op.code(),
                 Some(reduce_callback),
                 algo,
+                segment,
                 tag,
                 millis(timeout),
                 &mut st,
@@ -1104,9 +1100,33 @@ impl RawContext {
     pub fn reduce_scatter(
         &self,
         send: HostSlice<'_>,
+        recv: HostSliceMut<'_>,
+        op: RawOp,
+        algorithm: ReduceScatterAlgorithm,
+        tag: u32,
+        timeout: Duration,
+    ) -> ShimResult<()> {
+        self.reduce_scatter_with(
+            send,
+            recv,
+            op,
+            algorithm,
+            AllreduceAlgorithm::Auto,
+            tag,
+            timeout,
+        )
+    }
+
+    /// [`RawContext::reduce_scatter`] whose [`ReduceScatterAlgorithm::Allreduce`] runs the
+    /// all-reduce `allreduce` (resolved for the whole send buffer).
+    #[allow(clippy::too_many_arguments)]
+    pub fn reduce_scatter_with(
+        &self,
+        send: HostSlice<'_>,
         mut recv: HostSliceMut<'_>,
         op: RawOp,
         algorithm: ReduceScatterAlgorithm,
+        allreduce: AllreduceAlgorithm,
         tag: u32,
         timeout: Duration,
     ) -> ShimResult<()> {
@@ -1124,6 +1144,7 @@ impl RawContext {
             ReduceScatterAlgorithm::HalvingDoubling => sys::GLOO_SHIM_RS_HALVING_DOUBLING,
             ReduceScatterAlgorithm::Allreduce => sys::GLOO_SHIM_RS_ALLREDUCE,
         } as i32;
+        let (ar_algo, segment) = self.allreduce_codes(allreduce, bytes_of(&send));
         let mut st = new_status();
         let _g = self.lock();
         clear_reduce_failure();
@@ -1139,6 +1160,8 @@ impl RawContext {
                 op.code(),
                 Some(reduce_callback),
                 algo,
+                ar_algo,
+                segment,
                 tag,
                 millis(timeout),
                 &mut st,
