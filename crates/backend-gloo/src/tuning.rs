@@ -64,19 +64,19 @@ pub struct TableRow {
 /// wins; no row: [`AllreduceAlgorithm::Ring`].
 ///
 /// Measured on the development machine (2 shared cores, loopback TCP, ranks as threads and as
-/// processes; 2026-11-24, load average 12–17 from other builds, so the wall times were noisy
-/// and the choice rests on CPU time per call, which load does not inflate), f32 sum, in place,
-/// with `gs-probe`/`gloo-bench --algorithms` (docs/performance.md, "Gloo all-reduce at large
-/// messages"):
+/// processes; 2026-11-24, load average 12–18 from other builds, so wall times were noisy and the
+/// choice rests on the CPU time per call, which the load inflates far less), f32 sum, in place;
+/// `gloo-bench --algorithms` measures the same variants side by side (docs/performance.md,
+/// "Gloo all-reduce at large messages"):
 ///
-/// * Gloo's ring with 4 MiB segments used 14–17 % less CPU per 64 MiB all-reduce than with its
-///   default 1 MiB segments at 2 ranks (0.053 s against 0.063 s per call, all ranks together)
-///   and 7–9 % less at 4 ranks (0.150 s against 0.165 s); 16 MiB segments and 256 KiB
-///   segments used more than 1 MiB ones. From 16 MiB on, 4 MiB segments are the choice.
-/// * Up to 8 MiB the ring makes segments of at most `bytes / (2 · ranks)`, so the segment
-///   limit changes nothing below 16 MiB at 2 ranks: Gloo's ring as it is.
-/// * BCube used 15–35 % more CPU than the ring at 64 MiB (2 and 4 ranks), and was no faster at
-///   small messages: never chosen.
+/// * Gloo's ring with 4 MiB segments used 18 % less CPU per 64 MiB all-reduce than with Gloo's
+///   default 1 MiB segments at 2 ranks (54.0 against 66.0 ms per call, all ranks together) and
+///   14 % less at 4 ranks (142.3 against 165.3 ms); 2 MiB segments were in between, 8 MiB ones
+///   no better than 4 MiB, 256 KiB and 16 MiB ones worse than 1 MiB. At 16 MiB the gain is
+///   5–8 %. From 16 MiB on, 4 MiB segments are the choice.
+/// * Below that the ring's own segments (at most `bytes / (2 · ranks)`) are small anyway: Gloo's
+///   ring as it is, which keeps small messages exactly as they were.
+/// * BCube used more CPU than the ring at 8, 32 and 64 MiB (2 and 4 ranks): never chosen.
 pub const ALLREDUCE_TABLE: &[TableRow] = &[TableRow {
     max_ranks: usize::MAX,
     min_bytes: 16 << 20,

@@ -3,8 +3,9 @@
 //!
 //! Ranks are threads of this process (Gloo over loopback TCP, in-process rendezvous).
 //!
-//! * all_reduce (Gloo ring), all_gather (Gloo ring), reduce_scatter (the default algorithm:
-//!   Gloo's ring all-reduce plus a copy; `--rs-halving-doubling` measures Gloo's own one),
+//! * all_reduce (the backend's automatic choice, `AllreduceAlgorithm::Auto`: Gloo's ring, with
+//!   4 MiB segments from 16 MiB), all_gather (Gloo ring), reduce_scatter (the default algorithm:
+//!   that all-reduce plus a copy; `--rs-halving-doubling` measures Gloo's own one),
 //!   broadcast, f32 sum, 8 B to 64 MiB (powers of 4, plus 64 MiB), at 2 and 4 ranks.
 //! * Time = median over iterations of the slowest rank's time; every iteration starts after a
 //!   barrier, and the trait call and the direct call alternate iteration by iteration.
