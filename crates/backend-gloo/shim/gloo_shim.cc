@@ -625,6 +625,60 @@ void run_reduce_scatter_ar(
       recv_count * sizeof(T));
 }
 
+// Slot prefix of the ring reduce-scatter's messages (one slot per call: its tag).
+constexpr uint8_t kRingRsSlotPrefix = 0x7E;
+
+// Ring reduce-scatter: n - 1 steps; at step s this rank sends the partial sum of block
+// (rank - s - 1) mod n to rank + 1 and receives that of block (rank - s - 2) mod n from
+// rank - 1, which it combines with its own block; the last block it receives is its own, whose
+// sum goes straight into recv. Each rank sends (n - 1) blocks: half the traffic of an
+// all-reduce, and no scratch buffer of the whole input (two blocks of staging).
+template <typename T>
+void run_reduce_scatter_ring(
+    gloo_shim_context* c, const void* send, void* recv, size_t recv_count, int32_t op,
+    gloo_shim_reduce_fn reduce, uint32_t tag, Millis timeout) {
+  const auto& ctx = c->ctx;
+  const size_t n = static_cast<size_t>(ctx->size);
+  const size_t rank = static_cast<size_t>(ctx->rank);
+  const size_t block = recv_count * sizeof(T);
+  const auto* in = static_cast<const uint8_t*>(send);
+  if (n == 1) {
+    std::memcpy(recv, in, block);
+    return;
+  }
+  const int32_t dtype = DtypeOf<T>::value;
+  const int next = static_cast<int>((rank + 1) % n);
+  const int prev = static_cast<int>((rank + n - 1) % n);
+  const auto slot = gloo::Slot::build(kRingRsSlotPrefix, tag);
+  // Gloo only reads a buffer it sends from.
+  auto in_buf = ctx->createUnboundBuffer(const_cast<uint8_t*>(in), block * n);
+  std::unique_ptr<T[]> staging(new T[recv_count * 2]);
+  auto* stage = reinterpret_cast<uint8_t*>(staging.get());
+  auto stage_buf = ctx->createUnboundBuffer(stage, block * 2);
+  auto wait = [](bool done) {
+    if (!done) {
+      throw gloo::IoException("the ring reduce-scatter was aborted");
+    }
+  };
+  for (size_t s = 0; s + 1 < n; s++) {
+    const size_t send_block = (rank + 2 * n - s - 1) % n;
+    const size_t recv_block = (rank + 2 * n - s - 2) % n;
+    const size_t here = (s % 2) * block;
+    stage_buf->recv(prev, slot, here, block);
+    if (s == 0) {
+      in_buf->send(next, slot, send_block * block, block);
+      wait(in_buf->waitSend(timeout));
+    } else {
+      // The partial sum of send_block was reduced into the other half at the previous step.
+      stage_buf->send(next, slot, ((s + 1) % 2) * block, block);
+      wait(stage_buf->waitSend(timeout));
+    }
+    wait(stage_buf->waitRecv(timeout));
+    void* out = (s + 2 == n) ? recv : static_cast<void*>(stage + here);
+    reduce(dtype, op, out, stage + here, in + recv_block * block, recv_count);
+  }
+}
+
 // ---- point to point: the length protocol (described in gloo_shim.h) ---------------------------
 
 // "GRDP": the first four bytes of every point-to-point header.
@@ -1769,6 +1823,9 @@ int32_t gloo_shim_reduce_scatter(
       bool fits = total_bytes <= static_cast<size_t>(std::numeric_limits<int>::max());
       if (algorithm == GLOO_SHIM_RS_HALVING_DOUBLING && fits) {
         run_reduce_scatter_hd<T>(c, send, recv, recv_count, dtype, op, reduce);
+      } else if (algorithm == GLOO_SHIM_RS_RING) {
+        run_reduce_scatter_ring<T>(
+            c, send, recv, recv_count, op, reduce, tag, to_millis(timeout_ms));
       } else {
         run_reduce_scatter_ar<T>(
             c, send, recv, recv_count, op, reduce, allreduce_algorithm, max_segment_bytes, tag,

@@ -73,7 +73,10 @@ enum {
   /* gloo::ReduceScatterHalvingDoubling<T> (the legacy algorithm; pair-bound buffers). */
   GLOO_SHIM_RS_HALVING_DOUBLING = 1,
   /* gloo::allreduce (ring) on a scratch copy, then a copy of this rank's block. */
-  GLOO_SHIM_RS_ALLREDUCE = 2
+  GLOO_SHIM_RS_ALLREDUCE = 2,
+  /* The shim's ring reduce-scatter over Gloo's unbound buffers: each rank sends n - 1 blocks
+   * (half an all-reduce's traffic) and stages two blocks, not the whole input. */
+  GLOO_SHIM_RS_RING = 3
 };
 
 /* The element-wise reduction Gloo runs: out[i] = a[i] op b[i] for n elements of dtype

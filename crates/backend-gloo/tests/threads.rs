@@ -115,6 +115,19 @@ fn large_messages_through_the_automatic_choice() {
     }
 }
 
+/// The suite (every dtype and reduction, odd block sizes) with the ring reduce-scatter, at
+/// 1, 2, 3, 5 ranks, and repeated calls of one shape.
+#[test]
+fn reduce_scatter_ring() {
+    for n in [1usize, 2, 3, 5] {
+        suite_at(
+            n,
+            cfg(&format!("rsring{n}")).with_reduce_scatter(ReduceScatterAlgorithm::Ring),
+        );
+    }
+    reduce_scatter_repeated(ReduceScatterAlgorithm::Ring);
+}
+
 /// Reduce-scatter on sizes that are not powers of two.
 #[test]
 fn reduce_scatter_halving_doubling_odd_sizes() {

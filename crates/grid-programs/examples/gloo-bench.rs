@@ -5,7 +5,8 @@
 //!
 //! * all_reduce (the backend's automatic choice, `AllreduceAlgorithm::Auto`: Gloo's ring, with
 //!   4 MiB segments from 16 MiB), all_gather (Gloo ring), reduce_scatter (the default algorithm:
-//!   that all-reduce plus a copy; `--rs-halving-doubling` measures Gloo's own one),
+//!   that all-reduce plus a copy; `--rs-halving-doubling` measures Gloo's own one, `--rs-ring`
+//!   the shim's ring reduce-scatter),
 //!   broadcast, f32 sum, 8 B to 64 MiB (powers of 4, plus 64 MiB), at 2 and 4 ranks.
 //! * Time = median over iterations of the slowest rank's time; every iteration starts after a
 //!   barrier, and the trait call and the direct call alternate iteration by iteration.
@@ -36,7 +37,7 @@
 //! * `--min-bytes N` and `--ops all_reduce,...` narrow the default mode to some sizes and
 //!   operations.
 //!
-//! Usage: `gloo-bench [--quick] [--ranks 2,4] [--min-bytes N] [--max-bytes N] [--ops LIST] [--rs-halving-doubling] [--check-cost] [--p2p] [--algorithms [--variants LIST]]`.
+//! Usage: `gloo-bench [--quick] [--ranks 2,4] [--min-bytes N] [--max-bytes N] [--ops LIST] [--rs-halving-doubling|--rs-ring] [--check-cost] [--p2p] [--algorithms [--variants LIST]]`.
 
 use backend_gloo::{
     run_ranks, AllreduceAlgorithm, GlooCommunicator, GlooConfig, RawContext, RawOp,
@@ -103,6 +104,8 @@ const TIMEOUT: Duration = Duration::from_secs(120);
 
 /// The reduce-scatter algorithm of this run (the trait uses it through the configuration).
 static HALVING_DOUBLING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+/// `--rs-ring`: the shim's ring reduce-scatter instead of the default.
+static RS_RING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 fn c_rs(_c: &GlooCommunicator) -> ReduceScatterAlgorithm {
     c_rs_global()
@@ -111,8 +114,10 @@ fn c_rs(_c: &GlooCommunicator) -> ReduceScatterAlgorithm {
 fn c_rs_global() -> ReduceScatterAlgorithm {
     if HALVING_DOUBLING.load(std::sync::atomic::Ordering::Relaxed) {
         ReduceScatterAlgorithm::HalvingDoubling
+    } else if RS_RING.load(std::sync::atomic::Ordering::Relaxed) {
+        ReduceScatterAlgorithm::Ring
     } else {
-        ReduceScatterAlgorithm::Allreduce
+        ReduceScatterAlgorithm::default()
     }
 }
 
@@ -596,6 +601,7 @@ fn main() -> ExitCode {
                     return ExitCode::from(2);
                 }
             },
+            "--rs-ring" => RS_RING.store(true, std::sync::atomic::Ordering::Relaxed),
             "--rs-halving-doubling" => {
                 HALVING_DOUBLING.store(true, std::sync::atomic::Ordering::Relaxed)
             }
@@ -642,7 +648,7 @@ fn main() -> ExitCode {
                 }
             },
             other => {
-                eprintln!("gloo-bench: unknown argument '{other}' (usage: gloo-bench [--quick] [--ranks 2,4] [--min-bytes N] [--max-bytes N] [--ops LIST] [--rs-halving-doubling] [--check-cost] [--p2p] [--algorithms [--variants LIST]])");
+                eprintln!("gloo-bench: unknown argument '{other}' (usage: gloo-bench [--quick] [--ranks 2,4] [--min-bytes N] [--max-bytes N] [--ops LIST] [--rs-halving-doubling|--rs-ring] [--check-cost] [--p2p] [--algorithms [--variants LIST]])");
                 return ExitCode::from(2);
             }
         }
