@@ -532,7 +532,8 @@ void with_dtype(int32_t dtype, F&& f) {
 template <typename T>
 void run_allreduce(
     const std::shared_ptr<gloo::Context>& ctx, const void* send, void* recv, size_t count,
-    int32_t op, gloo_shim_reduce_fn reduce, int32_t algorithm, uint32_t tag, Millis timeout) {
+    int32_t op, gloo_shim_reduce_fn reduce, int32_t algorithm, size_t max_segment_bytes,
+    uint32_t tag, Millis timeout) {
   gloo::AllreduceOptions opts(ctx);
   if (send != recv) {
     // Without an input Gloo reduces the output buffer in place.
@@ -546,6 +547,10 @@ void run_allreduce(
   opts.setAlgorithm(
       algorithm == GLOO_SHIM_ALLREDUCE_BCUBE ? gloo::AllreduceOptions::Algorithm::BCUBE
                                              : gloo::AllreduceOptions::Algorithm::RING);
+  if (max_segment_bytes != 0) {
+    // The ring's largest segment (Gloo's default: 1 MiB); Gloo rounds it to whole elements.
+    opts.setMaxSegmentSize(max_segment_bytes);
+  }
   opts.setTag(tag);
   opts.setTimeout(timeout);
   gloo::allreduce(opts);
@@ -607,15 +612,71 @@ void run_reduce_scatter_hd(
 template <typename T>
 void run_reduce_scatter_ar(
     gloo_shim_context* c, const void* send, void* recv, size_t recv_count, int32_t op,
-    gloo_shim_reduce_fn reduce, uint32_t tag, Millis timeout) {
+    gloo_shim_reduce_fn reduce, int32_t allreduce_algorithm, size_t max_segment_bytes,
+    uint32_t tag, Millis timeout) {
   const size_t size = static_cast<size_t>(c->ctx->size);
-  std::vector<T> scratch(recv_count * size);
+  // Not value-initialised (no memset of the whole buffer): the all-reduce writes every element.
+  std::unique_ptr<T[]> scratch(new T[recv_count * size]);
   run_allreduce<T>(
-      c->ctx, send, scratch.data(), recv_count * size, op, reduce, GLOO_SHIM_ALLREDUCE_RING,
-      tag, timeout);
+      c->ctx, send, scratch.get(), recv_count * size, op, reduce, allreduce_algorithm,
+      max_segment_bytes, tag, timeout);
   std::memcpy(
-      recv, scratch.data() + static_cast<size_t>(c->ctx->rank) * recv_count,
+      recv, scratch.get() + static_cast<size_t>(c->ctx->rank) * recv_count,
       recv_count * sizeof(T));
+}
+
+// Slot prefix of the ring reduce-scatter's messages (one slot per call: its tag).
+constexpr uint8_t kRingRsSlotPrefix = 0x7E;
+
+// Ring reduce-scatter: n - 1 steps; at step s this rank sends the partial sum of block
+// (rank - s - 1) mod n to rank + 1 and receives that of block (rank - s - 2) mod n from
+// rank - 1, which it combines with its own block; the last block it receives is its own, whose
+// sum goes straight into recv. Each rank sends (n - 1) blocks: half the traffic of an
+// all-reduce, and no scratch buffer of the whole input (two blocks of staging).
+template <typename T>
+void run_reduce_scatter_ring(
+    gloo_shim_context* c, const void* send, void* recv, size_t recv_count, int32_t op,
+    gloo_shim_reduce_fn reduce, uint32_t tag, Millis timeout) {
+  const auto& ctx = c->ctx;
+  const size_t n = static_cast<size_t>(ctx->size);
+  const size_t rank = static_cast<size_t>(ctx->rank);
+  const size_t block = recv_count * sizeof(T);
+  const auto* in = static_cast<const uint8_t*>(send);
+  if (n == 1) {
+    std::memcpy(recv, in, block);
+    return;
+  }
+  const int32_t dtype = DtypeOf<T>::value;
+  const int next = static_cast<int>((rank + 1) % n);
+  const int prev = static_cast<int>((rank + n - 1) % n);
+  const auto slot = gloo::Slot::build(kRingRsSlotPrefix, tag);
+  // Gloo only reads a buffer it sends from.
+  auto in_buf = ctx->createUnboundBuffer(const_cast<uint8_t*>(in), block * n);
+  std::unique_ptr<T[]> staging(new T[recv_count * 2]);
+  auto* stage = reinterpret_cast<uint8_t*>(staging.get());
+  auto stage_buf = ctx->createUnboundBuffer(stage, block * 2);
+  auto wait = [](bool done) {
+    if (!done) {
+      throw gloo::IoException("the ring reduce-scatter was aborted");
+    }
+  };
+  for (size_t s = 0; s + 1 < n; s++) {
+    const size_t send_block = (rank + 2 * n - s - 1) % n;
+    const size_t recv_block = (rank + 2 * n - s - 2) % n;
+    const size_t here = (s % 2) * block;
+    stage_buf->recv(prev, slot, here, block);
+    if (s == 0) {
+      in_buf->send(next, slot, send_block * block, block);
+      wait(in_buf->waitSend(timeout));
+    } else {
+      // The partial sum of send_block was reduced into the other half at the previous step.
+      stage_buf->send(next, slot, ((s + 1) % 2) * block, block);
+      wait(stage_buf->waitSend(timeout));
+    }
+    wait(stage_buf->waitRecv(timeout));
+    void* out = (s + 2 == n) ? recv : static_cast<void*>(stage + here);
+    reduce(dtype, op, out, stage + here, in + recv_block * block, recv_count);
+  }
 }
 
 // ---- point to point: the length protocol (described in gloo_shim.h) ---------------------------
@@ -1686,11 +1747,14 @@ int32_t gloo_shim_context_size(const gloo_shim_context* ctx) {
 
 int32_t gloo_shim_allreduce(
     gloo_shim_context* c, const void* send, void* recv, size_t count, int32_t dtype, int32_t op,
-    gloo_shim_reduce_fn reduce, int32_t algorithm, uint32_t tag, int64_t timeout_ms,
-    gloo_shim_status* st) {
+    gloo_shim_reduce_fn reduce, int32_t algorithm, size_t max_segment_bytes, uint32_t tag,
+    int64_t timeout_ms, gloo_shim_status* st) {
   return guarded(c->ctx.get(), st, [&] {
     if (!valid_dtype(dtype) || !valid_op(op) || reduce == nullptr) {
       throw std::invalid_argument("unknown dtype or reduction, or no reduction function");
+    }
+    if (algorithm != GLOO_SHIM_ALLREDUCE_RING && algorithm != GLOO_SHIM_ALLREDUCE_BCUBE) {
+      throw std::invalid_argument("unknown allreduce algorithm " + std::to_string(algorithm));
     }
     if (count == 0) {
       return;
@@ -1698,7 +1762,8 @@ int32_t gloo_shim_allreduce(
     with_dtype(dtype, [&](auto t) {
       using T = decltype(t);
       run_allreduce<T>(
-          c->ctx, send, recv, count, op, reduce, algorithm, tag, to_millis(timeout_ms));
+          c->ctx, send, recv, count, op, reduce, algorithm, max_segment_bytes, tag,
+          to_millis(timeout_ms));
     });
   });
 }
@@ -1737,11 +1802,16 @@ int32_t gloo_shim_allgather(
 
 int32_t gloo_shim_reduce_scatter(
     gloo_shim_context* c, const void* send, void* recv, size_t recv_count, int32_t dtype,
-    int32_t op, gloo_shim_reduce_fn reduce, int32_t algorithm, uint32_t tag, int64_t timeout_ms,
-    gloo_shim_status* st) {
+    int32_t op, gloo_shim_reduce_fn reduce, int32_t algorithm, int32_t allreduce_algorithm,
+    size_t max_segment_bytes, uint32_t tag, int64_t timeout_ms, gloo_shim_status* st) {
   return guarded(c->ctx.get(), st, [&] {
     if (!valid_dtype(dtype) || !valid_op(op) || reduce == nullptr) {
       throw std::invalid_argument("unknown dtype or reduction, or no reduction function");
+    }
+    if (allreduce_algorithm != GLOO_SHIM_ALLREDUCE_RING &&
+        allreduce_algorithm != GLOO_SHIM_ALLREDUCE_BCUBE) {
+      throw std::invalid_argument(
+          "unknown allreduce algorithm " + std::to_string(allreduce_algorithm));
     }
     if (recv_count == 0) {
       return;
@@ -1753,9 +1823,13 @@ int32_t gloo_shim_reduce_scatter(
       bool fits = total_bytes <= static_cast<size_t>(std::numeric_limits<int>::max());
       if (algorithm == GLOO_SHIM_RS_HALVING_DOUBLING && fits) {
         run_reduce_scatter_hd<T>(c, send, recv, recv_count, dtype, op, reduce);
+      } else if (algorithm == GLOO_SHIM_RS_RING) {
+        run_reduce_scatter_ring<T>(
+            c, send, recv, recv_count, op, reduce, tag, to_millis(timeout_ms));
       } else {
         run_reduce_scatter_ar<T>(
-            c, send, recv, recv_count, op, reduce, tag, to_millis(timeout_ms));
+            c, send, recv, recv_count, op, reduce, allreduce_algorithm, max_segment_bytes, tag,
+            to_millis(timeout_ms));
       }
     });
   });

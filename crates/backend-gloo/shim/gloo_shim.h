@@ -73,7 +73,10 @@ enum {
   /* gloo::ReduceScatterHalvingDoubling<T> (the legacy algorithm; pair-bound buffers). */
   GLOO_SHIM_RS_HALVING_DOUBLING = 1,
   /* gloo::allreduce (ring) on a scratch copy, then a copy of this rank's block. */
-  GLOO_SHIM_RS_ALLREDUCE = 2
+  GLOO_SHIM_RS_ALLREDUCE = 2,
+  /* The shim's ring reduce-scatter over Gloo's unbound buffers: each rank sends n - 1 blocks
+   * (half an all-reduce's traffic) and stages two blocks, not the whole input. */
+  GLOO_SHIM_RS_RING = 3
 };
 
 /* The element-wise reduction Gloo runs: out[i] = a[i] op b[i] for n elements of dtype
@@ -195,11 +198,13 @@ int32_t gloo_shim_context_size(const gloo_shim_context* ctx);
 /* ---- collectives (blocking; count = elements, bytes = bytes) --------------------------------- */
 
 /* recv[i] = op over ranks of send[i], reduced with `reduce`; send and recv have count elements
- * of dtype. send == recv reduces in place. */
+ * of dtype. send == recv reduces in place. algorithm: GLOO_SHIM_ALLREDUCE_*;
+ * max_segment_bytes: the ring's largest segment (the unit it overlaps sending with reducing;
+ * rounded to whole elements), 0 for Gloo's default (1 MiB); ignored by BCube. */
 int32_t gloo_shim_allreduce(
     gloo_shim_context* ctx, const void* send, void* recv, size_t count, int32_t dtype,
-    int32_t op, gloo_shim_reduce_fn reduce, int32_t algorithm, uint32_t tag, int64_t timeout_ms,
-    gloo_shim_status* st);
+    int32_t op, gloo_shim_reduce_fn reduce, int32_t algorithm, size_t max_segment_bytes,
+    uint32_t tag, int64_t timeout_ms, gloo_shim_status* st);
 /* buf (bytes) of rank root to every rank, in place. */
 int32_t gloo_shim_broadcast(
     gloo_shim_context* ctx, void* buf, size_t bytes, int32_t root, uint32_t tag,
@@ -209,11 +214,13 @@ int32_t gloo_shim_allgather(
     gloo_shim_context* ctx, const void* send, void* recv, size_t bytes, uint32_t tag,
     int64_t timeout_ms, gloo_shim_status* st);
 /* recv (recv_count elements) = block `rank` of op over ranks of send (size * recv_count),
- * reduced with `reduce`. */
+ * reduced with `reduce`. algorithm: GLOO_SHIM_RS_*; allreduce_algorithm and
+ * max_segment_bytes: the all-reduce that GLOO_SHIM_RS_ALLREDUCE runs (as in
+ * gloo_shim_allreduce). */
 int32_t gloo_shim_reduce_scatter(
     gloo_shim_context* ctx, const void* send, void* recv, size_t recv_count, int32_t dtype,
-    int32_t op, gloo_shim_reduce_fn reduce, int32_t algorithm, uint32_t tag, int64_t timeout_ms,
-    gloo_shim_status* st);
+    int32_t op, gloo_shim_reduce_fn reduce, int32_t algorithm, int32_t allreduce_algorithm,
+    size_t max_segment_bytes, uint32_t tag, int64_t timeout_ms, gloo_shim_status* st);
 /* Block j of send (bytes / size) to rank j; block i of recv from rank i. */
 int32_t gloo_shim_alltoall(
     gloo_shim_context* ctx, const void* send, void* recv, size_t bytes, uint32_t tag,

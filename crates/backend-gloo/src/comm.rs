@@ -440,11 +440,12 @@ impl Inner {
             // As in all_reduce: an i32 or u8 average sums in i64.
             let mut block = HostBuffer::zeros(DType::I64, recv.len());
             self.ctx
-                .reduce_scatter(
+                .reduce_scatter_with(
                     wide.as_slice(),
                     block.as_mut_slice(),
                     RawOp::Sum,
                     self.reduce_scatter,
+                    self.allreduce,
                     tag,
                     limit,
                 )
@@ -453,11 +454,12 @@ impl Inner {
             return narrow(OP, block.as_slice(), recv);
         }
         self.ctx
-            .reduce_scatter(
+            .reduce_scatter_with(
                 send,
                 recv.reborrow(),
                 raw_op(op),
                 self.reduce_scatter,
+                self.allreduce,
                 tag,
                 limit,
             )
@@ -694,6 +696,20 @@ impl GlooBackend {
     /// ```
     pub fn raw(&self) -> &RawContext {
         &self.inner.ctx
+    }
+
+    /// The all-reduce algorithm of this communicator as configured
+    /// ([`crate::GlooConfig::allreduce`], or [`crate::ALLREDUCE_ENV`] in place of
+    /// [`AllreduceAlgorithm::Auto`]); [`AllreduceAlgorithm::resolve`] gives the one a call runs.
+    ///
+    /// ```
+    /// # use backend_gloo::{run_ranks, GlooConfig, AllreduceAlgorithm};
+    /// let cfg = GlooConfig::new("doc-algo").with_allreduce(AllreduceAlgorithm::Bcube);
+    /// let r = run_ranks(1, &cfg, |_f, w| Ok(w.allreduce_algorithm())).unwrap();
+    /// assert_eq!(*r[0].as_ref().unwrap(), AllreduceAlgorithm::Bcube);
+    /// ```
+    pub fn allreduce_algorithm(&self) -> AllreduceAlgorithm {
+        self.inner.allreduce
     }
 
     /// The backend's part of [`grid_core::Communicator::abort`] (call that one: it also marks

@@ -241,7 +241,9 @@ pub struct GlooConfig {
     pub timeout: Duration,
     /// Address of this host the TCP device listens on (default `127.0.0.1`: single host).
     pub hostname: String,
-    /// Algorithm of `all_reduce`.
+    /// Algorithm of `all_reduce` (and of the all-reduce inside reduce-scatter's default
+    /// algorithm). [`AllreduceAlgorithm::Auto`] (the default) picks by rank count and message
+    /// size ([`crate::ALLREDUCE_TABLE`]), or takes [`crate::ALLREDUCE_ENV`] when that is set.
     pub allreduce: AllreduceAlgorithm,
     /// Algorithm of `reduce_scatter`.
     pub reduce_scatter: ReduceScatterAlgorithm,
@@ -272,8 +274,8 @@ impl GlooConfig {
         self.timeout >= crate::ffi::NO_LIMIT
     }
 
-    /// Defaults: 30 s timeout, `127.0.0.1`, ring all-reduce, reduce-scatter
-    /// through the ring all-reduce.
+    /// Defaults: 30 s timeout, `127.0.0.1`, all-reduce algorithm chosen per call
+    /// ([`AllreduceAlgorithm::Auto`]), reduce-scatter through that all-reduce.
     ///
     /// ```
     /// let cfg = backend_gloo::GlooConfig::new("job");
@@ -284,7 +286,7 @@ impl GlooConfig {
             job_id: job_id.into(),
             timeout: Duration::from_secs(30),
             hostname: "127.0.0.1".into(),
-            allreduce: AllreduceAlgorithm::Ring,
+            allreduce: AllreduceAlgorithm::Auto,
             reduce_scatter: ReduceScatterAlgorithm::Allreduce,
         }
     }
@@ -333,6 +335,17 @@ impl GlooConfig {
     pub fn with_reduce_scatter(mut self, a: ReduceScatterAlgorithm) -> GlooConfig {
         self.reduce_scatter = a;
         self
+    }
+
+    /// `self` with [`crate::ALLREDUCE_ENV`] applied: an `Auto` all-reduce takes the
+    /// algorithm the variable names; an algorithm set explicitly stays.
+    fn with_env_allreduce(mut self) -> Result<GlooConfig> {
+        if self.allreduce == AllreduceAlgorithm::Auto {
+            if let Some(a) = AllreduceAlgorithm::from_env().map_err(Error::Invalid)? {
+                self.allreduce = a;
+            }
+        }
+        Ok(self)
     }
 
     fn validate(&self) -> Result<()> {
@@ -411,6 +424,7 @@ impl GlooFactory {
     /// ```
     pub fn new(rendezvous: &Rendezvous, config: GlooConfig) -> Result<GlooFactory> {
         config.validate()?;
+        let config = config.with_env_allreduce()?;
         let store = rendezvous.open()?;
         let device = RawDevice::tcp(&config.hostname).map_err(|e| {
             LibraryError::new(
@@ -786,6 +800,8 @@ where
         });
     }
     config.validate()?;
+    // A bad GRID_GLOO_ALLREDUCE fails here once, not on every rank.
+    config.clone().with_env_allreduce()?;
     let f = &f;
     let results = std::thread::scope(|s| {
         let handles: Vec<_> = (0..world_size)

@@ -6,7 +6,8 @@
 //!
 //! * [`GlooCommunicator`] = [`grid_core::Comm`]`<`[`GlooBackend`]`>`: the grid-core front end
 //!   (validation, sequence numbers, tracing) over [`GlooBackend`], which executes the validated
-//!   operations: all-reduce (Gloo's ring or BCube; in place with no copy, or out of place),
+//!   operations: all-reduce (Gloo's ring or BCube, picked by rank count and message size from
+//!   measurements, see [`AllreduceAlgorithm`]; in place with no copy, or out of place),
 //!   broadcast, all-gather, reduce-scatter (through Gloo's ring all-reduce by default: Gloo's
 //!   own `ReduceScatterHalvingDoubling` is opt-in, see [`ReduceScatterAlgorithm`]), all-to-all,
 //!   barrier, tagged send/recv and batches of them, and nonblocking forms on a
@@ -54,6 +55,7 @@ mod factory;
 #[allow(unsafe_code)]
 mod ffi;
 pub mod testing;
+mod tuning;
 
 pub use comm::{GlooBackend, GlooCommunicator};
 pub use factory::{
@@ -61,6 +63,10 @@ pub use factory::{
     Rendezvous,
 };
 pub use ffi::{
-    p2p_copied_bytes, AllreduceAlgorithm, P2pMismatch, RawContext, RawOp, RawP2p,
-    ReduceScatterAlgorithm, ShimCode, ShimError, P2P_INLINE_MAX,
+    p2p_copied_bytes, P2pMismatch, RawContext, RawOp, RawP2p, ReduceScatterAlgorithm, ShimCode,
+    ShimError, P2P_INLINE_MAX,
+};
+pub use tuning::{
+    AllreduceAlgorithm, ParseAlgorithmError, TableRow, ALLREDUCE_ENV, ALLREDUCE_TABLE,
+    MAX_SEGMENT_BYTES, MIN_SEGMENT_BYTES,
 };

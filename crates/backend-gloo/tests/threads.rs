@@ -49,6 +49,85 @@ fn suite_3_ranks_allreduce_algorithms() {
     suite_at(4, cfg("t4b").with_allreduce(AllreduceAlgorithm::Bcube));
 }
 
+/// The suite with tiny ring segments (many segments per call, limits not a multiple of 8 bytes).
+#[test]
+fn suite_ring_segments() {
+    suite_at(
+        3,
+        cfg("t3seg").with_allreduce(AllreduceAlgorithm::RingSegments(4100)),
+    );
+    suite_at(
+        2,
+        cfg("t2seg").with_allreduce(AllreduceAlgorithm::RingSegments(8192)),
+    );
+}
+
+/// Messages large enough for the automatic choice's large-message row (segments limited),
+/// with element counts that do not divide into the ranks or the segments: exact results for
+/// all_reduce out of place and in place, and reduce_scatter through it.
+#[test]
+fn large_messages_through_the_automatic_choice() {
+    use grid_core::{Communicator, CommunicatorExt, ReduceOp};
+    let bytes = (16 << 20) + 12;
+    assert_ne!(
+        AllreduceAlgorithm::Auto.resolve(3, bytes),
+        AllreduceAlgorithm::Ring,
+        "the table's large-message row starts above this size: enlarge it"
+    );
+    let results = run_ranks(3, &cfg("t3large"), |_f, w| {
+        let n = bytes / 4;
+        let me = w.rank() as f64;
+        // Distinct values per element and rank, exactly representable in f64.
+        let send: Vec<f64> = (0..n / 2).map(|i| (i % 1000) as f64 * 3.0 + me).collect();
+        let mut out = vec![0.0f64; send.len()];
+        w.all_reduce_into(&send, &mut out, ReduceOp::Sum)?;
+        let want = |i: usize| (i % 1000) as f64 * 9.0 + 3.0;
+        if let Some(i) = (0..out.len()).find(|&i| out[i] != want(i)) {
+            return Err(grid_core::Error::Invalid(format!(
+                "out of place: element {i} = {}",
+                out[i]
+            )));
+        }
+        let mut inplace = send.clone();
+        w.all_reduce_in_place(&mut inplace[..], ReduceOp::Max)?;
+        let max = |i: usize| (i % 1000) as f64 * 3.0 + 2.0;
+        if let Some(i) = (0..inplace.len()).find(|&i| inplace[i] != max(i)) {
+            return Err(grid_core::Error::Invalid(format!(
+                "in place: element {i} = {}",
+                inplace[i]
+            )));
+        }
+        let per = send.len() / 3;
+        let mut block = vec![0.0f64; per];
+        w.reduce_scatter_into(&send[..per * 3], &mut block, ReduceOp::Sum)?;
+        let base = w.rank() * per;
+        if let Some(i) = (0..per).find(|&i| block[i] != want(base + i)) {
+            return Err(grid_core::Error::Invalid(format!(
+                "reduce_scatter: element {i} = {}",
+                block[i]
+            )));
+        }
+        Ok(())
+    })
+    .unwrap();
+    for (r, res) in results.into_iter().enumerate() {
+        res.unwrap_or_else(|e| panic!("rank {r}: {e}"));
+    }
+}
+
+/// The suite (every dtype and reduction, odd block sizes) with the ring reduce-scatter, at
+/// 1, 2, 3, 5 ranks, and repeated calls of one shape.
+#[test]
+fn reduce_scatter_ring() {
+    for n in [1usize, 2, 3, 5] {
+        suite_at(
+            n,
+            cfg(&format!("rsring{n}")).with_reduce_scatter(ReduceScatterAlgorithm::Ring),
+        );
+    }
+    reduce_scatter_repeated(ReduceScatterAlgorithm::Ring);
+}
+
 /// Reduce-scatter on sizes that are not powers of two.
 #[test]
 fn reduce_scatter_halving_doubling_odd_sizes() {

@@ -3,8 +3,10 @@
 //!
 //! Ranks are threads of this process (Gloo over loopback TCP, in-process rendezvous).
 //!
-//! * all_reduce (Gloo ring), all_gather (Gloo ring), reduce_scatter (the default algorithm:
-//!   Gloo's ring all-reduce plus a copy; `--rs-halving-doubling` measures Gloo's own one),
+//! * all_reduce (the backend's automatic choice, `AllreduceAlgorithm::Auto`: Gloo's ring, with
+//!   4 MiB segments from 16 MiB), all_gather (Gloo ring), reduce_scatter (the default algorithm:
+//!   that all-reduce plus a copy; `--rs-halving-doubling` measures Gloo's own one, `--rs-ring`
+//!   the shim's ring reduce-scatter),
 //!   broadcast, f32 sum, 8 B to 64 MiB (powers of 4, plus 64 MiB), at 2 and 4 ranks.
 //! * Time = median over iterations of the slowest rank's time; every iteration starts after a
 //!   barrier, and the trait call and the direct call alternate iteration by iteration.
@@ -23,10 +25,23 @@
 //!   a ping-pong of blocking `send`/`recv` (f32), 8 B to 8 MiB; time = half the round trip
 //!   (median over samples of the mean of back-to-back round trips).
 //!
-//! Usage: `gloo-bench [--quick] [--ranks 2,4] [--max-bytes N] [--rs-halving-doubling] [--check-cost] [--p2p]`.
+//! * `--algorithms`: instead of the above, all_reduce (f32, sum, in place, through the shim)
+//!   with each all-reduce algorithm of `--variants` (default `auto,ring,ring:4194304,bcube`,
+//!   the forms of `backend_gloo::AllreduceAlgorithm`), alternating variant by variant within
+//!   each iteration, at each `--ranks` count and size (`--min-bytes` to `--max-bytes`). Besides
+//!   the wall time (median and fastest, slowest rank) it reports the CPU time the whole process
+//!   spent per call (every rank and Gloo's I/O threads, from `/proc/self/task/*/schedstat`):
+//!   on a shared machine the wall time follows the load, the CPU time much less. This is how
+//!   `backend_gloo::ALLREDUCE_TABLE` was measured.
+//!
+//! * `--min-bytes N` and `--ops all_reduce,...` narrow the default mode to some sizes and
+//!   operations.
+//!
+//! Usage: `gloo-bench [--quick] [--ranks 2,4] [--min-bytes N] [--max-bytes N] [--ops LIST] [--rs-halving-doubling|--rs-ring] [--check-cost] [--p2p] [--algorithms [--variants LIST]]`.
 
 use backend_gloo::{
-    run_ranks, AllreduceAlgorithm, GlooCommunicator, GlooConfig, RawOp, ReduceScatterAlgorithm,
+    run_ranks, AllreduceAlgorithm, GlooCommunicator, GlooConfig, RawContext, RawOp,
+    ReduceScatterAlgorithm,
 };
 use grid_core::{Communicator, CommunicatorExt, HostSlice, HostSliceMut, MismatchCheck, ReduceOp};
 use grid_programs::collectives::{bandwidth, sizes, Op};
@@ -89,6 +104,8 @@ const TIMEOUT: Duration = Duration::from_secs(120);
 
 /// The reduce-scatter algorithm of this run (the trait uses it through the configuration).
 static HALVING_DOUBLING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+/// `--rs-ring`: the shim's ring reduce-scatter instead of the default.
+static RS_RING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 fn c_rs(_c: &GlooCommunicator) -> ReduceScatterAlgorithm {
     c_rs_global()
@@ -97,8 +114,10 @@ fn c_rs(_c: &GlooCommunicator) -> ReduceScatterAlgorithm {
 fn c_rs_global() -> ReduceScatterAlgorithm {
     if HALVING_DOUBLING.load(std::sync::atomic::Ordering::Relaxed) {
         ReduceScatterAlgorithm::HalvingDoubling
+    } else if RS_RING.load(std::sync::atomic::Ordering::Relaxed) {
+        ReduceScatterAlgorithm::Ring
     } else {
-        ReduceScatterAlgorithm::Allreduce
+        ReduceScatterAlgorithm::default()
     }
 }
 
@@ -131,7 +150,8 @@ fn direct(
             HostSlice::F32(&b.send),
             HostSliceMut::F32(&mut b.recv),
             RawOp::Sum,
-            AllreduceAlgorithm::Ring,
+            // What the trait runs (the configuration's default).
+            AllreduceAlgorithm::Auto,
             tag,
             TIMEOUT,
         ),
@@ -187,7 +207,7 @@ struct Row {
     direct_min: f64,
 }
 
-fn collectives(n: usize, sizes: &[usize], quick: bool) -> Result<Vec<Row>, String> {
+fn collectives(n: usize, sizes: &[usize], ops: &[Op], quick: bool) -> Result<Vec<Row>, String> {
     let cfg = GlooConfig::new(format!("gloo-bench-{n}"))
         .with_timeout(TIMEOUT)
         .with_reduce_scatter(c_rs_global());
@@ -199,7 +219,7 @@ fn collectives(n: usize, sizes: &[usize], quick: bool) -> Result<Vec<Row>, Strin
         let rank = world.rank();
         let mut out = Vec::new();
         let mut tag = 0x4000_0000u32;
-        for op in Op::ALL {
+        for &op in ops {
             for &size in sizes {
                 let mut b = bufs(op, size, n, rank);
                 let (warm, iters) = iterations(b.bytes, quick);
@@ -281,7 +301,7 @@ fn overhead(quick: bool) -> Result<(f64, f64), String> {
                         HostSlice::F32(&send),
                         HostSliceMut::F32(&mut recv),
                         RawOp::Sum,
-                        AllreduceAlgorithm::Ring,
+                        AllreduceAlgorithm::Auto,
                         i as u32,
                         TIMEOUT,
                     )
@@ -372,6 +392,110 @@ fn check_cost(n: usize, quick: bool) -> Result<(), String> {
     Ok(())
 }
 
+/// CPU time (s) every thread of this process has run so far (`/proc/self/task/*/schedstat`,
+/// nanoseconds); `None` where that is not readable.
+fn process_cpu() -> Option<f64> {
+    let mut ns: u64 = 0;
+    for task in std::fs::read_dir("/proc/self/task").ok()? {
+        let path = task.ok()?.path().join("schedstat");
+        // A thread that ended between the listing and the read has nothing more to add.
+        let Ok(text) = std::fs::read_to_string(path) else {
+            continue;
+        };
+        ns += text.split_whitespace().next()?.parse::<u64>().ok()?;
+    }
+    Some(ns as f64 * 1e-9)
+}
+
+/// One all-reduce through the shim with `algorithm`.
+fn raw_all_reduce(
+    raw: &RawContext,
+    buf: &mut [f32],
+    algorithm: AllreduceAlgorithm,
+    tag: u32,
+) -> grid_core::Result<()> {
+    raw.allreduce_in_place(HostSliceMut::F32(buf), RawOp::Sum, algorithm, tag, TIMEOUT)
+        .map_err(|e| grid_core::Error::Invalid(e.to_string()))
+}
+
+/// `--algorithms`: every variant at every size at `n` ranks; prints one row per (size,
+/// variant): ranks, bytes, variant, median µs, fastest µs, CPU ms per call.
+fn algorithms(
+    n: usize,
+    sizes: &[usize],
+    variants: &[AllreduceAlgorithm],
+    quick: bool,
+) -> Result<(), String> {
+    let cfg = GlooConfig::new(format!("gloo-bench-algorithms-{n}")).with_timeout(TIMEOUT);
+    let per_rank = run_ranks(n, &cfg, |_f, world| {
+        world.set_mismatch_check(MismatchCheck::Off);
+        let rank = world.rank();
+        let raw = world.raw();
+        let mut tag = 0x5000_0000u32;
+        // Per size: per variant: (wall times, CPU times (rank 0 only)).
+        let mut out = Vec::new();
+        for &bytes in sizes {
+            let (warm, iters) = iterations(bytes, quick);
+            let mut buf = vec![0.0f32; bytes / 4];
+            let mut wall = vec![Vec::with_capacity(iters); variants.len()];
+            let mut cpu = vec![Vec::with_capacity(iters); variants.len()];
+            for it in 0..warm + iters {
+                for k in 0..variants.len() {
+                    // Rotate which variant goes first.
+                    let v = (it + k) % variants.len();
+                    buf.iter_mut().for_each(|x| *x = rank as f32 + 1.0);
+                    world.barrier()?;
+                    let c0 = if rank == 0 { process_cpu() } else { None };
+                    world.barrier()?;
+                    let t = Instant::now();
+                    tag = tag.wrapping_add(1);
+                    raw_all_reduce(raw, &mut buf, variants[v], tag)?;
+                    let dt = t.elapsed().as_secs_f64();
+                    world.barrier()?;
+                    let c1 = if rank == 0 { process_cpu() } else { None };
+                    if it == 0 {
+                        let sum = (n * (n + 1) / 2) as f32;
+                        if let Some(bad) = buf.iter().position(|&x| x != sum) {
+                            return Err(grid_core::Error::Invalid(format!(
+                                "all_reduce {} of {bytes} bytes on rank {rank} of {n}: element {bad} = {}, expected {sum}",
+                                variants[v], buf[bad]
+                            )));
+                        }
+                    }
+                    if it >= warm {
+                        wall[v].push(dt);
+                        if let (Some(a), Some(b)) = (c0, c1) {
+                            cpu[v].push(b - a);
+                        }
+                    }
+                }
+            }
+            out.push((wall, cpu));
+        }
+        Ok(out)
+    })
+    .map_err(|e| e.to_string())?
+    .into_iter()
+    .collect::<grid_core::Result<Vec<_>>>()
+    .map_err(|e| e.to_string())?;
+    for (i, &bytes) in sizes.iter().enumerate() {
+        for (v, variant) in variants.iter().enumerate() {
+            let wall: Vec<Vec<f64>> = per_rank.iter().map(|r| r[i].0[v].clone()).collect();
+            let slowest = slowest_per_sample(&wall);
+            let cpu = median(&per_rank[0][i].1[v]).unwrap_or(f64::NAN);
+            println!(
+                "| {n} | {} | {variant} | {} | {:.1} | {:.1} | {:.2} |",
+                bytes_label(bytes),
+                variant.resolve(n, bytes),
+                median(&slowest).unwrap_or(0.0) * 1e6,
+                slowest.iter().copied().fold(f64::MAX, f64::min) * 1e6,
+                cpu * 1e3,
+            );
+        }
+    }
+    Ok(())
+}
+
 /// Ping-pong between 2 ranks through the trait's blocking send/recv; prints one table row per
 /// size: (bytes, samples, one-way µs, GB/s).
 fn p2p_latency(quick: bool) -> Result<(), String> {
@@ -444,14 +568,40 @@ fn main() -> ExitCode {
     let quick = args.iter().any(|a| a == "--quick");
     let mut ranks = vec![2usize, 4];
     let mut max_bytes = 64usize << 20;
+    let mut min_bytes = 8usize;
+    let mut ops: Vec<Op> = Op::ALL.to_vec();
     let mut check = false;
     let mut p2p = false;
+    let mut algos = false;
+    let mut variants: Vec<AllreduceAlgorithm> = vec![
+        AllreduceAlgorithm::Auto,
+        AllreduceAlgorithm::Ring,
+        AllreduceAlgorithm::RingSegments(4 << 20),
+        AllreduceAlgorithm::Bcube,
+    ];
     let mut it = args.iter();
     while let Some(a) = it.next() {
         match a.as_str() {
             "--quick" => {}
             "--check-cost" => check = true,
             "--p2p" => p2p = true,
+            "--algorithms" => algos = true,
+            "--variants" => match it.next().map(|v| {
+                v.split(',')
+                    .map(str::parse)
+                    .collect::<Result<Vec<AllreduceAlgorithm>, _>>()
+            }) {
+                Some(Ok(v)) if !v.is_empty() => variants = v,
+                Some(Err(e)) => {
+                    eprintln!("gloo-bench: --variants: {e}");
+                    return ExitCode::from(2);
+                }
+                _ => {
+                    eprintln!("gloo-bench: --variants needs a list of all-reduce algorithms, e.g. ring,ring:4194304,bcube");
+                    return ExitCode::from(2);
+                }
+            },
+            "--rs-ring" => RS_RING.store(true, std::sync::atomic::Ordering::Relaxed),
             "--rs-halving-doubling" => {
                 HALVING_DOUBLING.store(true, std::sync::atomic::Ordering::Relaxed)
             }
@@ -466,6 +616,30 @@ fn main() -> ExitCode {
                     return ExitCode::from(2);
                 }
             },
+            "--min-bytes" => match it.next().and_then(|v| v.parse().ok()) {
+                Some(b) if b >= 8 => min_bytes = b,
+                _ => {
+                    eprintln!("gloo-bench: --min-bytes needs an integer >= 8");
+                    return ExitCode::from(2);
+                }
+            },
+            "--ops" => {
+                let names: Vec<&str> = it
+                    .next()
+                    .map(|v| v.split(',').collect())
+                    .unwrap_or_default();
+                let parsed: Option<Vec<Op>> = names
+                    .iter()
+                    .map(|n| Op::ALL.into_iter().find(|o| o.name() == *n))
+                    .collect();
+                match parsed {
+                    Some(v) if !v.is_empty() => ops = v,
+                    _ => {
+                        eprintln!("gloo-bench: --ops needs a list of all_reduce, all_gather, reduce_scatter, broadcast");
+                        return ExitCode::from(2);
+                    }
+                }
+            }
             "--max-bytes" => match it.next().and_then(|v| v.parse().ok()) {
                 Some(b) if b >= 8 => max_bytes = b,
                 _ => {
@@ -474,7 +648,7 @@ fn main() -> ExitCode {
                 }
             },
             other => {
-                eprintln!("gloo-bench: unknown argument '{other}' (usage: gloo-bench [--quick] [--ranks 2,4] [--max-bytes N] [--rs-halving-doubling] [--check-cost] [--p2p])");
+                eprintln!("gloo-bench: unknown argument '{other}' (usage: gloo-bench [--quick] [--ranks 2,4] [--min-bytes N] [--max-bytes N] [--ops LIST] [--rs-halving-doubling|--rs-ring] [--check-cost] [--p2p] [--algorithms [--variants LIST]])");
                 return ExitCode::from(2);
             }
         }
@@ -515,7 +689,33 @@ fn main() -> ExitCode {
         }
         return ExitCode::SUCCESS;
     }
-    let sizes = sizes(max_bytes);
+    let sizes: Vec<usize> = sizes(max_bytes)
+        .into_iter()
+        .filter(|&b| b >= min_bytes)
+        .collect();
+    if algos {
+        println!("## Gloo all-reduce algorithms (f32, sum, in place, through the shim)\n");
+        println!("Ranks are threads of one process (loopback TCP). The variants alternate within each iteration (the first one rotates); time = median (and fastest) over iterations of the slowest rank; CPU = median over iterations of the CPU time of the whole process (all ranks and Gloo's threads) per call. Load average: {}.\n", load_average().unwrap_or_else(|| "unknown".into()));
+        println!(
+            "{}",
+            header(&[
+                ">ranks",
+                ">bytes",
+                "variant",
+                "runs",
+                ">median µs",
+                ">fastest µs",
+                ">CPU ms"
+            ])
+        );
+        for &n in &ranks {
+            if let Err(e) = algorithms(n, &sizes, &variants, quick) {
+                eprintln!("gloo-bench: algorithms at {n} ranks: {e}");
+                return ExitCode::FAILURE;
+            }
+        }
+        return ExitCode::SUCCESS;
+    }
 
     println!("# gloo-bench\n");
     println!(
@@ -554,7 +754,7 @@ fn main() -> ExitCode {
     let mut ratios = Vec::new();
     let mut min_ratios = Vec::new();
     for &n in &ranks {
-        let rows = match collectives(n, &sizes, quick) {
+        let rows = match collectives(n, &sizes, &ops, quick) {
             Ok(r) => r,
             Err(e) => {
                 eprintln!("gloo-bench: {n} ranks: {e}");
