@@ -3,7 +3,7 @@
 //! * `cargo xtask test [--gpu]`: system packages, `cargo fmt --check`, clippy, every test.
 //! * `cargo xtask demo [layout|mpi|gloo|multimodule]`: the main job (layout, communicators,
 //!   multi-module pipeline), or one of its steps.
-//! * `cargo xtask bench layout|mpi|gloo|bridge|nccl`: benchmarks.
+//! * `cargo xtask bench layout|mpi|gloo|peers|bridge|nccl`: benchmarks.
 //!
 //! The alias lives in `.cargo/config.toml` (`xtask = "run --quiet --package xtask --"`).
 
@@ -13,6 +13,7 @@ mod demo;
 mod examples;
 mod external;
 mod packages;
+mod peers;
 mod test;
 mod util;
 
@@ -24,6 +25,7 @@ commands:
   demo layout                      only the layout of a realistic configuration (grid command)
   demo mpi|gloo|multimodule        the backend demos (examples of crates/grid-programs)
   bench layout [--quick]           topology benchmarks (library and grid command)
+  bench peers [--quick]            this project against mpi4py and torch.distributed (Gloo)
   bench mpi|gloo|bridge|nccl [-- ARGS]  backend benchmarks (examples of crates/grid-programs)";
 
 fn main() {
