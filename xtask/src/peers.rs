@@ -293,6 +293,48 @@ pub fn table(rows: &[Row]) -> String {
     s
 }
 
+/// The ratios only, one row per (op, backend, ranks) and one column per size (in the order
+/// the rows give them): the table to read first. Group creation has one `—` size column.
+pub fn summary(rows: &[Row]) -> String {
+    let mut sizes: Vec<Option<u64>> = Vec::new();
+    let mut keys: Vec<(String, String, usize)> = Vec::new();
+    for r in rows {
+        if !sizes.contains(&r.bytes) {
+            sizes.push(r.bytes);
+        }
+        let k = (r.op.clone(), format!("{} / {}", r.backend, r.peer), r.ranks);
+        if !keys.contains(&k) {
+            keys.push(k);
+        }
+    }
+    let mut s = String::from("| op | ours / peer | ranks |");
+    for b in &sizes {
+        let _ = write!(s, " {} |", b.map_or("—".to_string(), size_label));
+    }
+    s.push_str("\n|---|---|--:|");
+    s.push_str(&"--:|".repeat(sizes.len()));
+    s.push('\n');
+    for (op, pair, ranks) in &keys {
+        let _ = write!(s, "| {op} | {pair} | {ranks} |");
+        for b in &sizes {
+            let cell = rows
+                .iter()
+                .find(|r| {
+                    &r.op == op
+                        && format!("{} / {}", r.backend, r.peer) == *pair
+                        && r.ranks == *ranks
+                        && r.bytes == *b
+                })
+                .map_or(String::new(), |r| {
+                    r.ratio().map_or("—".to_string(), |x| format!("{x:.2}"))
+                });
+            let _ = write!(s, " {cell} |");
+        }
+        s.push('\n');
+    }
+    s
+}
+
 /// A JSON string literal.
 fn json_str(s: &str) -> String {
     let mut out = String::with_capacity(s.len() + 2);
@@ -1023,6 +1065,9 @@ fn run_all(o: &Options, exe: &Path, dir: &Path) -> i32 {
         version(&peers.mpi4py),
         version(&peers.torch),
     );
+    println!("### Ratio (peer time / ours) by size\n");
+    println!("{}", summary(&rows));
+    println!("### Times\n");
     print!("{}", table(&rows));
     let json_path = o
         .json
@@ -1137,6 +1182,34 @@ mod tests {
             lines[3],
             "| all_reduce (in place) | mpi | 2 | 8 B | 2.00 ms | mpi4py — | — |"
         );
+    }
+
+    #[test]
+    fn summary_has_one_row_per_op_and_one_column_per_size() {
+        let mut a = row(Ok(1.0), Ok(2.0));
+        let mut b = row(Ok(1.0), Ok(0.5));
+        b.bytes = Some(64 << 20);
+        let mut g = row(Ok(4.0), Ok(1.0));
+        (g.op, g.bytes, g.backend, g.peer) = (
+            "groups (global)".into(),
+            None,
+            "gloo".into(),
+            "torch".into(),
+        );
+        a.ranks = 2;
+        let t = summary(&[a, b, g]);
+        let lines: Vec<&str> = t.lines().collect();
+        assert_eq!(lines[0], "| op | ours / peer | ranks | 8 B | 64 MiB | — |");
+        assert_eq!(lines[1], "|---|---|--:|--:|--:|--:|");
+        assert_eq!(
+            lines[2],
+            "| all_reduce (in place) | mpi / mpi4py | 2 | 2.00 | 0.50 |  |"
+        );
+        assert_eq!(
+            lines[3],
+            "| groups (global) | gloo / torch | 2 |  |  | 0.25 |"
+        );
+        assert_eq!(lines.len(), 4);
     }
 
     #[test]
