@@ -885,7 +885,9 @@ pub fn main(args: &[String]) -> i32 {
 
 fn run_all(o: &Options, exe: &Path, dir: &Path) -> i32 {
     let started = Instant::now();
-    let peers = setup_peers(&dir.join("pip.log"));
+    // Kept after the run (the temporary directory is removed): the place to look when a peer
+    // could not be installed.
+    let peers = setup_peers(&target_dir().join("peers-pip.log"));
     // The groups torch creates: the same plan build_collection builds.
     let groups = Command::new(exe)
         .args(["groups", "--world-size", &GROUPS_WORLD.to_string()])
@@ -943,10 +945,6 @@ fn run_all(o: &Options, exe: &Path, dir: &Path) -> i32 {
     };
     let sizes = sizes(o.quick);
     for &n in &o.ranks {
-        eprintln!(
-            "peers: {n} ranks ({:.0} s so far)",
-            started.elapsed().as_secs_f64()
-        );
         let mut kinds: Vec<&str> = Vec::new();
         if o.parts.iter().any(|p| p == "mpi") {
             kinds.extend(["ours-mpi", "mpi4py"]);
@@ -957,6 +955,10 @@ fn run_all(o: &Options, exe: &Path, dir: &Path) -> i32 {
         if kinds.is_empty() {
             break;
         }
+        eprintln!(
+            "peers: {n} ranks ({:.0} s so far)",
+            started.elapsed().as_secs_f64()
+        );
         let mut slots: Vec<Slot> = kinds.iter().map(|k| start(k, n)).collect();
         let slot_of = |k: &str| kinds.iter().position(|x| *x == k);
         let mut cell = 0usize;

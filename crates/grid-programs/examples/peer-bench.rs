@@ -100,6 +100,33 @@ fn parse_args() -> Result<Args, String> {
             other => return Err(format!("unknown option {other:?}\n{USAGE}")),
         }
     }
+    if a.mode == "serve" {
+        match a.backend.as_deref() {
+            None => return Err(format!("serve needs --backend\n{USAGE}")),
+            Some("gloo") => {
+                let (Some(rank), Some(n), Some(_)) = (a.rank, a.world_size, &a.store) else {
+                    return Err(format!(
+                        "--backend gloo needs --rank, --world-size and --store\n{USAGE}"
+                    ));
+                };
+                if rank >= n {
+                    return Err(format!(
+                        "--rank {rank}: outside the world of --world-size {n} (valid: 0..={})",
+                        n - 1
+                    ));
+                }
+            }
+            Some("gloo-threads") if a.world_size.is_none() => {
+                return Err(format!(
+                    "--backend gloo-threads needs --world-size\n{USAGE}"
+                ))
+            }
+            _ => {}
+        }
+        if a.connect.is_none() {
+            return Err(format!("serve needs --connect SOCKET\n{USAGE}"));
+        }
+    }
     Ok(a)
 }
 
@@ -118,10 +145,6 @@ fn main() -> ExitCode {
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,
-        Err(e) if e.starts_with("usage:") || e.starts_with("--") => {
-            eprintln!("peer-bench: {e}");
-            ExitCode::from(2)
-        }
         Err(e) => {
             eprintln!("peer-bench: {e}");
             ExitCode::FAILURE
