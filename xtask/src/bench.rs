@@ -6,6 +6,9 @@ use crate::util::{cargo, run};
 const HELP: &str = "usage: cargo xtask bench layout [--quick]   topology benchmarks: one rank's view, every family,
                                             memory, the grid process, Megatron's per-token rows
        cargo xtask bench gloo [--quick]     Gloo (trait and direct) and MPI in one run, side by side
+       cargo xtask bench peers [--quick] [--ranks 2,4] [--json PATH]
+                                            this project against mpi4py and torch.distributed
+                                            (Gloo), interleaved in one run
        cargo xtask bench mpi|bridge|nccl [--np N] [-- ARGS]
                                             backend benchmarks (examples of crates/grid-programs)";
 
@@ -32,6 +35,8 @@ pub fn main(args: &[String]) -> i32 {
         }
         // Gloo's benchmark, then MPI's, then both side by side (issue: same run).
         Some("gloo") => crate::compare::main(&args[1..]),
+        // This project against the libraries users would otherwise pick (issue #15).
+        Some("peers") => crate::peers::main(&args[1..]),
         Some("-h" | "--help") => {
             println!("{HELP}");
             0

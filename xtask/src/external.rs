@@ -117,7 +117,7 @@ pub fn find<'a>(table: &'a [(&str, External)], name: &str) -> Result<&'a Externa
 
 /// Checks the packages, builds the example in release mode and returns its path, relative to the
 /// workspace root when it lies inside it (the commands run there, and the echo reads better).
-fn build(e: &External) -> Option<PathBuf> {
+pub fn build_example(e: &External) -> Option<PathBuf> {
     let source = workspace_root()
         .join("crates")
         .join(PROGRAMS)
@@ -148,7 +148,7 @@ fn build(e: &External) -> Option<PathBuf> {
 
 /// Builds and runs an external program. Exit code 1 when it cannot be built or fails.
 pub fn run_external(e: &External, np_override: Option<usize>, extra: &[String]) -> i32 {
-    let Some(exe) = build(e) else {
+    let Some(exe) = build_example(e) else {
         return 1;
     };
     let mut cmd = match e.launch {
@@ -188,7 +188,7 @@ pub fn run_external(e: &External, np_override: Option<usize>, extra: &[String]) 
 /// Builds an external program that starts its own ranks and runs it with `extra`, returning its
 /// standard output (also on failure, after reporting it), or `None` when it could not run.
 pub fn run_external_capture(e: &External, extra: &[String]) -> Option<String> {
-    let exe = build(e)?;
+    let exe = build_example(e)?;
     let mut cmd = Command::new(&exe);
     cmd.args(extra).current_dir(workspace_root());
     for (k, v) in MPI_ENV {

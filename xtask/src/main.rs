@@ -3,7 +3,7 @@
 //! * `cargo xtask test [--gpu]`: system packages, `cargo fmt --check`, clippy, every test.
 //! * `cargo xtask demo [layout|mpi|gloo|multimodule]`: the main job (layout, communicators,
 //!   multi-module pipeline), or one of its steps.
-//! * `cargo xtask bench layout|mpi|gloo|bridge|nccl`: benchmarks.
+//! * `cargo xtask bench layout|mpi|gloo|peers|bridge|nccl`: benchmarks.
 //! * `cargo xtask hosts up|down|run`: test hosts as network namespaces, and the multi-host
 //!   scenarios run on them (also a step of `cargo xtask test`, as root).
 //!
@@ -16,6 +16,7 @@ mod examples;
 mod external;
 mod hosts;
 mod packages;
+mod peers;
 mod test;
 mod util;
 
@@ -27,6 +28,7 @@ commands:
   demo layout                      only the layout of a realistic configuration (grid command)
   demo mpi|gloo|multimodule        the backend demos (examples of crates/grid-programs)
   bench layout [--quick]           topology benchmarks (library and grid command)
+  bench peers [--quick]            this project against mpi4py and torch.distributed (Gloo)
   bench mpi|gloo|bridge|nccl [-- ARGS]  backend benchmarks (examples of crates/grid-programs)
   hosts up|down|run [SCENARIO...]  test hosts as network namespaces (root): MPI, Gloo, the
                                    pipeline and a cut host across them (docs/multi-host.md)";
