@@ -4,13 +4,14 @@
 //! simulated world that the calls match across ranks (library: [`grid_core::InitPlan`],
 //! [`grid_core::verify_plan`]).
 
+use super::layout::LayoutArgs;
 use crate::error::{usage, Result};
 use crate::out::Out;
-use crate::values::{positive, positive_list, uint, Format, FormatArg};
+use crate::values::{uint, Format, FormatArg};
 use crate::Failure;
 use grid_core::{
-    verify_plan, CallOp, Creation, InitPlan, InitSummary, LayoutConfig, LayoutPlan, RankInitPlan,
-    Spread, VerifyReport,
+    verify_plan, CallOp, Creation, InitPlan, InitSummary, LayoutPlan, RankInitPlan, Spread,
+    VerifyReport,
 };
 use serde_json::{json, Value};
 
@@ -63,39 +64,8 @@ pub enum BackendArg {
 #[derive(Debug, clap::Args)]
 #[command(after_help = AFTER_HELP)]
 pub struct Args {
-    /// Number of ranks the layout covers
-    #[arg(long, value_name = "W", value_parser = positive)]
-    world_size: usize,
-    /// Tensor-parallel size (default 1)
-    #[arg(long, value_name = "N", value_parser = positive)]
-    tp: Option<usize>,
-    /// Pipeline-parallel size (default 1)
-    #[arg(long, value_name = "N", value_parser = positive)]
-    pp: Option<usize>,
-    /// Context-parallel size (default 1)
-    #[arg(long, value_name = "N", value_parser = positive)]
-    cp: Option<usize>,
-    /// Expert-parallel size (default 1)
-    #[arg(long, value_name = "N", value_parser = positive)]
-    ep: Option<usize>,
-    /// Expert tensor-parallel size (default: --tp)
-    #[arg(long, value_name = "N", value_parser = positive)]
-    etp: Option<usize>,
-    /// Dimension order, fastest first (default tp-cp-ep-dp-pp)
-    #[arg(long, value_name = "ORDER")]
-    order: Option<String>,
-    /// Partial distributed-optimizer instances (default 1)
-    #[arg(long, value_name = "N", value_parser = positive)]
-    dist_opt_instances: Option<usize>,
-    /// Hierarchical context-parallel sizes (product = cp)
-    #[arg(long, value_name = "A,B,...", value_parser = positive_list)]
-    hcp: Option<std::vec::Vec<usize>>,
-    /// First rank of the layout (default 0)
-    #[arg(long, value_name = "O", value_parser = uint)]
-    rank_offset: Option<usize>,
-    /// Virtual pipeline size (validated only; needs pp > 1)
-    #[arg(long, value_name = "N", value_parser = positive)]
-    vpp: Option<usize>,
+    #[command(flatten)]
+    layout: LayoutArgs,
     /// How communicators are created: split (default) or members-only
     #[arg(long, value_enum, value_name = "CREATION", hide_possible_values = true)]
     creation: Option<CreationArg>,
@@ -202,20 +172,7 @@ fn times(per: u64, n: u64, what: &str) -> Result<u64> {
 }
 
 fn layout_plan(a: &Args) -> Result<LayoutPlan> {
-    let mut cfg = LayoutConfig::new(a.world_size);
-    cfg.tp = a.tp.unwrap_or(1);
-    cfg.pp = a.pp.unwrap_or(1);
-    cfg.cp = a.cp.unwrap_or(1);
-    cfg.ep = a.ep.unwrap_or(1);
-    cfg.etp = a.etp;
-    if let Some(o) = &a.order {
-        cfg.order = o.clone();
-    }
-    cfg.dist_opt_instances = a.dist_opt_instances.unwrap_or(1);
-    cfg.hcp_sizes = a.hcp.clone();
-    cfg.rank_offset = a.rank_offset.unwrap_or(0);
-    cfg.vpp = a.vpp;
-    Ok(LayoutPlan::new(cfg)?)
+    Ok(LayoutPlan::new(a.layout.config())?)
 }
 
 /// `tp 2, pp 2, cp 2, ep 4, etp 1, dp 16384, expert dp 16384, 2 distributed-optimizer instances`.

@@ -27,43 +27,71 @@ row per dp index, one column per (cp, tp) pair, each cell a rank coloured by its
 --ranks-per-node N, thick lines between nodes. stdout then shows one line naming the file.
 At most 65536 ranks; an unwritable FILE exits with status 2.";
 
+/// The layout options `grid layout` and `grid init-plan` share (`--world-size` to `--vpp`).
+#[derive(Debug, clap::Args)]
+pub struct LayoutArgs {
+    /// Number of ranks the layout covers
+    #[arg(long, value_name = "W", value_parser = positive)]
+    pub world_size: usize,
+    /// Tensor-parallel size (default 1)
+    #[arg(long, value_name = "N", value_parser = positive)]
+    pub tp: Option<usize>,
+    /// Pipeline-parallel size (default 1)
+    #[arg(long, value_name = "N", value_parser = positive)]
+    pub pp: Option<usize>,
+    /// Context-parallel size (default 1)
+    #[arg(long, value_name = "N", value_parser = positive)]
+    pub cp: Option<usize>,
+    /// Expert-parallel size (default 1)
+    #[arg(long, value_name = "N", value_parser = positive)]
+    pub ep: Option<usize>,
+    /// Expert tensor-parallel size (default: --tp)
+    #[arg(long, value_name = "N", value_parser = positive)]
+    pub etp: Option<usize>,
+    /// Dimension order, fastest first (default tp-cp-ep-dp-pp)
+    #[arg(long, value_name = "ORDER")]
+    pub order: Option<String>,
+    /// Partial distributed-optimizer instances (default 1)
+    #[arg(long, value_name = "N", value_parser = positive)]
+    pub dist_opt_instances: Option<usize>,
+    /// Hierarchical context-parallel sizes (product = cp)
+    #[arg(long, value_name = "A,B,...", value_parser = positive_list)]
+    pub hcp: Option<std::vec::Vec<usize>>,
+    /// First rank of the layout (default 0)
+    #[arg(long, value_name = "O", value_parser = uint)]
+    pub rank_offset: Option<usize>,
+    /// Virtual pipeline size (needs pp > 1; with --rank, the rank's virtual stages)
+    #[arg(long, value_name = "N", value_parser = positive)]
+    pub vpp: Option<usize>,
+}
+
+impl LayoutArgs {
+    /// The layout these options describe (defaults: every size 1, `etp` = `tp`, Megatron's
+    /// order, one optimizer instance, offset 0).
+    pub fn config(&self) -> LayoutConfig {
+        let mut cfg = LayoutConfig::new(self.world_size);
+        cfg.tp = self.tp.unwrap_or(1);
+        cfg.pp = self.pp.unwrap_or(1);
+        cfg.cp = self.cp.unwrap_or(1);
+        cfg.ep = self.ep.unwrap_or(1);
+        cfg.etp = self.etp;
+        if let Some(o) = &self.order {
+            cfg.order = o.clone();
+        }
+        cfg.dist_opt_instances = self.dist_opt_instances.unwrap_or(1);
+        cfg.hcp_sizes = self.hcp.clone();
+        cfg.rank_offset = self.rank_offset.unwrap_or(0);
+        cfg.vpp = self.vpp;
+        cfg
+    }
+}
+
 /// Options of `grid layout`.
 #[derive(Debug, clap::Args)]
 #[command(after_help = AFTER_HELP)]
 pub struct Args {
-    /// Number of ranks the layout covers
-    #[arg(long, value_name = "W", value_parser = positive)]
-    world_size: usize,
-    /// Tensor-parallel size (default 1)
-    #[arg(long, value_name = "N", value_parser = positive)]
-    tp: Option<usize>,
-    /// Pipeline-parallel size (default 1)
-    #[arg(long, value_name = "N", value_parser = positive)]
-    pp: Option<usize>,
-    /// Context-parallel size (default 1)
-    #[arg(long, value_name = "N", value_parser = positive)]
-    cp: Option<usize>,
-    /// Expert-parallel size (default 1)
-    #[arg(long, value_name = "N", value_parser = positive)]
-    ep: Option<usize>,
-    /// Expert tensor-parallel size (default: --tp)
-    #[arg(long, value_name = "N", value_parser = positive)]
-    etp: Option<usize>,
-    /// Dimension order, fastest first (default tp-cp-ep-dp-pp)
-    #[arg(long, value_name = "ORDER")]
-    order: Option<String>,
-    /// Partial distributed-optimizer instances (default 1)
-    #[arg(long, value_name = "N", value_parser = positive)]
-    dist_opt_instances: Option<usize>,
-    /// Hierarchical context-parallel sizes (product = cp)
-    #[arg(long, value_name = "A,B,...", value_parser = positive_list)]
-    hcp: Option<std::vec::Vec<usize>>,
-    /// First rank of the layout (default 0)
-    #[arg(long, value_name = "O", value_parser = uint)]
-    rank_offset: Option<usize>,
-    /// Virtual pipeline size (needs pp > 1; with --rank, the rank's virtual stages)
-    #[arg(long, value_name = "N", value_parser = positive)]
-    vpp: Option<usize>,
+    #[command(flatten)]
+    layout: LayoutArgs,
     /// Expected data-parallel size: an error unless W / (tp·pp·cp) = N
     #[arg(long, value_name = "N", value_parser = positive)]
     dp: Option<usize>,
@@ -148,20 +176,8 @@ fn picture(
 }
 
 fn layout_plan(a: &Args) -> Result<LayoutPlan> {
-    let world = a.world_size;
-    let mut cfg = LayoutConfig::new(world);
-    cfg.tp = a.tp.unwrap_or(1);
-    cfg.pp = a.pp.unwrap_or(1);
-    cfg.cp = a.cp.unwrap_or(1);
-    cfg.ep = a.ep.unwrap_or(1);
-    cfg.etp = a.etp;
-    if let Some(o) = &a.order {
-        cfg.order = o.clone();
-    }
-    cfg.dist_opt_instances = a.dist_opt_instances.unwrap_or(1);
-    cfg.hcp_sizes = a.hcp.clone();
-    cfg.rank_offset = a.rank_offset.unwrap_or(0);
-    cfg.vpp = a.vpp;
+    let world = a.layout.world_size;
+    let cfg = a.layout.config();
     let (tp, pp, cp) = (cfg.tp, cfg.pp, cfg.cp);
     let plan = LayoutPlan::new(cfg)?;
     if let Some(dp) = a.dp {
