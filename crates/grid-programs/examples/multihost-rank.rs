@@ -38,6 +38,7 @@ use backend_gloo::init_from_env;
 use backend_mpi::{MpiCommunicator, MpiFactory, MpiRuntime};
 use grid_core::{build_collection, Communicator, GroupFactory, LayoutPlan, TimeLimit};
 use grid_programs::demo::{all_reduce_every_family, config};
+use grid_programs::pipeline_demo::{self, rows, sample_tensor, MICROBATCHES, SPEC};
 use grid_programs::smoke::{run_loop, LoopOptions, Stop, Waits};
 use multimodule::{
     Activation, ModuleInputs, MultiModulePipelineCommunicator, OrderedMap, PipelinePlan,
@@ -328,46 +329,8 @@ fn run_check<F: GroupFactory>(
 // The multi-module pipeline: the spec and the row checks of `multimodule-demo`.
 // ------------------------------------------------------------------------------------------
 
-const SPEC: &str = r#"{
-  "world_size": 8,
-  "modules": {
-    "image_encoder": {"dp": 2},
-    "audio_encoder": {"offset": 2},
-    "llm":           {"tp": 2, "pp": 2, "offset": 3},
-    "generator":     {"offset": 7}
-  },
-  "topology": {"image_encoder": ["llm"], "audio_encoder": ["llm"], "llm": ["generator"]},
-  "language_model": "llm"
-}"#;
-
-const MICROBATCHES: usize = 2;
-const SEQ: usize = 3;
-const HIDDEN: usize = 4;
-
-/// Sample `b` of source lane `lane` in micro-batch `mb`: every element holds
-/// `mb·10000 + lane·1000 + b`, so a receiver can tell where each row came from.
-fn sample_tensor(mb: usize, lane: usize, batch: usize) -> Result<Activation, String> {
-    let data: Vec<f32> = (0..batch * SEQ * HIDDEN)
-        .map(|e| (mb * 10000 + lane * 1000 + e / (SEQ * HIDDEN)) as f32)
-        .collect();
-    Activation::from_vec(vec![batch, SEQ, HIDDEN], data).map_err(|e| e.to_string())
-}
-
-/// The per-row tags of a [B, S, H] tensor (value of each row's first element).
-fn rows(t: &Activation) -> Vec<i64> {
-    let v = t.as_slice::<f32>().unwrap_or(&[]);
-    let per = t.shape()[1..].iter().product::<usize>().max(1);
-    v.chunks(per).map(|c| c[0] as i64).collect()
-}
-
 fn negate(t: &Activation) -> Result<Activation, String> {
-    let v: Vec<f32> = t
-        .as_slice::<f32>()
-        .unwrap_or(&[])
-        .iter()
-        .map(|x| -x)
-        .collect();
-    Activation::from_vec(t.shape().to_vec(), v).map_err(|e| e.to_string())
+    pipeline_demo::scale(t, -1.0)
 }
 
 fn pipeline<F: GroupFactory>(factory: &F, world: Arc<F::Comm>) -> Result<String, String> {

@@ -8,6 +8,7 @@
 
 use backend_gloo::{run_ranks, GlooConfig};
 use grid_core::Communicator;
+use grid_programs::pipeline_demo::{self, rows, MICROBATCHES, SPEC};
 use multimodule::{
     Activation, ModuleInputs, MultiModulePipelineCommunicator, OrderedMap, PipelinePlan,
     PipelineSpec,
@@ -16,46 +17,12 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
-const SPEC: &str = r#"{
-  "world_size": 8,
-  "modules": {
-    "image_encoder": {"dp": 2},
-    "audio_encoder": {"offset": 2},
-    "llm":           {"tp": 2, "pp": 2, "offset": 3},
-    "generator":     {"offset": 7}
-  },
-  "topology": {"image_encoder": ["llm"], "audio_encoder": ["llm"], "llm": ["generator"]},
-  "language_model": "llm"
-}"#;
-
-const MICROBATCHES: usize = 2;
-const SEQ: usize = 3;
-const HIDDEN: usize = 4;
-
-/// Sample `b` of source lane `lane` in micro-batch `mb`: every element holds
-/// `mb·10000 + lane·1000 + b`, so a receiver can tell where each row came from.
 fn sample_tensor(mb: usize, lane: usize, batch: usize) -> Activation {
-    let data: Vec<f32> = (0..batch * SEQ * HIDDEN)
-        .map(|e| (mb * 10000 + lane * 1000 + e / (SEQ * HIDDEN)) as f32)
-        .collect();
-    Activation::from_vec(vec![batch, SEQ, HIDDEN], data).unwrap_or_else(|e| panic!("{e}"))
-}
-
-/// The per-row tags of a [B, S, H] tensor (value of each row's first element).
-fn rows(t: &Activation) -> Vec<i64> {
-    let v = t.as_slice::<f32>().unwrap_or(&[]);
-    let per = t.shape()[1..].iter().product::<usize>().max(1);
-    v.chunks(per).map(|c| c[0] as i64).collect()
+    pipeline_demo::sample_tensor(mb, lane, batch).unwrap_or_else(|e| panic!("{e}"))
 }
 
 fn scale(t: &Activation, k: f32) -> Activation {
-    let v: Vec<f32> = t
-        .as_slice::<f32>()
-        .unwrap_or(&[])
-        .iter()
-        .map(|x| x * k)
-        .collect();
-    Activation::from_vec(t.shape().to_vec(), v).unwrap_or_else(|e| panic!("{e}"))
+    pipeline_demo::scale(t, k).unwrap_or_else(|e| panic!("{e}"))
 }
 
 type Log = Vec<(usize, usize, usize, String)>; // (micro-batch, phase, rank, line)

@@ -10,6 +10,7 @@
 //! * [`collectives`]: the benchmarked collectives, their buffer shapes and bus-bandwidth factors;
 //! * [`table`]: byte and duration labels, Markdown table headers;
 //! * [`demo`]: the 8-rank demo layout and an all-reduce checked on every family of it;
+//! * [`pipeline_demo`]: the demo's multi-module pipeline spec and its tagged tensors;
 //! * [`smoke`]: the options, loop and JSON line of the cluster smoke tests `gloo-loop` and
 //!   `mpi-loop`.
 
@@ -17,6 +18,7 @@
 
 pub mod collectives;
 pub mod demo;
+pub mod pipeline_demo;
 pub mod smoke;
 pub mod stats;
 pub mod table;
