@@ -5,6 +5,7 @@ use crate::comm::TimeLimit;
 use crate::comm::{Communicator, CommunicatorExt, GroupFactory};
 use crate::error::{Error, Result};
 use crate::group::GroupSize;
+use crate::initplan::Creation;
 use crate::options::{CollectionOptions, GroupOptions};
 use crate::plan::{Family, FamilyLevel, GroupSignature, LayoutPlan};
 use std::collections::HashMap;
@@ -349,6 +350,36 @@ fn first_missing_rank<C: Communicator + ?Sized>(parent: &C, plan: &LayoutPlan) -
     (cfg.rank_offset..end).find(|r| !ranks.contains(r))
 }
 
+/// The identity of a group for members-only creation
+/// ([`GroupFactory::create_members_only`]): `label` (a family level such as `tp` or `hcp[1]`,
+/// or a group's name), then the first and last member, the member count and a 64-bit FNV-1a
+/// hash of the members (global ranks, in the order given). It depends on nothing but the label
+/// and the members, so every member computes the same identity without communication, and it
+/// stays short whatever the group size.
+///
+/// ```
+/// let id = grid_core::group_identity("tp", &[4, 5]);
+/// assert!(id.starts_with("tp/4-5n2-"), "{id}");
+/// assert_eq!(id, grid_core::group_identity("tp", &[4, 5]));
+/// assert_ne!(id, grid_core::group_identity("dp", &[4, 5]));
+/// assert_ne!(id, grid_core::group_identity("tp", &[4, 6]));
+/// ```
+pub fn group_identity(label: &str, members: &[usize]) -> String {
+    const PRIME: u64 = 0x0000_0100_0000_01b3;
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in label
+        .bytes()
+        .chain([0u8])
+        .chain(members.iter().flat_map(|m| (*m as u64).to_le_bytes()))
+    {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(PRIME);
+    }
+    let first = members.first().copied().unwrap_or(0);
+    let last = members.last().copied().unwrap_or(0);
+    format!("{label}/{first}-{last}n{}-{h:016x}", members.len())
+}
+
 /// Builds this rank's [`ProcessGroupCollection`] of live communicators from `plan`.
 ///
 /// 1. Every rank of `parent` all-gathers the plan's [`LayoutPlan::fingerprint`] together with
@@ -467,6 +498,22 @@ fn build<F: GroupFactory>(
         .copied()
         .unwrap_or(parent.rank());
     let in_plan = plan.contains(me);
+    // Members-only creation names members by parent rank: the parent's global ranks, indexed.
+    let members_only = options.is_some_and(|o| o.creation == Creation::MembersOnly);
+    let by_global: HashMap<usize, usize> = if members_only && in_plan {
+        (0..parent.size())
+            .map(|i| (parent.global_ranks().get(i).copied().unwrap_or(i), i))
+            .collect()
+    } else {
+        HashMap::new()
+    };
+    let parent_rank_of = |global: usize, fl: FamilyLevel| -> Result<usize> {
+        by_global.get(&global).copied().ok_or_else(|| {
+            Error::Invalid(format!(
+                "{fl}: member {global} of this rank's group is none of the parent's ranks"
+            ))
+        })
+    };
     let mut collection = ProcessGroupCollection::new();
     let mut stats = Vec::new();
     // Reuse needs identical groups and, with options, identical explicit options.
@@ -514,13 +561,42 @@ fn build<F: GroupFactory>(
             None => None,
         };
         let t = Instant::now();
-        let _s = tracing::trace_span!("split", family = %fl).entered();
-        let comm = match options {
-            None => factory.split(parent, color, me)?,
-            Some(o) => factory.split_with(parent, color, me, &o.for_level(fl))?,
+        let comm = match (options, &group) {
+            (Some(o), group) if o.creation == Creation::MembersOnly => {
+                // Only members call; ranks in no group of this family make no call.
+                match group {
+                    Some(g) => {
+                        let _s =
+                            tracing::trace_span!("create_members_only", family = %fl).entered();
+                        // Communicator ranks follow the world ranks, as the split's keys.
+                        let mut global: Vec<usize> = g.iter().collect();
+                        global.sort_unstable();
+                        let members = global
+                            .iter()
+                            .map(|&r| parent_rank_of(r, fl))
+                            .collect::<Result<Vec<usize>>>()?;
+                        let id = group_identity(&fl.to_string(), &global);
+                        calls += 1;
+                        Some(factory.create_members_only(
+                            parent,
+                            &members,
+                            &id,
+                            &o.for_level(fl),
+                        )?)
+                    }
+                    None => None,
+                }
+            }
+            _ => {
+                let _s = tracing::trace_span!("split", family = %fl).entered();
+                calls += 1;
+                match options {
+                    None => factory.split(parent, color, me)?,
+                    Some(o) => factory.split_with(parent, color, me, &o.for_level(fl))?,
+                }
+            }
         }
         .map(Arc::new);
-        calls += 1;
         if let (Some(c), Some(g)) = (&comm, &group) {
             if c.size() != g.len() {
                 return Err(Error::Invalid(format!(

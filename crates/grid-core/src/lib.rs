@@ -82,8 +82,8 @@ mod view;
 mod wiring;
 
 pub use collection::{
-    build_collection, build_collection_with, BuiltCollection, FamilyBuildStat, PgEntry,
-    ProcessGroupCollection,
+    build_collection, build_collection_with, group_identity, BuiltCollection, FamilyBuildStat,
+    PgEntry, ProcessGroupCollection,
 };
 pub use hierarchical::{hierarchical_groups, hierarchical_groups_of};
 pub use plan::{
