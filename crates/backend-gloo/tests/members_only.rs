@@ -262,3 +262,45 @@ fn members_only_non_members_make_no_call_on_gloo() {
         assert!(out[2].is_empty());
     });
 }
+
+#[test]
+fn members_only_vs_split_timing_on_gloo() {
+    // A benchmark, not a check of speed: builds the torch-deadlock layout's collection by
+    // splits and members-only, alternating, and prints the medians (max over ranks).
+    within(Duration::from_secs(300), || {
+        let plan = torch_deadlock_plan();
+        let cfg = GlooConfig::new("members-only-timing").with_timeout(Duration::from_secs(60));
+        let mo = CollectionOptions::new().with_creation(Creation::MembersOnly);
+        let out = run_ranks(8, &cfg, |f, world| {
+            let (mut split_s, mut mo_s) = (Vec::new(), Vec::new());
+            for _ in 0..7 {
+                for members_only in [false, true] {
+                    world.barrier()?;
+                    let t = std::time::Instant::now();
+                    let built = if members_only {
+                        build_collection_with(f, &world, &plan, &mo)?
+                    } else {
+                        build_collection(f, &world, &plan)?
+                    };
+                    let mut s = [t.elapsed().as_secs_f64()];
+                    drop(built);
+                    world.all_reduce_in_place(&mut s, ReduceOp::Max)?;
+                    if members_only {
+                        &mut mo_s
+                    } else {
+                        &mut split_s
+                    }
+                    .push(s[0]);
+                }
+            }
+            split_s.sort_by(f64::total_cmp);
+            mo_s.sort_by(f64::total_cmp);
+            Ok((split_s[3] * 1e3, mo_s[3] * 1e3))
+        })
+        .unwrap();
+        let (split, mo) = out[0].as_ref().unwrap();
+        println!(
+            "Gloo threads world 8 tp 2 pp 2, 7 runs each: split {split:.1} ms, members-only {mo:.1} ms (medians of the max over ranks)"
+        );
+    });
+}

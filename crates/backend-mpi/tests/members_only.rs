@@ -253,3 +253,52 @@ mpi_test!(
         w.barrier().map_err(|e| e.to_string())
     }
 );
+
+mpi_test!(
+    mpi_members_only_vs_split_timing_np8,
+    np = 8,
+    timeout = 120,
+    |rt| {
+        // A benchmark, not a check of speed: builds the torch-deadlock layout's collection by
+        // splits and members-only, alternating, and prints the medians (max over ranks).
+        let w = rt.world();
+        let plan = torch_deadlock_plan()?;
+        let f = MpiFactory::new();
+        let mo = CollectionOptions::new().with_creation(Creation::MembersOnly);
+        let (mut split_s, mut mo_s) = (Vec::new(), Vec::new());
+        for _ in 0..21 {
+            for members_only in [false, true] {
+                w.barrier().map_err(|e| e.to_string())?;
+                let t = std::time::Instant::now();
+                let built = if members_only {
+                    build_collection_with(&f, w, &plan, &mo)
+                } else {
+                    build_collection(&f, w, &plan)
+                }
+                .map_err(|e| e.to_string())?;
+                let mut s = [t.elapsed().as_secs_f64()];
+                drop(built);
+                w.all_reduce_in_place(&mut s[..], ReduceOp::Max)
+                    .map_err(|e| e.to_string())?;
+                if members_only {
+                    &mut mo_s
+                } else {
+                    &mut split_s
+                }
+                .push(s[0]);
+            }
+        }
+        let median = |v: &mut Vec<f64>| {
+            v.sort_by(f64::total_cmp);
+            v[v.len() / 2] * 1e3
+        };
+        if w.rank() == 0 {
+            println!(
+                "MPI world 8 tp 2 pp 2, 21 runs each: split {:.3} ms, members-only {:.3} ms (medians of the max over ranks)",
+                median(&mut split_s),
+                median(&mut mo_s)
+            );
+        }
+        Ok(())
+    }
+);
