@@ -404,7 +404,7 @@ pub fn build_collection<F: GroupFactory>(
     parent: &F::Comm,
     plan: &LayoutPlan,
 ) -> Result<BuiltCollection<F::Comm>> {
-    build(factory, parent, plan, None)
+    build(factory, parent, plan, None, None)
 }
 
 /// [`build_collection`] with options per family (Megatron's `timeout`, `group_desc` and
@@ -444,7 +444,67 @@ pub fn build_collection_with<F: GroupFactory>(
     plan: &LayoutPlan,
     options: &CollectionOptions,
 ) -> Result<BuiltCollection<F::Comm>> {
-    build(factory, parent, plan, Some(options))
+    build(factory, parent, plan, Some(options), None)
+}
+
+/// The families Megatron's `create_gloo_process_groups` makes a Gloo (CPU) twin of, next to
+/// the GPU groups: `dp` (`DATA_PARALLEL_GROUP_GLOO`), `dp_cp` (`DATA_PARALLEL_GROUP_WITH_CP_GLOO`),
+/// `expt_dp` (`EXPERT_DATA_PARALLEL_GROUP_GLOO`), and for the distributed optimizer
+/// `intra_dp_cp` (`INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO`) and `intra_expt_dp`
+/// (`INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP_GLOO`).
+pub const GLOO_TWIN_FAMILIES: [Family; 5] = [
+    Family::Dp,
+    Family::DpCp,
+    Family::ExptDp,
+    Family::IntraDpCp,
+    Family::IntraExptDp,
+];
+
+/// Megatron's Gloo twins (`create_gloo_process_groups=True`): builds, on a CPU backend's
+/// factory (Gloo or MPI, or the local backend), **only** the data-parallel families of
+/// [`GLOO_TWIN_FAMILIES`] of `plan`, the same plan the GPU collection was built from, in one
+/// call. It is [`build_collection_with`] restricted to those families: the plan check, then
+/// one creation per distinct family among them (families with identical groups, such as `dp`
+/// and `dp_cp` when cp = 1, share one communicator), by split or members-only as
+/// `options.creation` says; no other family is created or set. Use `CollectionOptions::new()`
+/// for the defaults.
+///
+/// A parent whose communicators do not take host memory (NCCL) is refused with
+/// [`Error::Unsupported`] before any communication: twins exist to hold CPU tensors.
+///
+/// ```
+/// use backend_local::{run, LocalConfig};
+/// use grid_core::*;
+/// let plan = LayoutPlan::new(LayoutConfig { tp: 2, cp: 2, ..LayoutConfig::new(8) })?;
+/// let out = run(8, &LocalConfig::default(), |f, world| {
+///     let twins = build_gloo_twins(f, &world, &plan, &CollectionOptions::new())?;
+///     Ok(twins.collection.keys())
+/// })?;
+/// assert_eq!(out[0], ["dp", "dp_cp", "expt_dp", "intra_dp_cp", "intra_expt_dp"]);
+/// # Ok::<(), Error>(())
+/// ```
+pub fn build_gloo_twins<F: GroupFactory>(
+    factory: &F,
+    parent: &F::Comm,
+    plan: &LayoutPlan,
+    options: &CollectionOptions,
+) -> Result<BuiltCollection<F::Comm>> {
+    if !parent.accepts(crate::comm::Memory::Host) {
+        return Err(Error::Unsupported {
+            op: "build_gloo_twins",
+            backend: parent.backend(),
+            what:
+                "Gloo twins hold CPU tensors: build them on a CPU backend's factory (Gloo or MPI)"
+                    .into(),
+        });
+    }
+    build(
+        factory,
+        parent,
+        plan,
+        Some(options),
+        Some(&GLOO_TWIN_FAMILIES),
+    )
 }
 
 fn build<F: GroupFactory>(
@@ -452,10 +512,17 @@ fn build<F: GroupFactory>(
     parent: &F::Comm,
     plan: &LayoutPlan,
     options: Option<&CollectionOptions>,
+    only: Option<&[Family]>,
 ) -> Result<BuiltCollection<F::Comm>> {
+    // The families built: all, or those of `only` (the same on every rank).
+    let levels: Vec<FamilyLevel> = plan
+        .family_levels()
+        .into_iter()
+        .filter(|fl| only.is_none_or(|o| o.contains(&fl.family)))
+        .collect();
     // Options are the same on every rank: checked before any communication.
     if let Some(o) = options {
-        for fl in plan.family_levels() {
+        for &fl in &levels {
             o.for_level(fl).check_backend(parent.backend())?;
         }
     }
@@ -520,7 +587,7 @@ fn build<F: GroupFactory>(
     type Made<C> = HashMap<(GroupSignature, Option<GroupOptions>), (FamilyLevel, Option<Arc<C>>)>;
     let mut made: Made<F::Comm> = HashMap::new();
     let mut calls = 1;
-    for fl in plan.family_levels() {
+    for &fl in &levels {
         let sig = (
             plan.group_signature(fl)?,
             options.map(|o| match o.family(fl.family.name()) {
