@@ -29,7 +29,7 @@ fn gloo_twins_are_exactly_the_data_parallel_families() {
         .collect();
     for creation in [Creation::Split, Creation::MembersOnly] {
         let cfg =
-            GlooConfig::new(&format!("twins-{creation}")).with_timeout(Duration::from_secs(60));
+            GlooConfig::new(format!("twins-{creation}")).with_timeout(Duration::from_secs(60));
         let out = run_ranks(8, &cfg, |f, world| {
             let rank = world.rank();
             let opts = CollectionOptions::new().with_creation(creation);
