@@ -7,8 +7,8 @@
 use backend_local::{run, LocalConfig};
 use grid_core::{
     build_collection, build_collection_with, CollectionOptions, Communicator, CommunicatorExt,
-    Creation, Error, FamilyLevel, GroupFactory, GroupOptions, LayoutConfig, LayoutPlan, PgEntry,
-    ReduceOp, Result,
+    Creation, Error, FamilyLevel, GroupFactory, GroupOptions, InitPlan, LayoutConfig, LayoutPlan,
+    PgEntry, ReduceOp, Result,
 };
 use std::collections::HashSet;
 use std::time::Duration;
@@ -160,4 +160,13 @@ fn members_only_build_collection_on_local() {
     })
     .unwrap();
     assert_eq!(out, vec![10, 10, 10, 10, 9, 9, 9, 9]);
+    // What `grid init-plan --creation members-only` describes is what was done.
+    let init = InitPlan::new(&plan, Creation::MembersOnly).unwrap();
+    for (rank, calls) in out.iter().enumerate() {
+        assert_eq!(
+            init.rank(rank).unwrap().collective_calls,
+            *calls,
+            "rank {rank}"
+        );
+    }
 }
