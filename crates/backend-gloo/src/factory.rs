@@ -403,6 +403,8 @@ pub struct GlooFactory {
     device: RawDevice,
     config: GlooConfig,
     worlds: AtomicU64,
+    /// Members-only creations made per group identity ([`GroupFactory::create_members_only`]).
+    identities: Mutex<std::collections::HashMap<String, u64>>,
 }
 
 impl std::fmt::Debug for GlooFactory {
@@ -458,6 +460,7 @@ impl GlooFactory {
             device,
             config,
             worlds: AtomicU64::new(0),
+            identities: Mutex::new(std::collections::HashMap::new()),
         })
     }
 
@@ -661,30 +664,10 @@ impl GroupFactory for GlooFactory {
         options: &grid_core::GroupOptions,
     ) -> Result<Option<GlooCommunicator>> {
         options.check_backend(BACKEND)?;
-        let gloo = match &options.backend {
-            grid_core::BackendOptions::Gloo(g) => Some(g),
-            _ => None,
-        };
+        let gloo = gloo_options(options);
         // Only members connect on a device: creating one is local, and a failure here is
         // reported before the collective exchange of the split, on every rank (same options).
-        let device = match gloo.and_then(|g| g.hostname.as_deref()) {
-            Some(h) => Some(RawDevice::tcp(h).map_err(|e| {
-                Error::from(
-                    LibraryError::new(
-                        BACKEND,
-                        "device",
-                        format!(
-                            "group '{}': cannot create a TCP device on {h}: {}",
-                            options.name.as_deref().unwrap_or("(unnamed)"),
-                            e.message
-                        ),
-                    )
-                    .code(e.code.status())
-                    .class(e.code.class()),
-                )
-            })?),
-            None => None,
-        };
+        let device = group_device(options)?;
         let link = Link {
             name: options.name.as_deref(),
             timeout: gloo.and_then(|g| g.timeout),
@@ -696,6 +679,89 @@ impl GroupFactory for GlooFactory {
         }
         Ok(comm)
     }
+
+    /// Members-only creation: the members meet in a rendezvous under a store prefix of the
+    /// group's own, `<parent>/m/<identity>/<k>`, where `k` counts the groups of this identity
+    /// this rank created from this factory before (a count only the group's members advance,
+    /// all alike). Ranks outside the group make no call and touch no key; the rendezvous keys
+    /// are removed once every member connected. Named `options.name`, else `identity`; Gloo
+    /// options apply as in [`GroupFactory::split_with`].
+    fn create_members_only(
+        &self,
+        parent: &GlooCommunicator,
+        members: &[usize],
+        identity: &str,
+        options: &grid_core::GroupOptions,
+    ) -> Result<GlooCommunicator> {
+        const OP: &str = "create_members_only";
+        parent.ensure_usable(OP)?;
+        options.check_backend(BACKEND)?;
+        let me = parent.rank();
+        grid_core::comm::check::members_only(OP, members, parent.size(), me)?;
+        let rank = members.iter().position(|&r| r == me).ok_or_else(|| {
+            Error::Invalid(format!(
+                "{OP}: rank {me} is not one of the members {members:?}"
+            ))
+        })?;
+        let global: Vec<usize> = members
+            .iter()
+            .map(|&r| parent.global_ranks().get(r).copied().unwrap_or(r))
+            .collect();
+        let gloo = gloo_options(options);
+        let device = group_device(options)?;
+        let base = format!("{}/m/{identity}", parent.inner().store_name());
+        let k = {
+            let mut counts = self.identities.lock().unwrap_or_else(|e| e.into_inner());
+            // Per calling rank too: a factory may serve several ranks.
+            let c = counts.entry(format!("{base}@{me}")).or_insert(0);
+            let k = *c;
+            *c += 1;
+            k
+        };
+        let name = format!("{base}/{k}");
+        let display = options.name.as_deref().unwrap_or(identity);
+        let link = Link {
+            name: Some(display),
+            timeout: gloo.and_then(|g| g.timeout),
+            device: device.as_ref(),
+        };
+        let comm = self.connect_with(&name, rank, global, Keys::Remove, &link)?;
+        if let Some(t) = options.timeout {
+            comm.set_time_limit(t);
+        }
+        Ok(comm)
+    }
+}
+
+/// The Gloo options of a group, if it has some.
+fn gloo_options(options: &grid_core::GroupOptions) -> Option<&grid_core::GlooGroupOptions> {
+    match &options.backend {
+        grid_core::BackendOptions::Gloo(g) => Some(g),
+        _ => None,
+    }
+}
+
+/// The TCP device a group's Gloo options ask for (`None`: the factory's).
+fn group_device(options: &grid_core::GroupOptions) -> Result<Option<RawDevice>> {
+    let device = match gloo_options(options).and_then(|g| g.hostname.as_deref()) {
+        Some(h) => Some(RawDevice::tcp(h).map_err(|e| {
+            Error::from(
+                LibraryError::new(
+                    BACKEND,
+                    "device",
+                    format!(
+                        "group '{}': cannot create a TCP device on {h}: {}",
+                        options.name.as_deref().unwrap_or("(unnamed)"),
+                        e.message
+                    ),
+                )
+                .code(e.code.status())
+                .class(e.code.class()),
+            )
+        })?),
+        None => None,
+    };
+    Ok(device)
 }
 
 impl GlooFactory {

@@ -568,6 +568,8 @@ impl Drop for LocalWork {
 #[derive(Debug, Default)]
 pub struct LocalFactory {
     splits: AtomicUsize,
+    /// Members-only creations made per group identity (and parent).
+    identities: std::sync::Mutex<std::collections::HashMap<String, u64>>,
 }
 
 impl LocalFactory {
@@ -606,6 +608,51 @@ impl GroupFactory for LocalFactory {
         let comm = self.split_named(parent, color, key, options.name.as_deref())?;
         if let (Some(c), Some(t)) = (&comm, options.timeout) {
             c.set_time_limit(t);
+        }
+        Ok(comm)
+    }
+
+    /// Members-only creation: the members pick up one shared child registered under
+    /// `<identity>/<k>` in the parent, where `k` counts the groups of this identity this rank
+    /// created from this parent before (a count only the group's members advance). Ranks
+    /// outside the group make no call; no parent round is used.
+    fn create_members_only(
+        &self,
+        parent: &LocalComm,
+        members: &[usize],
+        identity: &str,
+        options: &grid_core::GroupOptions,
+    ) -> Result<LocalComm> {
+        const OP: &str = "create_members_only";
+        parent.ensure_usable(OP)?;
+        options.check_backend(grid_core::Communicator::backend(parent))?;
+        let b = parent.inner();
+        grid_core::comm::check::members_only(OP, members, b.group.size(), b.rank)?;
+        let rank = members.iter().position(|&r| r == b.rank).ok_or_else(|| {
+            Error::Invalid(format!(
+                "{OP}: rank {} is not one of the members {members:?}",
+                b.rank
+            ))
+        })?;
+        let global: Vec<usize> = members
+            .iter()
+            .map(|&r| b.group.global.get(r).copied().unwrap_or(r))
+            .collect();
+        let k = {
+            let mut counts = self.identities.lock().unwrap_or_else(|e| e.into_inner());
+            // Per parent and per calling rank: a factory may serve several ranks.
+            let key = format!("{:p}/{}/{identity}", Arc::as_ptr(&b.group), b.rank);
+            let c = counts.entry(key).or_insert(0);
+            let k = *c;
+            *c += 1;
+            k
+        };
+        let child = b.group.named_child(&format!("{identity}/{k}"), &global);
+        let name = options.name.as_deref().unwrap_or(identity);
+        tracing::debug!(comm = %name, rank, members = ?global, "local communicator created members-only");
+        let comm = Comm::new(LocalBackend::new(child, rank), name);
+        if let Some(t) = options.timeout {
+            comm.set_time_limit(t);
         }
         Ok(comm)
     }

@@ -206,6 +206,9 @@ struct GroupState {
     /// Children made by a split (round, colour) and how many members still have to pick
     /// theirs up.
     children: HashMap<(u64, u32), (Arc<Group>, usize)>,
+    /// Children made by members-only creations, by name, and how many members still have to
+    /// pick theirs up.
+    named: HashMap<String, (Arc<Group>, usize)>,
 }
 
 /// The shared state of one communicator's ranks.
@@ -388,6 +391,26 @@ impl Group {
         *left -= 1;
         if *left == 0 {
             st.children.remove(&key);
+        }
+        g
+    }
+
+    /// The child communicator group of the members-only creation `name` (members: global
+    /// ranks), created by the first member that asks; the entry is dropped once all members
+    /// picked it up. Only members call it; nobody waits here (the child's first collective
+    /// meets its members).
+    pub(crate) fn named_child(&self, name: &str, members: &[usize]) -> Arc<Group> {
+        let mut st = lock(&self.state);
+        let (g, left) = st.named.entry(name.to_string()).or_insert_with(|| {
+            (
+                Group::new(self.world.clone(), members.to_vec()),
+                members.len(),
+            )
+        });
+        let g = g.clone();
+        *left -= 1;
+        if *left == 0 {
+            st.named.remove(name);
         }
         g
     }

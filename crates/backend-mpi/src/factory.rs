@@ -94,6 +94,18 @@ impl GroupFactory for MpiFactory {
         self.split_named(parent, color, key, options.name.as_deref(), options.timeout)
     }
 
+    /// `MPI_Comm_create_group` among the members only, with a tag derived from `identity`
+    /// (see the trait); named `options.name`, else `identity`.
+    fn create_members_only(
+        &self,
+        parent: &MpiCommunicator,
+        members: &[usize],
+        identity: &str,
+        options: &grid_core::GroupOptions,
+    ) -> Result<MpiCommunicator> {
+        self.members_only(parent, members, identity, options)
+    }
+
     /// `MPI_Comm_create` over `parent` with the group of `ranks` (sorted ascending, so the new
     /// communicator's ranks follow the parent's order). Collective over the parent.
     fn create_group(
@@ -124,6 +136,44 @@ impl GroupFactory for MpiFactory {
 }
 
 impl MpiFactory {
+    /// [`GroupFactory::create_members_only`]: `MPI_Comm_create_group`, called by the members
+    /// only, with a tag derived from the identity (its 64-bit FNV-1a hash reduced to
+    /// 0..=32767, the smallest `MPI_TAG_UB` the standard allows). MPI tells concurrent
+    /// creations apart by tag; the creations of one rank are sequential, so two identities
+    /// sharing a tag cannot be confused.
+    fn members_only(
+        &self,
+        parent: &MpiCommunicator,
+        members: &[usize],
+        identity: &str,
+        options: &grid_core::GroupOptions,
+    ) -> Result<MpiCommunicator> {
+        const OP: &str = "create_members_only";
+        parent.ensure_usable(OP)?;
+        options.check_backend(parent.backend())?;
+        check::members_only(OP, members, parent.size(), parent.rank())?;
+        let tag = identity_tag(identity);
+        let _s = tracing::debug_span!(
+            "mpi.create_members_only",
+            comm = parent.comm_name(),
+            identity,
+            tag,
+            n = members.len()
+        )
+        .entered();
+        self.creates.fetch_add(1, Ordering::Relaxed);
+        let _w = parent.creating(crate::watch::CREATE_GROUP, parent.time_limit());
+        let raw = parent
+            .raw()
+            .create_group(members, tag)
+            .map_err(|e| parent.err(OP, e))?;
+        let name = options.name.clone().unwrap_or_else(|| identity.to_string());
+        let timeout = options
+            .timeout
+            .unwrap_or_else(|| parent.configured_timeout());
+        MpiBackend::from_raw(raw, OP, name, timeout)
+    }
+
     fn split_named(
         &self,
         parent: &MpiCommunicator,
@@ -165,4 +215,14 @@ impl MpiFactory {
         raw.map(|r| MpiBackend::from_raw(r, OP, name, timeout))
             .transpose()
     }
+}
+
+/// The `MPI_Comm_create_group` tag of a group identity: its FNV-1a hash in 0..=32767.
+fn identity_tag(identity: &str) -> i32 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in identity.bytes() {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    (h % 32768) as i32
 }

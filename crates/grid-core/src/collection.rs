@@ -5,6 +5,7 @@ use crate::comm::TimeLimit;
 use crate::comm::{Communicator, CommunicatorExt, GroupFactory};
 use crate::error::{Error, Result};
 use crate::group::GroupSize;
+use crate::initplan::Creation;
 use crate::options::{CollectionOptions, GroupOptions};
 use crate::plan::{Family, FamilyLevel, GroupSignature, LayoutPlan};
 use std::collections::HashMap;
@@ -349,6 +350,36 @@ fn first_missing_rank<C: Communicator + ?Sized>(parent: &C, plan: &LayoutPlan) -
     (cfg.rank_offset..end).find(|r| !ranks.contains(r))
 }
 
+/// The identity of a group for members-only creation
+/// ([`GroupFactory::create_members_only`]): `label` (a family level such as `tp` or `hcp[1]`,
+/// or a group's name), then the first and last member, the member count and a 64-bit FNV-1a
+/// hash of the members (global ranks, in the order given). It depends on nothing but the label
+/// and the members, so every member computes the same identity without communication, and it
+/// stays short whatever the group size.
+///
+/// ```
+/// let id = grid_core::group_identity("tp", &[4, 5]);
+/// assert!(id.starts_with("tp/4-5n2-"), "{id}");
+/// assert_eq!(id, grid_core::group_identity("tp", &[4, 5]));
+/// assert_ne!(id, grid_core::group_identity("dp", &[4, 5]));
+/// assert_ne!(id, grid_core::group_identity("tp", &[4, 6]));
+/// ```
+pub fn group_identity(label: &str, members: &[usize]) -> String {
+    const PRIME: u64 = 0x0000_0100_0000_01b3;
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in label
+        .bytes()
+        .chain([0u8])
+        .chain(members.iter().flat_map(|m| (*m as u64).to_le_bytes()))
+    {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(PRIME);
+    }
+    let first = members.first().copied().unwrap_or(0);
+    let last = members.last().copied().unwrap_or(0);
+    format!("{label}/{first}-{last}n{}-{h:016x}", members.len())
+}
+
 /// Builds this rank's [`ProcessGroupCollection`] of live communicators from `plan`.
 ///
 /// 1. Every rank of `parent` all-gathers the plan's [`LayoutPlan::fingerprint`] together with
@@ -373,7 +404,7 @@ pub fn build_collection<F: GroupFactory>(
     parent: &F::Comm,
     plan: &LayoutPlan,
 ) -> Result<BuiltCollection<F::Comm>> {
-    build(factory, parent, plan, None)
+    build(factory, parent, plan, None, None)
 }
 
 /// [`build_collection`] with options per family (Megatron's `timeout`, `group_desc` and
@@ -413,7 +444,67 @@ pub fn build_collection_with<F: GroupFactory>(
     plan: &LayoutPlan,
     options: &CollectionOptions,
 ) -> Result<BuiltCollection<F::Comm>> {
-    build(factory, parent, plan, Some(options))
+    build(factory, parent, plan, Some(options), None)
+}
+
+/// The families Megatron's `create_gloo_process_groups` makes a Gloo (CPU) twin of, next to
+/// the GPU groups: `dp` (`DATA_PARALLEL_GROUP_GLOO`), `dp_cp` (`DATA_PARALLEL_GROUP_WITH_CP_GLOO`),
+/// `expt_dp` (`EXPERT_DATA_PARALLEL_GROUP_GLOO`), and for the distributed optimizer
+/// `intra_dp_cp` (`INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO`) and `intra_expt_dp`
+/// (`INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP_GLOO`).
+pub const GLOO_TWIN_FAMILIES: [Family; 5] = [
+    Family::Dp,
+    Family::DpCp,
+    Family::ExptDp,
+    Family::IntraDpCp,
+    Family::IntraExptDp,
+];
+
+/// Megatron's Gloo twins (`create_gloo_process_groups=True`): builds, on a CPU backend's
+/// factory (Gloo or MPI, or the local backend), **only** the data-parallel families of
+/// [`GLOO_TWIN_FAMILIES`] of `plan`, the same plan the GPU collection was built from, in one
+/// call. It is [`build_collection_with`] restricted to those families: the plan check, then
+/// one creation per distinct family among them (families with identical groups, such as `dp`
+/// and `dp_cp` when cp = 1, share one communicator), by split or members-only as
+/// `options.creation` says; no other family is created or set. Use `CollectionOptions::new()`
+/// for the defaults.
+///
+/// A parent whose communicators do not take host memory (NCCL) is refused with
+/// [`Error::Unsupported`] before any communication: twins exist to hold CPU tensors.
+///
+/// ```
+/// use backend_local::{run, LocalConfig};
+/// use grid_core::*;
+/// let plan = LayoutPlan::new(LayoutConfig { tp: 2, cp: 2, ..LayoutConfig::new(8) })?;
+/// let out = run(8, &LocalConfig::default(), |f, world| {
+///     let twins = build_gloo_twins(f, &world, &plan, &CollectionOptions::new())?;
+///     Ok(twins.collection.keys())
+/// })?;
+/// assert_eq!(out[0], ["dp", "dp_cp", "expt_dp", "intra_dp_cp", "intra_expt_dp"]);
+/// # Ok::<(), Error>(())
+/// ```
+pub fn build_gloo_twins<F: GroupFactory>(
+    factory: &F,
+    parent: &F::Comm,
+    plan: &LayoutPlan,
+    options: &CollectionOptions,
+) -> Result<BuiltCollection<F::Comm>> {
+    if !parent.accepts(crate::comm::Memory::Host) {
+        return Err(Error::Unsupported {
+            op: "build_gloo_twins",
+            backend: parent.backend(),
+            what:
+                "Gloo twins hold CPU tensors: build them on a CPU backend's factory (Gloo or MPI)"
+                    .into(),
+        });
+    }
+    build(
+        factory,
+        parent,
+        plan,
+        Some(options),
+        Some(&GLOO_TWIN_FAMILIES),
+    )
 }
 
 fn build<F: GroupFactory>(
@@ -421,10 +512,17 @@ fn build<F: GroupFactory>(
     parent: &F::Comm,
     plan: &LayoutPlan,
     options: Option<&CollectionOptions>,
+    only: Option<&[Family]>,
 ) -> Result<BuiltCollection<F::Comm>> {
+    // The families built: all, or those of `only` (the same on every rank).
+    let levels: Vec<FamilyLevel> = plan
+        .family_levels()
+        .into_iter()
+        .filter(|fl| only.is_none_or(|o| o.contains(&fl.family)))
+        .collect();
     // Options are the same on every rank: checked before any communication.
     if let Some(o) = options {
-        for fl in plan.family_levels() {
+        for &fl in &levels {
             o.for_level(fl).check_backend(parent.backend())?;
         }
     }
@@ -467,13 +565,29 @@ fn build<F: GroupFactory>(
         .copied()
         .unwrap_or(parent.rank());
     let in_plan = plan.contains(me);
+    // Members-only creation names members by parent rank: the parent's global ranks, indexed.
+    let members_only = options.is_some_and(|o| o.creation == Creation::MembersOnly);
+    let by_global: HashMap<usize, usize> = if members_only && in_plan {
+        (0..parent.size())
+            .map(|i| (parent.global_ranks().get(i).copied().unwrap_or(i), i))
+            .collect()
+    } else {
+        HashMap::new()
+    };
+    let parent_rank_of = |global: usize, fl: FamilyLevel| -> Result<usize> {
+        by_global.get(&global).copied().ok_or_else(|| {
+            Error::Invalid(format!(
+                "{fl}: member {global} of this rank's group is none of the parent's ranks"
+            ))
+        })
+    };
     let mut collection = ProcessGroupCollection::new();
     let mut stats = Vec::new();
     // Reuse needs identical groups and, with options, identical explicit options.
     type Made<C> = HashMap<(GroupSignature, Option<GroupOptions>), (FamilyLevel, Option<Arc<C>>)>;
     let mut made: Made<F::Comm> = HashMap::new();
     let mut calls = 1;
-    for fl in plan.family_levels() {
+    for &fl in &levels {
         let sig = (
             plan.group_signature(fl)?,
             options.map(|o| match o.family(fl.family.name()) {
@@ -514,13 +628,42 @@ fn build<F: GroupFactory>(
             None => None,
         };
         let t = Instant::now();
-        let _s = tracing::trace_span!("split", family = %fl).entered();
-        let comm = match options {
-            None => factory.split(parent, color, me)?,
-            Some(o) => factory.split_with(parent, color, me, &o.for_level(fl))?,
+        let comm = match (options, &group) {
+            (Some(o), group) if o.creation == Creation::MembersOnly => {
+                // Only members call; ranks in no group of this family make no call.
+                match group {
+                    Some(g) => {
+                        let _s =
+                            tracing::trace_span!("create_members_only", family = %fl).entered();
+                        // Communicator ranks follow the world ranks, as the split's keys.
+                        let mut global: Vec<usize> = g.iter().collect();
+                        global.sort_unstable();
+                        let members = global
+                            .iter()
+                            .map(|&r| parent_rank_of(r, fl))
+                            .collect::<Result<Vec<usize>>>()?;
+                        let id = group_identity(&fl.to_string(), &global);
+                        calls += 1;
+                        Some(factory.create_members_only(
+                            parent,
+                            &members,
+                            &id,
+                            &o.for_level(fl),
+                        )?)
+                    }
+                    None => None,
+                }
+            }
+            _ => {
+                let _s = tracing::trace_span!("split", family = %fl).entered();
+                calls += 1;
+                match options {
+                    None => factory.split(parent, color, me)?,
+                    Some(o) => factory.split_with(parent, color, me, &o.for_level(fl))?,
+                }
+            }
         }
         .map(Arc::new);
-        calls += 1;
         if let (Some(c), Some(g)) = (&comm, &group) {
             if c.size() != g.len() {
                 return Err(Error::Invalid(format!(

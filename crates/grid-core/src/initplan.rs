@@ -12,11 +12,13 @@
 //!   groups share one communicator, see [`LayoutPlan::group_signature`]), one `split` of the
 //!   parent in which **every** parent rank takes part, with colour = the index of its group and
 //!   key = its world rank (no colour when it is in no group of the family).
-//! * [`Creation::MembersOnly`] is **not implemented** by [`build_collection`]: it describes what a
-//!   creation in which only the members of a group create it would do (`MPI_Comm_create_group`,
-//!   or `ncclCommInitRank` with one unique id per group handed out through the store): the same
-//!   plan check, then, per distinct family the rank is a member of, one creation among that
-//!   group's members only. Ranks in no group of a family make no call for it.
+//! * [`Creation::MembersOnly`] is what [`crate::build_collection_with`] does when
+//!   [`crate::CollectionOptions::creation`] is set to it: the same plan check, then, per
+//!   distinct family the rank is a member of, one creation among that group's members only
+//!   ([`crate::GroupFactory::create_members_only`]: `MPI_Comm_create_group` on MPI, a
+//!   rendezvous under a store prefix of the group's own on Gloo). Ranks in no group of a family
+//!   make no call for it. The group's identity (MPI tag, store prefix, name) is derived from
+//!   the family and the members ([`crate::group_identity`]), never from a per-rank counter.
 //!
 //! ```
 //! use grid_core::{Creation, InitPlan, LayoutConfig, LayoutPlan};
@@ -43,14 +45,17 @@ use std::collections::HashMap;
 use std::fmt;
 
 /// How the communicators of a collection are created.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Default)]
 #[serde(rename_all = "kebab-case")]
 pub enum Creation {
     /// One split of the parent per distinct family, every parent rank taking part (what
-    /// [`crate::build_collection`] does).
+    /// [`crate::build_collection`] does by default).
+    #[default]
     Split,
-    /// Only the members of each group create it (described, not implemented by
-    /// [`crate::build_collection`]).
+    /// Only the members of each group create it, under an identity derived from the family
+    /// and the members ([`crate::group_identity`]); [`crate::build_collection_with`] does it
+    /// when [`crate::CollectionOptions::creation`] says so, through
+    /// [`crate::GroupFactory::create_members_only`].
     MembersOnly,
 }
 

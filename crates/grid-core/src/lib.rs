@@ -82,8 +82,8 @@ mod view;
 mod wiring;
 
 pub use collection::{
-    build_collection, build_collection_with, BuiltCollection, FamilyBuildStat, PgEntry,
-    ProcessGroupCollection,
+    build_collection, build_collection_with, build_gloo_twins, group_identity, BuiltCollection,
+    FamilyBuildStat, PgEntry, ProcessGroupCollection, GLOO_TWIN_FAMILIES,
 };
 pub use hierarchical::{hierarchical_groups, hierarchical_groups_of};
 pub use plan::{

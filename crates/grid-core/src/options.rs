@@ -256,6 +256,10 @@ impl GroupOptions {
 pub struct CollectionOptions {
     /// Options of every family without its own entry (and under those with one).
     pub default: GroupOptions,
+    /// How the communicators are created: one split of the parent per distinct family
+    /// ([`crate::Creation::Split`], the default), or by the members of each group only
+    /// ([`crate::Creation::MembersOnly`], through [`crate::GroupFactory::create_members_only`]).
+    pub creation: crate::Creation,
     families: BTreeMap<String, GroupOptions>,
 }
 
@@ -288,6 +292,19 @@ impl CollectionOptions {
     /// No options: every family gets its family name and the factory's defaults.
     pub fn new() -> CollectionOptions {
         CollectionOptions::default()
+    }
+
+    /// With the given creation mode ([`CollectionOptions::creation`]).
+    ///
+    /// ```
+    /// use grid_core::{CollectionOptions, Creation};
+    /// let o = CollectionOptions::new().with_creation(Creation::MembersOnly);
+    /// assert_eq!(o.creation, Creation::MembersOnly);
+    /// assert_eq!(CollectionOptions::new().creation, Creation::Split);
+    /// ```
+    pub fn with_creation(mut self, creation: crate::Creation) -> CollectionOptions {
+        self.creation = creation;
+        self
     }
 
     /// With options for every family.

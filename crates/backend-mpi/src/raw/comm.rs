@@ -146,6 +146,60 @@ impl Comm {
         }
     }
 
+    /// `MPI_Comm_create_group` over this communicator for the group of `ranks` (ranks of this
+    /// communicator, in the order they get in the new one) with `tag`: collective over the
+    /// members of the group only (MPI 3.0). This rank must be one of `ranks`.
+    pub(crate) fn create_group(&self, ranks: &[usize], tag: i32) -> R<Comm> {
+        let size = self.size()?;
+        let list = ranks
+            .iter()
+            .map(|&r| {
+                if r < size {
+                    int("rank", r)
+                } else {
+                    Err(RawError::msg(format!(
+                        "internal: rank {r} outside 0..{size}"
+                    )))
+                }
+            })
+            .collect::<R<Vec<c_int>>>()?;
+        let n = count(list.len())?;
+        let mut parent = std::mem::MaybeUninit::<ffi::MPI_Group>::uninit();
+        let mut group = std::mem::MaybeUninit::<ffi::MPI_Group>::uninit();
+        let mut out = std::mem::MaybeUninit::<ffi::MPI_Comm>::uninit();
+        // SAFETY: valid communicator; out pointers valid; `list` holds `n` valid ranks of the
+        // parent group (checked above). Both groups are freed before returning. Only the
+        // group's members call MPI_Comm_create_group (the caller's contract).
+        let raw = unsafe {
+            rc(ffi::MPI_Comm_group(self.raw, parent.as_mut_ptr()))?;
+            let mut parent = parent.assume_init();
+            let r = rc(ffi::MPI_Group_incl(
+                parent,
+                n,
+                list.as_ptr(),
+                group.as_mut_ptr(),
+            ));
+            if let Err(e) = r {
+                ffi::MPI_Group_free(&mut parent);
+                return Err(e);
+            }
+            let mut group = group.assume_init();
+            let r = rc(ffi::MPI_Comm_create_group(
+                self.raw,
+                group,
+                tag,
+                out.as_mut_ptr(),
+            ));
+            ffi::MPI_Group_free(&mut group);
+            ffi::MPI_Group_free(&mut parent);
+            r?;
+            out.assume_init()
+        };
+        Comm::adopt(raw)?.ok_or_else(|| {
+            RawError::msg("MPI_Comm_create_group gave MPI_COMM_NULL to a member".into())
+        })
+    }
+
     pub(crate) fn rank(&self) -> R<usize> {
         let mut r: c_int = 0;
         // SAFETY: valid communicator and out pointer.

@@ -43,9 +43,9 @@ JSON with --rank:    {\"rank\", \"creation\", \"parent_size\", \"calls\": [{\"in
 /// `--creation`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum CreationArg {
-    /// One split of the world per distinct family (what build_collection does)
+    /// One split of the world per distinct family (build_collection's default)
     Split,
-    /// Only each group's members create it (described, not implemented)
+    /// Only each group's members create it (CollectionOptions::creation = MembersOnly)
     MembersOnly,
 }
 

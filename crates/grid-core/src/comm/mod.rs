@@ -349,6 +349,71 @@ pub trait GroupFactory {
         Ok(comm)
     }
 
+    /// Creates the communicator of the group `members` (distinct parent ranks in the order of
+    /// their ranks in the new communicator, this rank among them) with **only the members taking part**: ranks outside the group make no
+    /// call. `identity` names the group among all groups ever created from `parent`; callers
+    /// derive it from the group's family and members ([`crate::group_identity`]), so that it is
+    /// the same on every member whatever else each member created before, and a backend
+    /// derives from it what its rendezvous needs (MPI: the tag of `MPI_Comm_create_group`;
+    /// Gloo and the local backend: a store prefix or registry key, followed by how many times
+    /// this rank already created a group of this identity, a count only the group's own members
+    /// advance). The communicator is named `options.name`, else `identity`.
+    ///
+    /// The members must call it for their groups in one order; two ranks that share two groups
+    /// and create them in opposite orders wait for each other, as with any blocking creation.
+    ///
+    /// This default, for factories that cannot create a group without the parent, returns
+    /// [`Error::Unsupported`] before any communication; the MPI, Gloo and local factories of
+    /// this workspace implement it.
+    fn create_members_only(
+        &self,
+        parent: &Self::Comm,
+        members: &[usize],
+        identity: &str,
+        options: &crate::GroupOptions,
+    ) -> Result<Self::Comm> {
+        let _ = (members, identity, options);
+        Err(Error::Unsupported {
+            op: "create_members_only",
+            backend: parent.backend(),
+            what: "members-only group creation (this factory creates groups collectively over \
+                   the parent only: use Creation::Split)"
+                .into(),
+        })
+    }
+
+    /// [`GroupFactory::create_group_with`] under a chosen [`crate::Creation`]:
+    /// [`crate::Creation::Split`] is [`GroupFactory::create_group_with`] (collective over the
+    /// parent); [`crate::Creation::MembersOnly`] returns `None` at once on ranks outside
+    /// `ranks` and, on members, calls [`GroupFactory::create_members_only`] with the identity
+    /// [`crate::group_identity`] of (`options.name`, or `"group"`, and the members' global
+    /// ranks). Bad `ranks` fail alike on every rank before any communication.
+    fn create_group_as(
+        &self,
+        parent: &Self::Comm,
+        ranks: &[usize],
+        options: &crate::GroupOptions,
+        creation: crate::Creation,
+    ) -> Result<Option<Self::Comm>> {
+        match creation {
+            crate::Creation::Split => self.create_group_with(parent, ranks, options),
+            crate::Creation::MembersOnly => {
+                options.check_backend(parent.backend())?;
+                let members = check::group_members("create_group", ranks, parent.size())?;
+                if members.binary_search(&parent.rank()).is_err() {
+                    return Ok(None);
+                }
+                let global: Vec<usize> = members
+                    .iter()
+                    .map(|&r| parent.global_ranks().get(r).copied().unwrap_or(r))
+                    .collect();
+                let id = crate::group_identity(options.name.as_deref().unwrap_or("group"), &global);
+                self.create_members_only(parent, &members, &id, options)
+                    .map(Some)
+            }
+        }
+    }
+
     /// [`GroupFactory::create_group`] with the group's options ([`GroupFactory::split_with`]).
     fn create_group_with(
         &self,
@@ -619,6 +684,26 @@ pub mod check {
             )));
         }
         Ok((0..size).filter(|&r| seen[r]).collect())
+    }
+
+    /// The members of [`GroupFactory::create_members_only`]: [`group_members`]'s rules, and
+    /// the calling rank `me` must be one of them (only members call).
+    ///
+    /// ```
+    /// use grid_core::comm::check::members_only;
+    /// assert!(members_only("create_members_only", &[3, 1], 4, 1).is_ok());
+    /// let e = members_only("create_members_only", &[3, 1], 4, 0).unwrap_err();
+    /// assert!(e.to_string().contains("rank 0 is not one of the members [3, 1]"), "{e}");
+    /// assert!(members_only("create_members_only", &[1, 1], 4, 1).is_err());
+    /// ```
+    pub fn members_only(op: &'static str, members: &[usize], size: usize, me: usize) -> Result<()> {
+        let sorted = group_members(op, members, size)?;
+        if sorted.binary_search(&me).is_err() {
+            return Err(Error::Invalid(format!(
+                "{op}: rank {me} is not one of the members {members:?}; only a group's members call a members-only creation"
+            )));
+        }
+        Ok(())
     }
 
     /// Validates the arguments of a collective against a communicator of `size` ranks.
