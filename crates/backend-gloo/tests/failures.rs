@@ -183,10 +183,16 @@ impl Ranks {
         needle: &str,
         deadline: Instant,
     ) -> Option<(String, Instant)> {
+        let mut exited: Option<Instant> = None;
         loop {
             self.drain();
             if let Some((l, t)) = self.output[rank].iter().find(|(l, _)| l.contains(needle)) {
                 return Some((l.clone(), *t));
+            }
+            // A rank that has exited prints nothing more: stop waiting once its last lines
+            // had time to arrive, instead of waiting out the deadline.
+            if self.gone_for(rank, &mut exited) {
+                return None;
             }
             let left = deadline.checked_duration_since(Instant::now())?;
             if let Ok((r, line)) = self.rx.recv_timeout(left.min(Duration::from_millis(50))) {
@@ -199,6 +205,7 @@ impl Ranks {
     /// harness may print on the same line first) until `deadline`; panics with every rank's
     /// output if it does not come.
     fn outcome(&mut self, rank: usize, deadline: Instant) -> (String, Instant) {
+        let mut exited: Option<Instant> = None;
         loop {
             self.drain();
             if let Some((l, t)) = self.output[rank]
@@ -210,10 +217,27 @@ impl Ranks {
             if Instant::now() >= deadline {
                 panic!("rank {rank} reported nothing in time\n{}", self.report());
             }
+            if self.gone_for(rank, &mut exited) {
+                panic!("rank {rank} exited without a report\n{}", self.report());
+            }
             if let Ok((r, line)) = self.rx.recv_timeout(Duration::from_millis(20)) {
                 self.output[r].push((line, Instant::now()));
             }
         }
+    }
+
+    /// Whether `rank`'s process has exited at least half a second ago (`exited` keeps when it
+    /// was first seen gone), so that the lines it printed last have been forwarded.
+    fn gone_for(&mut self, rank: usize, exited: &mut Option<Instant>) -> bool {
+        if exited.is_none() {
+            let gone = self.children[rank]
+                .as_mut()
+                .is_some_and(|c| matches!(c.try_wait(), Ok(Some(_))));
+            if gone {
+                *exited = Some(Instant::now());
+            }
+        }
+        exited.is_some_and(|t| t.elapsed() >= Duration::from_millis(500))
     }
 
     fn report(&mut self) -> String {
