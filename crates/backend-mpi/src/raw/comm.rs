@@ -105,6 +105,35 @@ impl Comm {
     /// `MPI_Comm_create` over this communicator for the group of `ranks` (ranks of this
     /// communicator, in the order they get in the new one). Collective over this communicator.
     pub(crate) fn create(&self, ranks: &[usize]) -> R<Option<Comm>> {
+        let raw = self.with_group(ranks, |group, out| {
+            // SAFETY: valid communicator and group (from `with_group`), valid out pointer.
+            rc(unsafe { ffi::MPI_Comm_create(self.raw, group, out) })
+        })?;
+        Comm::adopt(raw)
+    }
+
+    /// `MPI_Comm_create_group` over this communicator for the group of `ranks` (ranks of this
+    /// communicator, in the order they get in the new one) with `tag`: collective over the
+    /// members of the group only (MPI 3.0). This rank must be one of `ranks`.
+    pub(crate) fn create_group(&self, ranks: &[usize], tag: i32) -> R<Comm> {
+        let raw = self.with_group(ranks, |group, out| {
+            // SAFETY: valid communicator and group (from `with_group`), valid out pointer.
+            // Only the group's members call MPI_Comm_create_group (the caller's contract).
+            rc(unsafe { ffi::MPI_Comm_create_group(self.raw, group, tag, out) })
+        })?;
+        Comm::adopt(raw)?.ok_or_else(|| {
+            RawError::msg("MPI_Comm_create_group gave MPI_COMM_NULL to a member".into())
+        })
+    }
+
+    /// Builds the MPI group of `ranks` (ranks of this communicator, checked) and hands it to
+    /// `create` with an out pointer for the new communicator; frees both groups whatever
+    /// happens and returns the handle `create` wrote.
+    fn with_group(
+        &self,
+        ranks: &[usize],
+        create: impl FnOnce(ffi::MPI_Group, *mut ffi::MPI_Comm) -> R<()>,
+    ) -> R<ffi::MPI_Comm> {
         let size = self.size()?;
         let list = ranks
             .iter()
@@ -123,7 +152,8 @@ impl Comm {
         let mut group = std::mem::MaybeUninit::<ffi::MPI_Group>::uninit();
         let mut out = std::mem::MaybeUninit::<ffi::MPI_Comm>::uninit();
         // SAFETY: valid communicator; out pointers valid; `list` holds `n` valid ranks of the
-        // parent group (checked above). Both groups are freed before returning.
+        // parent group (checked above). Both groups are freed before returning; `out` is read
+        // only after `create` succeeded, which means MPI wrote it.
         unsafe {
             rc(ffi::MPI_Comm_group(self.raw, parent.as_mut_ptr()))?;
             let mut parent = parent.assume_init();
@@ -138,66 +168,12 @@ impl Comm {
                 return Err(e);
             }
             let mut group = group.assume_init();
-            let r = rc(ffi::MPI_Comm_create(self.raw, group, out.as_mut_ptr()));
+            let r = create(group, out.as_mut_ptr());
             ffi::MPI_Group_free(&mut group);
             ffi::MPI_Group_free(&mut parent);
             r?;
-            Comm::adopt(out.assume_init())
+            Ok(out.assume_init())
         }
-    }
-
-    /// `MPI_Comm_create_group` over this communicator for the group of `ranks` (ranks of this
-    /// communicator, in the order they get in the new one) with `tag`: collective over the
-    /// members of the group only (MPI 3.0). This rank must be one of `ranks`.
-    pub(crate) fn create_group(&self, ranks: &[usize], tag: i32) -> R<Comm> {
-        let size = self.size()?;
-        let list = ranks
-            .iter()
-            .map(|&r| {
-                if r < size {
-                    int("rank", r)
-                } else {
-                    Err(RawError::msg(format!(
-                        "internal: rank {r} outside 0..{size}"
-                    )))
-                }
-            })
-            .collect::<R<Vec<c_int>>>()?;
-        let n = count(list.len())?;
-        let mut parent = std::mem::MaybeUninit::<ffi::MPI_Group>::uninit();
-        let mut group = std::mem::MaybeUninit::<ffi::MPI_Group>::uninit();
-        let mut out = std::mem::MaybeUninit::<ffi::MPI_Comm>::uninit();
-        // SAFETY: valid communicator; out pointers valid; `list` holds `n` valid ranks of the
-        // parent group (checked above). Both groups are freed before returning. Only the
-        // group's members call MPI_Comm_create_group (the caller's contract).
-        let raw = unsafe {
-            rc(ffi::MPI_Comm_group(self.raw, parent.as_mut_ptr()))?;
-            let mut parent = parent.assume_init();
-            let r = rc(ffi::MPI_Group_incl(
-                parent,
-                n,
-                list.as_ptr(),
-                group.as_mut_ptr(),
-            ));
-            if let Err(e) = r {
-                ffi::MPI_Group_free(&mut parent);
-                return Err(e);
-            }
-            let mut group = group.assume_init();
-            let r = rc(ffi::MPI_Comm_create_group(
-                self.raw,
-                group,
-                tag,
-                out.as_mut_ptr(),
-            ));
-            ffi::MPI_Group_free(&mut group);
-            ffi::MPI_Group_free(&mut parent);
-            r?;
-            out.assume_init()
-        };
-        Comm::adopt(raw)?.ok_or_else(|| {
-            RawError::msg("MPI_Comm_create_group gave MPI_COMM_NULL to a member".into())
-        })
     }
 
     pub(crate) fn rank(&self) -> R<usize> {
