@@ -11,61 +11,21 @@
 //! all-reduce. Each run is under a hard timeout: a deadlock fails it.
 //!
 //! A Gloo rendezvous costs tens of milliseconds on a loaded machine (about 0.4 s per order of
-//! 9 families measured at load 15), so the exhaustive set of [`family_orders`] (2304 orders,
+//! 9 families measured at load 15), so the exhaustive set of `grid_conformance::members_only::family_orders` (2304 orders,
 //! reaching every state of the 9! = 362880 permutations; it runs on MPI and on the local
 //! backend) would take about 15 minutes here. This test runs the 34 orders of
 //! [`gloo_orders`] by default, and the whole exhaustive set with
 //! `GRID_MEMBERS_ONLY_ALL_ORDERS=1`.
 
 use backend_gloo::{run_ranks, GlooConfig};
+use grid_conformance::members_only::{
+    distinct_families, family_orders, sum_check, torch_deadlock_plan, within,
+};
 use grid_core::{
     build_collection, build_collection_with, CollectionOptions, Communicator, CommunicatorExt,
-    Creation, Error, FamilyLevel, GroupFactory, GroupOptions, LayoutConfig, LayoutPlan, PgEntry,
-    ReduceOp, Result,
+    Creation, Error, GroupFactory, GroupOptions, PgEntry, ReduceOp,
 };
-use std::collections::HashSet;
 use std::time::Duration;
-
-fn torch_deadlock_plan() -> LayoutPlan {
-    LayoutPlan::new(LayoutConfig {
-        tp: 2,
-        pp: 2,
-        ..LayoutConfig::new(8)
-    })
-    .unwrap()
-}
-
-/// The family levels that create distinct communicators (the first of each group signature),
-/// in Megatron's order.
-fn distinct_families(plan: &LayoutPlan) -> Vec<FamilyLevel> {
-    let mut seen = HashSet::new();
-    plan.family_levels()
-        .into_iter()
-        .filter(|fl| seen.insert(plan.group_signature(*fl).unwrap()))
-        .collect()
-}
-
-/// The family orders to run, an exhaustive set for members-only creation: for every family `f`
-/// and every set `s` of the other families, the order "`s` (Megatron's order), `f`, the rest".
-/// A creation's outcome depends only on the family created and on the set of families created
-/// before it on the rank (what any counter-based name, torch's included, is a function of), and
-/// every one of the n! orders creates each family after some such set: these n * 2^(n-1) orders
-/// reach every state the n! orders reach (9 families: 2304 orders instead of 362880).
-fn family_orders(n: usize) -> Vec<Vec<usize>> {
-    let mut out = Vec::new();
-    for f in 0..n {
-        for mask in 0u32..(1 << n) {
-            if mask & (1 << f) != 0 {
-                continue;
-            }
-            let mut order: Vec<usize> = (0..n).filter(|i| mask & (1 << i) != 0).collect();
-            order.push(f);
-            order.extend((0..n).filter(|&i| i != f && mask & (1 << i) == 0));
-            out.push(order);
-        }
-    }
-    out
-}
 
 /// The orders run on Gloo by default (34): the 9 rotations of Megatron's order and the 9 of
 /// its reverse (every ordered pair of families appears both ways, every family comes first
@@ -88,41 +48,13 @@ fn gloo_orders(n: usize, skipped: usize) -> Vec<Vec<usize>> {
     out
 }
 
-fn sum_check<C: Communicator + ?Sized>(c: &C, what: &str, rank: usize) -> Result<()> {
-    let mut s = [0i64];
-    c.all_reduce_into(&[rank as i64], &mut s, ReduceOp::Sum)?;
-    let want: usize = c.global_ranks().iter().sum();
-    if s[0] != want as i64 {
-        return Err(Error::Invalid(format!(
-            "{what}: all-reduce {} want {want}",
-            s[0]
-        )));
-    }
-    Ok(())
-}
-
-/// Runs `f` on a thread and fails the test if it does not finish within `limit` (a deadlock).
-fn within<R: Send + 'static>(limit: Duration, f: impl FnOnce() -> R + Send + 'static) -> R {
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = tx.send(f());
-    });
-    match rx.recv_timeout(limit) {
-        Ok(r) => r,
-        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
-            panic!("did not finish within {limit:?}: a deadlock")
-        }
-        Err(e) => panic!("the run failed (see the panic above): {e}"),
-    }
-}
-
 #[test]
 fn members_only_every_family_order_on_gloo() {
     let all = std::env::var("GRID_MEMBERS_ONLY_ALL_ORDERS").is_ok_and(|v| v == "1");
     let limit = Duration::from_secs(if all { 1800 } else { 300 });
     let (n, count) = within(limit, move || {
-        let plan = torch_deadlock_plan();
-        let fams = distinct_families(&plan);
+        let plan = torch_deadlock_plan().unwrap();
+        let fams = distinct_families(&plan).unwrap();
         // tp, pp, mp, embd, pos_embd, cp, tp_dp, dp, intra_dist_opt (the others share).
         assert_eq!(fams.len(), 9, "{fams:?}");
         let pos = fams
@@ -196,7 +128,7 @@ fn members_only_every_family_order_on_gloo() {
 #[test]
 fn members_only_build_collection_on_gloo() {
     within(Duration::from_secs(300), || {
-        let plan = torch_deadlock_plan();
+        let plan = torch_deadlock_plan().unwrap();
         let cfg = GlooConfig::new("members-only-build").with_timeout(Duration::from_secs(60));
         let out = run_ranks(8, &cfg, |f, world| {
             let rank = world.rank();
@@ -268,7 +200,7 @@ fn members_only_vs_split_timing_on_gloo() {
     // A benchmark, not a check of speed: builds the torch-deadlock layout's collection by
     // splits and members-only, alternating, and prints the medians (max over ranks).
     within(Duration::from_secs(300), || {
-        let plan = torch_deadlock_plan();
+        let plan = torch_deadlock_plan().unwrap();
         let cfg = GlooConfig::new("members-only-timing").with_timeout(Duration::from_secs(60));
         let mo = CollectionOptions::new().with_creation(Creation::MembersOnly);
         let out = run_ranks(8, &cfg, |f, world| {

@@ -1,92 +1,24 @@
 //! Members-only creation on the local backend (ranks as threads): the torch-deadlock layout
 //! (Megatron's families at world 8, tp 2, pp 2; pytorch/pytorch#173608) created by the members
-//! only in the exhaustive set of family orders ([`family_orders`]: 2304 orders reaching every
+//! only in the exhaustive set of family orders (`grid_conformance::members_only::family_orders`: 2304 orders reaching every
 //! state of the 9! permutations), each group checked against the split build, under a hard
 //! timeout; and `build_collection_with` in members-only mode.
 
 use backend_local::{run, LocalConfig};
-use grid_core::{
-    build_collection, build_collection_with, CollectionOptions, Communicator, CommunicatorExt,
-    Creation, Error, FamilyLevel, GroupFactory, GroupOptions, InitPlan, LayoutConfig, LayoutPlan,
-    PgEntry, ReduceOp, Result,
+use grid_conformance::members_only::{
+    distinct_families, family_orders, sum_check, torch_deadlock_plan, within,
 };
-use std::collections::HashSet;
+use grid_core::{
+    build_collection, build_collection_with, CollectionOptions, Communicator, Creation, Error,
+    GroupFactory, GroupOptions, InitPlan, PgEntry,
+};
 use std::time::Duration;
-
-fn torch_deadlock_plan() -> LayoutPlan {
-    LayoutPlan::new(LayoutConfig {
-        tp: 2,
-        pp: 2,
-        ..LayoutConfig::new(8)
-    })
-    .unwrap()
-}
-
-/// The family levels that create distinct communicators (the first of each group signature),
-/// in Megatron's order.
-fn distinct_families(plan: &LayoutPlan) -> Vec<FamilyLevel> {
-    let mut seen = HashSet::new();
-    plan.family_levels()
-        .into_iter()
-        .filter(|fl| seen.insert(plan.group_signature(*fl).unwrap()))
-        .collect()
-}
-
-/// The family orders to run, an exhaustive set for members-only creation: for every family `f`
-/// and every set `s` of the other families, the order "`s` (Megatron's order), `f`, the rest".
-/// A creation's outcome depends only on the family created and on the set of families created
-/// before it on the rank (what any counter-based name, torch's included, is a function of), and
-/// every one of the n! orders creates each family after some such set: these n * 2^(n-1) orders
-/// reach every state the n! orders reach (9 families: 2304 orders instead of 362880).
-fn family_orders(n: usize) -> Vec<Vec<usize>> {
-    let mut out = Vec::new();
-    for f in 0..n {
-        for mask in 0u32..(1 << n) {
-            if mask & (1 << f) != 0 {
-                continue;
-            }
-            let mut order: Vec<usize> = (0..n).filter(|i| mask & (1 << i) != 0).collect();
-            order.push(f);
-            order.extend((0..n).filter(|&i| i != f && mask & (1 << i) == 0));
-            out.push(order);
-        }
-    }
-    out
-}
-
-fn sum_check<C: Communicator + ?Sized>(c: &C, what: &str, rank: usize) -> Result<()> {
-    let mut s = [0i64];
-    c.all_reduce_into(&[rank as i64], &mut s, ReduceOp::Sum)?;
-    let want: usize = c.global_ranks().iter().sum();
-    if s[0] != want as i64 {
-        return Err(Error::Invalid(format!(
-            "{what}: all-reduce {} want {want}",
-            s[0]
-        )));
-    }
-    Ok(())
-}
-
-/// Runs `f` on a thread and fails the test if it does not finish within `limit` (a deadlock).
-fn within<R: Send + 'static>(limit: Duration, f: impl FnOnce() -> R + Send + 'static) -> R {
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = tx.send(f());
-    });
-    match rx.recv_timeout(limit) {
-        Ok(r) => r,
-        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
-            panic!("did not finish within {limit:?}: a deadlock")
-        }
-        Err(e) => panic!("the run failed (see the panic above): {e}"),
-    }
-}
 
 #[test]
 fn members_only_every_family_order_on_local() {
     let counts = within(Duration::from_secs(300), || {
-        let plan = torch_deadlock_plan();
-        let fams = distinct_families(&plan);
+        let plan = torch_deadlock_plan().unwrap();
+        let fams = distinct_families(&plan).unwrap();
         assert_eq!(fams.len(), 9, "{fams:?}");
         let orders = family_orders(fams.len());
         assert_eq!(orders.len(), 2304);
@@ -143,7 +75,7 @@ fn members_only_every_family_order_on_local() {
 
 #[test]
 fn members_only_build_collection_on_local() {
-    let plan = torch_deadlock_plan();
+    let plan = torch_deadlock_plan().unwrap();
     let out = run(8, &LocalConfig::default(), |f, world| {
         let rank = world.rank();
         let split = build_collection(f, &world, &plan)?;

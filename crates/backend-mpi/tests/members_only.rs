@@ -7,72 +7,19 @@
 //! creation, so the counter, and with it the store prefix of every later group, differs between
 //! pipeline stages and the members of the next group wait under different names forever). Here every rank
 //! creates the groups it belongs to in every order of the 9 families that create distinct
-//! communicators, through the exhaustive set of [`family_orders`] (2304 orders, reaching every
+//! communicators, through the exhaustive set of `grid_conformance::members_only::family_orders` (2304 orders, reaching every
 //! state of the 9! = 362880 permutations; on every rank the same order, ranks skipping the
 //! families they are in no group of), and every group must have the split build's members and
 //! a correct all-reduce. The whole run is under mpirun's hard timeout: a deadlock fails it.
 
 use backend_mpi::{mpi_test, MpiFactory};
+use grid_conformance::members_only::{
+    distinct_families, family_orders, sum_check, torch_deadlock_plan,
+};
 use grid_core::{
     build_collection, build_collection_with, CollectionOptions, Communicator, CommunicatorExt,
-    Creation, FamilyLevel, GroupFactory, GroupOptions, LayoutConfig, LayoutPlan, PgEntry, ReduceOp,
+    Creation, GroupFactory, GroupOptions, PgEntry, ReduceOp,
 };
-use std::collections::HashSet;
-
-fn torch_deadlock_plan() -> Result<LayoutPlan, String> {
-    LayoutPlan::new(LayoutConfig {
-        tp: 2,
-        pp: 2,
-        ..LayoutConfig::new(8)
-    })
-    .map_err(|e| e.to_string())
-}
-
-/// The family levels that create distinct communicators (the first of each group signature),
-/// in Megatron's order.
-fn distinct_families(plan: &LayoutPlan) -> Result<Vec<FamilyLevel>, String> {
-    let mut seen = HashSet::new();
-    let mut out = Vec::new();
-    for fl in plan.family_levels() {
-        if seen.insert(plan.group_signature(fl).map_err(|e| e.to_string())?) {
-            out.push(fl);
-        }
-    }
-    Ok(out)
-}
-
-/// The family orders to run, an exhaustive set for members-only creation: for every family `f`
-/// and every set `s` of the other families, the order "`s` (Megatron's order), `f`, the rest".
-/// A creation's outcome depends only on the family created and on the set of families created
-/// before it on the rank (what any counter-based name, torch's included, is a function of), and
-/// every one of the n! orders creates each family after some such set: these n * 2^(n-1) orders
-/// reach every state the n! orders reach (9 families: 2304 orders instead of 362880).
-fn family_orders(n: usize) -> Vec<Vec<usize>> {
-    let mut out = Vec::new();
-    for f in 0..n {
-        for mask in 0u32..(1 << n) {
-            if mask & (1 << f) != 0 {
-                continue;
-            }
-            let mut order: Vec<usize> = (0..n).filter(|i| mask & (1 << i) != 0).collect();
-            order.push(f);
-            order.extend((0..n).filter(|&i| i != f && mask & (1 << i) == 0));
-            out.push(order);
-        }
-    }
-    out
-}
-
-fn sum_check<C: Communicator + ?Sized>(c: &C, what: &str, rank: usize) -> Result<(), String> {
-    let mut s = [0i64];
-    c.all_reduce_into(&[rank as i64][..], &mut s[..], ReduceOp::Sum)
-        .map_err(|e| format!("{what}: {e}"))?;
-    let want: usize = c.global_ranks().iter().sum();
-    if s[0] != want as i64 {
-        return Err(format!("{what}: all-reduce {} want {want}", s[0]));
-    }
-    Ok(())
-}
 
 mpi_test!(
     mpi_members_only_every_family_order_np8,
@@ -81,8 +28,8 @@ mpi_test!(
     |rt| {
         let w = rt.world();
         let rank = w.rank();
-        let plan = torch_deadlock_plan()?;
-        let fams = distinct_families(&plan)?;
+        let plan = torch_deadlock_plan().map_err(|e| e.to_string())?;
+        let fams = distinct_families(&plan).map_err(|e| e.to_string())?;
         // tp, pp, mp, embd, pos_embd, cp, tp_dp, dp, intra_dist_opt (the others share).
         if fams.len() != 9 {
             return Err(format!("expected 9 distinct families, got {fams:?}"));
@@ -129,7 +76,7 @@ mpi_test!(
                         c.global_ranks()
                     ));
                 }
-                sum_check(&c, &format!("order {order:?} {fl}"), rank)?;
+                sum_check(&c, &format!("order {order:?} {fl}"), rank).map_err(|e| e.to_string())?;
                 created += 1;
                 comms.push(c);
             }
@@ -152,7 +99,7 @@ mpi_test!(
     |rt| {
         let w = rt.world();
         let rank = w.rank();
-        let plan = torch_deadlock_plan()?;
+        let plan = torch_deadlock_plan().map_err(|e| e.to_string())?;
         let f = MpiFactory::new();
         let split = build_collection(&f, w, &plan).map_err(|e| e.to_string())?;
         let opts = CollectionOptions::new().with_creation(Creation::MembersOnly);
@@ -185,7 +132,7 @@ mpi_test!(
                     s.global_ranks()
                 ));
             }
-            sum_check(c.as_ref(), name, rank)?;
+            sum_check(c.as_ref(), name, rank).map_err(|e| e.to_string())?;
         }
         // The plan check plus one creation per distinct family this rank is a member of.
         if mo.collective_calls != 1 + after.creates - before.creates
@@ -222,13 +169,13 @@ mpi_test!(
                 if c.global_ranks() != [0, 1] || !c.name().starts_with("group/0-1n2-") {
                     return Err(format!("pair {:?} named {}", c.global_ranks(), c.name()));
                 }
-                sum_check(c, "pair", w.rank())?;
+                sum_check(c, "pair", w.rank()).map_err(|e| e.to_string())?;
                 // The same group again: its own rendezvous, not confused with the first.
                 let again = f
                     .create_group_as(w, &[0, 1], &opts, Creation::MembersOnly)
                     .map_err(|e| e.to_string())?
                     .ok_or("second pair missing")?;
-                sum_check(&again, "pair again", w.rank())?;
+                sum_check(&again, "pair again", w.rank()).map_err(|e| e.to_string())?;
             }
             (r, p) => {
                 return Err(format!(
@@ -262,7 +209,7 @@ mpi_test!(
         // A benchmark, not a check of speed: builds the torch-deadlock layout's collection by
         // splits and members-only, alternating, and prints the medians (max over ranks).
         let w = rt.world();
-        let plan = torch_deadlock_plan()?;
+        let plan = torch_deadlock_plan().map_err(|e| e.to_string())?;
         let f = MpiFactory::new();
         let mo = CollectionOptions::new().with_creation(Creation::MembersOnly);
         let (mut split_s, mut mo_s) = (Vec::new(), Vec::new());

@@ -72,6 +72,7 @@ pub mod group_options;
 mod layouts;
 mod lifecycle;
 pub mod live;
+pub mod members_only;
 mod nonblocking;
 mod subgroups;
 mod values;
