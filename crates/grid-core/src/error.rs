@@ -315,6 +315,23 @@ pub enum Error {
         len: usize,
         parts: usize,
     },
+    /// A per-rank counts vector of an uneven collective (`all_to_all_v`, `all_gather_v`,
+    /// `reduce_scatter_v`) that does not fit the communicator or the buffer: `problem` says how.
+    #[error("{op}: {what} {counts:?} {problem}")]
+    BadCounts {
+        op: &'static str,
+        what: &'static str,
+        counts: Vec<usize>,
+        problem: String,
+    },
+    /// The root of a rooted operation (`reduce`, `gather`, `scatter`) did not pass the buffer
+    /// that only the root uses.
+    #[error("{op}: this rank ({root}) is the root and must pass the {what} (it is used only on the root; the other ranks pass None)")]
+    MissingRootBuffer {
+        op: &'static str,
+        what: &'static str,
+        root: usize,
+    },
     /// Mismatch checking ([`crate::MismatchCheck`]) found that the ranks disagree about a
     /// collective: which operation (as this rank called it), on which communicator, this
     /// rank's sequence number, the first field that differs, and every rank's value of it
@@ -484,6 +501,8 @@ impl Error {
                 | SelfPeer { .. }
                 | TagOutOfRange { .. }
                 | Indivisible { .. }
+                | BadCounts { .. }
+                | MissingRootBuffer { .. }
                 | CollectiveMismatch { .. }
         )
     }

@@ -160,7 +160,7 @@ impl Agreement {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Fingerprint([i64; FIELDS]);
 
-const FIELDS: usize = 7;
+const FIELDS: usize = 8;
 const FIELD_NAMES: [&str; FIELDS] = [
     "operation",
     "collective number",
@@ -169,15 +169,38 @@ const FIELD_NAMES: [&str; FIELDS] = [
     "receive count",
     "root",
     "reduce op",
+    "counts",
 ];
-const OPS: [&str; 6] = [
+/// Index of the `counts` field: a hash of the per-rank counts vector of all-gather-v and
+/// reduce-scatter-v (which every rank passes equal), `-1` for other operations.
+const COUNTS: usize = 7;
+const OPS: [&str; 12] = [
     "all_reduce",
     "broadcast",
     "all_gather",
     "reduce_scatter",
     "all_to_all",
     "barrier",
+    "all_to_all_v",
+    "all_gather_v",
+    "reduce_scatter_v",
+    "reduce",
+    "gather",
+    "scatter",
 ];
+
+/// A 63-bit hash of a counts vector (FNV-1a over the counts as little-endian u64), the same in
+/// every process, for the `counts` field.
+fn counts_hash(counts: &[usize]) -> i64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for &c in counts {
+        for b in (c as u64).to_le_bytes() {
+            h ^= u64::from(b);
+            h = h.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+    (h >> 1) as i64
+}
 
 fn int(v: usize) -> i64 {
     i64::try_from(v).unwrap_or(i64::MAX)
@@ -190,19 +213,30 @@ fn code<T: PartialEq>(all: &[T], v: T) -> i64 {
 /// What a fingerprint is made of, kept as it is until the mode says the operation is checked:
 /// encoding it (the operation's code is found by name) is skipped for the operations a size
 /// threshold lets through.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub(crate) struct Pending {
     name: &'static str,
     dtype: Option<DType>,
     sizes: (usize, usize),
     root: Option<usize>,
     reduce: Option<ReduceOp>,
+    /// The hash of an all-gather-v's or reduce-scatter-v's counts.
+    counts: Option<i64>,
+    /// An all-to-all-v's counts (sent to each rank, expected from each rank), which the check
+    /// exchanges and compares after the fingerprints agree.
+    exchange: Option<(Vec<i64>, Vec<i64>)>,
 }
 
 impl Pending {
-    fn fingerprint(self) -> Fingerprint {
-        Fingerprint::new(self.name, self.dtype, self.sizes, self.root, self.reduce)
+    fn fingerprint(&self) -> Fingerprint {
+        let mut f = Fingerprint::new(self.name, self.dtype, self.sizes, self.root, self.reduce);
+        f.0[COUNTS] = self.counts.unwrap_or(-1);
+        f
     }
+}
+
+fn wide(counts: &[usize]) -> Vec<i64> {
+    counts.iter().map(|&c| int(c)).collect()
 }
 
 impl Fingerprint {
@@ -221,11 +255,18 @@ impl Fingerprint {
             int(counts.1),
             root.map_or(-1, int),
             reduce.map_or(-1, |r| code(&ReduceOp::ALL, r)),
+            -1,
         ])
     }
 
     /// The fingerprint of a blocking operation, with the bytes of its larger buffer; `None`
     /// for point-to-point operations (not checked).
+    ///
+    /// Sizes and bytes are chosen so that every rank of a well-formed call computes the same
+    /// fingerprint and the same byte count (so a threshold decides alike on every rank): the
+    /// block of a rooted operation rather than the root's whole buffer, the total of an
+    /// all-gather-v or reduce-scatter-v; an all-to-all-v, whose sizes no rank knows for the
+    /// others, counts as `usize::MAX` bytes (checked in every mode but `Off`).
     pub(crate) fn of_op(op: &Op<'_>) -> Option<(Pending, usize)> {
         let name = op.name();
         let sizes = op.sizes();
@@ -238,9 +279,72 @@ impl Fingerprint {
             }
             Op::ReduceScatter { send, op, .. } => (Some(send.dtype()), None, Some(*op)),
             Op::Barrier => (None, None, None),
+            Op::AllToAllV {
+                send,
+                send_counts,
+                recv_counts,
+                ..
+            } => return Some(Self::exchange(name, send.dtype(), send_counts, recv_counts)),
+            Op::AllGatherV {
+                send, recv_counts, ..
+            } => return Some(Self::uneven(name, send.dtype(), recv_counts, None)),
+            Op::ReduceScatterV {
+                send,
+                send_counts,
+                op,
+                ..
+            } => return Some(Self::uneven(name, send.dtype(), send_counts, Some(*op))),
+            Op::Reduce { send, op, root, .. } => {
+                return Some(Self::rooted(
+                    name,
+                    send.dtype(),
+                    send.len(),
+                    *root,
+                    Some(*op),
+                ))
+            }
+            Op::Gather { send, root, .. } => {
+                return Some(Self::rooted(name, send.dtype(), send.len(), *root, None))
+            }
+            Op::Scatter { recv, root, .. } => {
+                return Some(Self::rooted(name, recv.dtype(), recv.len(), *root, None))
+            }
             Op::Send { .. } | Op::Recv { .. } | Op::Batch(_) => return None,
         };
         Some(Self::with_bytes(name, dtype, sizes, root, reduce))
+    }
+
+    fn exchange(
+        name: &'static str,
+        dtype: DType,
+        send_counts: &[usize],
+        recv_counts: &[usize],
+    ) -> (Pending, usize) {
+        let (mut p, _) = Self::with_bytes(name, Some(dtype), (0, 0), None, None);
+        p.exchange = Some((wide(send_counts), wide(recv_counts)));
+        (p, usize::MAX)
+    }
+
+    fn uneven(
+        name: &'static str,
+        dtype: DType,
+        counts: &[usize],
+        reduce: Option<ReduceOp>,
+    ) -> (Pending, usize) {
+        let total = counts.iter().fold(0usize, |a, &c| a.saturating_add(c));
+        let (mut p, bytes) = Self::with_bytes(name, Some(dtype), (total, total), None, reduce);
+        p.counts = Some(counts_hash(counts));
+        (p, bytes)
+    }
+
+    fn rooted(
+        name: &'static str,
+        dtype: DType,
+        block: usize,
+        root: usize,
+        reduce: Option<ReduceOp>,
+    ) -> (Pending, usize) {
+        Self::with_bytes(name, Some(dtype), (block, block), Some(root), reduce)
     }
 
     /// The fingerprint of a nonblocking operation, with the bytes of its larger buffer; `None`
@@ -258,6 +362,36 @@ impl Fingerprint {
             }
             Request::ReduceScatter { send, op, .. } => (d(send), None, Some(*op)),
             Request::Barrier => (None, None, None),
+            Request::AllToAllV {
+                send,
+                send_counts,
+                recv_counts,
+                ..
+            } => return Some(Self::exchange(name, send.dtype(), send_counts, recv_counts)),
+            Request::AllGatherV {
+                send, recv_counts, ..
+            } => return Some(Self::uneven(name, send.dtype(), recv_counts, None)),
+            Request::ReduceScatterV {
+                send,
+                send_counts,
+                op,
+                ..
+            } => return Some(Self::uneven(name, send.dtype(), send_counts, Some(*op))),
+            Request::Reduce { send, op, root, .. } => {
+                return Some(Self::rooted(
+                    name,
+                    send.dtype(),
+                    send.len(),
+                    *root,
+                    Some(*op),
+                ))
+            }
+            Request::Gather { send, root, .. } => {
+                return Some(Self::rooted(name, send.dtype(), send.len(), *root, None))
+            }
+            Request::Scatter { recv, root, .. } => {
+                return Some(Self::rooted(name, recv.dtype(), recv.len(), *root, None))
+            }
             Request::Send { .. } | Request::Recv { .. } => return None,
         };
         Some(Self::with_bytes(name, dtype, sizes, root, reduce))
@@ -279,6 +413,8 @@ impl Fingerprint {
                 sizes,
                 root,
                 reduce,
+                counts: None,
+                exchange: None,
             },
             bytes,
         )
@@ -296,7 +432,8 @@ impl Fingerprint {
             0 => pick(&OPS.map(String::from)),
             2 => pick(&DType::ALL.map(|d| d.to_string())),
             6 => pick(&ReduceOp::ALL.map(|r| r.to_string())),
-            5 if v < 0 => "none".to_string(),
+            5 | 7 if v < 0 => "none".to_string(),
+            COUNTS => format!("counts vector with hash {v:#x}"),
             _ => v.to_string(),
         }
     }
@@ -419,6 +556,7 @@ impl<B: Backend> Comm<B> {
             seq,
             size,
             fingerprint: f.0,
+            exchange: pending.exchange,
         }
     }
 
@@ -473,6 +611,16 @@ impl<B: Backend> Comm<B> {
                     limit,
                 ))
             },
+            &mut |mine, theirs| {
+                self.inner().run_check(Validated::new(
+                    Op::AllToAll {
+                        send: BufRef::from(mine),
+                        recv: BufMut::from(theirs),
+                    },
+                    seq,
+                    limit,
+                ))
+            },
         )
     }
 }
@@ -492,6 +640,8 @@ pub struct DeferredCheck {
     seq: u64,
     size: usize,
     fingerprint: [i64; FIELDS],
+    /// All-to-all-v: the counts this rank sends to each rank and expects from each rank.
+    exchange: Option<(Vec<i64>, Vec<i64>)>,
 }
 
 impl DeferredCheck {
@@ -501,10 +651,19 @@ impl DeferredCheck {
     /// that order, by every rank alike (both are fixed-size, so they cannot disagree). `Ok` when
     /// every rank has the same fingerprint; otherwise [`Error::CollectiveMismatch`] naming the
     /// first field that differs and every rank's value, the same on every rank.
+    ///
+    /// An all-to-all-v's check goes on once the fingerprints agree (so every rank is in the
+    /// same all-to-all-v): `all_to_all` must send element `j` of the first buffer to rank `j`
+    /// and receive element `j` of the second from rank `j` (an `i64` all-to-all of one element
+    /// per rank); each rank compares what every rank sends it with what it expects, the ranks
+    /// agree on the outcome with one more `max_in_place` (of one integer) and, when a rank
+    /// disagrees, gather three integers each, so that every rank returns the same
+    /// [`Error::CollectiveMismatch`] naming each disagreeing rank, the peer and both counts.
     pub fn verify(
         &self,
         max_in_place: &mut dyn FnMut(&mut [i64]) -> Result<()>,
         all_gather: &mut GatherFn<'_>,
+        all_to_all: &mut GatherFn<'_>,
     ) -> Result<()> {
         let (op, seq) = (self.op, self.seq);
         let mut both = [0i64; 2 * FIELDS];
@@ -514,7 +673,12 @@ impl DeferredCheck {
         }
         max_in_place(&mut both[..])?;
         if (0..FIELDS).all(|i| both[i] == -both[FIELDS + i]) {
-            return Ok(());
+            return match &self.exchange {
+                Some((send, expect)) => {
+                    self.verify_exchange(send, expect, max_in_place, all_gather, all_to_all)
+                }
+                None => Ok(()),
+            };
         }
         let mut all = vec![0i64; FIELDS * self.size];
         all_gather(&self.fingerprint[..], &mut all[..])?;
@@ -531,6 +695,56 @@ impl DeferredCheck {
             comm: self.comm.clone(),
             seq,
             field,
+            values,
+        })
+    }
+
+    /// The second stage of an all-to-all-v's check (see [`DeferredCheck::verify`]).
+    fn verify_exchange(
+        &self,
+        send: &[i64],
+        expect: &[i64],
+        max_in_place: &mut dyn FnMut(&mut [i64]) -> Result<()>,
+        all_gather: &mut GatherFn<'_>,
+        all_to_all: &mut GatherFn<'_>,
+    ) -> Result<()> {
+        let mut got = vec![0i64; self.size];
+        all_to_all(send, &mut got[..])?;
+        // This rank's verdict: the first peer whose count differs, what it sends, what this
+        // rank expects; -1s when every count agrees.
+        let verdict = got
+            .iter()
+            .zip(expect)
+            .enumerate()
+            .find(|(_, (g, e))| g != e)
+            .map_or([-1, -1, -1], |(peer, (g, e))| [int(peer), *g, *e]);
+        let mut any = [verdict[0]];
+        max_in_place(&mut any[..])?;
+        if any[0] < 0 {
+            return Ok(());
+        }
+        let mut all = vec![0i64; 3 * self.size];
+        all_gather(&verdict[..], &mut all[..])?;
+        let values = all
+            .chunks_exact(3)
+            .enumerate()
+            .map(|(rank, v)| {
+                let text = if v[0] < 0 {
+                    "agrees".to_string()
+                } else {
+                    format!(
+                        "expects {} elements from rank {}, which sends {}",
+                        v[2], v[0], v[1]
+                    )
+                };
+                (rank, text)
+            })
+            .collect();
+        Err(Error::CollectiveMismatch {
+            op: self.op,
+            comm: self.comm.clone(),
+            seq: self.seq,
+            field: "the counts each rank sends and receives",
             values,
         })
     }

@@ -1,5 +1,6 @@
 //! Element types, reductions and type-erased host slices.
 
+use super::narrow::{Bool, F8E4M3, F8E5M2};
 use crate::error::{Error, Result};
 use half::{bf16, f16};
 use std::fmt;
@@ -22,11 +23,25 @@ pub enum DType {
     F16,
     /// bfloat16.
     BF16,
+    /// 8-bit signed integer.
+    I8,
+    /// 32-bit unsigned integer.
+    U32,
+    /// 64-bit unsigned integer.
+    U64,
+    /// A boolean in one byte ([`super::Bool`]: zero false, any other byte true). Reductions:
+    /// `Sum` and `Max` are OR, `Prod` and `Min` AND; `Avg` is refused.
+    Bool,
+    /// 8-bit float, OCP FP8 E4M3 ([`super::F8E4M3`]).
+    F8E4M3,
+    /// 8-bit float, OCP FP8 E5M2 ([`super::F8E5M2`]).
+    F8E5M2,
 }
 
 impl DType {
-    /// Every dtype.
-    pub const ALL: [DType; 7] = [
+    /// Every dtype (the first seven in the order they were added; codes derived from positions
+    /// in this list stay stable as types are added at the end).
+    pub const ALL: [DType; 13] = [
         DType::F32,
         DType::F64,
         DType::I32,
@@ -34,19 +49,45 @@ impl DType {
         DType::U8,
         DType::F16,
         DType::BF16,
+        DType::I8,
+        DType::U32,
+        DType::U64,
+        DType::Bool,
+        DType::F8E4M3,
+        DType::F8E5M2,
     ];
     /// Size of one element in bytes.
     pub fn size_bytes(self) -> usize {
         match self {
-            DType::F32 | DType::I32 => 4,
-            DType::F64 | DType::I64 => 8,
-            DType::U8 => 1,
+            DType::F32 | DType::I32 | DType::U32 => 4,
+            DType::F64 | DType::I64 | DType::U64 => 8,
+            DType::U8 | DType::I8 | DType::Bool | DType::F8E4M3 | DType::F8E5M2 => 1,
             DType::F16 | DType::BF16 => 2,
         }
     }
-    /// True for floating-point types.
+    /// True for floating-point types (the 8-bit floats included).
     pub fn is_float(self) -> bool {
-        matches!(self, DType::F32 | DType::F64 | DType::F16 | DType::BF16)
+        matches!(
+            self,
+            DType::F32 | DType::F64 | DType::F16 | DType::BF16 | DType::F8E4M3 | DType::F8E5M2
+        )
+    }
+    /// True for the two 8-bit float formats, which the host backends move but do not reduce.
+    pub fn is_fp8(self) -> bool {
+        matches!(self, DType::F8E4M3 | DType::F8E5M2)
+    }
+    /// True for the integer types (signed and unsigned; not [`DType::Bool`]).
+    pub fn is_integer(self) -> bool {
+        matches!(
+            self,
+            DType::I8 | DType::I32 | DType::I64 | DType::U8 | DType::U32 | DType::U64
+        )
+    }
+    /// Whether `op` has a meaning for this type at all, whatever the backend: `Avg` of
+    /// booleans does not. (Which pairs a backend actually runs is its
+    /// [`super::Communicator::supports`].)
+    pub fn reducible_with(self, op: ReduceOp) -> bool {
+        !(self == DType::Bool && op == ReduceOp::Avg)
     }
 }
 
@@ -62,6 +103,12 @@ impl DType {
             DType::U8 => "u8",
             DType::F16 => "f16",
             DType::BF16 => "bf16",
+            DType::I8 => "i8",
+            DType::U32 => "u32",
+            DType::U64 => "u64",
+            DType::Bool => "bool",
+            DType::F8E4M3 => "f8e4m3",
+            DType::F8E5M2 => "f8e5m2",
         }
     }
 }
@@ -259,5 +306,26 @@ impl Zero for f16 {
 impl Zero for bf16 {
     const ZERO: bf16 = bf16::ZERO;
 }
+impl Zero for i8 {
+    const ZERO: i8 = 0;
+}
+impl Zero for u32 {
+    const ZERO: u32 = 0;
+}
+impl Zero for u64 {
+    const ZERO: u64 = 0;
+}
+impl Zero for Bool {
+    const ZERO: Bool = Bool::FALSE;
+}
+impl Zero for F8E4M3 {
+    const ZERO: F8E4M3 = F8E4M3::from_bits(0);
+}
+impl Zero for F8E5M2 {
+    const ZERO: F8E5M2 = F8E5M2::from_bits(0);
+}
 
-dtypes! { F32 => f32, F64 => f64, I32 => i32, I64 => i64, U8 => u8, F16 => f16, BF16 => bf16 }
+dtypes! {
+    F32 => f32, F64 => f64, I32 => i32, I64 => i64, U8 => u8, F16 => f16, BF16 => bf16,
+    I8 => i8, U32 => u32, U64 => u64, Bool => Bool, F8E4M3 => F8E4M3, F8E5M2 => F8E5M2,
+}

@@ -258,13 +258,20 @@ impl<B: Backend> Comm<B> {
     }
 
     fn reduces(&self, op: &'static str, d: DType, r: ReduceOp) -> Result<()> {
-        if self.backend.supports(d, Some(r)) {
+        if d.reducible_with(r) && self.backend.supports(d, Some(r)) {
             Ok(())
         } else {
+            let why = if !d.reducible_with(r) {
+                " (booleans reduce with Sum or Max = OR, Prod or Min = AND)"
+            } else if d.is_fp8() {
+                " (this backend moves 8-bit floats but does not reduce them)"
+            } else {
+                ""
+            };
             Err(Error::Unsupported {
                 op,
                 backend: self.backend.name(),
-                what: format!("the reduction {r} on {d}"),
+                what: format!("the reduction {r} on {d}{why}"),
             })
         }
     }
@@ -355,6 +362,104 @@ impl<B: Backend> Comm<B> {
                 self.output(name, recv)?;
                 self.shapes(name, Shape::Blocks, m(send), mm(recv))
             }
+            Op::AllToAllV {
+                send,
+                send_counts,
+                recv,
+                recv_counts,
+            } => {
+                self.input(name, send)?;
+                self.output(name, recv)?;
+                super::check::same_dtype(name, send.dtype(), recv.dtype())?;
+                let n = self.backend.size();
+                super::check::counts(
+                    name,
+                    "send_counts",
+                    send_counts,
+                    n,
+                    "send buffer",
+                    send.len(),
+                )?;
+                super::check::counts(
+                    name,
+                    "recv_counts",
+                    recv_counts,
+                    n,
+                    "recv buffer",
+                    recv.len(),
+                )
+            }
+            Op::AllGatherV {
+                send,
+                recv,
+                recv_counts,
+            } => {
+                self.input(name, send)?;
+                self.output(name, recv)?;
+                self.uneven(
+                    name,
+                    (send.dtype(), send.len()),
+                    (recv.dtype(), recv.len()),
+                    recv_counts,
+                    true,
+                )
+            }
+            Op::ReduceScatterV {
+                send,
+                send_counts,
+                recv,
+                op: r,
+            } => {
+                self.input(name, send)?;
+                self.output(name, recv)?;
+                self.uneven(
+                    name,
+                    (send.dtype(), send.len()),
+                    (recv.dtype(), recv.len()),
+                    send_counts,
+                    false,
+                )?;
+                self.reduces(name, send.dtype(), *r)
+            }
+            Op::Reduce {
+                send,
+                recv,
+                op: r,
+                root,
+            } => {
+                self.input(name, send)?;
+                self.root(name, *root)?;
+                self.reduces(name, send.dtype(), *r)?;
+                match self.root_buffer(name, *root, recv.as_ref(), "recv buffer")? {
+                    Some(recv) => {
+                        self.output(name, recv)?;
+                        self.shapes(name, Shape::Equal, m(send), mm(recv))
+                    }
+                    None => Ok(()),
+                }
+            }
+            Op::Gather { send, recv, root } => {
+                self.input(name, send)?;
+                self.root(name, *root)?;
+                match self.root_buffer(name, *root, recv.as_ref(), "recv buffer")? {
+                    Some(recv) => {
+                        self.output(name, recv)?;
+                        self.shapes(name, Shape::Gather, m(send), mm(recv))
+                    }
+                    None => Ok(()),
+                }
+            }
+            Op::Scatter { send, recv, root } => {
+                self.output(name, recv)?;
+                self.root(name, *root)?;
+                match self.root_buffer(name, *root, send.as_ref(), "send buffer")? {
+                    Some(send) => {
+                        self.input(name, send)?;
+                        self.shapes(name, Shape::Scatter, m(send), mm(recv))
+                    }
+                    None => Ok(()),
+                }
+            }
             Op::Barrier => Ok(()),
             Op::Send { buf, peer, tag } => {
                 self.input(name, buf)?;
@@ -416,12 +521,136 @@ impl<B: Backend> Comm<B> {
                 self.owned(name, recv)?;
                 self.shapes(name, Shape::Blocks, m(send), m(recv))
             }
+            Request::AllToAllV {
+                send,
+                send_counts,
+                recv,
+                recv_counts,
+            } => {
+                self.owned(name, send)?;
+                self.owned(name, recv)?;
+                super::check::same_dtype(name, send.dtype(), recv.dtype())?;
+                let n = self.backend.size();
+                super::check::counts(
+                    name,
+                    "send_counts",
+                    send_counts,
+                    n,
+                    "send buffer",
+                    send.len(),
+                )?;
+                super::check::counts(
+                    name,
+                    "recv_counts",
+                    recv_counts,
+                    n,
+                    "recv buffer",
+                    recv.len(),
+                )
+            }
+            Request::AllGatherV {
+                send,
+                recv,
+                recv_counts,
+            } => {
+                self.owned(name, send)?;
+                self.owned(name, recv)?;
+                self.uneven(name, m(send), m(recv), recv_counts, true)
+            }
+            Request::ReduceScatterV {
+                send,
+                send_counts,
+                recv,
+                op,
+            } => {
+                self.owned(name, send)?;
+                self.owned(name, recv)?;
+                self.uneven(name, m(send), m(recv), send_counts, false)?;
+                self.reduces(name, send.dtype(), *op)
+            }
+            Request::Reduce {
+                send,
+                recv,
+                op,
+                root,
+            } => {
+                self.owned(name, send)?;
+                self.root(name, *root)?;
+                self.reduces(name, send.dtype(), *op)?;
+                match self.root_buffer(name, *root, recv.as_ref(), "recv buffer")? {
+                    Some(recv) => {
+                        self.owned(name, recv)?;
+                        self.shapes(name, Shape::Equal, m(send), m(recv))
+                    }
+                    None => Ok(()),
+                }
+            }
+            Request::Gather { send, recv, root } => {
+                self.owned(name, send)?;
+                self.root(name, *root)?;
+                match self.root_buffer(name, *root, recv.as_ref(), "recv buffer")? {
+                    Some(recv) => {
+                        self.owned(name, recv)?;
+                        self.shapes(name, Shape::Gather, m(send), m(recv))
+                    }
+                    None => Ok(()),
+                }
+            }
+            Request::Scatter { send, recv, root } => {
+                self.owned(name, recv)?;
+                self.root(name, *root)?;
+                match self.root_buffer(name, *root, send.as_ref(), "send buffer")? {
+                    Some(send) => {
+                        self.owned(name, send)?;
+                        self.shapes(name, Shape::Scatter, m(send), m(recv))
+                    }
+                    None => Ok(()),
+                }
+            }
             Request::Barrier => Ok(()),
             Request::Send { buf, peer, tag } | Request::Recv { buf, peer, tag } => {
                 self.owned(name, buf)?;
                 self.peer(name, *peer, *tag, false)
             }
         }
+    }
+
+    /// The counts rules of all-gather-v (`gather`: `counts` are the receive counts, this
+    /// rank's entry is the send length) and reduce-scatter-v (`!gather`: `counts` are the send
+    /// blocks, this rank's entry is the receive length); same dtype on both sides.
+    fn uneven(
+        &self,
+        op: &'static str,
+        send: (DType, usize),
+        recv: (DType, usize),
+        counts: &[usize],
+        gather: bool,
+    ) -> Result<()> {
+        super::check::same_dtype(op, send.0, recv.0)?;
+        let (n, me) = (self.backend.size(), self.backend.rank());
+        if gather {
+            super::check::counts(op, "recv_counts", counts, n, "recv buffer", recv.1)?;
+            super::check::len(op, "send buffer (recv_counts[rank])", counts[me], send.1)
+        } else {
+            super::check::counts(op, "send_counts", counts, n, "send buffer", send.1)?;
+            super::check::len(op, "recv buffer (send_counts[rank])", counts[me], recv.1)
+        }
+    }
+
+    /// The buffer of a rooted operation that only the root uses: on the root it must be
+    /// given (returned), elsewhere it is ignored (`None`).
+    fn root_buffer<'b, T>(
+        &self,
+        op: &'static str,
+        root: usize,
+        buf: Option<&'b T>,
+        what: &'static str,
+    ) -> Result<Option<&'b T>> {
+        if self.backend.rank() != root {
+            return Ok(None);
+        }
+        buf.map(Some)
+            .ok_or(Error::MissingRootBuffer { op, what, root })
     }
 
     // ---- the one place every operation passes ------------------------------------------------
@@ -479,6 +708,7 @@ impl<B: Backend> Comm<B> {
             return Err(self.refused(name));
         }
         self.backend.check_live(name)?;
+        let op = only_at_root(op, self.backend.rank());
         self.validate(&op)?;
         let limit = limit.unwrap_or_else(|| self.life.time_limit());
         let (seq, handle) = self.number(|| describe_op(&op), true);
@@ -501,6 +731,7 @@ impl<B: Backend> Comm<B> {
             return Err(self.refused(name));
         }
         self.backend.check_live(name)?;
+        let r = request_only_at_root(r, self.backend.rank());
         self.validate_request(&r)?;
         let limit = limit.unwrap_or_else(|| self.life.time_limit());
         let (seq, handle) = self.number(|| describe_request(&r), false);
@@ -719,6 +950,80 @@ fn reduce_name(r: ReduceOp) -> &'static str {
     }
 }
 
+/// A rooted operation with the buffer that only the root uses dropped on every other rank
+/// (whatever a non-root passed there is ignored, as MPI's "significant only at root"), so that
+/// backends see `Some` exactly on the root.
+fn only_at_root(op: Op<'_>, me: usize) -> Op<'_> {
+    match op {
+        Op::Reduce {
+            send,
+            recv: Some(_),
+            op,
+            root,
+        } if root != me => Op::Reduce {
+            send,
+            recv: None,
+            op,
+            root,
+        },
+        Op::Gather {
+            send,
+            recv: Some(_),
+            root,
+        } if root != me => Op::Gather {
+            send,
+            recv: None,
+            root,
+        },
+        Op::Scatter {
+            send: Some(_),
+            recv,
+            root,
+        } if root != me => Op::Scatter {
+            send: None,
+            recv,
+            root,
+        },
+        other => other,
+    }
+}
+
+/// [`only_at_root`] for nonblocking requests.
+fn request_only_at_root(r: Request, me: usize) -> Request {
+    match r {
+        Request::Reduce {
+            send,
+            recv: Some(_),
+            op,
+            root,
+        } if root != me => Request::Reduce {
+            send,
+            recv: None,
+            op,
+            root,
+        },
+        Request::Gather {
+            send,
+            recv: Some(_),
+            root,
+        } if root != me => Request::Gather {
+            send,
+            recv: None,
+            root,
+        },
+        Request::Scatter {
+            send: Some(_),
+            recv,
+            root,
+        } if root != me => Request::Scatter {
+            send: None,
+            recv,
+            root,
+        },
+        other => other,
+    }
+}
+
 /// The log's description of a blocking operation: the dtype and the elements this rank sends
 /// (for a receive or a broadcast, the buffer's), root or peer and tag; a batch records the
 /// dtype of its first operation and the elements of all of them.
@@ -738,9 +1043,19 @@ fn describe_op(op: &Op<'_>) -> OpDesc {
             .count(buf.len())
             .reduce_op(reduce_name(*r)),
         Op::Broadcast { buf, root } => d.dtype(buf.dtype().name()).count(buf.len()).root(*root),
-        Op::AllGather { send, .. } | Op::AllToAll { send, .. } => {
-            d.dtype(send.dtype().name()).count(send.len())
-        }
+        Op::AllGather { send, .. }
+        | Op::AllToAll { send, .. }
+        | Op::AllToAllV { send, .. }
+        | Op::AllGatherV { send, .. } => d.dtype(send.dtype().name()).count(send.len()),
+        Op::ReduceScatterV { send, op: r, .. } => reducing(d, send, *r),
+        Op::Reduce {
+            send, op: r, root, ..
+        } => reducing(d, send, *r).root(*root),
+        Op::Gather { send, root, .. } => d.dtype(send.dtype().name()).count(send.len()).root(*root),
+        Op::Scatter { send, recv, root } => d
+            .dtype(recv.dtype().name())
+            .count(send.as_ref().map_or(0, BufRef::len))
+            .root(*root),
         Op::Barrier => d,
         Op::Send { buf, peer, tag } => d
             .dtype(buf.dtype().name())
@@ -777,7 +1092,19 @@ fn describe_request(r: &Request) -> OpDesc {
         }
         Request::AllReduce { buf, op } => t(d, buf).reduce_op(reduce_name(*op)),
         Request::Broadcast { buf, root } => t(d, buf).root(*root),
-        Request::AllGather { send, .. } | Request::AllToAll { send, .. } => t(d, send),
+        Request::AllGather { send, .. }
+        | Request::AllToAll { send, .. }
+        | Request::AllToAllV { send, .. }
+        | Request::AllGatherV { send, .. } => t(d, send),
+        Request::ReduceScatterV { send, op, .. } => t(d, send).reduce_op(reduce_name(*op)),
+        Request::Reduce { send, op, root, .. } => {
+            t(d, send).reduce_op(reduce_name(*op)).root(*root)
+        }
+        Request::Gather { send, root, .. } => t(d, send).root(*root),
+        Request::Scatter { send, recv, root } => d
+            .dtype(recv.dtype().name())
+            .count(send.as_ref().map_or(0, Tensor::len))
+            .root(*root),
         Request::Barrier => d,
         Request::Send { buf, peer, tag } | Request::Recv { buf, peer, tag } => {
             t(d, buf).peer(*peer).tag(u64::from(*tag))

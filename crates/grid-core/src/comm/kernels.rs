@@ -7,10 +7,13 @@
 //!   by the number of inputs, in the type.
 //! * **f16, bf16**: each input is widened to f32, reduced in f32 in rank order (`Avg`: sum then
 //!   division in f32) and rounded back to the half type once (round to nearest even).
-//! * **i32, i64, u8**: `Sum` and `Prod` wrap on overflow (two's complement / modulo 256, as the
-//!   C arithmetic of the libraries does); `Min`, `Max` exact.
-//! * **Min and Max on floats propagate NaN**: a NaN on any rank gives NaN in that position. `Avg` sums in i64 (exact for i32
-//!   and u8; wrapping for i64), divides by the number of inputs with **truncation toward
+//! * **i8, i32, i64, u8, u32, u64**: `Sum` and `Prod` wrap on overflow (two's complement /
+//!   modulo 2^bits, as the C arithmetic of the libraries does); `Min`, `Max` exact.
+//! * **bool** ([`crate::Bool`]): `Sum` and `Max` are OR, `Prod` and `Min` AND (byte maximum and
+//!   minimum, exact for any bytes); `Avg` is an error.
+//! * **fp8** (E4M3, E5M2): not reduced on the host (an error; NCCL reduces them on GPUs).
+//! * **Min and Max on floats propagate NaN**: a NaN on any rank gives NaN in that position. `Avg` sums in i64 (exact for i8, i32,
+//!   u8 and u32; wrapping for i64), in u128 for u64 (exact), divides by the number of inputs with **truncation toward
 //!   zero** (Rust's `/`: the mean of `[-3, 0]` is `-1`, of `[1, 2]` is `1`) and narrows back,
 //!   which is exact because the mean of values of a type fits the type.
 //!
@@ -25,6 +28,7 @@
 //! ```
 
 use super::dtype::{DType, HostSlice, HostSliceMut, ReduceOp};
+use super::narrow::Bool;
 use crate::error::{Error, Result};
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
@@ -136,8 +140,69 @@ pub fn reduce_range(
                 _ => fold(&ins, o, |x| x, int_op!(u8, op), |x| x),
             }
         }
+        HostSliceMut::I8(o) => {
+            let ins = typed!(I8);
+            match op {
+                ReduceOp::Avg => fold(&ins, o, i64::from, i64::wrapping_add, |a| {
+                    (a / n as i64) as i8
+                }),
+                _ => fold(&ins, o, |x| x, int_op!(i8, op), |x| x),
+            }
+        }
+        HostSliceMut::U32(o) => {
+            let ins = typed!(U32);
+            match op {
+                ReduceOp::Avg => fold(&ins, o, i64::from, i64::wrapping_add, |a| {
+                    (a / n as i64) as u32
+                }),
+                _ => fold(&ins, o, |x| x, int_op!(u32, op), |x| x),
+            }
+        }
+        HostSliceMut::U64(o) => {
+            let ins = typed!(U64);
+            match op {
+                ReduceOp::Avg => fold(&ins, o, u128::from, u128::wrapping_add, |a| {
+                    (a / n as u128) as u64
+                }),
+                _ => fold(&ins, o, |x| x, int_op!(u64, op), |x| x),
+            }
+        }
+        HostSliceMut::Bool(o) => {
+            let ins = typed!(Bool);
+            let f = bool_op(op)?;
+            fold(&ins, o, Bool::to_byte, f, Bool::from_byte)
+        }
+        HostSliceMut::F8E4M3(_) | HostSliceMut::F8E5M2(_) => {
+            return Err(fp8_error(OP, op, inputs[0].dtype()))
+        }
     }
     Ok(())
+}
+
+/// The byte operation a reduction of booleans is: `Sum` and `Max` are OR (the byte maximum),
+/// `Prod` and `Min` AND (the byte minimum); both are exact for any bytes, not only 0 and 1.
+/// `Avg` is an error.
+fn bool_op(op: ReduceOp) -> Result<fn(u8, u8) -> u8> {
+    match op {
+        ReduceOp::Sum | ReduceOp::Max => Ok(std::cmp::max),
+        ReduceOp::Prod | ReduceOp::Min => Ok(std::cmp::min),
+        ReduceOp::Avg => Err(Error::Unsupported {
+            op: "reduce",
+            backend: "host kernels",
+            what: "the reduction Avg on bool (booleans reduce with Sum or Max = OR, Prod or Min = AND)"
+                .into(),
+        }),
+    }
+}
+
+fn fp8_error(op: &'static str, reduce: ReduceOp, dtype: DType) -> Error {
+    Error::Unsupported {
+        op,
+        backend: "host kernels",
+        what: format!(
+            "the reduction {reduce} on {dtype} (8-bit floats are moved, not reduced, on the host)"
+        ),
+    }
 }
 
 /// Divides a sum in place by `n` to make it a mean, with the rules of the module docs (floats
@@ -169,6 +234,13 @@ pub fn divide(buf: HostSliceMut<'_>, n: usize) {
             s.iter_mut().for_each(|x| *x /= n)
         }
         HostSliceMut::U8(s) => s.iter_mut().for_each(|x| *x = (*x as usize / n) as u8),
+        HostSliceMut::I8(s) => s.iter_mut().for_each(|x| *x = (*x as i64 / n as i64) as i8),
+        HostSliceMut::U32(s) => s
+            .iter_mut()
+            .for_each(|x| *x = (*x as u64 / n as u64) as u32),
+        HostSliceMut::U64(s) => s.iter_mut().for_each(|x| *x /= n as u64),
+        // A mean of booleans or 8-bit floats is never computed (`Avg` is refused for them).
+        HostSliceMut::Bool(_) | HostSliceMut::F8E4M3(_) | HostSliceMut::F8E5M2(_) => {}
     }
 }
 
@@ -218,6 +290,25 @@ pub fn accumulate(acc: HostSliceMut<'_>, x: HostSlice<'_>, op: ReduceOp) -> Resu
         }
         (HostSliceMut::U8(a), HostSlice::U8(x)) => {
             combine(a, x, op, u8::wrapping_add, u8::wrapping_mul)
+        }
+        (HostSliceMut::I8(a), HostSlice::I8(x)) => {
+            combine(a, x, op, i8::wrapping_add, i8::wrapping_mul)
+        }
+        (HostSliceMut::U32(a), HostSlice::U32(x)) => {
+            combine(a, x, op, u32::wrapping_add, u32::wrapping_mul)
+        }
+        (HostSliceMut::U64(a), HostSlice::U64(x)) => {
+            combine(a, x, op, u64::wrapping_add, u64::wrapping_mul)
+        }
+        (HostSliceMut::Bool(a), HostSlice::Bool(x)) => {
+            let f = bool_op(op)?;
+            for (a, x) in a.iter_mut().zip(x) {
+                *a = Bool::from_byte(f(a.to_byte(), x.to_byte()));
+            }
+        }
+        (HostSliceMut::F8E4M3(_), HostSlice::F8E4M3(_))
+        | (HostSliceMut::F8E5M2(_), HostSlice::F8E5M2(_)) => {
+            return Err(fp8_error(OP, op, x.dtype()))
         }
         // Unreachable: the dtypes were compared above.
         (a, x) => {

@@ -54,6 +54,7 @@ mod dtype;
 mod front;
 pub mod kernels;
 mod lifecycle;
+mod narrow;
 mod op;
 mod split;
 
@@ -64,6 +65,7 @@ pub use buffer::{BufMut, BufRef, DeviceBuffer, Memory, Tensor};
 pub use dtype::{DType, Element, HostBuffer, HostSlice, HostSliceMut, ReduceOp};
 pub use front::Comm;
 pub use lifecycle::{compact_ranks, Failure, OpSite, TimeLimit};
+pub use narrow::{Bool, F8E4M3, F8E5M2};
 pub use op::{Op, OwnedOp, P2pOp, Request, Validated};
 pub use split::{color_key_for, split_members, SplitEntry, SplitMembers};
 
@@ -145,6 +147,98 @@ pub trait Communicator: Send + Sync {
     /// Block `j` of `send` goes to rank `j`; block `i` of `recv` comes from rank `i`. Both
     /// buffers have the same length, divisible by the size.
     fn all_to_all(&self, send: BufRef<'_>, recv: BufMut<'_>) -> Result<()>;
+    /// Uneven all-to-all (the exchange of a mixture-of-experts token dispatcher, torch's
+    /// `all_to_all_single` with split sizes): the first `send_counts[0]` elements of `send` go
+    /// to rank 0, the next `send_counts[1]` to rank 1, and so on; `recv` receives
+    /// `recv_counts[j]` elements from rank `j`, in rank order. Both vectors have one entry per
+    /// rank and sum to their buffer's length; what rank `i` sends rank `j` must be what `j`
+    /// expects from `i` (checked across ranks when the mismatch check applies: see
+    /// [`MismatchCheck`]).
+    fn all_to_all_v(
+        &self,
+        send: BufRef<'_>,
+        send_counts: &[usize],
+        recv: BufMut<'_>,
+        recv_counts: &[usize],
+    ) -> Result<()> {
+        self.call_op(
+            Op::AllToAllV {
+                send,
+                send_counts,
+                recv,
+                recv_counts,
+            },
+            None,
+        )
+    }
+    /// All-gather with per-rank counts: rank `j` contributes `recv_counts[j]` elements (this
+    /// rank's `send` has `recv_counts[rank]`); `recv` receives every contribution in rank
+    /// order. Every rank passes the same `recv_counts`.
+    fn all_gather_v(
+        &self,
+        send: BufRef<'_>,
+        recv: BufMut<'_>,
+        recv_counts: &[usize],
+    ) -> Result<()> {
+        self.call_op(
+            Op::AllGatherV {
+                send,
+                recv,
+                recv_counts,
+            },
+            None,
+        )
+    }
+    /// Reduce-scatter with per-rank counts: `send` holds one block per rank, block `j` of
+    /// `send_counts[j]` elements; `recv` (`send_counts[rank]` elements) receives the reduction
+    /// of every rank's block `rank`. Every rank passes the same `send_counts`.
+    fn reduce_scatter_v(
+        &self,
+        send: BufRef<'_>,
+        send_counts: &[usize],
+        recv: BufMut<'_>,
+        op: ReduceOp,
+    ) -> Result<()> {
+        self.call_op(
+            Op::ReduceScatterV {
+                send,
+                send_counts,
+                recv,
+                op,
+            },
+            None,
+        )
+    }
+    /// Rooted reduce: the element-wise reduction of every rank's `send` lands in `recv` on
+    /// `root`. `recv` is used only on the root (which must pass it, of `send`'s length); other
+    /// ranks pass `None` (a buffer they pass is ignored and left untouched).
+    fn reduce(
+        &self,
+        send: BufRef<'_>,
+        recv: Option<BufMut<'_>>,
+        op: ReduceOp,
+        root: usize,
+    ) -> Result<()> {
+        self.call_op(
+            Op::Reduce {
+                send,
+                recv,
+                op,
+                root,
+            },
+            None,
+        )
+    }
+    /// Rooted gather: `recv` on `root` (`size · send.len()` elements) receives every rank's
+    /// `send` in rank order. `recv` is used only on the root, as for [`Communicator::reduce`].
+    fn gather(&self, send: BufRef<'_>, recv: Option<BufMut<'_>>, root: usize) -> Result<()> {
+        self.call_op(Op::Gather { send, recv, root }, None)
+    }
+    /// Rooted scatter: block `j` (`recv.len()` elements) of `send` on `root` goes to rank `j`.
+    /// `send` is used only on the root (`size · recv.len()` elements); other ranks pass `None`.
+    fn scatter(&self, send: Option<BufRef<'_>>, recv: BufMut<'_>, root: usize) -> Result<()> {
+        self.call_op(Op::Scatter { send, recv, root }, None)
+    }
     /// Blocks until every rank arrived.
     fn barrier(&self) -> Result<()>;
     /// Sends `buf` to communicator rank `peer`. `peer` must differ from `rank()`.
@@ -482,6 +576,116 @@ pub trait CommunicatorExt: Communicator {
     fn all_to_all_into<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
         self.all_to_all(T::host(send).into(), T::host_mut(recv).into())
     }
+    /// Typed uneven all-to-all ([`Communicator::all_to_all_v`]).
+    ///
+    /// ```
+    /// use grid_core::{Communicator, CommunicatorExt};
+    /// let got = backend_local::run(2, &Default::default(), |_f, c| {
+    ///     // Rank r sends r + 1 copies of its rank to rank 0 and one to rank 1.
+    ///     let r = c.rank() as i32;
+    ///     let send: Vec<i32> = vec![r; c.rank() + 2];
+    ///     let send_counts = [c.rank() + 1, 1];
+    ///     let recv_counts = if c.rank() == 0 { [1, 2] } else { [1, 1] };
+    ///     let mut recv = vec![0i32; recv_counts.iter().sum()];
+    ///     c.all_to_all_v_into(&send, &send_counts, &mut recv, &recv_counts)?;
+    ///     Ok(recv)
+    /// })?;
+    /// assert_eq!(got, vec![vec![0, 1, 1], vec![0, 1]]);
+    /// # Ok::<(), grid_core::Error>(())
+    /// ```
+    fn all_to_all_v_into<T: Element>(
+        &self,
+        send: &[T],
+        send_counts: &[usize],
+        recv: &mut [T],
+        recv_counts: &[usize],
+    ) -> Result<()> {
+        self.all_to_all_v(
+            T::host(send).into(),
+            send_counts,
+            T::host_mut(recv).into(),
+            recv_counts,
+        )
+    }
+    /// Typed all-gather with per-rank counts ([`Communicator::all_gather_v`]).
+    fn all_gather_v_into<T: Element>(
+        &self,
+        send: &[T],
+        recv: &mut [T],
+        recv_counts: &[usize],
+    ) -> Result<()> {
+        self.all_gather_v(T::host(send).into(), T::host_mut(recv).into(), recv_counts)
+    }
+    /// Typed reduce-scatter with per-rank counts ([`Communicator::reduce_scatter_v`]).
+    fn reduce_scatter_v_into<T: Element>(
+        &self,
+        send: &[T],
+        send_counts: &[usize],
+        recv: &mut [T],
+        op: ReduceOp,
+    ) -> Result<()> {
+        self.reduce_scatter_v(
+            T::host(send).into(),
+            send_counts,
+            T::host_mut(recv).into(),
+            op,
+        )
+    }
+    /// Typed rooted reduce ([`Communicator::reduce`]); `recv` is used only on the root.
+    ///
+    /// ```
+    /// use grid_core::{Communicator, CommunicatorExt, ReduceOp};
+    /// let got = backend_local::run(3, &Default::default(), |_f, c| {
+    ///     let mut out = vec![0i64; 2];
+    ///     let mine = [c.rank() as i64, 10];
+    ///     let recv = (c.rank() == 1).then_some(&mut out[..]);
+    ///     c.reduce_into(&mine, recv, ReduceOp::Sum, 1)?;
+    ///     Ok(out)
+    /// })?;
+    /// assert_eq!(got[1], vec![3, 30]);
+    /// assert_eq!(got[0], vec![0, 0]); // only the root receives
+    /// # Ok::<(), grid_core::Error>(())
+    /// ```
+    fn reduce_into<T: Element>(
+        &self,
+        send: &[T],
+        recv: Option<&mut [T]>,
+        op: ReduceOp,
+        root: usize,
+    ) -> Result<()> {
+        self.reduce(
+            T::host(send).into(),
+            recv.map(|r| T::host_mut(r).into()),
+            op,
+            root,
+        )
+    }
+    /// Typed rooted gather ([`Communicator::gather`]); `recv` is used only on the root.
+    fn gather_into<T: Element>(
+        &self,
+        send: &[T],
+        recv: Option<&mut [T]>,
+        root: usize,
+    ) -> Result<()> {
+        self.gather(
+            T::host(send).into(),
+            recv.map(|r| T::host_mut(r).into()),
+            root,
+        )
+    }
+    /// Typed rooted scatter ([`Communicator::scatter`]); `send` is used only on the root.
+    fn scatter_into<T: Element>(
+        &self,
+        send: Option<&[T]>,
+        recv: &mut [T],
+        root: usize,
+    ) -> Result<()> {
+        self.scatter(
+            send.map(|s| T::host(s).into()),
+            T::host_mut(recv).into(),
+            root,
+        )
+    }
     /// Typed send.
     fn send_to<T: Element>(&self, buf: &[T], peer: usize, tag: u32) -> Result<()> {
         self.send(T::host(buf).into(), peer, tag)
@@ -551,6 +755,99 @@ pub trait CommunicatorExt: Communicator {
             recv: Tensor::Host(recv),
         })?))
     }
+    /// Nonblocking uneven all-to-all ([`Communicator::all_to_all_v`]); `wait` returns the
+    /// `sum(recv_counts)` received elements, in source order.
+    fn iall_to_all_v<T: Element>(
+        &self,
+        send: Vec<T>,
+        send_counts: Vec<usize>,
+        recv_counts: Vec<usize>,
+    ) -> Result<TypedWork<T>> {
+        let n = recv_counts.iter().fold(0usize, |a, &c| a.saturating_add(c));
+        let recv = host_zeros::<T>(n)?;
+        Ok(TypedWork::new(self.start(Request::AllToAllV {
+            send: send.into(),
+            send_counts,
+            recv,
+            recv_counts,
+        })?))
+    }
+    /// Nonblocking all-gather with per-rank counts; `wait` returns every contribution in rank
+    /// order (`sum(recv_counts)` elements).
+    fn iall_gather_v<T: Element>(
+        &self,
+        send: Vec<T>,
+        recv_counts: Vec<usize>,
+    ) -> Result<TypedWork<T>> {
+        let n = recv_counts.iter().fold(0usize, |a, &c| a.saturating_add(c));
+        let recv = host_zeros::<T>(n)?;
+        Ok(TypedWork::new(self.start(Request::AllGatherV {
+            send: send.into(),
+            recv,
+            recv_counts,
+        })?))
+    }
+    /// Nonblocking reduce-scatter with per-rank counts; `wait` returns this rank's reduced
+    /// block (`send_counts[rank]` elements).
+    fn ireduce_scatter_v<T: Element>(
+        &self,
+        send: Vec<T>,
+        send_counts: Vec<usize>,
+        op: ReduceOp,
+    ) -> Result<TypedWork<T>> {
+        let n = send_counts.get(self.rank()).copied().unwrap_or(0);
+        let recv = host_zeros::<T>(n)?;
+        Ok(TypedWork::new(self.start(Request::ReduceScatterV {
+            send: send.into(),
+            send_counts,
+            recv,
+            op,
+        })?))
+    }
+    /// Nonblocking rooted reduce; `wait` returns the result on the root and this rank's
+    /// `send` elsewhere.
+    fn ireduce<T: Element>(&self, send: Vec<T>, op: ReduceOp, root: usize) -> Result<TypedWork<T>> {
+        let recv = if self.rank() == root {
+            Some(host_zeros::<T>(send.len())?)
+        } else {
+            None
+        };
+        Ok(TypedWork::new(self.start(Request::Reduce {
+            send: send.into(),
+            recv,
+            op,
+            root,
+        })?))
+    }
+    /// Nonblocking rooted gather; `wait` returns every rank's block on the root (`size ·
+    /// send.len()` elements) and this rank's `send` elsewhere.
+    fn igather<T: Element>(&self, send: Vec<T>, root: usize) -> Result<TypedWork<T>> {
+        let recv = if self.rank() == root {
+            Some(host_zeros::<T>(send.len().saturating_mul(self.size()))?)
+        } else {
+            None
+        };
+        Ok(TypedWork::new(self.start(Request::Gather {
+            send: send.into(),
+            recv,
+            root,
+        })?))
+    }
+    /// Nonblocking rooted scatter of `recv_len` elements per rank; `send` is used only on the
+    /// root. `wait` returns this rank's block.
+    fn iscatter<T: Element>(
+        &self,
+        send: Option<Vec<T>>,
+        recv_len: usize,
+        root: usize,
+    ) -> Result<TypedWork<T>> {
+        let recv = host_zeros::<T>(recv_len)?;
+        Ok(TypedWork::new(self.start(Request::Scatter {
+            send: send.map(Tensor::from),
+            recv,
+            root,
+        })?))
+    }
     /// Nonblocking send; `wait` returns the buffer.
     fn isend<T: Element>(&self, buf: Vec<T>, peer: usize, tag: u32) -> Result<TypedWork<T>> {
         Ok(TypedWork::new(self.start(Request::Send {
@@ -575,6 +872,20 @@ pub trait CommunicatorExt: Communicator {
 }
 
 impl<C: Communicator + ?Sized> CommunicatorExt for C {}
+
+/// A zero-filled host tensor of `n` elements of `T`; a length whose bytes do not fit in memory
+/// is an error rather than an allocation failure.
+fn host_zeros<T: Element>(n: usize) -> Result<Tensor> {
+    if n.checked_mul(T::DTYPE.size_bytes())
+        .is_none_or(|b| b > isize::MAX as usize)
+    {
+        return Err(Error::Invalid(format!(
+            "a receive buffer of {n} {} elements does not fit in memory",
+            T::DTYPE
+        )));
+    }
+    Ok(Tensor::Host(HostBuffer::zeros(T::DTYPE, n)))
+}
 
 fn zero_of<T: Element>() -> T {
     T::from_owned(HostBuffer::zeros(T::DTYPE, 1))
@@ -642,6 +953,49 @@ pub mod check {
                 actual,
             })
         }
+    }
+
+    /// A per-rank counts vector of an uneven collective: exactly `size` entries whose sum
+    /// (without overflow) is `len`, the length of `buffer`.
+    ///
+    /// ```
+    /// use grid_core::comm::check;
+    /// assert!(check::counts("all_to_all_v", "send_counts", &[1, 0, 2], 3, "send buffer", 3).is_ok());
+    /// let e = check::counts("all_to_all_v", "send_counts", &[1, 2], 3, "send buffer", 3).unwrap_err();
+    /// assert_eq!(e.to_string(), "all_to_all_v: send_counts [1, 2] has 2 entries: give one per rank of the communicator (3)");
+    /// let e = check::counts("all_to_all_v", "recv_counts", &[1, 2, 3], 3, "recv buffer", 5).unwrap_err();
+    /// assert_eq!(e.to_string(), "all_to_all_v: recv_counts [1, 2, 3] sums to 6 but the recv buffer has 5 elements");
+    /// ```
+    pub fn counts(
+        op: &'static str,
+        what: &'static str,
+        counts: &[usize],
+        size: usize,
+        buffer: &'static str,
+        len: usize,
+    ) -> Result<()> {
+        let bad = |problem: String| Error::BadCounts {
+            op,
+            what,
+            counts: counts.to_vec(),
+            problem,
+        };
+        if counts.len() != size {
+            return Err(bad(format!(
+                "has {} entries: give one per rank of the communicator ({size})",
+                counts.len()
+            )));
+        }
+        let sum = counts
+            .iter()
+            .try_fold(0usize, |a, &c| a.checked_add(c))
+            .ok_or_else(|| bad("overflows: its sum does not fit in usize".into()))?;
+        if sum != len {
+            return Err(bad(format!(
+                "sums to {sum} but the {buffer} has {len} elements"
+            )));
+        }
+        Ok(())
     }
 
     /// A communicator rank.

@@ -78,6 +78,74 @@ pub enum Request {
         /// Block `j` comes from rank `j`.
         recv: Tensor,
     },
+    /// All-to-all with per-peer counts: the first `send_counts[0]` elements of `send` go to
+    /// rank 0, the next `send_counts[1]` to rank 1, ...; `recv` receives `recv_counts[j]`
+    /// elements from rank `j`, in rank order. `wait` returns `recv`.
+    AllToAllV {
+        /// Input, in destination order.
+        send: Tensor,
+        /// Elements for each rank (`size` entries, summing to `send.len()`).
+        send_counts: Vec<usize>,
+        /// Result, in source order.
+        recv: Tensor,
+        /// Elements from each rank (`size` entries, summing to `recv.len()`).
+        recv_counts: Vec<usize>,
+    },
+    /// All-gather with per-rank counts: rank `j` contributes `recv_counts[j]` elements; `wait`
+    /// returns `recv`, every rank's contribution in rank order.
+    AllGatherV {
+        /// This rank's contribution (`recv_counts[rank]` elements).
+        send: Tensor,
+        /// Result (`sum(recv_counts)` elements).
+        recv: Tensor,
+        /// Elements from each rank (`size` entries, equal on every rank).
+        recv_counts: Vec<usize>,
+    },
+    /// Reduce-scatter with per-rank counts: `send` holds one block per rank, block `j` of
+    /// `send_counts[j]` elements; rank `j` receives the reduction of every rank's block `j`.
+    /// `wait` returns `recv`.
+    ReduceScatterV {
+        /// Input (`sum(send_counts)` elements).
+        send: Tensor,
+        /// Block sizes (`size` entries, equal on every rank).
+        send_counts: Vec<usize>,
+        /// This rank's reduced block (`send_counts[rank]` elements).
+        recv: Tensor,
+        /// Reduction.
+        op: ReduceOp,
+    },
+    /// Rooted reduce: the reduction of every rank's `send` lands in `recv` on `root`. `wait`
+    /// returns `recv` on the root and `send` elsewhere.
+    Reduce {
+        /// Input.
+        send: Tensor,
+        /// Result, significant only on the root (`Some` there; ignored elsewhere).
+        recv: Option<Tensor>,
+        /// Reduction.
+        op: ReduceOp,
+        /// Root (communicator rank).
+        root: usize,
+    },
+    /// Rooted gather: the root's `recv` receives every rank's `send` in rank order. `wait`
+    /// returns `recv` on the root and `send` elsewhere.
+    Gather {
+        /// This rank's block.
+        send: Tensor,
+        /// Result (`size · send.len()`), significant only on the root.
+        recv: Option<Tensor>,
+        /// Root.
+        root: usize,
+    },
+    /// Rooted scatter: block `j` (`recv.len()` elements) of the root's `send` goes to rank `j`.
+    /// `wait` returns `recv`.
+    Scatter {
+        /// Input (`size · recv.len()`), significant only on the root.
+        send: Option<Tensor>,
+        /// This rank's block.
+        recv: Tensor,
+        /// Root.
+        root: usize,
+    },
     /// Barrier.
     Barrier,
     /// Send to a peer.
@@ -110,6 +178,12 @@ impl Request {
             Request::AllGather { .. } => "all_gather",
             Request::ReduceScatter { .. } => "reduce_scatter",
             Request::AllToAll { .. } => "all_to_all",
+            Request::AllToAllV { .. } => "all_to_all_v",
+            Request::AllGatherV { .. } => "all_gather_v",
+            Request::ReduceScatterV { .. } => "reduce_scatter_v",
+            Request::Reduce { .. } => "reduce",
+            Request::Gather { .. } => "gather",
+            Request::Scatter { .. } => "scatter",
             Request::Barrier => "barrier",
             Request::Send { .. } => "send",
             Request::Recv { .. } => "recv",
@@ -160,7 +234,16 @@ impl Request {
             Request::AllReduceInto { send, recv, .. }
             | Request::AllGather { send, recv }
             | Request::ReduceScatter { send, recv, .. }
-            | Request::AllToAll { send, recv } => (send.len(), recv.len()),
+            | Request::AllToAll { send, recv }
+            | Request::AllToAllV { send, recv, .. }
+            | Request::AllGatherV { send, recv, .. }
+            | Request::ReduceScatterV { send, recv, .. } => (send.len(), recv.len()),
+            Request::Reduce { send, recv, .. } | Request::Gather { send, recv, .. } => {
+                (send.len(), recv.as_ref().map_or(0, Tensor::len))
+            }
+            Request::Scatter { send, recv, .. } => {
+                (send.as_ref().map_or(0, Tensor::len), recv.len())
+            }
             Request::AllReduce { buf, .. }
             | Request::Broadcast { buf, .. }
             | Request::Send { buf, .. }
@@ -220,6 +303,67 @@ pub enum Op<'a> {
         /// Block `j` comes from rank `j`.
         recv: BufMut<'a>,
     },
+    /// All-to-all with per-peer counts ([`Request::AllToAllV`]).
+    AllToAllV {
+        /// Input, `send_counts[j]` elements for rank `j`, in rank order.
+        send: BufRef<'a>,
+        /// Elements for each rank (`size` entries summing to `send.len()`).
+        send_counts: &'a [usize],
+        /// Result, `recv_counts[j]` elements from rank `j`, in rank order.
+        recv: BufMut<'a>,
+        /// Elements from each rank (`size` entries summing to `recv.len()`).
+        recv_counts: &'a [usize],
+    },
+    /// All-gather with per-rank counts ([`Request::AllGatherV`]).
+    AllGatherV {
+        /// This rank's contribution (`recv_counts[rank]` elements).
+        send: BufRef<'a>,
+        /// Every contribution, in rank order (`sum(recv_counts)` elements).
+        recv: BufMut<'a>,
+        /// Elements from each rank (`size` entries, equal on every rank).
+        recv_counts: &'a [usize],
+    },
+    /// Reduce-scatter with per-rank counts ([`Request::ReduceScatterV`]).
+    ReduceScatterV {
+        /// Input, block `j` of `send_counts[j]` elements for rank `j`.
+        send: BufRef<'a>,
+        /// Block sizes (`size` entries, equal on every rank).
+        send_counts: &'a [usize],
+        /// This rank's reduced block (`send_counts[rank]` elements).
+        recv: BufMut<'a>,
+        /// Reduction.
+        op: ReduceOp,
+    },
+    /// Rooted reduce. `recv` is `Some` exactly on the root (same dtype and length as `send`):
+    /// the front end drops whatever another rank passed.
+    Reduce {
+        /// Input.
+        send: BufRef<'a>,
+        /// Result on the root; `None` elsewhere.
+        recv: Option<BufMut<'a>>,
+        /// Reduction.
+        op: ReduceOp,
+        /// Root (communicator rank).
+        root: usize,
+    },
+    /// Rooted gather. `recv` is `Some` exactly on the root (`size · send.len()` elements).
+    Gather {
+        /// This rank's block.
+        send: BufRef<'a>,
+        /// Every block in rank order, on the root; `None` elsewhere.
+        recv: Option<BufMut<'a>>,
+        /// Root.
+        root: usize,
+    },
+    /// Rooted scatter. `send` is `Some` exactly on the root (`size · recv.len()` elements).
+    Scatter {
+        /// Every rank's block in rank order, on the root; `None` elsewhere.
+        send: Option<BufRef<'a>>,
+        /// This rank's block.
+        recv: BufMut<'a>,
+        /// Root.
+        root: usize,
+    },
     /// Barrier.
     Barrier,
     /// Send to `peer` (never this rank).
@@ -258,6 +402,12 @@ impl Op<'_> {
             Op::AllGather { .. } => "all_gather",
             Op::ReduceScatter { .. } => "reduce_scatter",
             Op::AllToAll { .. } => "all_to_all",
+            Op::AllToAllV { .. } => "all_to_all_v",
+            Op::AllGatherV { .. } => "all_gather_v",
+            Op::ReduceScatterV { .. } => "reduce_scatter_v",
+            Op::Reduce { .. } => "reduce",
+            Op::Gather { .. } => "gather",
+            Op::Scatter { .. } => "scatter",
             Op::Barrier => "barrier",
             Op::Send { .. } => "send",
             Op::Recv { .. } => "recv",
@@ -272,7 +422,14 @@ impl Op<'_> {
             Op::AllReduce { send, recv, .. }
             | Op::AllGather { send, recv }
             | Op::ReduceScatter { send, recv, .. }
-            | Op::AllToAll { send, recv } => (send.len(), recv.len()),
+            | Op::AllToAll { send, recv }
+            | Op::AllToAllV { send, recv, .. }
+            | Op::AllGatherV { send, recv, .. }
+            | Op::ReduceScatterV { send, recv, .. } => (send.len(), recv.len()),
+            Op::Reduce { send, recv, .. } | Op::Gather { send, recv, .. } => {
+                (send.len(), recv.as_ref().map_or(0, BufMut::len))
+            }
+            Op::Scatter { send, recv, .. } => (send.as_ref().map_or(0, BufRef::len), recv.len()),
             Op::AllReduceInPlace { buf, .. } | Op::Broadcast { buf, .. } | Op::Recv { buf, .. } => {
                 (buf.len(), buf.len())
             }
