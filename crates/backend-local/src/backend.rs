@@ -68,6 +68,16 @@ impl LocalBackend {
 
     /// Deposits this rank's part of the next collective round and returns its number.
     fn begin(&self, kind: Kind, data: Option<HostBuffer>) -> Result<u64> {
+        self.begin_counted(kind, data, None)
+    }
+
+    /// [`LocalBackend::begin`] with an all-to-all-v's counts.
+    fn begin_counted(
+        &self,
+        kind: Kind,
+        data: Option<HostBuffer>,
+        counts: Option<(Vec<usize>, Vec<usize>)>,
+    ) -> Result<u64> {
         let seq = self.next();
         self.group.deposit(
             seq,
@@ -76,6 +86,7 @@ impl LocalBackend {
                 kind,
                 data,
                 split: None,
+                counts,
             },
         )?;
         Ok(seq)
@@ -214,6 +225,96 @@ fn complete(
             }
             Ok(())
         }
+        Kind::AllToAllV(_) => {
+            let counts = parts
+                .iter()
+                .map(|p| {
+                    p.counts.as_ref().ok_or_else(|| {
+                        Error::Invalid(format!("local: {op}: a rank deposited no counts"))
+                    })
+                })
+                .collect::<Result<Vec<_>>>()?;
+            // Every rank sees every rank's counts, so every rank finds the same first
+            // disagreement and returns the same error.
+            for (i, (send, _)) in counts.iter().enumerate() {
+                for (j, (_, recv)) in counts.iter().enumerate() {
+                    if send[j] != recv[i] {
+                        return Err(mismatch(
+                            op,
+                            "",
+                            format!(
+                                "world rank {} sends {} elements to world rank {}, which expects {}",
+                                group.global[i], send[j], group.global[j], recv[i]
+                            ),
+                        ));
+                    }
+                }
+            }
+            let mut out = out.ok_or_else(missing_out)?;
+            let mut at = 0;
+            for (r, p) in parts.iter().enumerate() {
+                let sent = &counts[r].0;
+                let (from, k) = (sent[..rank].iter().sum::<usize>(), sent[rank]);
+                let src = data(p, op)?
+                    .sub(from, k)
+                    .ok_or_else(|| Error::Invalid(format!("local: {op}: input too short")))?;
+                out.sub_mut(at, k)
+                    .ok_or_else(|| Error::Invalid(format!("local: {op}: output too short")))?
+                    .copy_from(src)?;
+                at += k;
+            }
+            Ok(())
+        }
+        Kind::AllGatherV(_, counts) => {
+            let mut out = out.ok_or_else(missing_out)?;
+            let mut at = 0;
+            for (p, &k) in parts.iter().zip(counts) {
+                out.sub_mut(at, k)
+                    .ok_or_else(|| Error::Invalid(format!("local: {op}: output too short")))?
+                    .copy_from(data(p, op)?)?;
+                at += k;
+            }
+            Ok(())
+        }
+        Kind::ReduceScatterV(r, _, counts) => {
+            let ins = parts
+                .iter()
+                .map(|p| data(p, op))
+                .collect::<Result<Vec<_>>>()?;
+            let from = counts[..rank].iter().sum();
+            kernels::reduce_range(&ins, from, out.ok_or_else(missing_out)?, *r)
+        }
+        Kind::Reduce(r, root, ..) => {
+            if *root != rank {
+                return Ok(());
+            }
+            let ins = parts
+                .iter()
+                .map(|p| data(p, op))
+                .collect::<Result<Vec<_>>>()?;
+            kernels::reduce(&ins, out.ok_or_else(missing_out)?, *r)
+        }
+        Kind::Gather(root, _, k) => {
+            if *root != rank {
+                return Ok(());
+            }
+            let mut out = out.ok_or_else(missing_out)?;
+            for (r, p) in parts.iter().enumerate() {
+                out.sub_mut(r * k, *k)
+                    .ok_or_else(|| Error::Invalid(format!("local: {op}: output too short")))?
+                    .copy_from(data(p, op)?)?;
+            }
+            Ok(())
+        }
+        Kind::Scatter(root, _, k) => {
+            let src = parts
+                .get(*root)
+                .ok_or_else(|| Error::Invalid(format!("local: {op}: root {root} missing")))?;
+            let block = data(src, op)?
+                .sub(rank * k, *k)
+                .ok_or_else(|| Error::Invalid(format!("local: {op}: input too short")))?;
+            out.ok_or_else(missing_out)?.copy_from(block)
+        }
         Kind::AllToAll(_, len) => {
             let k = len / n.max(1);
             let mut out = out.ok_or_else(missing_out)?;
@@ -247,9 +348,14 @@ impl Backend for LocalBackend {
     fn accepts(&self, memory: Memory) -> bool {
         memory == Memory::Host
     }
-    fn supports(&self, _dtype: DType, _op: Option<ReduceOp>) -> bool {
-        // Every dtype moves and every reduction runs (grid_core::kernels).
-        true
+    fn supports(&self, dtype: DType, op: Option<ReduceOp>) -> bool {
+        // Every dtype moves (grid_core::kernels); every reduction runs except
+        // on fp8 (no arithmetic is defined on the 8-bit formats here) and an
+        // average of booleans (not a boolean).
+        match op {
+            None => true,
+            Some(r) => !dtype.is_fp8() && dtype.reducible_with(r),
+        }
     }
     fn check_live(&self, op: &'static str) -> Result<()> {
         if self.is_finished() {
@@ -314,6 +420,64 @@ impl Backend for LocalBackend {
                 let (s, r) = (host("all_to_all", send)?, host_mut("all_to_all", recv)?);
                 let kind = Kind::AllToAll(s.dtype(), s.len());
                 self.collective(kind, Some(s.to_owned_buffer()), Some(r), limit)
+            }
+            Op::AllToAllV {
+                send,
+                send_counts,
+                recv,
+                recv_counts,
+            } => {
+                let (s, r) = (host("all_to_all_v", send)?, host_mut("all_to_all_v", recv)?);
+                let kind = Kind::AllToAllV(s.dtype());
+                let counts = (send_counts.to_vec(), recv_counts.to_vec());
+                let seq =
+                    self.begin_counted(kind.clone(), Some(s.to_owned_buffer()), Some(counts))?;
+                self.end(seq, &kind, Some(r), limit)
+            }
+            Op::AllGatherV {
+                send,
+                recv,
+                recv_counts,
+            } => {
+                let (s, r) = (host("all_gather_v", send)?, host_mut("all_gather_v", recv)?);
+                let kind = Kind::AllGatherV(s.dtype(), recv_counts.to_vec());
+                self.collective(kind, Some(s.to_owned_buffer()), Some(r), limit)
+            }
+            Op::ReduceScatterV {
+                send,
+                send_counts,
+                recv,
+                op,
+            } => {
+                let (s, r) = (
+                    host("reduce_scatter_v", send)?,
+                    host_mut("reduce_scatter_v", recv)?,
+                );
+                let kind = Kind::ReduceScatterV(op, s.dtype(), send_counts.to_vec());
+                self.collective(kind, Some(s.to_owned_buffer()), Some(r), limit)
+            }
+            Op::Reduce {
+                send,
+                recv,
+                op,
+                root,
+            } => {
+                let s = host("reduce", send)?;
+                let r = recv.map(|r| host_mut("reduce", r)).transpose()?;
+                let kind = Kind::Reduce(op, root, s.dtype(), s.len());
+                self.collective(kind, Some(s.to_owned_buffer()), r, limit)
+            }
+            Op::Gather { send, recv, root } => {
+                let s = host("gather", send)?;
+                let r = recv.map(|r| host_mut("gather", r)).transpose()?;
+                let kind = Kind::Gather(root, s.dtype(), s.len());
+                self.collective(kind, Some(s.to_owned_buffer()), r, limit)
+            }
+            Op::Scatter { send, recv, root } => {
+                let r = host_mut("scatter", recv)?;
+                let s = send.map(|s| host("scatter", s)).transpose()?;
+                let kind = Kind::Scatter(root, r.dtype(), r.len());
+                self.collective(kind, s.map(|s| s.to_owned_buffer()), Some(r), limit)
             }
             Op::Barrier => self.collective(Kind::Barrier, None, None, limit),
             Op::Send { buf, peer, tag } => {
@@ -398,6 +562,72 @@ impl Backend for LocalBackend {
                 let (s, r) = (owned(name, send)?, owned(name, recv)?);
                 let kind = Kind::AllToAll(s.dtype(), s.len());
                 let seq = self.begin(kind.clone(), Some(s))?;
+                Pending::Coll { seq, kind, out: r }
+            }
+            Request::AllToAllV {
+                send,
+                send_counts,
+                recv,
+                recv_counts,
+            } => {
+                let (s, r) = (owned(name, send)?, owned(name, recv)?);
+                let kind = Kind::AllToAllV(s.dtype());
+                let seq =
+                    self.begin_counted(kind.clone(), Some(s), Some((send_counts, recv_counts)))?;
+                Pending::Coll { seq, kind, out: r }
+            }
+            Request::AllGatherV {
+                send,
+                recv,
+                recv_counts,
+            } => {
+                let (s, r) = (owned(name, send)?, owned(name, recv)?);
+                let kind = Kind::AllGatherV(s.dtype(), recv_counts);
+                let seq = self.begin(kind.clone(), Some(s))?;
+                Pending::Coll { seq, kind, out: r }
+            }
+            Request::ReduceScatterV {
+                send,
+                send_counts,
+                recv,
+                op,
+            } => {
+                let (s, r) = (owned(name, send)?, owned(name, recv)?);
+                let kind = Kind::ReduceScatterV(op, s.dtype(), send_counts);
+                let seq = self.begin(kind.clone(), Some(s))?;
+                Pending::Coll { seq, kind, out: r }
+            }
+            Request::Reduce {
+                send,
+                recv,
+                op,
+                root,
+            } => {
+                let s = owned(name, send)?;
+                let kind = Kind::Reduce(op, root, s.dtype(), s.len());
+                // The root's result buffer; elsewhere the input comes back.
+                let out = match recv {
+                    Some(r) => owned(name, r)?,
+                    None => s.clone(),
+                };
+                let seq = self.begin(kind.clone(), Some(s))?;
+                Pending::Coll { seq, kind, out }
+            }
+            Request::Gather { send, recv, root } => {
+                let s = owned(name, send)?;
+                let kind = Kind::Gather(root, s.dtype(), s.len());
+                let out = match recv {
+                    Some(r) => owned(name, r)?,
+                    None => s.clone(),
+                };
+                let seq = self.begin(kind.clone(), Some(s))?;
+                Pending::Coll { seq, kind, out }
+            }
+            Request::Scatter { send, recv, root } => {
+                let r = owned(name, recv)?;
+                let s = send.map(|s| owned(name, s)).transpose()?;
+                let kind = Kind::Scatter(root, r.dtype(), r.len());
+                let seq = self.begin(kind.clone(), s)?;
                 Pending::Coll { seq, kind, out: r }
             }
             Request::Barrier => {
@@ -678,6 +908,7 @@ impl LocalFactory {
                 kind: Kind::Split,
                 data: None,
                 split: Some((color, key)),
+                counts: None,
             },
         )?;
         let parts = b

@@ -158,6 +158,18 @@ pub(crate) enum Kind {
     AllGather(DType, usize),
     ReduceScatter(ReduceOp, DType, usize),
     AllToAll(DType, usize),
+    /// Per-rank counts travel in [`Part::counts`] (they differ between ranks).
+    AllToAllV(DType),
+    /// The receive counts, which every rank passes equal.
+    AllGatherV(DType, Vec<usize>),
+    /// The block sizes, which every rank passes equal.
+    ReduceScatterV(ReduceOp, DType, Vec<usize>),
+    /// Reduction, root, dtype, elements per rank.
+    Reduce(ReduceOp, usize, DType, usize),
+    /// Root, dtype, elements per rank.
+    Gather(usize, DType, usize),
+    /// Root, dtype, elements per rank.
+    Scatter(usize, DType, usize),
     Barrier,
     Split,
 }
@@ -170,6 +182,12 @@ impl Kind {
             Kind::AllGather(..) => "all_gather",
             Kind::ReduceScatter(..) => "reduce_scatter",
             Kind::AllToAll(..) => "all_to_all",
+            Kind::AllToAllV(..) => "all_to_all_v",
+            Kind::AllGatherV(..) => "all_gather_v",
+            Kind::ReduceScatterV(..) => "reduce_scatter_v",
+            Kind::Reduce(..) => "reduce",
+            Kind::Gather(..) => "gather",
+            Kind::Scatter(..) => "scatter",
             Kind::Barrier => "barrier",
             Kind::Split => "split",
         }
@@ -181,6 +199,8 @@ pub(crate) struct Part {
     pub(crate) kind: Kind,
     pub(crate) data: Option<HostBuffer>,
     pub(crate) split: Option<(Option<u32>, usize)>,
+    /// An all-to-all-v's counts: (sent to each rank, expected from each rank).
+    pub(crate) counts: Option<(Vec<usize>, Vec<usize>)>,
 }
 
 #[derive(Debug)]
