@@ -53,6 +53,12 @@ macro_rules! dispatch {
             $enum::U8($v) => $body,
             $enum::F16($v) => $body,
             $enum::BF16($v) => $body,
+            $enum::I8($v) => $body,
+            $enum::U32($v) => $body,
+            $enum::U64($v) => $body,
+            $enum::Bool($v) => $body,
+            $enum::F8E4M3($v) => $body,
+            $enum::F8E5M2($v) => $body,
         }
     };
 }

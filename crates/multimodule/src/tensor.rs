@@ -4,7 +4,7 @@
 
 use crate::error::{Error, Result};
 use crate::pool::BufferPool;
-use grid_core::{DType, Element, HostBuffer, HostSlice, HostSliceMut};
+use grid_core::{Bool, DType, Element, HostBuffer, HostSlice, HostSliceMut};
 use half::{bf16, f16};
 use std::ops::Range;
 use std::sync::{Arc, Weak};
@@ -493,6 +493,13 @@ fn add_into(dst: HostSliceMut<'_>, src: HostSlice<'_>) -> Result<()> {
         (HostSliceMut::U8(d), HostSlice::U8(s)) => go(d, s, u8::wrapping_add),
         (HostSliceMut::F16(d), HostSlice::F16(s)) => go(d, s, |a: f16, b: f16| a + b),
         (HostSliceMut::BF16(d), HostSlice::BF16(s)) => go(d, s, |a: bf16, b: bf16| a + b),
+        (HostSliceMut::I8(d), HostSlice::I8(s)) => go(d, s, i8::wrapping_add),
+        (HostSliceMut::U32(d), HostSlice::U32(s)) => go(d, s, u32::wrapping_add),
+        (HostSliceMut::U64(d), HostSlice::U64(s)) => go(d, s, u64::wrapping_add),
+        // The sum of booleans is their OR (as in every reduction of this workspace).
+        (HostSliceMut::Bool(d), HostSlice::Bool(s)) => {
+            go(d, s, |a: Bool, b: Bool| Bool::from(a.get() || b.get()))
+        }
         (d, s) => {
             return Err(Error::Tensor {
                 op: "add_assign",

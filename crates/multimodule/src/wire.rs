@@ -54,6 +54,12 @@ fn dtype_code(d: DType) -> i64 {
         DType::U8 => 4,
         DType::F16 => 5,
         DType::BF16 => 6,
+        DType::I8 => 7,
+        DType::U32 => 8,
+        DType::U64 => 9,
+        DType::Bool => 10,
+        DType::F8E4M3 => 11,
+        DType::F8E5M2 => 12,
     }
 }
 
