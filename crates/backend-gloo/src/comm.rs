@@ -501,6 +501,9 @@ impl Inner {
             &mut |mine, all| {
                 self.all_gather(HostSlice::I64(mine), HostSliceMut::I64(all), tag, limit)
             },
+            &mut |mine, theirs| {
+                self.all_to_all(HostSlice::I64(mine), HostSliceMut::I64(theirs), tag, limit)
+            },
         )
     }
 
@@ -564,6 +567,13 @@ impl Inner {
                 op,
                 "point-to-point requests are posted directly, never queued on the worker".into(),
             )),
+            // Interim (issue #16 item 7 in progress).
+            Request::AllToAllV { .. }
+            | Request::AllGatherV { .. }
+            | Request::ReduceScatterV { .. }
+            | Request::Reduce { .. }
+            | Request::Gather { .. }
+            | Request::Scatter { .. } => Err(not_yet(op)),
         }
     }
 
@@ -890,8 +900,10 @@ impl Backend for GlooBackend {
         memory == Memory::Host
     }
 
-    fn supports(&self, _dtype: DType, _op: Option<ReduceOp>) -> bool {
-        true
+    fn supports(&self, dtype: DType, op: Option<ReduceOp>) -> bool {
+        // Interim (issue #16 item 7 in progress): the dtypes added for it move but are not
+        // reduced yet.
+        op.is_none() || DType::ALL[..7].contains(&dtype)
     }
 
     /// Every collective is checked by default ([`MismatchCheck::All`]): a count or element size
@@ -981,6 +993,13 @@ impl Backend for GlooBackend {
                 inner.p2p("recv", &mut [RawP2p::Recv { data, peer, tag }], limit)
             }
             Op::Batch(ops) => self.batch(ops, limit),
+            // Interim (issue #16 item 7 in progress).
+            op @ (Op::AllToAllV { .. }
+            | Op::AllGatherV { .. }
+            | Op::ReduceScatterV { .. }
+            | Op::Reduce { .. }
+            | Op::Gather { .. }
+            | Op::Scatter { .. }) => Err(not_yet(op.name())),
         }
     }
 
@@ -1016,6 +1035,16 @@ impl Backend for GlooBackend {
     fn synchronize(&self) -> Result<()> {
         self.inner.seq.drain();
         Ok(())
+    }
+}
+
+/// Interim (issue #16 item 7 in progress): the operations added for it are not run by this
+/// backend yet.
+fn not_yet(op: &'static str) -> Error {
+    Error::Unsupported {
+        op,
+        backend: BACKEND,
+        what: "this operation yet".into(),
     }
 }
 

@@ -199,6 +199,11 @@ fn dtype_code(d: DType) -> i32 {
         DType::U8 => sys::GLOO_SHIM_U8,
         DType::F16 => sys::GLOO_SHIM_F16,
         DType::BF16 => sys::GLOO_SHIM_BF16,
+        // Interim (issue #16 item 7 in progress): moved as the shim type of the same width,
+        // never reduced (`GlooBackend::supports` refuses their reductions).
+        DType::I8 | DType::Bool | DType::F8E4M3 | DType::F8E5M2 => sys::GLOO_SHIM_U8,
+        DType::U32 => sys::GLOO_SHIM_I32,
+        DType::U64 => sys::GLOO_SHIM_I64,
     }) as i32
 }
 
@@ -315,6 +320,13 @@ unsafe fn slice_at<'a>(d: DType, p: *const u8, n: usize) -> HostSlice<'a> {
             DType::I32 => HostSlice::I32(std::slice::from_raw_parts(p.cast(), n)),
             DType::I64 => HostSlice::I64(std::slice::from_raw_parts(p.cast(), n)),
             DType::U8 => HostSlice::U8(std::slice::from_raw_parts(p, n)),
+            DType::I8 => HostSlice::I8(std::slice::from_raw_parts(p.cast(), n)),
+            DType::U32 => HostSlice::U32(std::slice::from_raw_parts(p.cast(), n)),
+            DType::U64 => HostSlice::U64(std::slice::from_raw_parts(p.cast(), n)),
+            // Each is `repr(transparent)` over `u8` and valid for every byte.
+            DType::Bool => HostSlice::Bool(std::slice::from_raw_parts(p.cast(), n)),
+            DType::F8E4M3 => HostSlice::F8E4M3(std::slice::from_raw_parts(p.cast(), n)),
+            DType::F8E5M2 => HostSlice::F8E5M2(std::slice::from_raw_parts(p.cast(), n)),
         }
     }
 }
@@ -335,6 +347,13 @@ unsafe fn slice_mut_at<'a>(d: DType, p: *mut u8, n: usize) -> HostSliceMut<'a> {
             DType::I32 => HostSliceMut::I32(std::slice::from_raw_parts_mut(p.cast(), n)),
             DType::I64 => HostSliceMut::I64(std::slice::from_raw_parts_mut(p.cast(), n)),
             DType::U8 => HostSliceMut::U8(std::slice::from_raw_parts_mut(p, n)),
+            DType::I8 => HostSliceMut::I8(std::slice::from_raw_parts_mut(p.cast(), n)),
+            DType::U32 => HostSliceMut::U32(std::slice::from_raw_parts_mut(p.cast(), n)),
+            DType::U64 => HostSliceMut::U64(std::slice::from_raw_parts_mut(p.cast(), n)),
+            // Each is `repr(transparent)` over `u8` and valid for every byte.
+            DType::Bool => HostSliceMut::Bool(std::slice::from_raw_parts_mut(p.cast(), n)),
+            DType::F8E4M3 => HostSliceMut::F8E4M3(std::slice::from_raw_parts_mut(p.cast(), n)),
+            DType::F8E5M2 => HostSliceMut::F8E5M2(std::slice::from_raw_parts_mut(p.cast(), n)),
         }
     }
 }

@@ -149,6 +149,11 @@ fn datatype(dtype: DType) -> ffi::MPI_Datatype {
             DType::I64 => ffi::RSMPI_INT64_T,
             DType::U8 => ffi::RSMPI_UINT8_T,
             DType::F16 | DType::BF16 => ffi::RSMPI_UINT16_T,
+            // Interim (issue #16 item 7 in progress): moved by width, not reduced yet.
+            DType::I8 => ffi::RSMPI_INT8_T,
+            DType::U32 => ffi::RSMPI_UINT32_T,
+            DType::U64 => ffi::RSMPI_UINT64_T,
+            DType::Bool | DType::F8E4M3 | DType::F8E5M2 => ffi::RSMPI_UINT8_T,
         }
     }
 }

@@ -158,6 +158,11 @@ pub(crate) fn nccl_dtype(d: DType) -> sys::ncclDataType_t {
         DType::U8 => N::ncclUint8,
         DType::F16 => N::ncclFloat16,
         DType::BF16 => N::ncclBfloat16,
+        DType::I8 => N::ncclInt8,
+        DType::U32 => N::ncclUint32,
+        DType::U64 => N::ncclUint64,
+        // Interim (issue #16 item 7 in progress): refused by `supports` until mapped.
+        DType::Bool | DType::F8E4M3 | DType::F8E5M2 => N::ncclUint8,
     }
 }
 

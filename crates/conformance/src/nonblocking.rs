@@ -21,6 +21,11 @@ pub(crate) fn nonblocking(ctx: &mut Ctx, label: &str, c: &dyn Communicator) {
             DType::U8 => nb_typed::<u8>(ctx, label, c),
             DType::F16 => nb_typed::<f16>(ctx, label, c),
             DType::BF16 => nb_typed::<bf16>(ctx, label, c),
+            // Interim (issue #16 item 7 in progress): the sweep of the new dtypes lands with
+            // their conformance section.
+            DType::I8 | DType::U32 | DType::U64 | DType::Bool | DType::F8E4M3 | DType::F8E5M2 => {
+                ctx.skip(format!("{label}/nonblocking/{d}"), "not swept yet")
+            }
         }
     }
     nb_ordering(ctx, label, c);

@@ -100,6 +100,17 @@ impl NcclBackend {
                 self.p2p(name, vec![P2pOp::Recv { buf, peer, tag }], limit)
             }
             Op::Batch(ops) => self.p2p(name, ops, limit),
+            // Interim (issue #16 item 7 in progress).
+            Op::AllToAllV { .. }
+            | Op::AllGatherV { .. }
+            | Op::ReduceScatterV { .. }
+            | Op::Reduce { .. }
+            | Op::Gather { .. }
+            | Op::Scatter { .. } => Err(grid_core::Error::Unsupported {
+                op: name,
+                backend: "nccl",
+                what: "this operation yet".into(),
+            }),
         }
     }
 

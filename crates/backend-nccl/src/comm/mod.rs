@@ -139,6 +139,10 @@ impl std::fmt::Debug for NcclBackend {
 /// assert!(backend_nccl::comm::supports(DType::U8, None));
 /// ```
 pub fn supports(dtype: DType, op: Option<ReduceOp>) -> bool {
+    // Interim (issue #16 item 7 in progress): booleans and 8-bit floats are not mapped yet.
+    if matches!(dtype, DType::Bool | DType::F8E4M3 | DType::F8E5M2) {
+        return false;
+    }
     op != Some(ReduceOp::Avg) || dtype.is_float()
 }
 

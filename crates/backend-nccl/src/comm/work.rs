@@ -135,6 +135,19 @@ impl NcclBackend {
             Request::Send { .. } | Request::Recv { .. } => {
                 return Err(internal(op, "point-to-point request in enqueue_request"))
             }
+            // Interim (issue #16 item 7 in progress).
+            Request::AllToAllV { .. }
+            | Request::AllGatherV { .. }
+            | Request::ReduceScatterV { .. }
+            | Request::Reduce { .. }
+            | Request::Gather { .. }
+            | Request::Scatter { .. } => {
+                return Err(grid_core::Error::Unsupported {
+                    op,
+                    backend: "nccl",
+                    what: "this operation yet".into(),
+                })
+            }
         })
     }
 
