@@ -20,7 +20,10 @@
 //!
 //! Every value is a small integer, so every `f32` result is exact and compared with `==`.
 
-use grid_core::{Error, LayoutConfig, Result};
+use grid_core::{
+    build_collection, Communicator, CommunicatorExt, Error, GroupFactory, LayoutConfig, LayoutPlan,
+    Result,
+};
 
 /// The example's configuration: the layout's sizes and the token stream.
 ///
@@ -382,6 +385,275 @@ pub fn combine_check(routing: &Routing, src: usize, back: &[f32], hidden: usize)
     problems
 }
 
+/// What one rank did: its expert-parallel group and the token counts it sent and received.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RankReport {
+    /// World rank.
+    pub rank: usize,
+    /// World ranks of this rank's expert-parallel group, in group order.
+    pub group: Vec<usize>,
+    /// Tokens this rank (as a source) sent to each expert of its group.
+    pub sent: Vec<usize>,
+    /// Tokens this rank (as an expert) received from each source of its group.
+    pub received: Vec<usize>,
+    /// Problems this rank found (as an expert and as a source); 0 when every check passed.
+    pub problems: usize,
+}
+
+impl RankReport {
+    /// Fixed-width encoding (`3 + 3·ep` values) for an all-gather over the world.
+    fn encode(&self, ep: usize) -> Vec<i64> {
+        let mut v = vec![
+            self.rank as i64,
+            self.problems as i64,
+            self.group.len() as i64,
+        ];
+        for list in [&self.group, &self.sent, &self.received] {
+            v.extend((0..ep).map(|i| list.get(i).map_or(-1, |&x| x as i64)));
+        }
+        v
+    }
+    fn decode(v: &[i64], ep: usize) -> Result<RankReport> {
+        let bad = || {
+            Error::Invalid(format!(
+                "moe-dispatch: a rank's report {v:?} is not 3 + 3·{ep} non-negative numbers"
+            ))
+        };
+        let u = |x: i64| usize::try_from(x).map_err(|_| bad());
+        if v.len() != 3 + 3 * ep || u(v[2])? != ep {
+            return Err(bad());
+        }
+        let list = |k: usize| -> Result<Vec<usize>> {
+            v[3 + k * ep..3 + (k + 1) * ep]
+                .iter()
+                .map(|&x| u(x))
+                .collect()
+        };
+        Ok(RankReport {
+            rank: u(v[0])?,
+            problems: u(v[1])?,
+            group: list(0)?,
+            sent: list(1)?,
+            received: list(2)?,
+        })
+    }
+}
+
+/// One rank's outcome of [`run_rank`].
+#[derive(Debug, Clone)]
+pub struct RankOutcome {
+    /// This rank's report.
+    pub report: RankReport,
+    /// This rank's problems, one message each (empty when every check passed).
+    pub problems: Vec<String>,
+    /// Every rank's report, in world-rank order (an all-gather over the world).
+    pub all: Vec<RankReport>,
+}
+
+/// Runs the dispatch on this rank; call on every rank of `world` with the same `cfg`. Builds
+/// the layout's communicators with [`build_collection`], takes this rank's expert-parallel
+/// group (`ep`), and runs the five steps of the [module docs](self): counts all-to-all,
+/// dispatch (`all_to_all_v`, or `iall_to_all_v` with [`MoeConfig::nonblocking`]), expert check
+/// and compute, combine (the reverse exchange), source check. A failed check is reported in
+/// [`RankOutcome::problems`]; a communicator error is returned as the error.
+///
+/// ```
+/// use grid_programs::moe::{run_rank, MoeConfig};
+/// let cfg = MoeConfig::default();
+/// let out = backend_local::run(cfg.world, &Default::default(), |f, w| run_rank(f, &w, &cfg))?;
+/// assert!(out.iter().all(|o| o.problems.is_empty()));
+/// assert_eq!(out[0].all.len(), 8);
+/// # Ok::<(), grid_core::Error>(())
+/// ```
+pub fn run_rank<F: GroupFactory>(
+    factory: &F,
+    world: &F::Comm,
+    cfg: &MoeConfig,
+) -> Result<RankOutcome> {
+    cfg.validate()?;
+    if world.size() != cfg.world {
+        return Err(Error::Invalid(format!(
+            "moe-dispatch: the layout needs --world {} ranks, but the world communicator has {} (start {} ranks or pass --world {})",
+            cfg.world,
+            world.size(),
+            cfg.world,
+            world.size()
+        )));
+    }
+    let plan = LayoutPlan::new(cfg.layout())?;
+    let built = build_collection(factory, world, &plan)?;
+    let ep = built.collection.ep.clone().ok_or_else(|| {
+        Error::Invalid("moe-dispatch: this rank has no expert-parallel group in the layout".into())
+    })?;
+    let me = world
+        .global_ranks()
+        .get(world.rank())
+        .copied()
+        .unwrap_or(world.rank());
+    let (n, e) = (ep.size(), ep.rank());
+    let members = ep.global_ranks().to_vec();
+    let hidden = cfg.hidden;
+
+    // 1. Route and exchange the per-expert token counts.
+    let routing = route(cfg.seed, me, e, n, cfg.tokens);
+    let counts: Vec<i64> = routing.counts.iter().map(|&c| c as i64).collect();
+    let mut incoming = vec![0i64; n];
+    ep.all_to_all_into(&counts[..], &mut incoming[..])?;
+    let received: Vec<usize> = incoming
+        .iter()
+        .enumerate()
+        .map(|(j, &c)| {
+            usize::try_from(c).map_err(|_| {
+                Error::Invalid(format!(
+                    "moe-dispatch: source {j} announced {c} tokens for expert {e}"
+                ))
+            })
+        })
+        .collect::<Result<_>>()?;
+
+    // 2. Dispatch.
+    let send = pack(&routing, me, hidden);
+    let send_counts = elements(&routing.counts, hidden);
+    let recv_counts = elements(&received, hidden);
+    let recv_len: usize = recv_counts.iter().sum();
+    let dispatched = if cfg.nonblocking {
+        ep.iall_to_all_v(send, send_counts.clone(), recv_counts.clone())?
+            .wait()?
+    } else {
+        let mut recv = vec![f32::NAN; recv_len];
+        ep.all_to_all_v_into(&send[..], &send_counts, &mut recv[..], &recv_counts)?;
+        recv
+    };
+
+    // 3. The expert checks and computes.
+    let (computed, mut problems) = expert_forward(e, &dispatched, &received, &members, hidden);
+
+    // 4. Combine: the reverse exchange.
+    let back = if cfg.nonblocking {
+        ep.iall_to_all_v(computed, recv_counts, send_counts)?
+            .wait()?
+    } else {
+        let mut back = vec![f32::NAN; routing.experts.len() * hidden];
+        ep.all_to_all_v_into(&computed[..], &recv_counts, &mut back[..], &send_counts)?;
+        back
+    };
+
+    // 5. The source checks every token.
+    problems.extend(combine_check(&routing, me, &back, hidden));
+
+    let report = RankReport {
+        rank: me,
+        group: members,
+        sent: routing.counts.clone(),
+        received,
+        problems: problems.len(),
+    };
+    let mine = report.encode(n);
+    let mut all = vec![0i64; mine.len() * world.size()];
+    world.all_gather_into(&mine[..], &mut all[..])?;
+    let all = all
+        .chunks_exact(mine.len())
+        .map(|c| RankReport::decode(c, n))
+        .collect::<Result<Vec<_>>>()?;
+    Ok(RankOutcome {
+        report,
+        problems,
+        all,
+    })
+}
+
+/// The summary the example prints: the configuration, one block per expert-parallel group (the
+/// source × expert token matrix, the idle expert and the silent source) and a verdict line.
+/// Returns the lines and whether every rank's checks passed.
+///
+/// ```
+/// use grid_programs::moe::{run_rank, summary, MoeConfig};
+/// let cfg = MoeConfig::default();
+/// let out = backend_local::run(cfg.world, &Default::default(), |f, w| run_rank(f, &w, &cfg))?;
+/// let (lines, ok) = summary(&cfg, &out[0].all);
+/// assert!(ok && lines.last().unwrap().starts_with("moe-dispatch: ok"));
+/// # Ok::<(), grid_core::Error>(())
+/// ```
+pub fn summary(cfg: &MoeConfig, all: &[RankReport]) -> (Vec<String>, bool) {
+    let mut lines = Vec::new();
+    let mut groups: Vec<&Vec<usize>> = all.iter().map(|r| &r.group).collect();
+    groups.sort();
+    groups.dedup();
+    let total: usize = all.iter().map(|r| r.sent.iter().sum::<usize>()).sum();
+    let problems: usize = all.iter().map(|r| r.problems).sum();
+    for g in &groups {
+        let rows: Vec<&RankReport> = g
+            .iter()
+            .filter_map(|&m| all.iter().find(|r| r.rank == m))
+            .collect();
+        let idle = idle_expert(cfg.seed, g.len())
+            .map(|i| format!("idle expert {i} (world rank {})", g[i]))
+            .unwrap_or_else(|| "one expert".into());
+        let silent = silent_source(cfg.seed, g.len())
+            .map(|i| format!(", silent source {i} (world rank {})", g[i]))
+            .unwrap_or_default();
+        lines.push(format!("expert-parallel group {g:?}: {idle}{silent}"));
+        for r in &rows {
+            lines.push(format!(
+                "  world rank {:>3} sends {:?} ({}), receives {:?} ({}){}",
+                r.rank,
+                r.sent,
+                tokens(r.sent.iter().sum()),
+                r.received,
+                tokens(r.received.iter().sum()),
+                if r.problems == 0 {
+                    String::new()
+                } else {
+                    format!(" -- {} PROBLEMS", r.problems)
+                }
+            ));
+        }
+    }
+    let ok = problems == 0 && !all.is_empty();
+    lines.push(if ok {
+        format!(
+            "moe-dispatch: ok: {total} tokens dispatched over {} expert-parallel groups came back to their sources, in order, with the expected values",
+            groups.len()
+        )
+    } else {
+        format!("moe-dispatch: FAILED: {problems} problems (see stderr)")
+    });
+    (lines, ok)
+}
+
+/// `1 token`, `3 tokens`.
+fn tokens(n: usize) -> String {
+    if n == 1 {
+        "1 token".into()
+    } else {
+        format!("{n} tokens")
+    }
+}
+
+/// The configuration line the example prints first.
+///
+/// ```
+/// let c = grid_programs::moe::MoeConfig::default();
+/// let plan = grid_core::LayoutPlan::new(c.layout())?;
+/// assert!(grid_programs::moe::describe(&c, &plan).starts_with("moe-dispatch: world 8, tp 1, pp 1, ep 4"));
+/// # Ok::<(), grid_core::Error>(())
+/// ```
+pub fn describe(cfg: &MoeConfig, plan: &LayoutPlan) -> String {
+    format!(
+        "moe-dispatch: world {}, tp {}, pp {}, ep {}, expert tp {}, expert dp {}; tokens per rank drawn from 0..={} ({} f32 values each), seed {}, {} all_to_all_v",
+        cfg.world,
+        cfg.tp,
+        cfg.pp,
+        cfg.ep,
+        plan.expert_tp(),
+        plan.expert_dp(),
+        2 * cfg.tokens,
+        cfg.hidden,
+        cfg.seed,
+        if cfg.nonblocking { "nonblocking" } else { "blocking" }
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -524,6 +796,49 @@ mod tests {
         }
         assert_eq!(y[0] as usize, MAX_WORLD - 1);
         assert_eq!(y[1] as usize, 2 * MAX_TOKENS);
+    }
+
+    #[test]
+    fn reports_round_trip_and_bad_ones_are_refused() {
+        let r = RankReport {
+            rank: 5,
+            group: vec![1, 3, 5, 7],
+            sent: vec![2, 0, 1, 0],
+            received: vec![0, 4, 0, 3],
+            problems: 0,
+        };
+        let v = r.encode(4);
+        assert_eq!(v.len(), 15);
+        assert_eq!(RankReport::decode(&v, 4).unwrap(), r);
+        assert!(RankReport::decode(&v[..14], 4).is_err());
+        let mut neg = v.clone();
+        neg[4] = -1;
+        let msg = RankReport::decode(&neg, 4).unwrap_err().to_string();
+        assert!(msg.contains("non-negative"), "{msg}");
+    }
+
+    #[test]
+    fn summary_reports_problems() {
+        let cfg = MoeConfig {
+            world: 2,
+            ep: 2,
+            ..MoeConfig::default()
+        };
+        let rep = |rank: usize, problems: usize| RankReport {
+            rank,
+            group: vec![0, 1],
+            sent: vec![0, 0],
+            received: vec![0, 0],
+            problems,
+        };
+        let (lines, ok) = summary(&cfg, &[rep(0, 0), rep(1, 0)]);
+        assert!(ok, "{lines:?}");
+        assert_eq!(lines.len(), 4, "{lines:?}"); // one group line, two rank lines, the verdict
+        let (lines, ok) = summary(&cfg, &[rep(0, 0), rep(1, 2)]);
+        assert!(!ok);
+        assert!(lines[2].ends_with("-- 2 PROBLEMS"), "{lines:?}");
+        assert!(lines[3].contains("FAILED: 2 problems"), "{lines:?}");
+        assert!(!summary(&cfg, &[]).1, "no reports is not a success");
     }
 
     #[test]
