@@ -39,7 +39,7 @@ pub fn main(args: &[String]) -> i32 {
             println!(
                 "usage: cargo xtask demo                    the whole demo: layout, communicators, multi-module pipeline
        cargo xtask demo layout             only the layout of a realistic configuration
-       cargo xtask demo mpi|gloo|multimodule [--np N] [-- ARGS]
+       cargo xtask demo mpi|gloo|multimodule|moe [--np N] [-- ARGS]
                                             one backend demo (examples of crates/grid-programs)"
             );
             0

@@ -31,7 +31,7 @@ pub struct External {
 }
 
 // ---- demos -------------------------------------------------------------------------------------
-/// `cargo xtask demo mpi|gloo|multimodule`.
+/// `cargo xtask demo mpi|gloo|multimodule|moe`.
 pub const DEMOS: &[(&str, External)] = &[
     // mpi-demo: builds the demo layout's process groups over MPI and checks a collective on each.
     (
@@ -58,6 +58,16 @@ pub const DEMOS: &[(&str, External)] = &[
         External {
             what: "demo multimodule",
             example: "multimodule-demo",
+            launch: Launch::Direct,
+        },
+    ),
+    // moe-dispatch: MoE token dispatch with uneven all-to-all over the expert-parallel groups,
+    // 8 ranks as threads (in-process backend; `-- --backend gloo|mpi` for the others).
+    (
+        "moe",
+        External {
+            what: "demo moe",
+            example: "moe-dispatch",
             launch: Launch::Direct,
         },
     ),

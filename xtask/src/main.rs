@@ -1,7 +1,7 @@
 //! `cargo xtask`: the project's own automation.
 //!
 //! * `cargo xtask test [--gpu]`: system packages, `cargo fmt --check`, clippy, every test.
-//! * `cargo xtask demo [layout|mpi|gloo|multimodule]`: the main job (layout, communicators,
+//! * `cargo xtask demo [layout|mpi|gloo|multimodule|moe]`: the main job (layout, communicators,
 //!   multi-module pipeline), or one of its steps.
 //! * `cargo xtask bench layout|mpi|gloo|peers|bridge|nccl`: benchmarks.
 //! * `cargo xtask hosts up|down|run`: test hosts as network namespaces, and the multi-host
@@ -26,7 +26,7 @@ commands:
   test [--gpu]                     check system packages, fmt, clippy, run every test
   demo                             the main job: layout, communicators on real ranks, pipeline
   demo layout                      only the layout of a realistic configuration (grid command)
-  demo mpi|gloo|multimodule        the backend demos (examples of crates/grid-programs)
+  demo mpi|gloo|multimodule|moe    the backend demos (examples of crates/grid-programs)
   bench layout [--quick]           topology benchmarks (library and grid command)
   bench peers [--quick]            this project against mpi4py and torch.distributed (Gloo)
   bench mpi|gloo|bridge|nccl [-- ARGS]  backend benchmarks (examples of crates/grid-programs)

@@ -2,7 +2,8 @@
 //! supported dtype and reduction.
 
 use crate::ctx::Ctx;
-use crate::values::{input, reduce_expected, small, Num, K};
+use crate::values::{reduce_expected, value_in, Num, K};
+use grid_core::{Bool, F8E4M3, F8E5M2};
 use grid_core::{BufMut, BufRef, Communicator, CommunicatorExt, DType, P2pOp, ReduceOp};
 use half::{bf16, f16};
 
@@ -62,11 +63,12 @@ pub(crate) fn sweep(ctx: &mut Ctx, label: &str, c: &dyn Communicator) {
             DType::U8 => typed::<u8>(ctx, label, c),
             DType::F16 => typed::<f16>(ctx, label, c),
             DType::BF16 => typed::<bf16>(ctx, label, c),
-            // Interim (issue #16 item 7 in progress): the sweep of the new dtypes lands with
-            // their conformance section.
-            DType::I8 | DType::U32 | DType::U64 | DType::Bool | DType::F8E4M3 | DType::F8E5M2 => {
-                ctx.skip(format!("{label}/{d}"), "not swept yet")
-            }
+            DType::I8 => typed::<i8>(ctx, label, c),
+            DType::U32 => typed::<u32>(ctx, label, c),
+            DType::U64 => typed::<u64>(ctx, label, c),
+            DType::Bool => typed::<Bool>(ctx, label, c),
+            DType::F8E4M3 => typed::<F8E4M3>(ctx, label, c),
+            DType::F8E5M2 => typed::<F8E5M2>(ctx, label, c),
         }
     }
 }
@@ -74,7 +76,6 @@ pub(crate) fn sweep(ctx: &mut Ctx, label: &str, c: &dyn Communicator) {
 fn typed<T: Num>(ctx: &mut Ctx, label: &str, c: &dyn Communicator) {
     let (n, me, d) = (c.size(), c.rank(), T::DTYPE);
     let p = format!("{label}/{d}");
-    let narrow = matches!(d, DType::U8 | DType::F16 | DType::BF16);
     // Reductions.
     for op in ReduceOp::ALL {
         let name = format!("{p}/all_reduce/{op}");
@@ -86,14 +87,17 @@ fn typed<T: Num>(ctx: &mut Ctx, label: &str, c: &dyn Communicator) {
             ctx.skip(format!("{p}/reduce_scatter/{op}"), "unsupported");
             continue;
         }
-        if narrow && n > 16 {
+        if n > T::EXACT_UP_TO {
             ctx.skip(
                 name,
-                "exact values need groups of at most 16 ranks for u8/f16/bf16",
+                format!(
+                    "exact {d} values need groups of at most {} ranks",
+                    T::EXACT_UP_TO
+                ),
             );
             continue;
         }
-        let send: Vec<T> = (0..K).map(|i| T::of(input(op, T::SIGNED, me, i))).collect();
+        let send: Vec<T> = (0..K).map(|i| value_in::<T>(op, me, i)).collect();
         let mut recv = vec![T::of(0); K];
         if ctx
             .ok(&name, c.all_reduce_into(&send[..], &mut recv[..], op))
@@ -115,9 +119,7 @@ fn typed<T: Num>(ctx: &mut Ctx, label: &str, c: &dyn Communicator) {
         // Reduce-scatter: element j of rank r's input is input(op, r, j).
         let name = format!("{p}/reduce_scatter/{op}");
         let k = 2;
-        let send: Vec<T> = (0..n * k)
-            .map(|j| T::of(input(op, T::SIGNED, me, j)))
-            .collect();
+        let send: Vec<T> = (0..n * k).map(|j| value_in::<T>(op, me, j)).collect();
         let mut recv = vec![T::of(0); k];
         if ctx
             .ok(&name, c.reduce_scatter_into(&send[..], &mut recv[..], op))
@@ -132,7 +134,12 @@ fn typed<T: Num>(ctx: &mut Ctx, label: &str, c: &dyn Communicator) {
     // Empty all-reduce.
     let name = format!("{p}/all_reduce/empty");
     let mut empty: Vec<T> = Vec::new();
-    if ctx
+    if !c.supports(d, Some(ReduceOp::Sum)) {
+        ctx.skip(
+            name,
+            format!("the {} backend does not reduce {d} with Sum", c.backend()),
+        );
+    } else if ctx
         .ok(
             &name,
             c.all_reduce_into(&[][..], &mut empty[..], ReduceOp::Sum),
@@ -144,7 +151,7 @@ fn typed<T: Num>(ctx: &mut Ctx, label: &str, c: &dyn Communicator) {
     // Broadcast from every root.
     for root in 0..n {
         let name = format!("{p}/broadcast/root{root}");
-        let want: Vec<T> = (0..K).map(|i| T::of(small(root % 16 * 10 + i))).collect();
+        let want: Vec<T> = (0..K).map(|i| T::tag(root % 16 * 10 + i)).collect();
         let mut buf: Vec<T> = if me == root {
             want.clone()
         } else {
@@ -160,20 +167,20 @@ fn typed<T: Num>(ctx: &mut Ctx, label: &str, c: &dyn Communicator) {
     // All-gather.
     let name = format!("{p}/all_gather");
     let k = 3;
-    let send: Vec<T> = (0..k).map(|i| T::of(small(me * k + i))).collect();
+    let send: Vec<T> = (0..k).map(|i| T::tag(me * k + i)).collect();
     let mut recv = vec![T::of(0); n * k];
     if ctx
         .ok(&name, c.all_gather_into(&send[..], &mut recv[..]))
         .is_some()
     {
-        let want: Vec<T> = (0..n * k).map(|j| T::of(small(j))).collect();
+        let want: Vec<T> = (0..n * k).map(|j| T::tag(j)).collect();
         ctx.eq(name, &want, &recv);
     }
     // All-to-all: from rank r to rank j, element i: (r·n + j)·2 + i.
     let name = format!("{p}/all_to_all");
     let k = 2;
     let send: Vec<T> = (0..n * k)
-        .map(|x| T::of(small((me * n + x / k) * k + x % k)))
+        .map(|x| T::tag((me * n + x / k) * k + x % k))
         .collect();
     let mut recv = vec![T::of(0); n * k];
     if ctx
@@ -181,7 +188,7 @@ fn typed<T: Num>(ctx: &mut Ctx, label: &str, c: &dyn Communicator) {
         .is_some()
     {
         let want: Vec<T> = (0..n * k)
-            .map(|x| T::of(small(((x / k) * n + me) * k + x % k)))
+            .map(|x| T::tag(((x / k) * n + me) * k + x % k))
             .collect();
         ctx.eq(name, &want, &recv);
     }
@@ -198,7 +205,7 @@ fn typed<T: Num>(ctx: &mut Ctx, label: &str, c: &dyn Communicator) {
     // Ring: rank 0 sends first, every other rank receives first (no deadlock at any size).
     let name = format!("{p}/send_recv");
     let (right, left) = ((me + 1) % n, (me + n - 1) % n);
-    let out: Vec<T> = (0..4).map(|i| T::of(small(me * 10 + i))).collect();
+    let out: Vec<T> = (0..4).map(|i| T::tag(me * 10 + i)).collect();
     let mut inb = vec![T::of(0); 4];
     let r = if me == 0 {
         c.send_to(&out[..], right, 7)
@@ -208,13 +215,13 @@ fn typed<T: Num>(ctx: &mut Ctx, label: &str, c: &dyn Communicator) {
             .and_then(|_| c.send_to(&out[..], right, 7))
     };
     if ctx.ok(&name, r).is_some() {
-        let want: Vec<T> = (0..4).map(|i| T::of(small(left * 10 + i))).collect();
+        let want: Vec<T> = (0..4).map(|i| T::tag(left * 10 + i)).collect();
         ctx.eq(name, &want, &inb);
     }
     // Batch: send [16r + j, 16r + j + 1] to every other rank j, receive from every other rank.
     let name = format!("{p}/batch_p2p");
     let outs: Vec<Vec<T>> = (0..n)
-        .map(|j| vec![T::of(small(16 * me + j)), T::of(small(16 * me + j + 1))])
+        .map(|j| vec![T::tag(16 * me + j), T::tag(16 * me + j + 1)])
         .collect();
     let mut ins: Vec<Vec<T>> = vec![vec![T::of(0); 2]; n];
     let mut ops: Vec<P2pOp<'_>> = Vec::new();
@@ -239,7 +246,7 @@ fn typed<T: Num>(ctx: &mut Ctx, label: &str, c: &dyn Communicator) {
                 if j == me {
                     vec![T::of(0); 2]
                 } else {
-                    vec![T::of(small(16 * j + me)), T::of(small(16 * j + me + 1))]
+                    vec![T::tag(16 * j + me), T::tag(16 * j + me + 1)]
                 }
             })
             .collect();

@@ -16,6 +16,16 @@
 //! place (`all_reduce_in_place`), nonblocking in place (`iall_reduce`) and out of place
 //! (`iall_reduce_into`), each with every supported dtype and reduction.
 //!
+//! The operation set of a training framework (the `ops` checks) is checked the same way, blocking
+//! and nonblocking, for every dtype (all 13 of [`grid_core::DType::ALL`]: bool with OR/AND
+//! semantics, fp8 moved bit-exactly and reduced only where `supports` says so): the uneven
+//! all-to-all (`all_to_all_v`, with a rank that sends nothing and one that receives nothing),
+//! all-gather and reduce-scatter with per-rank counts (rank 0's block empty), and rooted
+//! `reduce`, `gather` and `scatter` from every root, with every reduction; their error cases
+//! (counts vectors of the wrong length, counts that do not sum to the buffer, roots out of range,
+//! the root's buffer missing or of the wrong length, unsupported reductions) are each the typed
+//! error with its numbers.
+//!
 //! plus the error cases (typed, with the numbers: `LengthMismatch { expected, actual }`, ...):
 //! mismatched lengths, mismatched dtypes, roots and peers out of range,
 //! unsupported dtypes or memory, calls on a finished communicator (when the backend exposes a
@@ -59,6 +69,13 @@
 //! {1, 2, -1}, min/max use `(3r + i) % 7 - 3`. `Avg` expects the exact mean for floats
 //! (rounded to the type; within one unit in the last place when the group size is not a power
 //! of two) and the sum divided with truncation toward zero (Rust's `/`) for integers.
+//! i8 reductions are checked on groups of up to 8 ranks (where the averaged sums stay within
+//! `-128..=127`); u32 and u64 use the unsigned inputs. Bool inputs are 0/1 patterns (false
+//! everywhere, true everywhere, true on even ranks, true on rank 0 only), so sum and max are OR,
+//! product and min AND, and mixed elements tell them apart. fp8 (E4M3, E5M2) is moved as finite
+//! bit patterns (no -0, infinity or NaN, so value and bit equality agree) and, where a backend
+//! reduces it, summed from inputs in {-1, 0, 1} (every sum of up to 16 ranks is exact in both
+//! formats). Data that is only moved uses distinct tags (`i mod 251`, bool: `i` odd).
 
 #![warn(missing_docs)]
 
@@ -74,6 +91,7 @@ mod lifecycle;
 pub mod live;
 pub mod members_only;
 mod nonblocking;
+mod operations;
 mod subgroups;
 mod values;
 
@@ -85,6 +103,7 @@ use grid_core::{Communicator, GroupFactory, LayoutConfig};
 use layouts::{layout, plan_mismatch};
 use lifecycle::lifecycle;
 use nonblocking::nonblocking;
+use operations::operations;
 use std::fmt;
 use subgroups::subgroups;
 
@@ -261,7 +280,7 @@ pub fn run_all<F: GroupFactory>(factory: &F, world: &F::Comm) -> Result<Report, 
 }
 
 /// Runs every section: `parent` (every operation, dtype and reduction, nonblocking forms,
-/// error cases), `subgroups` (split by parity, split with a non-member, create_group of the
+/// the operation set, error cases), `subgroups` (split by parity, split with a non-member, create_group of the
 /// first and last rank, each with the operation sweep), `finish` (if [`Options::finish`]),
 /// `lifecycle` (time limits, `abort()`, `failure()`), `layouts` (every family of each layout through `build_collection`) and `plan_mismatch`.
 ///
@@ -296,6 +315,7 @@ pub fn run_with<F: GroupFactory>(
     identity(&mut ctx, "parent", parent, parent.global_ranks());
     sweep(&mut ctx, "parent", parent);
     nonblocking(&mut ctx, "parent", parent);
+    operations(&mut ctx, "parent", parent);
     errors(&mut ctx, "parent", parent);
     ctx.agree(parent, "parent")?;
 
@@ -363,6 +383,7 @@ pub fn check_communicator(
     };
     sweep(&mut ctx, label, comm);
     nonblocking(&mut ctx, label, comm);
+    operations(&mut ctx, label, comm);
     errors(&mut ctx, label, comm);
     ctx.agree(agree_over, label)?;
     Ok(ctx.report)
@@ -478,6 +499,112 @@ mod tests {
             reduce_expected::<i32>(ReduceOp::Avg, 4, 1),
             (-1 - 2 - 3 - 4 + 4) / 4
         );
+    }
+
+    /// The new dtypes' expected values: i8 sums and averages stay in range up to 8 ranks, u32/u64
+    /// use the unsigned inputs, bool results are the OR/AND of the inputs and tell them apart,
+    /// fp8 inputs and results are exactly representable up to 16 ranks, and move tags are
+    /// distinct and finite.
+    #[test]
+    fn expected_values_of_the_new_dtypes() {
+        use crate::values::{value_in, Num};
+        use grid_core::{Bool, F8E4M3, F8E5M2};
+        for n in 1..=8 {
+            for op in ReduceOp::ALL {
+                for i in 0..2 * n {
+                    let wide: i64 = reduce_expected::<i64>(op, n, i);
+                    assert_eq!(
+                        i64::from(reduce_expected::<i8>(op, n, i)),
+                        wide,
+                        "i8 {op} n={n} i={i}"
+                    );
+                    let sum: i64 = (0..n).map(|r| input(op, false, r, i)).sum();
+                    if op == ReduceOp::Sum {
+                        assert_eq!(reduce_expected::<u64>(op, n, i), sum as u64);
+                        assert_eq!(reduce_expected::<u32>(op, n, i), sum as u32);
+                    }
+                }
+            }
+        }
+        // Bool: sum/max = OR, prod/min = AND, and both occur.
+        let (mut or_not_and, mut any_false) = (false, false);
+        for n in 1..=16 {
+            for i in 0..8 {
+                let bits: Vec<bool> = (0..n)
+                    .map(|r| value_in::<Bool>(ReduceOp::Sum, r, i).get())
+                    .collect();
+                let (or, and) = (bits.iter().any(|&b| b), bits.iter().all(|&b| b));
+                for (op, want) in [
+                    (ReduceOp::Sum, or),
+                    (ReduceOp::Max, or),
+                    (ReduceOp::Prod, and),
+                    (ReduceOp::Min, and),
+                ] {
+                    assert_eq!(
+                        reduce_expected::<Bool>(op, n, i).get(),
+                        want,
+                        "bool {op} n={n} i={i}"
+                    );
+                }
+                or_not_and |= or && !and;
+                any_false |= !or;
+            }
+        }
+        assert!(or_not_and && any_false);
+        // fp8: every input and every expected value (but averages over non-powers of two) is
+        // exact in both formats.
+        fn exact<T: Num>(v: f64) -> bool {
+            T::of_f64(v).f64() == v
+        }
+        for n in 1..=16 {
+            for op in ReduceOp::ALL {
+                for i in 0..2 * n {
+                    for r in 0..n {
+                        let x = value_in::<F8E4M3>(op, r, i).f64();
+                        assert!(
+                            exact::<F8E4M3>(x) && exact::<F8E5M2>(x),
+                            "{op} r={r} i={i}: {x}"
+                        );
+                    }
+                    let vals = (0..n).map(|r| F8E4M3::input_of(op, r, i) as f64);
+                    let want = match op {
+                        ReduceOp::Sum => vals.sum::<f64>(),
+                        ReduceOp::Prod => vals.product(),
+                        ReduceOp::Min => vals.fold(f64::INFINITY, f64::min),
+                        ReduceOp::Max => vals.fold(f64::NEG_INFINITY, f64::max),
+                        ReduceOp::Avg if n.is_power_of_two() => vals.sum::<f64>() / n as f64,
+                        ReduceOp::Avg => continue,
+                    };
+                    assert_eq!(
+                        reduce_expected::<F8E4M3>(op, n, i).f64(),
+                        want,
+                        "e4m3 {op} n={n} i={i}"
+                    );
+                    assert_eq!(
+                        reduce_expected::<F8E5M2>(op, n, i).f64(),
+                        want,
+                        "e5m2 {op} n={n} i={i}"
+                    );
+                }
+            }
+        }
+        // Tags: distinct over 0..240 and finite for fp8; distinct over 0..251 for the others.
+        let e4: Vec<u8> = (0..240).map(|v| F8E4M3::tag(v).to_bits()).collect();
+        let e5: Vec<u8> = (0..240).map(|v| F8E5M2::tag(v).to_bits()).collect();
+        for (bits, name) in [(&e4, "e4m3"), (&e5, "e5m2")] {
+            let mut s = bits.clone();
+            s.sort_unstable();
+            s.dedup();
+            assert_eq!(s.len(), 240, "{name} tags collide");
+        }
+        assert!((0..240)
+            .all(|v| F8E4M3::tag(v).to_f32().is_finite() && F8E5M2::tag(v).to_f32().is_finite()));
+        assert!((0..240).all(|v| F8E4M3::tag(v).to_bits() != 0x80));
+        let i8s: Vec<i8> = (0..251).map(i8::tag).collect();
+        let mut s = i8s.clone();
+        s.sort_unstable();
+        s.dedup();
+        assert_eq!(s.len(), 251);
     }
 
     #[test]

@@ -2,7 +2,8 @@
 //! requests.
 
 use crate::ctx::Ctx;
-use crate::values::{input, reduce_expected, small, Num, K};
+use crate::values::{reduce_expected, value_in, Num, K};
+use grid_core::{Bool, F8E4M3, F8E5M2};
 use grid_core::{Communicator, CommunicatorExt, DType, ReduceOp};
 use half::{bf16, f16};
 use std::time::{Duration, Instant};
@@ -21,11 +22,12 @@ pub(crate) fn nonblocking(ctx: &mut Ctx, label: &str, c: &dyn Communicator) {
             DType::U8 => nb_typed::<u8>(ctx, label, c),
             DType::F16 => nb_typed::<f16>(ctx, label, c),
             DType::BF16 => nb_typed::<bf16>(ctx, label, c),
-            // Interim (issue #16 item 7 in progress): the sweep of the new dtypes lands with
-            // their conformance section.
-            DType::I8 | DType::U32 | DType::U64 | DType::Bool | DType::F8E4M3 | DType::F8E5M2 => {
-                ctx.skip(format!("{label}/nonblocking/{d}"), "not swept yet")
-            }
+            DType::I8 => nb_typed::<i8>(ctx, label, c),
+            DType::U32 => nb_typed::<u32>(ctx, label, c),
+            DType::U64 => nb_typed::<u64>(ctx, label, c),
+            DType::Bool => nb_typed::<Bool>(ctx, label, c),
+            DType::F8E4M3 => nb_typed::<F8E4M3>(ctx, label, c),
+            DType::F8E5M2 => nb_typed::<F8E5M2>(ctx, label, c),
         }
     }
     nb_ordering(ctx, label, c);
@@ -34,14 +36,13 @@ pub(crate) fn nonblocking(ctx: &mut Ctx, label: &str, c: &dyn Communicator) {
 fn nb_typed<T: Num>(ctx: &mut Ctx, label: &str, c: &dyn Communicator) {
     let (n, me, d) = (c.size(), c.rank(), T::DTYPE);
     let p = format!("{label}/nonblocking/{d}");
-    let narrow = matches!(d, DType::U8 | DType::F16 | DType::BF16);
     for op in ReduceOp::ALL {
         let name = format!("{p}/iall_reduce/{op}");
-        if !c.supports(d, Some(op)) || (narrow && n > 16) {
+        if !c.supports(d, Some(op)) || n > T::EXACT_UP_TO {
             ctx.skip(name, "unsupported or group too large for exact values");
             continue;
         }
-        let send: Vec<T> = (0..K).map(|i| T::of(input(op, T::SIGNED, me, i))).collect();
+        let send: Vec<T> = (0..K).map(|i| value_in::<T>(op, me, i)).collect();
         // Out of place: `send` comes back untouched by the result, which lands in `recv`.
         let name_into = format!("{p}/iall_reduce_into/{op}");
         let into = c
@@ -56,9 +57,7 @@ fn nb_typed<T: Num>(ctx: &mut Ctx, label: &str, c: &dyn Communicator) {
             ctx.values(name, op, n, &want, &v);
         }
         let name = format!("{p}/ireduce_scatter/{op}");
-        let send: Vec<T> = (0..n * 2)
-            .map(|j| T::of(input(op, T::SIGNED, me, j)))
-            .collect();
+        let send: Vec<T> = (0..n * 2).map(|j| value_in::<T>(op, me, j)).collect();
         if let Some(v) = ctx.ok(&name, c.ireduce_scatter(send, op).and_then(|w| w.wait())) {
             let want: Vec<T> = (0..2)
                 .map(|i| reduce_expected::<T>(op, n, me * 2 + i))
@@ -68,7 +67,7 @@ fn nb_typed<T: Num>(ctx: &mut Ctx, label: &str, c: &dyn Communicator) {
     }
     let root = n - 1;
     let name = format!("{p}/ibroadcast");
-    let want: Vec<T> = (0..K).map(|i| T::of(small(root % 16 * 10 + i))).collect();
+    let want: Vec<T> = (0..K).map(|i| T::tag(root % 16 * 10 + i)).collect();
     let buf = if me == root {
         want.clone()
     } else {
@@ -78,18 +77,18 @@ fn nb_typed<T: Num>(ctx: &mut Ctx, label: &str, c: &dyn Communicator) {
         ctx.eq(name, &want, &v);
     }
     let name = format!("{p}/iall_gather");
-    let send: Vec<T> = (0..3).map(|i| T::of(small(me * 3 + i))).collect();
+    let send: Vec<T> = (0..3).map(|i| T::tag(me * 3 + i)).collect();
     if let Some(v) = ctx.ok(&name, c.iall_gather(send).and_then(|w| w.wait())) {
-        let want: Vec<T> = (0..n * 3).map(|j| T::of(small(j))).collect();
+        let want: Vec<T> = (0..n * 3).map(|j| T::tag(j)).collect();
         ctx.eq(name, &want, &v);
     }
     let name = format!("{p}/iall_to_all");
     let send: Vec<T> = (0..n * 2)
-        .map(|x| T::of(small((me * n + x / 2) * 2 + x % 2)))
+        .map(|x| T::tag((me * n + x / 2) * 2 + x % 2))
         .collect();
     if let Some(v) = ctx.ok(&name, c.iall_to_all(send).and_then(|w| w.wait())) {
         let want: Vec<T> = (0..n * 2)
-            .map(|x| T::of(small(((x / 2) * n + me) * 2 + x % 2)))
+            .map(|x| T::tag(((x / 2) * n + me) * 2 + x % 2))
             .collect();
         ctx.eq(name, &want, &v);
     }
@@ -110,7 +109,7 @@ fn nb_typed<T: Num>(ctx: &mut Ctx, label: &str, c: &dyn Communicator) {
         7
     };
     let (right, left) = ((me + 1) % n, (me + n - 1) % n);
-    let out: Vec<T> = (0..len).map(|i| T::of(small(me + i))).collect();
+    let out: Vec<T> = (0..len).map(|i| T::tag(me + i)).collect();
     let r = c.irecv::<T>(len, left, 21).and_then(|rw| {
         let sw = c.isend(out.clone(), right, 21)?;
         let got = rw.wait()?;
@@ -118,7 +117,7 @@ fn nb_typed<T: Num>(ctx: &mut Ctx, label: &str, c: &dyn Communicator) {
         Ok((got, sent))
     });
     if let Some((got, sent)) = ctx.ok(&name, r) {
-        let want: Vec<T> = (0..len).map(|i| T::of(small(left + i))).collect();
+        let want: Vec<T> = (0..len).map(|i| T::tag(left + i)).collect();
         let ok = got == want && sent == out;
         ctx.expect(name, ok, || {
             format!(

@@ -5,6 +5,7 @@ use crate::collectives::{identity, sweep};
 use crate::ctx::{expect_err, Ctx};
 use crate::errors::errors;
 use crate::nonblocking::nonblocking;
+use crate::operations::operations;
 use grid_core::{Communicator, CommunicatorExt, Error, GroupFactory, ReduceOp};
 
 pub(crate) fn subgroups<F: GroupFactory>(ctx: &mut Ctx, factory: &F, world: &F::Comm, quick: bool) {
@@ -29,6 +30,7 @@ pub(crate) fn subgroups<F: GroupFactory>(ctx: &mut Ctx, factory: &F, world: &F::
         } else {
             sweep(ctx, label, c);
             nonblocking(ctx, label, c);
+            operations(ctx, label, c);
             errors(ctx, label, c);
         }
     };

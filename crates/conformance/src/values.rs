@@ -1,17 +1,35 @@
 //! Inputs and expected values: the element types the suite computes with ([`Num`]), each
 //! rank's input for a reduction, the exact reduced value and the tolerance for averages.
 
-use grid_core::{Element, ReduceOp};
+use grid_core::{Bool, Element, ReduceOp, F8E4M3, F8E5M2};
 use half::{bf16, f16};
 
 /// Element types the suite can compute expected values for.
 pub(crate) trait Num: Element {
     const SIGNED: bool;
-    /// Unit roundoff (0 for integers).
+    /// Unit roundoff (0 for integers and bool).
     const EPS: f64;
+    /// The largest group whose reductions have exact expected values in this type (larger
+    /// groups skip the reductions, recorded).
+    const EXACT_UP_TO: usize = usize::MAX;
+    /// The number `v` in this type (bool: `v != 0`).
     fn of(v: i64) -> Self;
     fn of_f64(v: f64) -> Self;
     fn f64(self) -> f64;
+    /// A value for moving data (no arithmetic): distinct for distinct `v` in `0..251` in every
+    /// type with at least 251 values; fp8 maps `v` to a finite bit pattern, bool to `v` odd.
+    fn tag(v: usize) -> Self {
+        Self::of(small(v))
+    }
+    /// Input of rank `r`, element `i`, for reduction `op`, as an integer.
+    fn input_of(op: ReduceOp, r: usize, i: usize) -> i64 {
+        input(op, Self::SIGNED, r, i)
+    }
+}
+
+/// Input of rank `r`, element `i`, for reduction `op`, in `T`.
+pub(crate) fn value_in<T: Num>(op: ReduceOp, r: usize, i: usize) -> T {
+    T::of(T::input_of(op, r, i))
 }
 
 macro_rules! num_int {
@@ -33,7 +51,131 @@ macro_rules! num_int {
 }
 num_int!(i32, true);
 num_int!(i64, true);
-num_int!(u8, false);
+num_int!(u32, false);
+num_int!(u64, false);
+
+impl Num for u8 {
+    const SIGNED: bool = false;
+    const EPS: f64 = 0.0;
+    const EXACT_UP_TO: usize = 16;
+    fn of(v: i64) -> Self {
+        v as u8
+    }
+    fn of_f64(v: f64) -> Self {
+        v as u8
+    }
+    fn f64(self) -> f64 {
+        self as f64
+    }
+}
+
+/// i8: sums wrap like the i64 expected value cast to i8, but the average divides the wrapped
+/// sum, so groups stay at 8 ranks (sums of the inputs stay within -128..=127 there).
+impl Num for i8 {
+    const SIGNED: bool = true;
+    const EPS: f64 = 0.0;
+    const EXACT_UP_TO: usize = 8;
+    fn of(v: i64) -> Self {
+        v as i8
+    }
+    fn of_f64(v: f64) -> Self {
+        v as i8
+    }
+    fn f64(self) -> f64 {
+        self as f64
+    }
+}
+
+/// Bool: sums and maxima are OR, products and minima AND, computed here on 0/1 inputs as the
+/// integer reduction (sum != 0 is OR, product of 0/1 is AND). Inputs: element `i % 4 == 0`
+/// false everywhere, `== 1` true everywhere, `== 2` true on even ranks, `== 3` true on rank 0
+/// only, so OR and AND differ on mixed elements.
+impl Num for Bool {
+    const SIGNED: bool = false;
+    const EPS: f64 = 0.0;
+    fn of(v: i64) -> Self {
+        Bool::from(v != 0)
+    }
+    fn of_f64(v: f64) -> Self {
+        Bool::from(v != 0.0)
+    }
+    fn f64(self) -> f64 {
+        if self.get() {
+            1.0
+        } else {
+            0.0
+        }
+    }
+    fn tag(v: usize) -> Self {
+        Bool::from(v % 2 == 1)
+    }
+    fn input_of(_op: ReduceOp, r: usize, i: usize) -> i64 {
+        let b = match i % 4 {
+            0 => false,
+            1 => true,
+            2 => r.is_multiple_of(2),
+            _ => r == 0,
+        };
+        i64::from(b)
+    }
+}
+
+/// A finite fp8 bit pattern for `v`: `v mod 240` → positive patterns 0x00..=0x77, then the
+/// negative ones 0x81..=0xf8 (no -0, no infinity, no NaN in either format), so equality of
+/// values and of bits agree.
+fn fp8_bits(v: usize) -> u8 {
+    let b = v % 240;
+    if b < 120 {
+        b as u8
+    } else {
+        0x80 | (b - 119) as u8
+    }
+}
+
+/// fp8 sum/avg inputs are 0 or ±1 (sums of up to 16 ranks are integers within ±8, exact in
+/// both formats); products and min/max use the common inputs (powers of two up to 2^6, and
+/// -3..=3).
+fn fp8_input(op: ReduceOp, r: usize, i: usize) -> i64 {
+    match op {
+        ReduceOp::Sum | ReduceOp::Avg => {
+            let on = (r + i).is_multiple_of(3);
+            let v = i64::from(on);
+            if i % 2 == 1 && r % 2 == 1 {
+                -v
+            } else {
+                v
+            }
+        }
+        _ => input(op, true, r, i),
+    }
+}
+
+macro_rules! num_fp8 {
+    ($t:ty, $eps:expr) => {
+        impl Num for $t {
+            const SIGNED: bool = true;
+            const EPS: f64 = $eps;
+            const EXACT_UP_TO: usize = 16;
+            fn of(v: i64) -> Self {
+                <$t>::from_f32(v as f32)
+            }
+            fn of_f64(v: f64) -> Self {
+                <$t>::from_f32(v as f32)
+            }
+            fn f64(self) -> f64 {
+                self.to_f32() as f64
+            }
+            fn tag(v: usize) -> Self {
+                <$t>::from_bits(fp8_bits(v))
+            }
+            fn input_of(op: ReduceOp, r: usize, i: usize) -> i64 {
+                fp8_input(op, r, i)
+            }
+        }
+    };
+}
+num_fp8!(F8E4M3, 0.0625); // 3 mantissa bits: 2^-4
+num_fp8!(F8E5M2, 0.125); // 2 mantissa bits: 2^-3
 
 impl Num for f32 {
     const SIGNED: bool = true;
@@ -63,6 +205,7 @@ impl Num for f64 {
 }
 impl Num for f16 {
     const SIGNED: bool = true;
+    const EXACT_UP_TO: usize = 16;
     const EPS: f64 = 0.0009765625; // 2^-10
     fn of(v: i64) -> Self {
         f16::from_f64(v as f64)
@@ -76,6 +219,7 @@ impl Num for f16 {
 }
 impl Num for bf16 {
     const SIGNED: bool = true;
+    const EXACT_UP_TO: usize = 16;
     const EPS: f64 = 0.0078125; // 2^-7
     fn of(v: i64) -> Self {
         bf16::from_f64(v as f64)
@@ -118,7 +262,7 @@ pub(crate) fn input(op: ReduceOp, signed: bool, r: usize, i: usize) -> i64 {
 
 /// Exact reduction over ranks `0..n` of element `i`, as an i64 (and the float mean for Avg).
 pub(crate) fn reduce_expected<T: Num>(op: ReduceOp, n: usize, i: usize) -> T {
-    let vals = (0..n).map(|r| input(op, T::SIGNED, r, i));
+    let vals = (0..n).map(|r| T::input_of(op, r, i));
     match op {
         ReduceOp::Sum => T::of(vals.sum()),
         ReduceOp::Prod => T::of(vals.product()),

@@ -11,6 +11,7 @@
 //! * [`table`]: byte and duration labels, Markdown table headers;
 //! * [`demo`]: the 8-rank demo layout and an all-reduce checked on every family of it;
 //! * [`pipeline_demo`]: the demo's multi-module pipeline spec and its tagged tensors;
+//! * [`moe`]: the `moe-dispatch` example's routing, token values and checks;
 //! * [`smoke`]: the options, loop and JSON line of the cluster smoke tests `gloo-loop` and
 //!   `mpi-loop`.
 
@@ -18,6 +19,7 @@
 
 pub mod collectives;
 pub mod demo;
+pub mod moe;
 pub mod pipeline_demo;
 pub mod smoke;
 pub mod stats;
