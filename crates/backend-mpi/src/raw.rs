@@ -179,9 +179,9 @@ fn int(what: &str, n: usize) -> R<c_int> {
     c_int::try_from(n).map_err(|_| RawError::msg(format!("{what} {n} does not fit an MPI int")))
 }
 
-/// The MPI datatype that carries `dtype`. Half types travel as 16-bit unsigned integers: MPI has
-/// no half-precision type, and moving bits is exact. Reductions never see them (see
-/// [`Reduce`]).
+/// The MPI datatype that carries `dtype`. Half types travel as 16-bit unsigned integers and
+/// bool and fp8 as bytes: MPI has no such types, and moving bits is exact. Reductions never see
+/// halves or fp8 (see [`op`]); bool reduces as bytes.
 #[inline]
 fn datatype(dtype: DType) -> ffi::MPI_Datatype {
     // SAFETY: reading the constant datatype handles exported by rsmpi's C shim; they are
@@ -194,6 +194,12 @@ fn datatype(dtype: DType) -> ffi::MPI_Datatype {
             DType::I64 => ffi::RSMPI_INT64_T,
             DType::U8 => ffi::RSMPI_UINT8_T,
             DType::F16 | DType::BF16 => ffi::RSMPI_UINT16_T,
+            DType::I8 => ffi::RSMPI_INT8_T,
+            DType::U32 => ffi::RSMPI_UINT32_T,
+            DType::U64 => ffi::RSMPI_UINT64_T,
+            // Bytes: bool reduces as unsigned bytes (MPI_MAX / MPI_MIN, see `stage`); fp8 is
+            // only moved.
+            DType::Bool | DType::F8E4M3 | DType::F8E5M2 => ffi::RSMPI_UINT8_T,
         }
     }
 }
@@ -209,9 +215,13 @@ pub(crate) enum Reduce {
 
 #[inline]
 fn op(reduce: Reduce, dtype: DType) -> R<ffi::MPI_Op> {
-    if matches!(dtype, DType::F16 | DType::BF16) {
+    if matches!(
+        dtype,
+        DType::F16 | DType::BF16 | DType::F8E4M3 | DType::F8E5M2
+    ) {
         return Err(RawError::msg(format!(
-            "internal: {dtype} reaches an MPI reduction (halves are reduced through f32)"
+            "internal: {dtype} reaches an MPI reduction (halves are reduced through f32, fp8 \
+             is never reduced)"
         )));
     }
     // SAFETY: reading the constant operation handles exported by rsmpi's C shim.
