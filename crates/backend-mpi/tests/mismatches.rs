@@ -67,7 +67,11 @@ mpi_test!(
         let m = if c.rank() == 0 { 1024 } else { 1000 };
         for op in OPS {
             match run(c, op, m, 1) {
-                Err(Error::CollectiveMismatch { .. }) => {}
+                Err(e @ Error::CollectiveMismatch { .. }) => {
+                    if c.rank() == 0 {
+                        println!("{op}: {e}");
+                    }
+                }
                 other => return Err(format!("{op}: {other:?}")),
             }
         }
@@ -85,7 +89,10 @@ mpi_test!(
 /// Expects an MPI truncation error on the rank that receives more than it posted.
 fn truncated(what: &str, r: grid_core::Result<()>) -> Result<(), String> {
     match r {
-        Err(Error::Library(l)) if l.to_string().contains("MPI_ERR_TRUNCATE") => Ok(()),
+        Err(Error::Library(l)) if l.to_string().contains("MPI_ERR_TRUNCATE") => {
+            println!("{what}: {l}");
+            Ok(())
+        }
         other => Err(format!("{what}: expected MPI_ERR_TRUNCATE, got {other:?}")),
     }
 }

@@ -524,14 +524,17 @@ impl Comm {
         const W: &str = "gather";
         let mut recv = self.at_root(W, recv, root)?;
         let (n, dt) = (count(send.len())?, datatype(send.dtype()));
-        let (c, d) = match &recv {
-            Some(b) => {
-                same(W, (send.dtype(), 0), (b.dtype(), 0))?;
-                let (c, d) = equal_layout(W, send.len(), self.size)?;
-                same_len(W, b.len(), send.len() * self.size)?;
-                (c, d)
-            }
-            None => (Vec::new(), Vec::new()),
+        // Every rank checks the root's layout (the same on every rank of a well-formed call),
+        // so that a block too large for MPI's int displacements fails everywhere at once.
+        let (c, d) = equal_layout(W, send.len(), self.size)?;
+        if let Some(b) = &recv {
+            same(W, (send.dtype(), 0), (b.dtype(), 0))?;
+            same_len(W, b.len(), send.len() * self.size)?;
+        }
+        let (c, d) = if recv.is_some() {
+            (c, d)
+        } else {
+            (Vec::new(), Vec::new())
         };
         let root = int("root", root)?;
         let rp = recv.as_mut().map_or(std::ptr::null_mut(), mptr);
@@ -565,14 +568,16 @@ impl Comm {
         const W: &str = "scatter";
         let send = self.at_root(W, send, root)?;
         let (n, dt) = (count(recv.len())?, datatype(recv.dtype()));
-        let (c, d) = match &send {
-            Some(b) => {
-                same(W, (recv.dtype(), 0), (b.dtype(), 0))?;
-                let (c, d) = equal_layout(W, recv.len(), self.size)?;
-                same_len(W, b.len(), recv.len() * self.size)?;
-                (c, d)
-            }
-            None => (Vec::new(), Vec::new()),
+        // Checked on every rank, as for `gather`.
+        let (c, d) = equal_layout(W, recv.len(), self.size)?;
+        if let Some(b) = &send {
+            same(W, (recv.dtype(), 0), (b.dtype(), 0))?;
+            same_len(W, b.len(), recv.len() * self.size)?;
+        }
+        let (c, d) = if send.is_some() {
+            (c, d)
+        } else {
+            (Vec::new(), Vec::new())
         };
         let root = int("root", root)?;
         let sp = send.as_ref().map_or(std::ptr::null(), cptr);

@@ -368,10 +368,12 @@ impl Comm {
             Immediate::Gather { root } => {
                 const W: &str = "igather";
                 let at_root = self.rooted(W, bufs.len(), root)?;
+                // The root's layout, checked on every rank (see `Comm::gather`).
+                let (c, d) = equal_layout(W, bufs[0].len(), size)?;
                 let (c, d) = if at_root {
                     same(W, (bufs[0].dtype(), 0), (bufs[1].dtype(), 0))?;
                     same_len(W, bufs[1].len(), bufs[0].len() * size)?;
-                    equal_layout(W, bufs[0].len(), size)?
+                    (c, d)
                 } else {
                     (Vec::new(), Vec::new())
                 };
@@ -404,10 +406,12 @@ impl Comm {
             Immediate::Scatter { root } => {
                 const W: &str = "iscatter";
                 let at_root = self.rooted(W, bufs.len(), root)?;
+                // The root's layout, checked on every rank (see `Comm::gather`).
+                let (c, d) = equal_layout(W, bufs[0].len(), size)?;
                 let (c, d) = if at_root {
                     same(W, (bufs[0].dtype(), 0), (bufs[1].dtype(), 0))?;
                     same_len(W, bufs[1].len(), bufs[0].len() * size)?;
-                    equal_layout(W, bufs[0].len(), size)?
+                    (c, d)
                 } else {
                     (Vec::new(), Vec::new())
                 };
