@@ -283,7 +283,7 @@ impl MpiBackend {
                     }
                     Some(w) => {
                         let s = stage::widen(send, w);
-                        let mut r = HostBuffer::zeros(w, recv.len());
+                        let mut r = HostBuffer::zeros(w, recv.len() * plan.parts);
                         c.reduce_scatter(s.as_slice(), r.as_mut_slice(), plan.op)
                             .map_err(|e| self.err(OP, e))?;
                         stage::narrow(r.as_slice(), recv, plan.divide);
@@ -391,8 +391,10 @@ impl MpiBackend {
                     }
                     Some(w) => {
                         let s = stage::widen(send, w);
-                        let mut r = HostBuffer::zeros(w, recv.len());
-                        c.reduce_scatter_v(s.as_slice(), send_counts, r.as_mut_slice(), plan.op)
+                        let mut r = HostBuffer::zeros(w, recv.len() * plan.parts);
+                        let counts: Vec<usize> =
+                            send_counts.iter().map(|&n| n * plan.parts).collect();
+                        c.reduce_scatter_v(s.as_slice(), &counts, r.as_mut_slice(), plan.op)
                             .map_err(|e| self.err(OP, e))?;
                         stage::narrow(r.as_slice(), recv, plan.divide);
                     }
@@ -420,7 +422,9 @@ impl MpiBackend {
                     }
                     Some(w) => {
                         let s = stage::widen(send, w);
-                        let mut wide = recv.as_ref().map(|r| HostBuffer::zeros(w, r.len()));
+                        let mut wide = recv
+                            .as_ref()
+                            .map(|r| HostBuffer::zeros(w, r.len() * plan.parts));
                         c.reduce(
                             s.as_slice(),
                             wide.as_mut().map(|b| b.as_mut_slice()),
@@ -660,7 +664,7 @@ impl Backend for MpiBackend {
                     ),
                     Some(w) => {
                         let s = stage::widen(send.as_slice(), w);
-                        let r = HostBuffer::zeros(w, recv.len());
+                        let r = HostBuffer::zeros(w, recv.len() * plan.parts);
                         (
                             Immediate::ReduceScatter(plan.op),
                             vec![s, r],
@@ -728,14 +732,14 @@ impl Backend for MpiBackend {
                 let (send, recv) = (owned(name, send)?, owned(name, recv)?);
                 let plan = stage::plan(send.dtype(), op, size);
                 let what = Immediate::ReduceScatterV {
-                    counts: send_counts,
+                    counts: send_counts.iter().map(|&n| n * plan.parts).collect(),
                     op: plan.op,
                 };
                 match plan.wire {
                     None => (what, vec![send, recv], post_native(1, plan.divide)),
                     Some(w) => {
                         let s = stage::widen(send.as_slice(), w);
-                        let r = HostBuffer::zeros(w, recv.len());
+                        let r = HostBuffer::zeros(w, recv.len() * plan.parts);
                         (
                             what,
                             vec![s, r],
@@ -763,7 +767,7 @@ impl Backend for MpiBackend {
                     (None, Some(recv)) => (what, vec![send, recv], post_native(1, plan.divide)),
                     (Some(w), Some(recv)) => {
                         let s = stage::widen(send.as_slice(), w);
-                        let r = HostBuffer::zeros(w, recv.len());
+                        let r = HostBuffer::zeros(w, recv.len() * plan.parts);
                         (
                             what,
                             vec![s, r],

@@ -52,8 +52,8 @@
 //! and fp8 as bytes); f16 and bf16 reductions go through f32 on the host; bool reductions are
 //! byte maxima (sum, max: OR) and minima (product, min: AND), without average; fp8 is moved,
 //! never reduced (`supports(fp8, Some(_))` is false); `Avg` is sum then division (floats: in
-//! the float type; integers: in i64 with truncation toward zero, u64 in u64). Details in the
-//! `stage` module.
+//! the float type; integers: in i64 with truncation toward zero, u64 exactly through its 32-bit
+//! halves). Details in the `stage` module.
 //!
 //! The operations of a training framework map to MPI's own calls, blocking and nonblocking
 //! (`MPI_I*`): `all_to_all_v` → `MPI_Alltoallv`, `all_gather_v` → `MPI_Allgatherv`,

@@ -328,3 +328,52 @@ fn every_dtype(rt: &backend_mpi::MpiRuntime) -> R {
 mpi_test!(mpi_item7_ops_exact_np2, np = 2, timeout = 120, every_dtype);
 mpi_test!(mpi_item7_ops_exact_np3, np = 3, timeout = 120, every_dtype);
 mpi_test!(mpi_item7_ops_exact_np4, np = 4, timeout = 180, every_dtype);
+
+// The average of u64 is exact even when the sum overflows u64 (it travels as 32-bit halves):
+// rank r contributes u64::MAX - r - k at position k; the mean over 3 ranks is u64::MAX - 1 - k.
+mpi_test!(
+    mpi_item7_u64_average_is_exact_np3,
+    np = 3,
+    timeout = 60,
+    |rt| {
+        let c = rt.world();
+        let (me, n) = (c.rank(), c.size());
+        let avg = ReduceOp::Avg;
+        let mine: Vec<u64> = (0..n as u64).map(|k| u64::MAX - me as u64 - k).collect();
+        let want: Vec<u64> = (0..n as u64).map(|k| u64::MAX - 1 - k).collect();
+        let err = |what: &'static str| move |e: grid_core::Error| format!("{what}: {e}");
+        let mut got = vec![0u64; n];
+        c.all_reduce_into(&mine, &mut got, avg)
+            .map_err(err("all_reduce"))?;
+        expect("all_reduce", &got, &want)?;
+        let got = c.iall_reduce(mine.clone(), avg).and_then(|w| w.wait());
+        expect("iall_reduce", &got.map_err(err("iall_reduce"))?, &want)?;
+        let mut got = vec![0u64; n];
+        c.reduce_into(&mine, (me == 2).then_some(&mut got[..]), avg, 2)
+            .map_err(err("reduce"))?;
+        if me == 2 {
+            expect("reduce", &got, &want)?;
+        }
+        let got = c.ireduce(mine.clone(), avg, 2).and_then(|w| w.wait());
+        let got = got.map_err(err("ireduce"))?;
+        expect("ireduce", &got, if me == 2 { &want } else { &mine })?;
+        // Reduce-scatter-v with one element per rank: rank j gets position j.
+        let mut one = [0u64];
+        c.reduce_scatter_v_into(&mine, &vec![1; n], &mut one, avg)
+            .map_err(err("reduce_scatter_v"))?;
+        expect("reduce_scatter_v", &one, &want[me..me + 1])?;
+        let got = c
+            .ireduce_scatter_v(mine.clone(), vec![1; n], avg)
+            .and_then(|w| w.wait());
+        expect(
+            "ireduce_scatter_v",
+            &got.map_err(err("ireduce_scatter_v"))?,
+            &want[me..me + 1],
+        )?;
+        let mut one = [0u64];
+        c.reduce_scatter_into(&mine, &mut one, avg)
+            .map_err(err("reduce_scatter"))?;
+        expect("reduce_scatter", &one, &want[me..me + 1])?;
+        Ok(())
+    }
+);
