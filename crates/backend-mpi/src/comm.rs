@@ -283,7 +283,7 @@ impl MpiBackend {
                     }
                     Some(w) => {
                         let s = stage::widen(send, w);
-                        let mut r = HostBuffer::zeros(w, recv.len());
+                        let mut r = HostBuffer::zeros(w, recv.len() * plan.parts);
                         c.reduce_scatter(s.as_slice(), r.as_mut_slice(), plan.op)
                             .map_err(|e| self.err(OP, e))?;
                         stage::narrow(r.as_slice(), recv, plan.divide);
@@ -348,24 +348,112 @@ impl MpiBackend {
                     .map_err(|e| self.err(OP, e))?
                     .map_err(|why| self.stopped(OP, limit, None, why))
             }
-            // Interim (issue #16 item 7 in progress).
-            op @ (Op::AllToAllV { .. }
-            | Op::AllGatherV { .. }
-            | Op::ReduceScatterV { .. }
-            | Op::Reduce { .. }
-            | Op::Gather { .. }
-            | Op::Scatter { .. }) => Err(not_yet(op.name())),
+            Op::AllToAllV {
+                send,
+                send_counts,
+                recv,
+                recv_counts,
+            } => {
+                const OP: &str = "all_to_all_v";
+                let (send, recv) = (host(OP, send)?, host_mut(OP, recv)?);
+                let _w = watch(watch::ALL_TO_ALL_V);
+                c.all_to_all_v(send, send_counts, recv, recv_counts)
+                    .map_err(|e| self.err(OP, e))
+            }
+            Op::AllGatherV {
+                send,
+                recv,
+                recv_counts,
+            } => {
+                const OP: &str = "all_gather_v";
+                let (send, recv) = (host(OP, send)?, host_mut(OP, recv)?);
+                let _w = watch(watch::ALL_GATHER_V);
+                c.all_gather_v(send, recv, recv_counts)
+                    .map_err(|e| self.err(OP, e))
+            }
+            Op::ReduceScatterV {
+                send,
+                send_counts,
+                recv,
+                op,
+            } => {
+                const OP: &str = "reduce_scatter_v";
+                let (send, mut recv) = (host(OP, send)?, host_mut(OP, recv)?);
+                let plan = stage::plan(send.dtype(), op, self.size);
+                let _w = watch(watch::REDUCE_SCATTER_V);
+                match plan.wire {
+                    None => {
+                        c.reduce_scatter_v(send, send_counts, recv.reborrow(), plan.op)
+                            .map_err(|e| self.err(OP, e))?;
+                        if let Some(n) = plan.divide {
+                            grid_core::kernels::divide(recv, n);
+                        }
+                    }
+                    Some(w) => {
+                        let s = stage::widen(send, w);
+                        let mut r = HostBuffer::zeros(w, recv.len() * plan.parts);
+                        let counts: Vec<usize> =
+                            send_counts.iter().map(|&n| n * plan.parts).collect();
+                        c.reduce_scatter_v(s.as_slice(), &counts, r.as_mut_slice(), plan.op)
+                            .map_err(|e| self.err(OP, e))?;
+                        stage::narrow(r.as_slice(), recv, plan.divide);
+                    }
+                }
+                Ok(())
+            }
+            Op::Reduce {
+                send,
+                recv,
+                op,
+                root,
+            } => {
+                const OP: &str = "reduce";
+                let send = host(OP, send)?;
+                let mut recv = recv.map(|r| host_mut(OP, r)).transpose()?;
+                let plan = stage::plan(send.dtype(), op, self.size);
+                let _w = watch(watch::REDUCE);
+                match plan.wire {
+                    None => {
+                        c.reduce(send, recv.as_mut().map(|r| r.reborrow()), plan.op, root)
+                            .map_err(|e| self.err(OP, e))?;
+                        if let (Some(n), Some(r)) = (plan.divide, recv) {
+                            grid_core::kernels::divide(r, n);
+                        }
+                    }
+                    Some(w) => {
+                        let s = stage::widen(send, w);
+                        let mut wide = recv
+                            .as_ref()
+                            .map(|r| HostBuffer::zeros(w, r.len() * plan.parts));
+                        c.reduce(
+                            s.as_slice(),
+                            wide.as_mut().map(|b| b.as_mut_slice()),
+                            plan.op,
+                            root,
+                        )
+                        .map_err(|e| self.err(OP, e))?;
+                        if let (Some(wide), Some(r)) = (wide, recv) {
+                            stage::narrow(wide.as_slice(), r, plan.divide);
+                        }
+                    }
+                }
+                Ok(())
+            }
+            Op::Gather { send, recv, root } => {
+                const OP: &str = "gather";
+                let send = host(OP, send)?;
+                let recv = recv.map(|r| host_mut(OP, r)).transpose()?;
+                let _w = watch(watch::GATHER);
+                c.gather(send, recv, root).map_err(|e| self.err(OP, e))
+            }
+            Op::Scatter { send, recv, root } => {
+                const OP: &str = "scatter";
+                let send = send.map(|s| host(OP, s)).transpose()?;
+                let recv = host_mut(OP, recv)?;
+                let _w = watch(watch::SCATTER);
+                c.scatter(send, recv, root).map_err(|e| self.err(OP, e))
+            }
         }
-    }
-}
-
-/// Interim (issue #16 item 7 in progress): the operations added for it are not run by this
-/// backend yet.
-fn not_yet(op: &'static str) -> Error {
-    Error::Unsupported {
-        op,
-        backend: "mpi",
-        what: "this operation yet".into(),
     }
 }
 
@@ -416,11 +504,15 @@ impl Backend for MpiBackend {
     fn accepts(&self, memory: Memory) -> bool {
         memory == Memory::Host
     }
+    /// Every dtype moves. Every reduction runs (halves via f32, integer averages via i64; see
+    /// the `stage` module docs) except on fp8, which is never reduced on the host, and the
+    /// average of bools.
     fn supports(&self, dtype: DType, op: Option<ReduceOp>) -> bool {
-        // Every dtype moves; every reduction of the first seven runs (halves via f32, integer
-        // averages via i64; see the `stage` module docs). Interim (issue #16 item 7 in
-        // progress): the dtypes added for it are not reduced yet.
-        op.is_none() || DType::ALL[..7].contains(&dtype)
+        match op {
+            None => true,
+            Some(_) if dtype.is_fp8() => false,
+            Some(op) => !(dtype == DType::Bool && op == ReduceOp::Avg),
+        }
     }
     /// Collectives that move at least 2 KiB on a rank are checked by default
     /// ([`CHECK_THRESHOLD`]): a count that differs between ranks makes Open MPI 4.1's
@@ -572,7 +664,7 @@ impl Backend for MpiBackend {
                     ),
                     Some(w) => {
                         let s = stage::widen(send.as_slice(), w);
-                        let r = HostBuffer::zeros(w, recv.len());
+                        let r = HostBuffer::zeros(w, recv.len() * plan.parts);
                         (
                             Immediate::ReduceScatter(plan.op),
                             vec![s, r],
@@ -603,13 +695,111 @@ impl Backend for MpiBackend {
                     Post::Received { expected },
                 )
             }
-            // Interim (issue #16 item 7 in progress).
-            Request::AllToAllV { .. }
-            | Request::AllGatherV { .. }
-            | Request::ReduceScatterV { .. }
-            | Request::Reduce { .. }
-            | Request::Gather { .. }
-            | Request::Scatter { .. } => return Err(not_yet(name)),
+            Request::AllToAllV {
+                send,
+                send_counts,
+                recv,
+                recv_counts,
+            } => {
+                let (send, recv) = (owned(name, send)?, owned(name, recv)?);
+                (
+                    Immediate::AllToAllV {
+                        send_counts,
+                        recv_counts,
+                    },
+                    vec![send, recv],
+                    Post::Take(1),
+                )
+            }
+            Request::AllGatherV {
+                send,
+                recv,
+                recv_counts,
+            } => {
+                let (send, recv) = (owned(name, send)?, owned(name, recv)?);
+                (
+                    Immediate::AllGatherV { recv_counts },
+                    vec![send, recv],
+                    Post::Take(1),
+                )
+            }
+            Request::ReduceScatterV {
+                send,
+                send_counts,
+                recv,
+                op,
+            } => {
+                let (send, recv) = (owned(name, send)?, owned(name, recv)?);
+                let plan = stage::plan(send.dtype(), op, size);
+                let what = Immediate::ReduceScatterV {
+                    counts: send_counts.iter().map(|&n| n * plan.parts).collect(),
+                    op: plan.op,
+                };
+                match plan.wire {
+                    None => (what, vec![send, recv], post_native(1, plan.divide)),
+                    Some(w) => {
+                        let s = stage::widen(send.as_slice(), w);
+                        let r = HostBuffer::zeros(w, recv.len() * plan.parts);
+                        (
+                            what,
+                            vec![s, r],
+                            Post::Narrow {
+                                idx: 1,
+                                out: recv,
+                                divide: plan.divide,
+                            },
+                        )
+                    }
+                }
+            }
+            Request::Reduce {
+                send,
+                recv,
+                op,
+                root,
+            } => {
+                let send = owned(name, send)?;
+                let recv = recv.map(|r| owned(name, r)).transpose()?;
+                let plan = stage::plan(send.dtype(), op, size);
+                let what = Immediate::Reduce { op: plan.op, root };
+                match (plan.wire, recv) {
+                    // The root: the result.
+                    (None, Some(recv)) => (what, vec![send, recv], post_native(1, plan.divide)),
+                    (Some(w), Some(recv)) => {
+                        let s = stage::widen(send.as_slice(), w);
+                        let r = HostBuffer::zeros(w, recv.len() * plan.parts);
+                        (
+                            what,
+                            vec![s, r],
+                            Post::Narrow {
+                                idx: 1,
+                                out: recv,
+                                divide: plan.divide,
+                            },
+                        )
+                    }
+                    // Elsewhere: the input, handed back unchanged.
+                    (None, None) => (what, vec![send], Post::Take(0)),
+                    (Some(w), None) => {
+                        let s = stage::widen(send.as_slice(), w);
+                        (what, vec![s], Post::Give(send))
+                    }
+                }
+            }
+            Request::Gather { send, recv, root } => {
+                let send = owned(name, send)?;
+                match recv.map(|r| owned(name, r)).transpose()? {
+                    Some(recv) => (Immediate::Gather { root }, vec![send, recv], Post::Take(1)),
+                    None => (Immediate::Gather { root }, vec![send], Post::Take(0)),
+                }
+            }
+            Request::Scatter { send, recv, root } => {
+                let recv = owned(name, recv)?;
+                match send.map(|s| owned(name, s)).transpose()? {
+                    Some(send) => (Immediate::Scatter { root }, vec![recv, send], Post::Take(0)),
+                    None => (Immediate::Scatter { root }, vec![recv], Post::Take(0)),
+                }
+            }
         };
         let pending = self.raw.start(what, bufs).map_err(|e| self.err(name, e))?;
         Ok(Box::new(MpiWork {
@@ -647,6 +837,8 @@ enum Post {
     Received {
         expected: usize,
     },
+    /// This buffer, not one MPI used (a staged reduce off the root hands its input back).
+    Give(HostBuffer),
     Empty,
 }
 
@@ -726,6 +918,7 @@ impl MpiWork {
                 )?;
                 b
             }
+            Some(Post::Give(b)) => b,
             Some(Post::Empty) | None => HostBuffer::zeros(DType::U8, 0),
         };
         Ok(Tensor::Host(out))

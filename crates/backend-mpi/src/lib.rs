@@ -48,9 +48,22 @@
 //! second later; with [`MpiConfig::sigterm_report`] each prints the operation it was waiting in
 //! first. docs/backends.md §1.7 has the measurements.
 //!
-//! Element types and reductions: every dtype moves exactly (f16/bf16 as 16-bit words); f16 and
-//! bf16 reductions go through f32 on the host; `Avg` is sum then division (floats: in the
-//! float type; integers: in i64 with truncation toward zero). Details in the `stage` module.
+//! Element types and reductions: every dtype moves exactly (f16/bf16 as 16-bit words, bool
+//! and fp8 as bytes); f16 and bf16 reductions go through f32 on the host; bool reductions are
+//! byte maxima (sum, max: OR) and minima (product, min: AND), without average; fp8 is moved,
+//! never reduced (`supports(fp8, Some(_))` is false); `Avg` is sum then division (floats: in
+//! the float type; integers: in i64 with truncation toward zero, u64 exactly through its 32-bit
+//! halves). Details in the `stage` module.
+//!
+//! The operations of a training framework map to MPI's own calls, blocking and nonblocking
+//! (`MPI_I*`): `all_to_all_v` → `MPI_Alltoallv`, `all_gather_v` → `MPI_Allgatherv`,
+//! `reduce_scatter_v` → `MPI_Reduce_scatter`, `reduce` → `MPI_Reduce`, and the rooted `gather`
+//! and `scatter` → `MPI_Gatherv` / `MPI_Scatterv` with equal blocks: Open MPI's `MPI_Gather`
+//! relays blocks through a binomial tree, so a count mismatch that the 2 KiB check lets
+//! through (every rank below it) can still send a relay a message past the eager limit (in a
+//! gather of 8 ranks a relay hung or crashed); with the vector forms every message goes straight from or
+//! to the root and is never larger than its sender's own buffer. Counts and displacements are
+//! C `int`s: one above `i32::MAX` is an error, never a wrap.
 //!
 //! ```no_run
 //! use backend_mpi::{MpiFactory, MpiRuntime};

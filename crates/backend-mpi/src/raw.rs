@@ -129,14 +129,59 @@ fn count(n: usize) -> R<c_int> {
     })
 }
 
+/// The per-rank counts and displacements (prefix sums) of a vector collective, as the C `int`s
+/// MPI takes, after checking that `counts` has one entry per rank and sums to `len` (the
+/// buffer's length). A count or a displacement above `i32::MAX` is an error naming it (MPI's
+/// counts and displacements are `int`s; passing it would wrap).
+fn layout(what: &str, counts: &[usize], len: usize, size: usize) -> R<(Vec<c_int>, Vec<c_int>)> {
+    if counts.len() != size {
+        return Err(RawError::msg(format!(
+            "internal: {what}: {} counts for {size} ranks",
+            counts.len()
+        )));
+    }
+    let mut c = Vec::with_capacity(size);
+    let mut d = Vec::with_capacity(size);
+    let mut at = 0usize;
+    for (j, &n) in counts.iter().enumerate() {
+        let limit = |kind: &str, v: usize| {
+            RawError::msg(format!(
+                "{what}: the {kind} of rank {j}'s block is {v} elements, above the MPI limit of \
+                 {} (MPI counts and displacements are C ints; split the operation)",
+                c_int::MAX
+            ))
+        };
+        c.push(c_int::try_from(n).map_err(|_| limit("count", n))?);
+        d.push(c_int::try_from(at).map_err(|_| limit("displacement", at))?);
+        at = at
+            .checked_add(n)
+            .ok_or_else(|| RawError::msg(format!("internal: {what}: counts overflow")))?;
+    }
+    if at != len {
+        return Err(RawError::msg(format!(
+            "internal: {what}: counts sum to {at}, the buffer holds {len}"
+        )));
+    }
+    Ok((c, d))
+}
+
+/// The counts and displacements of `size` equal blocks of `n` elements (a rooted gather or
+/// scatter run as its vector form).
+fn equal_layout(what: &str, n: usize, size: usize) -> R<(Vec<c_int>, Vec<c_int>)> {
+    let len = n
+        .checked_mul(size)
+        .ok_or_else(|| RawError::msg(format!("internal: {what}: {size} blocks of {n} overflow")))?;
+    layout(what, &vec![n; size], len, size)
+}
+
 #[inline]
 fn int(what: &str, n: usize) -> R<c_int> {
     c_int::try_from(n).map_err(|_| RawError::msg(format!("{what} {n} does not fit an MPI int")))
 }
 
-/// The MPI datatype that carries `dtype`. Half types travel as 16-bit unsigned integers: MPI has
-/// no half-precision type, and moving bits is exact. Reductions never see them (see
-/// [`Reduce`]).
+/// The MPI datatype that carries `dtype`. Half types travel as 16-bit unsigned integers and
+/// bool and fp8 as bytes: MPI has no such types, and moving bits is exact. Reductions never see
+/// halves or fp8 (see [`op`]); bool reduces as bytes.
 #[inline]
 fn datatype(dtype: DType) -> ffi::MPI_Datatype {
     // SAFETY: reading the constant datatype handles exported by rsmpi's C shim; they are
@@ -149,10 +194,11 @@ fn datatype(dtype: DType) -> ffi::MPI_Datatype {
             DType::I64 => ffi::RSMPI_INT64_T,
             DType::U8 => ffi::RSMPI_UINT8_T,
             DType::F16 | DType::BF16 => ffi::RSMPI_UINT16_T,
-            // Interim (issue #16 item 7 in progress): moved by width, not reduced yet.
             DType::I8 => ffi::RSMPI_INT8_T,
             DType::U32 => ffi::RSMPI_UINT32_T,
             DType::U64 => ffi::RSMPI_UINT64_T,
+            // Bytes: bool reduces as unsigned bytes (MPI_MAX / MPI_MIN, see `stage`); fp8 is
+            // only moved.
             DType::Bool | DType::F8E4M3 | DType::F8E5M2 => ffi::RSMPI_UINT8_T,
         }
     }
@@ -169,9 +215,13 @@ pub(crate) enum Reduce {
 
 #[inline]
 fn op(reduce: Reduce, dtype: DType) -> R<ffi::MPI_Op> {
-    if matches!(dtype, DType::F16 | DType::BF16) {
+    if matches!(
+        dtype,
+        DType::F16 | DType::BF16 | DType::F8E4M3 | DType::F8E5M2
+    ) {
         return Err(RawError::msg(format!(
-            "internal: {dtype} reaches an MPI reduction (halves are reduced through f32)"
+            "internal: {dtype} reaches an MPI reduction (halves are reduced through f32, fp8 \
+             is never reduced)"
         )));
     }
     // SAFETY: reading the constant operation handles exported by rsmpi's C shim.
@@ -278,4 +328,55 @@ pub(crate) fn env_world() -> Option<(usize, usize)> {
 /// Marks MPI as finalized from now on (called right before `MPI_Finalize`).
 pub(crate) fn mark_finalized() {
     FINALIZED.store(true, Ordering::Release);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layouts_are_prefix_sums_checked_against_the_buffer() {
+        let (c, d) = layout("t", &[2, 0, 3], 5, 3).expect("valid layout");
+        assert_eq!((c, d), (vec![2, 0, 3], vec![0, 2, 2]));
+        let (c, d) = equal_layout("t", 4, 3).expect("valid layout");
+        assert_eq!((c, d), (vec![4, 4, 4], vec![0, 4, 8]));
+        // One entry per rank, and the sum must be the buffer's length.
+        let e = layout("t", &[1, 2], 3, 3).expect_err("2 counts for 3 ranks");
+        assert!(e.message.contains("2 counts for 3 ranks"), "{}", e.message);
+        let e = layout("t", &[1, 2, 3], 7, 3).expect_err("sum 6 against 7");
+        assert!(
+            e.message.contains("sum to 6, the buffer holds 7"),
+            "{}",
+            e.message
+        );
+    }
+
+    #[test]
+    fn counts_and_displacements_above_i32_max_are_errors_not_wraps() {
+        let big = i32::MAX as usize + 1;
+        let e = layout("all_to_all_v", &[1, big], big + 1, 2).expect_err("count above i32::MAX");
+        assert!(
+            e.message
+                .contains("the count of rank 1's block is 2147483648 elements")
+                && e.message.contains("2147483647"),
+            "{}",
+            e.message
+        );
+        // Each count fits, but the displacement of the last block does not.
+        let half = i32::MAX as usize;
+        let e = layout("all_gather_v", &[half, 1, 1], half + 2, 3).expect_err("displacement");
+        assert!(
+            e.message
+                .contains("the displacement of rank 2's block is 2147483648"),
+            "{}",
+            e.message
+        );
+        let e = equal_layout("gather", 1 << 30, 4).expect_err("gather displacement");
+        assert!(
+            e.message.contains("displacement of rank 2's block"),
+            "{}",
+            e.message
+        );
+        assert!(equal_layout("gather", usize::MAX, 2).is_err());
+    }
 }

@@ -6,9 +6,18 @@
 //! * f16 and bf16 (MPI has no half types): moved as 16-bit words (exact) by every non-reducing
 //!   operation; for reductions the input is converted to f32 on the host, reduced as f32 (average:
 //!   sum then division in f32) and rounded back to the half type once (round to nearest even).
-//! * Average of i32, i64, u8: the input is widened to i64, summed by MPI, divided by the size with
-//!   truncation toward zero (Rust's `/`) and narrowed back. This is exact for i32 and u8 (the mean
-//!   always fits the type); for i64 the sum wraps if it overflows i64.
+//! * Average of i8, i32, u8, u32: the input is widened to i64, summed by MPI, divided by the
+//!   size with truncation toward zero (Rust's `/`) and narrowed back. This is exact (the mean
+//!   always fits the type). Average of i64: summed by MPI in i64 (wrapping on overflow, as the
+//!   in-process backend does), then divided. Average of u64: each element travels as its two
+//!   32-bit halves widened to u64 (twice the data), MPI sums both, and the host recombines the
+//!   sum in u128 and divides: exact, as the in-process backend's u128 sum.
+//! * i8, u32, u64 with sum, product, min, max: MPI's own operation on `MPI_INT8_T`,
+//!   `MPI_UINT32_T`, `MPI_UINT64_T` (sums and products wrap).
+//! * bool (one byte, any non-zero byte is true): sum and max run as `MPI_MAX`, product and min
+//!   as `MPI_MIN` on unsigned bytes, which is OR and AND for any bytes (max(a, b) is non-zero iff
+//!   a or b is). No average (`supports` is false).
+//! * fp8 (e4m3, e5m2): moved as bytes, never reduced (`supports` is false for every reduction).
 
 use crate::raw::Reduce;
 use grid_core::{DType, HostBuffer, HostSlice, HostSliceMut, ReduceOp};
@@ -23,10 +32,17 @@ pub(crate) struct Plan {
     pub op: Reduce,
     /// Divide the result by this (average).
     pub divide: Option<usize>,
+    /// Wire elements per element: 2 for the average of u64, which travels as its 32-bit
+    /// halves, each widened to u64 (so that the sum is exact, as in the in-process backend's
+    /// u128 sum), 1 otherwise.
+    pub parts: usize,
 }
 
 pub(crate) fn plan(dtype: DType, op: ReduceOp, size: usize) -> Plan {
     let (mpi_op, divide) = match op {
+        // Logical: OR and AND as byte maximum and minimum.
+        ReduceOp::Sum | ReduceOp::Max if dtype == DType::Bool => (Reduce::Max, None),
+        ReduceOp::Prod | ReduceOp::Min if dtype == DType::Bool => (Reduce::Min, None),
         ReduceOp::Sum => (Reduce::Sum, None),
         ReduceOp::Prod => (Reduce::Prod, None),
         ReduceOp::Min => (Reduce::Min, None),
@@ -35,13 +51,20 @@ pub(crate) fn plan(dtype: DType, op: ReduceOp, size: usize) -> Plan {
     };
     let wire = match (dtype, op) {
         (DType::F16 | DType::BF16, _) => Some(DType::F32),
-        (DType::I32 | DType::U8, ReduceOp::Avg) => Some(DType::I64),
+        (DType::I8 | DType::I32 | DType::U8 | DType::U32, ReduceOp::Avg) => Some(DType::I64),
+        (DType::U64, ReduceOp::Avg) => Some(DType::U64),
         _ => None,
+    };
+    let parts = if (dtype, op) == (DType::U64, ReduceOp::Avg) {
+        2
+    } else {
+        1
     };
     Plan {
         wire,
         op: mpi_op,
         divide,
+        parts,
     }
 }
 
@@ -56,6 +79,19 @@ pub(crate) fn widen(src: HostSlice<'_>, wire: DType) -> HostBuffer {
         (HostSlice::U8(s), DType::I64) => {
             HostBuffer::I64(s.iter().map(|&x| i64::from(x)).collect())
         }
+        (HostSlice::I8(s), DType::I64) => {
+            HostBuffer::I64(s.iter().map(|&x| i64::from(x)).collect())
+        }
+        (HostSlice::U32(s), DType::I64) => {
+            HostBuffer::I64(s.iter().map(|&x| i64::from(x)).collect())
+        }
+        // The average of u64: each element as [low 32 bits, high 32 bits], both as u64; sums of
+        // up to 2^32 ranks cannot overflow.
+        (HostSlice::U64(s), DType::U64) => HostBuffer::U64(
+            s.iter()
+                .flat_map(|&x| [x & u64::from(u32::MAX), x >> 32])
+                .collect(),
+        ),
         (other, _) => other.to_owned_buffer(),
     }
 }
@@ -86,6 +122,26 @@ pub(crate) fn narrow(wide: HostSlice<'_>, dst: HostSliceMut<'_>, divide: Option<
                 *d = (w / n) as u8;
             }
         }
+        (HostSlice::I64(w), HostSliceMut::I8(d)) => {
+            let n = n as i64;
+            for (d, &w) in d.iter_mut().zip(w) {
+                *d = (w / n) as i8;
+            }
+        }
+        (HostSlice::I64(w), HostSliceMut::U32(d)) => {
+            let n = n as i64;
+            for (d, &w) in d.iter_mut().zip(w) {
+                *d = (w / n) as u32;
+            }
+        }
+        (HostSlice::U64(w), HostSliceMut::U64(d)) if w.len() == 2 * d.len() => {
+            let n = n as u128;
+            for (d, w) in d.iter_mut().zip(w.chunks_exact(2)) {
+                let sum = (u128::from(w[1]) << 32) + u128::from(w[0]);
+                // The mean of u64 values fits u64.
+                *d = (sum / n) as u64;
+            }
+        }
         (w, mut d) => {
             // Same type: copy (lengths equal by construction).
             let _ = d.copy_from(w);
@@ -106,10 +162,60 @@ mod tests {
             Plan {
                 wire: Some(DType::I64),
                 op: Reduce::Sum,
-                divide: Some(4)
+                divide: Some(4),
+                parts: 1,
             }
         );
         assert_eq!(plan(DType::I64, ReduceOp::Avg, 3).divide, Some(3));
+        assert_eq!(plan(DType::U64, ReduceOp::Avg, 3).wire, Some(DType::U64));
+        assert_eq!(plan(DType::U64, ReduceOp::Avg, 3).parts, 2);
+        assert_eq!(plan(DType::U64, ReduceOp::Sum, 3).wire, None);
+        assert_eq!(plan(DType::I8, ReduceOp::Avg, 3).wire, Some(DType::I64));
+        assert_eq!(plan(DType::U32, ReduceOp::Avg, 3).wire, Some(DType::I64));
+        assert_eq!(plan(DType::U32, ReduceOp::Sum, 3).wire, None);
+        // Bool: OR and AND as byte max and min, never staged.
+        for (op, r) in [
+            (ReduceOp::Sum, Reduce::Max),
+            (ReduceOp::Max, Reduce::Max),
+            (ReduceOp::Prod, Reduce::Min),
+            (ReduceOp::Min, Reduce::Min),
+        ] {
+            let p = plan(DType::Bool, op, 4);
+            assert_eq!((p.op, p.wire, p.divide), (r, None, None), "{op:?}");
+        }
+    }
+
+    #[test]
+    fn new_integer_averages_are_exact() {
+        let w = widen(HostSlice::I8(&[-128, 127]), DType::I64);
+        assert_eq!(w, HostBuffer::I64(vec![-128, 127]));
+        let mut o = [0i8; 2];
+        // Sums of 3 ranks: -128·3 and 127·3 do not fit i8, their means do.
+        narrow(
+            HostSlice::I64(&[-384, 381]),
+            HostSliceMut::I8(&mut o),
+            Some(3),
+        );
+        assert_eq!(o, [-128, 127]);
+        let w = widen(HostSlice::U32(&[u32::MAX]), DType::I64);
+        assert_eq!(w, HostBuffer::I64(vec![i64::from(u32::MAX)]));
+        let mut o = [0u32; 1];
+        narrow(
+            HostSlice::I64(&[i64::from(u32::MAX) * 4 - 1]),
+            HostSliceMut::U32(&mut o),
+            Some(4),
+        );
+        assert_eq!(o, [u32::MAX - 1]);
+        // u64: the halves of 3 ranks' u64::MAX sum without overflow; the mean is exact.
+        let w = widen(HostSlice::U64(&[u64::MAX, 5]), DType::U64);
+        assert_eq!(
+            w,
+            HostBuffer::U64(vec![u64::from(u32::MAX), u64::from(u32::MAX), 5, 0])
+        );
+        let three = HostBuffer::U64(vec![3 * u64::from(u32::MAX), 3 * u64::from(u32::MAX), 7, 0]);
+        let mut o = [0u64; 2];
+        narrow(three.as_slice(), HostSliceMut::U64(&mut o), Some(3));
+        assert_eq!(o, [u64::MAX, 2]);
     }
 
     #[test]

@@ -40,7 +40,7 @@ pub const MESSAGE_GRACE: Duration = Duration::from_millis(200);
 
 /// The operations a watch can hold, by index ([`Watch::enter`] takes the index: no lookup on
 /// the fast path).
-const OPS: [&str; 8] = [
+const OPS: [&str; 14] = [
     "all_reduce",
     "broadcast",
     "all_gather",
@@ -49,6 +49,12 @@ const OPS: [&str; 8] = [
     "barrier",
     "split",
     "create_group",
+    "all_to_all_v",
+    "all_gather_v",
+    "reduce_scatter_v",
+    "reduce",
+    "gather",
+    "scatter",
 ];
 pub(crate) const ALL_REDUCE: usize = 0;
 pub(crate) const BROADCAST: usize = 1;
@@ -58,6 +64,12 @@ pub(crate) const ALL_TO_ALL: usize = 4;
 pub(crate) const BARRIER: usize = 5;
 pub(crate) const SPLIT: usize = 6;
 pub(crate) const CREATE_GROUP: usize = 7;
+pub(crate) const ALL_TO_ALL_V: usize = 8;
+pub(crate) const ALL_GATHER_V: usize = 9;
+pub(crate) const REDUCE_SCATTER_V: usize = 10;
+pub(crate) const REDUCE: usize = 11;
+pub(crate) const GATHER: usize = 12;
+pub(crate) const SCATTER: usize = 13;
 
 /// What a token in flight is: an operation, the mismatch check's exchange before one, or the
 /// creation of a sub-communicator (which has no sequence number).

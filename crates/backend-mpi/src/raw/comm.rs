@@ -3,7 +3,8 @@
 
 use super::wait::{cancel_all, null_request, status, statuses, wait_all, Stop};
 use super::{
-    count, cptr, datatype, finalized, in_place, int, mptr, op, rc, same, RawError, Reduce, R,
+    count, cptr, datatype, equal_layout, finalized, in_place, int, layout, mptr, op, rc, same,
+    RawError, Reduce, R,
 };
 use std::sync::atomic::AtomicBool;
 use std::time::Duration;
@@ -21,6 +22,8 @@ pub(crate) struct Comm {
     pub(super) raw: ffi::MPI_Comm,
     /// `MPI_Comm_size`, cached: it never changes and is needed for every length check.
     pub(super) size: usize,
+    /// `MPI_Comm_rank`, cached for the same reason (rooted and vector collectives).
+    pub(super) rank: usize,
 }
 
 // SAFETY: an `MPI_Comm` is a handle (a pointer to an opaque object under Open MPI, an int under
@@ -185,12 +188,17 @@ impl Comm {
 
     /// Takes ownership of a valid, non-null communicator handle (freed on drop).
     fn owned(raw: ffi::MPI_Comm) -> R<Comm> {
-        let mut c = Comm { raw, size: 0 };
+        let mut c = Comm {
+            raw,
+            size: 0,
+            rank: 0,
+        };
         let mut s: c_int = 0;
         // SAFETY: `raw` is a valid communicator (the caller created it); `s` a valid out pointer.
         // If this fails, `c` is dropped and frees the handle.
         unsafe { rc(ffi::MPI_Comm_size(c.raw, &mut s))? };
         c.size = usize::try_from(s).map_err(|_| RawError::msg(format!("MPI returned size {s}")))?;
+        c.rank = c.rank()?;
         Ok(c)
     }
 
@@ -389,6 +397,226 @@ impl Comm {
         }
     }
 
+    /// `MPI_Alltoallv`: `send_counts[j]` elements of `send` (contiguous, in rank order) go to
+    /// rank j; `recv_counts[j]` elements from rank j land in `recv`, in rank order.
+    pub(crate) fn all_to_all_v(
+        &self,
+        send: HostSlice<'_>,
+        send_counts: &[usize],
+        mut recv: HostSliceMut<'_>,
+        recv_counts: &[usize],
+    ) -> R<()> {
+        const W: &str = "all_to_all_v";
+        same(W, (send.dtype(), 0), (recv.dtype(), 0))?;
+        let (sc, sd) = layout(W, send_counts, send.len(), self.size)?;
+        let (rc_, rd) = layout(W, recv_counts, recv.len(), self.size)?;
+        let dt = datatype(send.dtype());
+        // SAFETY: `layout` checked that each count array has `size` entries and that the blocks
+        // it describes (counts at the displacements) tile exactly the `len` elements of each
+        // buffer; both buffers and the four arrays stay borrowed for the whole blocking call.
+        unsafe {
+            rc(ffi::MPI_Alltoallv(
+                cptr(&send),
+                sc.as_ptr(),
+                sd.as_ptr(),
+                dt,
+                mptr(&mut recv),
+                rc_.as_ptr(),
+                rd.as_ptr(),
+                dt,
+                self.raw,
+            ))
+        }
+    }
+
+    /// `MPI_Allgatherv`: rank j contributes `recv_counts[j]` elements (this rank: `send`);
+    /// `recv` holds every contribution in rank order.
+    pub(crate) fn all_gather_v(
+        &self,
+        send: HostSlice<'_>,
+        mut recv: HostSliceMut<'_>,
+        recv_counts: &[usize],
+    ) -> R<()> {
+        const W: &str = "all_gather_v";
+        same(W, (send.dtype(), 0), (recv.dtype(), 0))?;
+        let (c, d) = layout(W, recv_counts, recv.len(), self.size)?;
+        same_len(W, send.len(), recv_counts[self.rank])?;
+        let (n, dt) = (count(send.len())?, datatype(send.dtype()));
+        // SAFETY: `send` holds n elements; `recv` is tiled exactly by the blocks of `c`/`d`
+        // (checked by `layout`); all borrowed for the blocking call.
+        unsafe {
+            rc(ffi::MPI_Allgatherv(
+                cptr(&send),
+                n,
+                dt,
+                mptr(&mut recv),
+                c.as_ptr(),
+                d.as_ptr(),
+                dt,
+                self.raw,
+            ))
+        }
+    }
+
+    /// `MPI_Reduce_scatter`: `send` holds `size` blocks, block j has `counts[j]` elements;
+    /// this rank receives the reduction of its block (`recv.len() == counts[rank]`).
+    pub(crate) fn reduce_scatter_v(
+        &self,
+        send: HostSlice<'_>,
+        counts: &[usize],
+        mut recv: HostSliceMut<'_>,
+        r: Reduce,
+    ) -> R<()> {
+        const W: &str = "reduce_scatter_v";
+        same(W, (send.dtype(), 0), (recv.dtype(), 0))?;
+        let (c, _) = layout(W, counts, send.len(), self.size)?;
+        same_len(W, recv.len(), counts[self.rank])?;
+        let (dt, op) = (datatype(send.dtype()), op(r, send.dtype())?);
+        // SAFETY: `send` holds sum(counts) elements, `recv` counts[rank] (checked above), which
+        // is what MPI_Reduce_scatter reads and writes; all borrowed for the blocking call.
+        unsafe {
+            rc(ffi::MPI_Reduce_scatter(
+                cptr(&send),
+                mptr(&mut recv),
+                c.as_ptr(),
+                dt,
+                op,
+                self.raw,
+            ))
+        }
+    }
+
+    /// `MPI_Reduce` to `root`: `recv` is `Some` exactly on the root (same length as `send`).
+    pub(crate) fn reduce(
+        &self,
+        send: HostSlice<'_>,
+        recv: Option<HostSliceMut<'_>>,
+        r: Reduce,
+        root: usize,
+    ) -> R<()> {
+        const W: &str = "reduce";
+        let mut recv = self.at_root(W, recv, root)?;
+        if let Some(b) = &recv {
+            same(W, (send.dtype(), send.len()), (b.dtype(), b.len()))?;
+        }
+        let (n, dt, op) = (
+            count(send.len())?,
+            datatype(send.dtype()),
+            op(r, send.dtype())?,
+        );
+        let root = int("root", root)?;
+        // A null receive buffer off the root, where MPI never touches it.
+        let rp = recv.as_mut().map_or(std::ptr::null_mut(), mptr);
+        // SAFETY: `send` (and on the root `recv`) hold n elements of `dt`; off the root the
+        // receive buffer is not significant (MPI 3.1 §5.9.1) and never dereferenced.
+        unsafe { rc(ffi::MPI_Reduce(cptr(&send), rp, n, dt, op, root, self.raw)) }
+    }
+
+    /// Gather to `root` (`recv` is `Some` exactly on the root, `size · send.len()` elements),
+    /// run as `MPI_Gatherv` (see the `stage` module docs: every message then goes straight to
+    /// the root, none is relayed through another rank).
+    pub(crate) fn gather(
+        &self,
+        send: HostSlice<'_>,
+        recv: Option<HostSliceMut<'_>>,
+        root: usize,
+    ) -> R<()> {
+        const W: &str = "gather";
+        let mut recv = self.at_root(W, recv, root)?;
+        let (n, dt) = (count(send.len())?, datatype(send.dtype()));
+        // Every rank checks the root's layout (the same on every rank of a well-formed call),
+        // so that a block too large for MPI's int displacements fails everywhere at once.
+        let (c, d) = equal_layout(W, send.len(), self.size)?;
+        if let Some(b) = &recv {
+            same(W, (send.dtype(), 0), (b.dtype(), 0))?;
+            same_len(W, b.len(), send.len() * self.size)?;
+        }
+        let (c, d) = if recv.is_some() {
+            (c, d)
+        } else {
+            (Vec::new(), Vec::new())
+        };
+        let root = int("root", root)?;
+        let rp = recv.as_mut().map_or(std::ptr::null_mut(), mptr);
+        let (cp, dp) = root_arrays(&c, &d);
+        // SAFETY: `send` holds n elements of `dt`; on the root `recv` is tiled exactly by the
+        // `size` blocks of `c`/`d` (checked); off the root the receive arguments are not
+        // significant (null) and never dereferenced. All borrowed for the blocking call.
+        unsafe {
+            rc(ffi::MPI_Gatherv(
+                cptr(&send),
+                n,
+                dt,
+                rp,
+                cp,
+                dp,
+                dt,
+                root,
+                self.raw,
+            ))
+        }
+    }
+
+    /// Scatter from `root` (`send` is `Some` exactly on the root, `size · recv.len()`
+    /// elements), run as `MPI_Scatterv` (no relays, as [`Comm::gather`]).
+    pub(crate) fn scatter(
+        &self,
+        send: Option<HostSlice<'_>>,
+        mut recv: HostSliceMut<'_>,
+        root: usize,
+    ) -> R<()> {
+        const W: &str = "scatter";
+        let send = self.at_root(W, send, root)?;
+        let (n, dt) = (count(recv.len())?, datatype(recv.dtype()));
+        // Checked on every rank, as for `gather`.
+        let (c, d) = equal_layout(W, recv.len(), self.size)?;
+        if let Some(b) = &send {
+            same(W, (recv.dtype(), 0), (b.dtype(), 0))?;
+            same_len(W, b.len(), recv.len() * self.size)?;
+        }
+        let (c, d) = if send.is_some() {
+            (c, d)
+        } else {
+            (Vec::new(), Vec::new())
+        };
+        let root = int("root", root)?;
+        let sp = send.as_ref().map_or(std::ptr::null(), cptr);
+        let (cp, dp) = root_arrays(&c, &d);
+        // SAFETY: `recv` holds n elements of `dt`; on the root `send` is tiled exactly by the
+        // `size` blocks of `c`/`d` (checked); off the root the send arguments are not
+        // significant (null) and never dereferenced. All borrowed for the blocking call.
+        unsafe {
+            rc(ffi::MPI_Scatterv(
+                sp,
+                cp,
+                dp,
+                dt,
+                mptr(&mut recv),
+                n,
+                dt,
+                root,
+                self.raw,
+            ))
+        }
+    }
+
+    /// Checks the "significant only at the root" buffer: `Some` on the root, `None` elsewhere.
+    pub(super) fn at_root<B>(&self, what: &str, b: Option<B>, root: usize) -> R<Option<B>> {
+        if root >= self.size {
+            return Err(RawError::msg(format!(
+                "internal: {what}: root {root} outside 0..{}",
+                self.size
+            )));
+        }
+        match (self.rank == root, b.is_some()) {
+            (true, true) | (false, false) => Ok(b),
+            (true, false) => Err(RawError::msg(format!(
+                "internal: {what}: the root has no root buffer"
+            ))),
+            (false, true) => Ok(None), // not significant here: never handed to MPI
+        }
+    }
+
     #[inline]
     pub(crate) fn barrier(&self) -> R<()> {
         // SAFETY: valid communicator.
@@ -564,6 +792,28 @@ impl Comm {
         }
         // SAFETY: MPI is initialised and not finalized (checked); aborting is always allowed.
         unsafe { ffi::MPI_Abort(ffi::RSMPI_COMM_WORLD, code) };
+    }
+}
+
+/// An internal length check (the front end guarantees it; MPI would read or write out of
+/// bounds otherwise).
+pub(super) fn same_len(what: &str, got: usize, want: usize) -> R<()> {
+    if got == want {
+        Ok(())
+    } else {
+        Err(RawError::msg(format!(
+            "internal: {what}: {got} elements where {want} are needed"
+        )))
+    }
+}
+
+/// The count and displacement arrays of a rooted vector call: their pointers on the root,
+/// null elsewhere (not significant there).
+pub(super) fn root_arrays(c: &[c_int], d: &[c_int]) -> (*const c_int, *const c_int) {
+    if c.is_empty() {
+        (std::ptr::null(), std::ptr::null())
+    } else {
+        (c.as_ptr(), d.as_ptr())
     }
 }
 

@@ -1,9 +1,11 @@
 //! Nonblocking operations on owned host memory: [`Comm::start`] hands the buffers to MPI and
 //! [`Pending`] keeps them alive (and out of reach) until the request completed.
 
+use super::comm::{root_arrays, same_len};
 use super::wait::{cancel_all, status, wait_all, Stop};
 use super::{
-    count, cptr, datatype, finalized, in_place, int, mptr, op, rc, same, Comm, RawError, Reduce, R,
+    count, cptr, datatype, equal_layout, finalized, in_place, int, layout, mptr, op, rc, same,
+    Comm, RawError, Reduce, R,
 };
 use grid_core::{DType, HostBuffer};
 use mpi::ffi;
@@ -31,6 +33,24 @@ pub(crate) enum Immediate {
     Send(usize, u32),
     /// `bufs[0]` received into.
     Recv(usize, u32),
+    /// `bufs[0]` input (blocks of `send_counts` in rank order), `bufs[1]` result (blocks of
+    /// `recv_counts`).
+    AllToAllV {
+        send_counts: Vec<usize>,
+        recv_counts: Vec<usize>,
+    },
+    /// `bufs[0]` this rank's block, `bufs[1]` result (blocks of `recv_counts`).
+    AllGatherV { recv_counts: Vec<usize> },
+    /// `bufs[0]` input (blocks of `counts`), `bufs[1]` this rank's reduced block.
+    ReduceScatterV { counts: Vec<usize>, op: Reduce },
+    /// `bufs[0]` input, `bufs[1]` the result on the root (absent elsewhere).
+    Reduce { op: Reduce, root: usize },
+    /// `bufs[0]` input block, `bufs[1]` the gathered blocks on the root (absent elsewhere);
+    /// `MPI_Igatherv`.
+    Gather { root: usize },
+    /// `bufs[0]` this rank's block, `bufs[1]` the blocks to scatter on the root (absent
+    /// elsewhere); `MPI_Iscatterv`.
+    Scatter { root: usize },
 }
 
 /// What a completed operation hands back: its buffers, and for a receive the element count
@@ -49,6 +69,9 @@ pub(crate) struct Pending {
     req: ffi::MPI_Request,
     done: bool,
     bufs: Vec<HostBuffer>,
+    /// The count and displacement arrays of a vector operation: MPI may read them until the
+    /// request completed (MPI 3.1 §5.12), so they live, and are leaked, with the buffers.
+    ints: Vec<Vec<c_int>>,
     /// For receives: the element count that arrived.
     pub(crate) received: Option<usize>,
     is_recv: bool,
@@ -78,6 +101,7 @@ impl Comm {
         let dtype = bufs.first().map(|b| b.dtype()).unwrap_or(DType::U8);
         let dt = datatype(dtype);
         let is_recv = matches!(what, Immediate::Recv(..));
+        let mut ints: Vec<Vec<c_int>> = Vec::new();
         match what {
             Immediate::AllReduce(r) => {
                 need(2)?;
@@ -231,6 +255,193 @@ impl Comm {
                 // SAFETY: the owned buffer holds n elements; kept alive by `Pending`.
                 unsafe { rc(ffi::MPI_Irecv(d, n, dt, p, t, self.raw, req.as_mut_ptr()))? };
             }
+            Immediate::AllToAllV {
+                send_counts,
+                recv_counts,
+            } => {
+                const W: &str = "iall_to_all_v";
+                need(2)?;
+                same(W, (bufs[0].dtype(), 0), (bufs[1].dtype(), 0))?;
+                let (sc, sd) = layout(W, &send_counts, bufs[0].len(), size)?;
+                let (rc_, rd) = layout(W, &recv_counts, bufs[1].len(), size)?;
+                let (s, d) = two(&mut bufs);
+                // SAFETY: `layout` checked that the blocks of each array pair tile exactly
+                // their buffer; the buffers move into the returned `Pending`, and the arrays
+                // (heap memory, not moved by pushing their `Vec` headers) into its `ints`,
+                // which keeps all of them untouched until completion.
+                unsafe {
+                    rc(ffi::MPI_Ialltoallv(
+                        s,
+                        sc.as_ptr(),
+                        sd.as_ptr(),
+                        dt,
+                        d,
+                        rc_.as_ptr(),
+                        rd.as_ptr(),
+                        dt,
+                        self.raw,
+                        req.as_mut_ptr(),
+                    ))?
+                };
+                ints.extend([sc, sd, rc_, rd]);
+            }
+            Immediate::AllGatherV { recv_counts } => {
+                const W: &str = "iall_gather_v";
+                need(2)?;
+                same(W, (bufs[0].dtype(), 0), (bufs[1].dtype(), 0))?;
+                let (c, d) = layout(W, &recv_counts, bufs[1].len(), size)?;
+                same_len(W, bufs[0].len(), recv_counts[self.rank])?;
+                let n = count(bufs[0].len())?;
+                let (s, r) = two(&mut bufs);
+                // SAFETY: send holds n elements, recv is tiled by the blocks of `c`/`d`
+                // (checked); buffers and arrays kept alive by `Pending` until completion.
+                unsafe {
+                    rc(ffi::MPI_Iallgatherv(
+                        s,
+                        n,
+                        dt,
+                        r,
+                        c.as_ptr(),
+                        d.as_ptr(),
+                        dt,
+                        self.raw,
+                        req.as_mut_ptr(),
+                    ))?
+                };
+                ints.extend([c, d]);
+            }
+            Immediate::ReduceScatterV { counts, op: r } => {
+                const W: &str = "ireduce_scatter_v";
+                need(2)?;
+                same(W, (bufs[0].dtype(), 0), (bufs[1].dtype(), 0))?;
+                let (c, _) = layout(W, &counts, bufs[0].len(), size)?;
+                same_len(W, bufs[1].len(), counts[self.rank])?;
+                let op = op(r, dtype)?;
+                let (s, d) = two(&mut bufs);
+                // SAFETY: send holds sum(counts), recv counts[rank] elements (checked); kept
+                // alive by `Pending` with the counts array.
+                unsafe {
+                    rc(ffi::MPI_Ireduce_scatter(
+                        s,
+                        d,
+                        c.as_ptr(),
+                        dt,
+                        op,
+                        self.raw,
+                        req.as_mut_ptr(),
+                    ))?
+                };
+                ints.push(c);
+            }
+            Immediate::Reduce { op: r, root } => {
+                const W: &str = "ireduce";
+                let at_root = self.rooted(W, bufs.len(), root)?;
+                if at_root {
+                    same(
+                        W,
+                        (bufs[0].dtype(), bufs[0].len()),
+                        (bufs[1].dtype(), bufs[1].len()),
+                    )?;
+                }
+                let (n, op, root) = (count(bufs[0].len())?, op(r, dtype)?, int("root", root)?);
+                let (s, d) = if at_root {
+                    two(&mut bufs)
+                } else {
+                    (cptr(&bufs[0].as_slice()), std::ptr::null_mut())
+                };
+                // SAFETY: send (and on the root recv) hold n elements of `dt`; off the root the
+                // receive buffer is not significant (null, never dereferenced). Kept alive by
+                // `Pending`.
+                unsafe {
+                    rc(ffi::MPI_Ireduce(
+                        s,
+                        d,
+                        n,
+                        dt,
+                        op,
+                        root,
+                        self.raw,
+                        req.as_mut_ptr(),
+                    ))?
+                };
+            }
+            Immediate::Gather { root } => {
+                const W: &str = "igather";
+                let at_root = self.rooted(W, bufs.len(), root)?;
+                // The root's layout, checked on every rank (see `Comm::gather`).
+                let (c, d) = equal_layout(W, bufs[0].len(), size)?;
+                let (c, d) = if at_root {
+                    same(W, (bufs[0].dtype(), 0), (bufs[1].dtype(), 0))?;
+                    same_len(W, bufs[1].len(), bufs[0].len() * size)?;
+                    (c, d)
+                } else {
+                    (Vec::new(), Vec::new())
+                };
+                let (n, root) = (count(bufs[0].len())?, int("root", root)?);
+                let (s, r) = if at_root {
+                    two(&mut bufs)
+                } else {
+                    (cptr(&bufs[0].as_slice()), std::ptr::null_mut())
+                };
+                let (cp, dp) = root_arrays(&c, &d);
+                // SAFETY: send holds n elements; on the root recv is tiled by the `size` blocks
+                // of `c`/`d` (checked); off the root the receive arguments are not significant
+                // (null). Buffers and arrays kept alive by `Pending`.
+                unsafe {
+                    rc(ffi::MPI_Igatherv(
+                        s,
+                        n,
+                        dt,
+                        r,
+                        cp,
+                        dp,
+                        dt,
+                        root,
+                        self.raw,
+                        req.as_mut_ptr(),
+                    ))?
+                };
+                ints.extend([c, d]);
+            }
+            Immediate::Scatter { root } => {
+                const W: &str = "iscatter";
+                let at_root = self.rooted(W, bufs.len(), root)?;
+                // The root's layout, checked on every rank (see `Comm::gather`).
+                let (c, d) = equal_layout(W, bufs[0].len(), size)?;
+                let (c, d) = if at_root {
+                    same(W, (bufs[0].dtype(), 0), (bufs[1].dtype(), 0))?;
+                    same_len(W, bufs[1].len(), bufs[0].len() * size)?;
+                    (c, d)
+                } else {
+                    (Vec::new(), Vec::new())
+                };
+                let (n, root) = (count(bufs[0].len())?, int("root", root)?);
+                let (r, s) = if at_root {
+                    let (a, b) = bufs.split_at_mut(1);
+                    (mptr(&mut a[0].as_mut_slice()), cptr(&b[0].as_slice()))
+                } else {
+                    (mptr(&mut bufs[0].as_mut_slice()), std::ptr::null())
+                };
+                let (cp, dp) = root_arrays(&c, &d);
+                // SAFETY: recv holds n elements; on the root send is tiled by the `size` blocks
+                // of `c`/`d` (checked); off the root the send arguments are not significant
+                // (null). Buffers and arrays kept alive by `Pending`.
+                unsafe {
+                    rc(ffi::MPI_Iscatterv(
+                        s,
+                        cp,
+                        dp,
+                        dt,
+                        r,
+                        n,
+                        dt,
+                        root,
+                        self.raw,
+                        req.as_mut_ptr(),
+                    ))?
+                };
+                ints.extend([c, d]);
+            }
         }
         Ok(Pending {
             // SAFETY: every branch above returned early unless the MPI call succeeded and
@@ -238,10 +449,32 @@ impl Comm {
             req: unsafe { req.assume_init() },
             done: false,
             bufs,
+            ints,
             received: None,
             is_recv,
             dtype,
         })
+    }
+}
+
+impl Comm {
+    /// For a rooted nonblocking operation: whether this rank is the root, after checking that
+    /// it holds the root's buffer (2 buffers) exactly when it is (1 buffer elsewhere).
+    fn rooted(&self, what: &str, bufs: usize, root: usize) -> R<bool> {
+        if root >= self.size {
+            return Err(RawError::msg(format!(
+                "internal: {what}: root {root} outside 0..{}",
+                self.size
+            )));
+        }
+        let at_root = self.rank == root;
+        if bufs != if at_root { 2 } else { 1 } {
+            return Err(RawError::msg(format!(
+                "internal: {what}: {bufs} buffers on rank {} (root {root})",
+                self.rank
+            )));
+        }
+        Ok(at_root)
     }
 }
 
@@ -338,6 +571,7 @@ impl Pending {
     /// read or write them; the request is never tested again.
     fn abandon(&mut self) {
         std::mem::forget(std::mem::take(&mut self.bufs));
+        std::mem::forget(std::mem::take(&mut self.ints));
         self.done = true;
     }
 }
