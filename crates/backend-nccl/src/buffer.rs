@@ -4,22 +4,75 @@
 //! `BufRef::Device(&buf)` / `BufMut::Device(&mut buf)` / `Tensor::Device(Box::new(buf))`.
 
 use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
-use grid_core::{DType, DeviceBuffer, Element, HostBuffer};
+use grid_core::{Bool, DType, DeviceBuffer, Element, HostBuffer, F8E4M3, F8E5M2};
 use half::{bf16, f16};
 use std::any::Any;
+use std::borrow::Cow;
 use std::sync::Arc;
 
 mod sealed {
     pub trait Sealed {}
 }
 
-/// Element types NCCL moves: every [`grid_core::DType`] (`f32 f64 i32 i64 u8 f16 bf16`).
-pub trait NcclElement: Element + DeviceRepr + ValidAsZeroBits + Default + sealed::Sealed {}
-
-macro_rules! elements {
-    ($($t:ty),*) => { $( impl sealed::Sealed for $t {} impl NcclElement for $t {} )* };
+/// Element types NCCL moves: every [`grid_core::DType`] (`f32 f64 i32 i64 u8 f16 bf16 i8 u32
+/// u64`, `grid_core::Bool`, `grid_core::F8E4M3`, `grid_core::F8E5M2`).
+///
+/// The device memory of a buffer of `T` is a cudarc `CudaSlice<T::Device>`: `T` itself for the
+/// numeric types, `u8` for `Bool` and the fp8 formats (one byte each, the same bits: grid-core's
+/// types are `#[repr(transparent)]` over `u8`, and cudarc can only hold its own element types).
+pub trait NcclElement: Element + sealed::Sealed {
+    /// The element type of the device memory (same size and bits as `Self`).
+    type Device: DeviceRepr + ValidAsZeroBits + Copy + Default + Send + Sync + Unpin + 'static;
+    /// The host values in the device representation (borrowed where it is `Self`).
+    fn to_device_repr(host: &[Self]) -> Cow<'_, [Self::Device]>;
+    /// Host values read back from the device representation.
+    fn from_device_repr(v: Vec<Self::Device>) -> Vec<Self>;
+    /// `host` itself as the device representation, where that is `Self` (a copy goes straight
+    /// into it); `None` for the byte-represented types.
+    fn as_device_repr_mut(host: &mut [Self]) -> Option<&mut [Self::Device]>;
 }
-elements!(f32, f64, i32, i64, u8, f16, bf16, i8, u32, u64);
+
+macro_rules! native_elements {
+    ($($t:ty),*) => { $(
+        impl sealed::Sealed for $t {}
+        impl NcclElement for $t {
+            type Device = $t;
+            fn to_device_repr(host: &[Self]) -> Cow<'_, [Self::Device]> {
+                Cow::Borrowed(host)
+            }
+            fn from_device_repr(v: Vec<Self::Device>) -> Vec<Self> {
+                v
+            }
+            fn as_device_repr_mut(host: &mut [Self]) -> Option<&mut [Self::Device]> {
+                Some(host)
+            }
+        }
+    )* };
+}
+native_elements!(f32, f64, i32, i64, u8, f16, bf16, i8, u32, u64);
+
+macro_rules! byte_elements {
+    ($($t:ty => $to:expr, $from:expr);* $(;)?) => { $(
+        impl sealed::Sealed for $t {}
+        impl NcclElement for $t {
+            type Device = u8;
+            fn to_device_repr(host: &[Self]) -> Cow<'_, [u8]> {
+                Cow::Owned(host.iter().map($to).collect())
+            }
+            fn from_device_repr(v: Vec<u8>) -> Vec<Self> {
+                v.into_iter().map($from).collect()
+            }
+            fn as_device_repr_mut(_host: &mut [Self]) -> Option<&mut [u8]> {
+                None
+            }
+        }
+    )* };
+}
+byte_elements!(
+    Bool => |b: &Bool| b.to_byte(), Bool::from_byte;
+    F8E4M3 => |x: &F8E4M3| x.to_bits(), F8E4M3::from_bits;
+    F8E5M2 => |x: &F8E5M2| x.to_bits(), F8E5M2::from_bits;
+);
 
 /// Device memory of `len` elements of `T` on one GPU, usable in every collective of an
 /// [`crate::NcclCommunicator`] on the same device.
@@ -39,24 +92,25 @@ elements!(f32, f64, i32, i64, u8, f16, bf16, i8, u32, u64);
 /// # Ok(()) }
 /// ```
 pub struct NcclDeviceBuffer<T: NcclElement> {
-    pub(crate) slice: CudaSlice<T>,
+    pub(crate) slice: CudaSlice<T::Device>,
 }
 
 impl<T: NcclElement> NcclDeviceBuffer<T> {
-    /// Wraps a cudarc slice (allocated on any stream of the communicator's device).
-    pub fn new(slice: CudaSlice<T>) -> Self {
+    /// Wraps a cudarc slice (allocated on any stream of the communicator's device); for
+    /// `Bool` and fp8 a `CudaSlice<u8>` of their bits.
+    pub fn new(slice: CudaSlice<T::Device>) -> Self {
         NcclDeviceBuffer { slice }
     }
     /// The cudarc slice.
-    pub fn slice(&self) -> &CudaSlice<T> {
+    pub fn slice(&self) -> &CudaSlice<T::Device> {
         &self.slice
     }
     /// The cudarc slice, mutably (for your own kernels and copies).
-    pub fn slice_mut(&mut self) -> &mut CudaSlice<T> {
+    pub fn slice_mut(&mut self) -> &mut CudaSlice<T::Device> {
         &mut self.slice
     }
     /// Unwraps the cudarc slice.
-    pub fn into_inner(self) -> CudaSlice<T> {
+    pub fn into_inner(self) -> CudaSlice<T::Device> {
         self.slice
     }
     /// The stream the memory was allocated on.
@@ -140,10 +194,16 @@ macro_rules! with_dtype {
                 type $T = u64;
                 $body
             }
-            // Interim (issue #16 item 7 in progress): no device buffer of these dtypes exists
-            // yet and `supports` refuses them, so this arm is never taken with their data.
-            D__::Bool | D__::F8E4M3 | D__::F8E5M2 => {
-                type $T = u8;
+            D__::Bool => {
+                type $T = grid_core::Bool;
+                $body
+            }
+            D__::F8E4M3 => {
+                type $T = grid_core::F8E4M3;
+                $body
+            }
+            D__::F8E5M2 => {
+                type $T = grid_core::F8E5M2;
                 $body
             }
         }

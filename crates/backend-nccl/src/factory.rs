@@ -4,7 +4,7 @@
 use crate::bootstrap::{
     choose_device, claim_device, exchange_unique_id, local_rank_from, DeviceClaim,
 };
-use crate::comm::{NcclBackend, NcclCommunicator};
+use crate::comm::{Capabilities, NcclBackend, NcclCommunicator};
 use crate::engine::{Job, Progress, Watchdog};
 use crate::error::{annotate, cuda, lib, BACKEND};
 use crate::ffi::{self, CommConfig, RawComm};
@@ -139,6 +139,7 @@ pub struct NcclFactory {
     opts: NcclOptions,
     ctx: Arc<CudaContext>,
     version: (u32, u32, u32),
+    caps: Capabilities,
     splits: AtomicUsize,
     config: CommConfig,
     /// This process's claim on the GPU, for as long as the factory lives.
@@ -155,9 +156,9 @@ impl std::fmt::Debug for NcclFactory {
     }
 }
 
-/// What one rank sets up before the id exchange: its device's context, the NCCL version, and
-/// its claim on the GPU.
-type LocalSetup = (Arc<CudaContext>, (u32, u32, u32), DeviceClaim);
+/// What one rank sets up before the id exchange: its device's context, the NCCL version and
+/// what it and the GPU can do, and its claim on the GPU.
+type LocalSetup = (Arc<CudaContext>, (u32, u32, u32), Capabilities, DeviceClaim);
 
 fn local_setup(rank: usize, opts: &NcclOptions, bootstrap_backend: &str) -> Result<LocalSetup> {
     let count = probe::gpu_count()?;
@@ -183,7 +184,9 @@ fn local_setup(rank: usize, opts: &NcclOptions, bootstrap_backend: &str) -> Resu
             ),
         });
     }
-    Ok((ctx, version, claim))
+    let (major, minor) = cuda("cuDeviceGetAttribute", || ctx.compute_capability())?;
+    let caps = Capabilities::new(version, (major.max(0) as u32, minor.max(0) as u32));
+    Ok((ctx, version, caps, claim))
 }
 
 impl NcclFactory {
@@ -210,7 +213,7 @@ impl NcclFactory {
             .and_then(|_| local_setup(rank, &opts, bootstrap.backend()));
         let ready = local.as_ref().map(|_| ()).map_err(Clone::clone);
         let id = exchange_unique_id(bootstrap, ready, &mut ffi::unique_id)?;
-        let (ctx, version, claim) = local?;
+        let (ctx, version, caps, claim) = local?;
         let config = config?;
         let dog = Watchdog::global()?;
         cuda("bind context", || ctx.bind_to_thread())?;
@@ -226,7 +229,7 @@ impl NcclFactory {
         let world = NcclBackend::create(
             raw,
             tracked,
-            ctx.clone(),
+            (ctx.clone(), caps),
             stream,
             bootstrap.global_ranks().to_vec(),
             "world".to_string(),
@@ -244,6 +247,7 @@ impl NcclFactory {
                 opts,
                 ctx,
                 version,
+                caps,
                 splits: AtomicUsize::new(0),
                 config,
                 _claim: claim,
@@ -271,6 +275,11 @@ impl NcclFactory {
     /// The loaded NCCL version.
     pub fn nccl_version(&self) -> (u32, u32, u32) {
         self.version
+    }
+
+    /// What the loaded NCCL and this rank's GPU can do (fp8 reductions).
+    pub fn capabilities(&self) -> Capabilities {
+        self.caps
     }
 
     /// The options this factory was created with.
@@ -448,7 +457,7 @@ impl NcclFactory {
                 Ok(Some(NcclBackend::create(
                     raw,
                     tracked,
-                    shared.ctx.clone(),
+                    (shared.ctx.clone(), self.caps),
                     stream,
                     p.members,
                     name,

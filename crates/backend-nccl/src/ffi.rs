@@ -21,11 +21,12 @@
 
 #![allow(unsafe_code)]
 
+use crate::buffer::NcclElement;
 use crate::engine::{DeviceComm, Kicker, Progress};
 use crate::error::{cuda, guard, nccl_err};
 use cudarc::driver::{CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, SyncOnDrop};
 use cudarc::nccl::sys;
-use grid_core::{DType, Element, Error, Result};
+use grid_core::{DType, Error, Result};
 use std::ffi::{c_int, c_void, CStr, CString};
 use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard};
@@ -147,7 +148,10 @@ fn cstr(p: *const std::ffi::c_char) -> String {
 // Data types
 // ------------------------------------------------------------------------------------------------
 
-/// The NCCL data type of a grid-core dtype.
+/// The NCCL data type a grid-core dtype **moves** as (every operation that does not reduce).
+/// `Bool` and both fp8 formats move as `ncclUint8`: their bytes arrive unchanged, on every NCCL
+/// version and every GPU (NCCL refuses its fp8 types in some operations below compute
+/// capability 9.0).
 pub(crate) fn nccl_dtype(d: DType) -> sys::ncclDataType_t {
     use sys::ncclDataType_t as N;
     match d {
@@ -161,8 +165,44 @@ pub(crate) fn nccl_dtype(d: DType) -> sys::ncclDataType_t {
         DType::I8 => N::ncclInt8,
         DType::U32 => N::ncclUint32,
         DType::U64 => N::ncclUint64,
-        // Interim (issue #16 item 7 in progress): refused by `supports` until mapped.
         DType::Bool | DType::F8E4M3 | DType::F8E5M2 => N::ncclUint8,
+    }
+}
+
+/// `ncclFloat8e4m3` and `ncclFloat8e5m2` from NCCL's `nccl.h` (`src/nccl.h.in`: `ncclFloat8e4m3
+/// = 10, ncclFloat8e5m2 = 11`, `ncclNumTypes = 12`), present since NCCL 2.24.0
+/// ([`crate::comm::FP8_VERSION`]). cudarc's bindings for NCCL >= 2.24 carry the same values;
+/// the test `fp8_enum_values_match_nccl_h` pins them.
+pub(crate) const NCCL_FLOAT8E4M3: sys::ncclDataType_t = sys::ncclDataType_t::ncclFloat8e4m3;
+/// See [`NCCL_FLOAT8E4M3`].
+pub(crate) const NCCL_FLOAT8E5M2: sys::ncclDataType_t = sys::ncclDataType_t::ncclFloat8e5m2;
+
+/// The NCCL data type and operation that **reduce** `d` with `op`, or `None` when NCCL cannot:
+/// * `Bool`: logical OR (`Sum`, `Max`) and AND (`Prod`, `Min`) as `ncclMax` / `ncclMin` of
+///   `ncclUint8`, exact for any bytes (max(a, b) != 0 iff a != 0 or b != 0); no `Avg`;
+/// * fp8: `ncclFloat8e4m3` / `ncclFloat8e5m2` with every operation when `fp8` (the library has
+///   them and the GPU reduces them, [`crate::comm::Capabilities::fp8_reductions`]), else none;
+/// * integers: every operation but `Avg` (`ncclAvg` is defined for floating point only);
+/// * f32, f64, f16, bf16: every operation.
+pub(crate) fn reduction(
+    d: DType,
+    op: grid_core::ReduceOp,
+    fp8: bool,
+) -> Option<(sys::ncclDataType_t, sys::ncclRedOp_t)> {
+    use grid_core::ReduceOp as R;
+    use sys::ncclRedOp_t as N;
+    match d {
+        DType::Bool => match op {
+            R::Sum | R::Max => Some((sys::ncclDataType_t::ncclUint8, N::ncclMax)),
+            R::Prod | R::Min => Some((sys::ncclDataType_t::ncclUint8, N::ncclMin)),
+            R::Avg => None,
+        },
+        DType::F8E4M3 => fp8.then_some((NCCL_FLOAT8E4M3, nccl_op(op))),
+        DType::F8E5M2 => fp8.then_some((NCCL_FLOAT8E5M2, nccl_op(op))),
+        DType::F32 | DType::F64 | DType::F16 | DType::BF16 => Some((nccl_dtype(d), nccl_op(op))),
+        DType::I8 | DType::I32 | DType::I64 | DType::U8 | DType::U32 | DType::U64 => {
+            (op != R::Avg).then_some((nccl_dtype(d), nccl_op(op)))
+        }
     }
 }
 
@@ -193,15 +233,15 @@ pub(crate) fn nccl_op(op: grid_core::ReduceOp) -> sys::ncclRedOp_t {
 
 /// The NCCL data type of `T`, after checking that the element sizes agree (the pointer
 /// arithmetic NCCL does is `count * size(dtype)` bytes, so a mismatch would be out of bounds).
-fn typed<T: Element>(op: &'static str) -> Result<sys::ncclDataType_t> {
+fn typed<T: NcclElement>(op: &'static str) -> Result<sys::ncclDataType_t> {
     let dt = nccl_dtype(T::DTYPE);
-    if nccl_dtype_size(dt) != std::mem::size_of::<T>() {
+    if nccl_dtype_size(dt) != std::mem::size_of::<T::Device>() {
         return Err(crate::error::internal(
             op,
             &format!(
                 "element type {} is {} bytes but NCCL type {dt:?} is {} bytes",
                 T::DTYPE,
-                std::mem::size_of::<T>(),
+                std::mem::size_of::<T::Device>(),
                 nccl_dtype_size(dt)
             ),
         ));
@@ -233,7 +273,7 @@ pub(crate) struct DevOut<'a> {
 impl<'a> DevIn<'a> {
     /// Borrows `src` for reading on `stream`: `stream` first waits for earlier writes to `src`
     /// (cudarc's event tracking), and dropping the token records the read on `stream`.
-    pub(crate) fn new<T: Element, S: DevicePtr<T>>(
+    pub(crate) fn new<T: NcclElement, S: DevicePtr<T::Device>>(
         src: &'a S,
         stream: &'a CudaStream,
     ) -> Result<Self> {
@@ -248,8 +288,8 @@ impl<'a> DevIn<'a> {
         })
     }
     /// Takes a sub-view for reading (see [`DevIn::new`]).
-    pub(crate) fn from_view<T: Element>(
-        v: CudaView<'a, T>,
+    pub(crate) fn from_view<T: NcclElement>(
+        v: CudaView<'a, T::Device>,
         stream: &'a CudaStream,
     ) -> Result<Self> {
         let dtype = typed::<T>("device buffer")?;
@@ -266,8 +306,8 @@ impl<'a> DevIn<'a> {
 
 impl<'a> DevOut<'a> {
     /// Takes a mutable sub-view for writing (see [`DevIn::new`]).
-    pub(crate) fn from_view<T: Element>(
-        v: CudaViewMut<'a, T>,
+    pub(crate) fn from_view<T: NcclElement>(
+        v: CudaViewMut<'a, T::Device>,
         stream: &'a CudaStream,
     ) -> Result<Self> {
         let dtype = typed::<T>("device buffer")?;
@@ -281,7 +321,7 @@ impl<'a> DevOut<'a> {
         })
     }
     /// Borrows `dst` for writing on `stream` (see [`DevIn::new`]).
-    pub(crate) fn new<T: Element, D: DevicePtrMut<T>>(
+    pub(crate) fn new<T: NcclElement, D: DevicePtrMut<T::Device>>(
         dst: &'a mut D,
         stream: &'a CudaStream,
     ) -> Result<Self> {
@@ -294,6 +334,40 @@ impl<'a> DevOut<'a> {
             dtype,
             _sync: sync,
         })
+    }
+}
+
+/// Reinterprets a token's elements as NCCL data type `dt` of the same size (a reduction's wire
+/// type: `Bool` as `ncclUint8`, fp8 as `ncclFloat8e4m3` / `ncclFloat8e5m2`).
+fn retyped(
+    op: &'static str,
+    from: sys::ncclDataType_t,
+    dt: sys::ncclDataType_t,
+) -> Result<sys::ncclDataType_t> {
+    if nccl_dtype_size(from) == nccl_dtype_size(dt) && nccl_dtype_size(dt) > 0 {
+        Ok(dt)
+    } else {
+        Err(crate::error::internal(
+            op,
+            &format!("reinterpreting {from:?} as {dt:?}: element sizes differ"),
+        ))
+    }
+}
+
+impl DevIn<'_> {
+    /// The same memory as NCCL data type `dt`, which must have the same element size (so the
+    /// token still describes exactly its memory, rule 2).
+    pub(crate) fn retype(mut self, op: &'static str, dt: sys::ncclDataType_t) -> Result<Self> {
+        self.dtype = retyped(op, self.dtype, dt)?;
+        Ok(self)
+    }
+}
+
+impl DevOut<'_> {
+    /// See [`DevIn::retype`].
+    pub(crate) fn retype(mut self, op: &'static str, dt: sys::ncclDataType_t) -> Result<Self> {
+        self.dtype = retyped(op, self.dtype, dt)?;
+        Ok(self)
     }
 }
 
@@ -781,6 +855,170 @@ impl RawComm {
         result.and(end)
     }
 
+    /// Enqueues a [`crate::plan`] (sends, receives, broadcasts, reduces) between
+    /// `ncclGroupStart` and `ncclGroupEnd` (always closed, also on error); `InProgress` as for
+    /// [`RawComm::collective`]. `send` / `recv` are the operation's whole buffers on this rank
+    /// (`None` where the rank has none, for example the receive buffer of a gather off the
+    /// root); every call's range is checked against them ([`crate::plan::check`]: in bounds,
+    /// writes disjoint, peers below the size) before any pointer is formed. Sends, receives and
+    /// broadcasts move the tokens' data type; reduces use `reduction` (the data type and
+    /// operation [`reduction`] chose, of the same element size).
+    pub(crate) fn run_plan(
+        &self,
+        op: &'static str,
+        calls: &[crate::plan::Call],
+        send: Option<&DevIn<'_>>,
+        recv: Option<&DevOut<'_>>,
+        reduction: Option<(sys::ncclDataType_t, sys::ncclRedOp_t)>,
+        stream: &CudaStream,
+    ) -> Result<Progress> {
+        use crate::plan::Call;
+        let moved = match (send, recv) {
+            (Some(s), Some(r)) if s.dtype != r.dtype => {
+                return Err(Error::Invalid(format!(
+                    "{op}: NCCL data types differ ({:?} and {:?})",
+                    s.dtype, r.dtype
+                )))
+            }
+            (Some(s), _) => s.dtype,
+            (None, Some(r)) => r.dtype,
+            (None, None) if calls.is_empty() => return Ok(Progress::Done),
+            (None, None) => return Err(crate::error::internal(op, "a plan without buffers")),
+        };
+        let elem = nccl_dtype_size(moved);
+        if let Some((dt, _)) = reduction {
+            if nccl_dtype_size(dt) != elem {
+                return Err(crate::error::internal(op, "reduction data type size"));
+            }
+        }
+        crate::plan::check(
+            op,
+            calls,
+            self.size(),
+            send.map_or(0, |s| s.count),
+            recv.map_or(0, |r| r.count),
+        )?;
+        // Byte addresses of the checked ranges: `base + offset · elem` with `offset + count` at
+        // most the token's element count (checked above), so every address lies within (or
+        // one past the end of) the token's live device memory.
+        let at = |base: u64, offset: usize| base + (offset * elem) as u64;
+        let (sp, rp) = (send.map_or(0, |s| s.ptr), recv.map_or(0, |r| r.ptr));
+        let s = stream.cu_stream() as sys::cudaStream_t;
+        let h = self.live(op)?;
+        guard("ncclGroupStart", || {
+            // SAFETY: no arguments; group state is per thread and closed below on every path.
+            check("ncclGroupStart", unsafe { sys::ncclGroupStart() }, None)
+        })?;
+        let mut result = Ok(());
+        for c in calls {
+            let r = match *c {
+                Call::Send {
+                    peer,
+                    offset,
+                    count,
+                } => guard("ncclSend", || {
+                    // SAFETY: `offset..offset + count` lies within the send token (checked by
+                    // `plan::check`), whose borrow outlives the group; peer < size checked
+                    // there too; live handle under the lock.
+                    let r = unsafe {
+                        sys::ncclSend(
+                            at(sp, offset) as *const c_void,
+                            count,
+                            moved,
+                            peer as c_int,
+                            h.0,
+                            s,
+                        )
+                    };
+                    check("ncclSend", r, Some(h.0))
+                }),
+                Call::Recv {
+                    peer,
+                    offset,
+                    count,
+                } => guard("ncclRecv", || {
+                    // SAFETY: as for the send, within the receive token (write access through
+                    // the `DevOut`), disjoint from every other write of the plan.
+                    let r = unsafe {
+                        sys::ncclRecv(
+                            at(rp, offset) as *mut c_void,
+                            count,
+                            moved,
+                            peer as c_int,
+                            h.0,
+                            s,
+                        )
+                    };
+                    check("ncclRecv", r, Some(h.0))
+                }),
+                Call::Broadcast {
+                    root,
+                    send_offset,
+                    recv_offset,
+                    count,
+                } => guard("ncclBroadcast", || {
+                    let dst = at(rp, recv_offset);
+                    // Off the root NCCL neither checks nor reads the send pointer: it gets the
+                    // receive range (NCCL's in-place form).
+                    let src = send_offset.map_or(dst, |o| at(sp, o));
+                    // SAFETY: both ranges checked by `plan::check` (the read on the root within
+                    // the send token, the write within the receive token); root < size.
+                    let r = unsafe {
+                        sys::ncclBroadcast(
+                            src as *const c_void,
+                            dst as *mut c_void,
+                            count,
+                            moved,
+                            root as c_int,
+                            h.0,
+                            s,
+                        )
+                    };
+                    check("ncclBroadcast", r, Some(h.0))
+                }),
+                Call::Reduce {
+                    root,
+                    send_offset,
+                    recv_offset,
+                    count,
+                } => guard("ncclReduce", || {
+                    let Some((dt, rop)) = reduction else {
+                        return Err(crate::error::internal(op, "a reduce without a reduction"));
+                    };
+                    // Off the root NCCL neither checks nor writes the receive pointer (NULL).
+                    let dst =
+                        recv_offset.map_or(std::ptr::null_mut(), |o| at(rp, o) as *mut c_void);
+                    // SAFETY: the read range within the send token and, on the root, the write
+                    // range within the receive token (`plan::check`); `dt` has the tokens'
+                    // element size (checked above); root < size; live handle under the lock.
+                    let r = unsafe {
+                        sys::ncclReduce(
+                            at(sp, send_offset) as *const c_void,
+                            dst,
+                            count,
+                            dt,
+                            rop,
+                            root as c_int,
+                            h.0,
+                            s,
+                        )
+                    };
+                    check("ncclReduce", r, Some(h.0))
+                }),
+            };
+            if let Err(e) = r {
+                result = Err(e);
+                break;
+            }
+        }
+        let end = guard("ncclGroupEnd", || {
+            // SAFETY: closes the group opened above on this thread (see `p2p_group`).
+            check_progress("ncclGroupEnd", unsafe { sys::ncclGroupEnd() }, Some(h.0))
+        });
+        drop(h);
+        result.and(end)
+    }
+
     /// `ncclCommAbort`: frees the communicator at once, interrupting its pending operations.
     /// Returns false when it was already destroyed or aborted. The lock it takes is only ever
     /// held for one nonblocking NCCL call (module docs), never while a thread waits for peers.
@@ -966,6 +1204,122 @@ mod tests {
         );
         // SAFETY (test): netName points into `set.net_name`, alive here.
         assert_eq!(unsafe { CStr::from_ptr(c.netName) }, net.as_c_str());
+    }
+
+    /// The fp8 values of `nccl.h` (`ncclFloat8e4m3 = 10, ncclFloat8e5m2 = 11`, NCCL >= 2.24),
+    /// and the other values this backend passes, as the header numbers them.
+    #[test]
+    fn fp8_enum_values_match_nccl_h() {
+        use sys::ncclDataType_t as N;
+        assert_eq!(NCCL_FLOAT8E4M3 as u32, 10);
+        assert_eq!(NCCL_FLOAT8E5M2 as u32, 11);
+        let header = [
+            (N::ncclInt8, 0),
+            (N::ncclUint8, 1),
+            (N::ncclInt32, 2),
+            (N::ncclUint32, 3),
+            (N::ncclInt64, 4),
+            (N::ncclUint64, 5),
+            (N::ncclFloat16, 6),
+            (N::ncclFloat32, 7),
+            (N::ncclFloat64, 8),
+            (N::ncclBfloat16, 9),
+            (N::ncclNumTypes, 12),
+        ];
+        for (t, v) in header {
+            assert_eq!(t as u32, v, "{t:?}");
+        }
+        use sys::ncclRedOp_t as R;
+        for (o, v) in [
+            (R::ncclSum, 0),
+            (R::ncclProd, 1),
+            (R::ncclMax, 2),
+            (R::ncclMin, 3),
+            (R::ncclAvg, 4),
+        ] {
+            assert_eq!(o as u32, v, "{o:?}");
+        }
+    }
+
+    /// What every dtype moves as: its own NCCL type, `Bool` and fp8 as bytes; the sizes agree
+    /// with grid-core's.
+    #[test]
+    fn every_dtype_moves_as_its_type_or_bytes() {
+        use sys::ncclDataType_t as N;
+        let want = [
+            (DType::F32, N::ncclFloat32),
+            (DType::F64, N::ncclFloat64),
+            (DType::I32, N::ncclInt32),
+            (DType::I64, N::ncclInt64),
+            (DType::U8, N::ncclUint8),
+            (DType::F16, N::ncclFloat16),
+            (DType::BF16, N::ncclBfloat16),
+            (DType::I8, N::ncclInt8),
+            (DType::U32, N::ncclUint32),
+            (DType::U64, N::ncclUint64),
+            (DType::Bool, N::ncclUint8),
+            (DType::F8E4M3, N::ncclUint8),
+            (DType::F8E5M2, N::ncclUint8),
+        ];
+        assert_eq!(want.len(), DType::ALL.len());
+        for (d, t) in want {
+            assert_eq!(nccl_dtype(d), t, "{d}");
+            assert_eq!(nccl_dtype_size(t), d.size_bytes(), "{d}");
+        }
+    }
+
+    /// The reduction table: the NCCL type and operation of every (dtype, reduction), with and
+    /// without fp8 support.
+    #[test]
+    fn reduction_table() {
+        use grid_core::ReduceOp as Op;
+        use sys::ncclDataType_t as N;
+        use sys::ncclRedOp_t as R;
+        for fp8 in [false, true] {
+            for d in DType::ALL {
+                for op in Op::ALL {
+                    let got = reduction(d, op, fp8);
+                    let want = match d {
+                        DType::Bool => match op {
+                            Op::Sum | Op::Max => Some((N::ncclUint8, R::ncclMax)),
+                            Op::Prod | Op::Min => Some((N::ncclUint8, R::ncclMin)),
+                            Op::Avg => None,
+                        },
+                        DType::F8E4M3 if fp8 => Some((N::ncclFloat8e4m3, nccl_op(op))),
+                        DType::F8E5M2 if fp8 => Some((N::ncclFloat8e5m2, nccl_op(op))),
+                        DType::F8E4M3 | DType::F8E5M2 => None,
+                        DType::F32 | DType::F64 | DType::F16 | DType::BF16 => {
+                            Some((nccl_dtype(d), nccl_op(op)))
+                        }
+                        _ if op == Op::Avg => None,
+                        _ => Some((nccl_dtype(d), nccl_op(op))),
+                    };
+                    assert_eq!(got, want, "{d} {op} fp8={fp8}");
+                    if let Some((t, _)) = got {
+                        assert_eq!(nccl_dtype_size(t), d.size_bytes(), "{d}: same element size");
+                    }
+                }
+            }
+        }
+        assert_eq!(
+            reduction(DType::I8, Op::Sum, false),
+            Some((N::ncclInt8, R::ncclSum))
+        );
+        assert_eq!(
+            reduction(DType::U64, Op::Max, false),
+            Some((N::ncclUint64, R::ncclMax))
+        );
+    }
+
+    #[test]
+    fn retyping_keeps_the_element_size() {
+        use sys::ncclDataType_t as N;
+        assert_eq!(
+            retyped("x", N::ncclUint8, N::ncclFloat8e4m3).unwrap(),
+            N::ncclFloat8e4m3
+        );
+        assert!(retyped("x", N::ncclUint8, N::ncclFloat16).is_err());
+        assert!(retyped("x", N::ncclNumTypes, N::ncclNumTypes).is_err());
     }
 
     #[test]

@@ -55,6 +55,7 @@ mod error;
 mod factory;
 mod ffi;
 mod job;
+pub mod plan;
 pub mod probe;
 mod split;
 

@@ -157,19 +157,53 @@ fn version_and_split_minimum() {
 // ----- what the backend declares to the front end ------------------------------------------
 
 /// The front end rejects unsupported reductions from this table before NCCL sees them: every
-/// dtype moves, and every reduction works except `Avg` (ncclAvg) on integers.
+/// dtype moves; every reduction works except `Avg` (ncclAvg) on integers and `Bool`; fp8
+/// reduces only with NCCL >= 2.24 on compute capability 9.0 or newer.
 #[test]
 fn supported_dtypes_and_reductions() {
-    for d in DType::ALL {
-        assert!(backend_nccl::comm::supports(d, None), "{d} moves");
-        for r in ReduceOp::ALL {
-            assert_eq!(
-                backend_nccl::comm::supports(d, Some(r)),
-                r != ReduceOp::Avg || d.is_float(),
-                "{d} {r}"
-            );
+    use backend_nccl::comm::Capabilities;
+    let hopper_new = Capabilities::new((2, 24, 0), (9, 0));
+    let hopper_old = Capabilities::new((2, 23, 4), (9, 0));
+    let ampere_new = Capabilities::new((2, 30, 1), (8, 6));
+    let blackwell = Capabilities::new((3, 0, 0), (10, 0));
+    for caps in [hopper_new, hopper_old, ampere_new, blackwell] {
+        let fp8 = caps == hopper_new || caps == blackwell;
+        assert_eq!(caps.fp8_reductions(), fp8, "{caps:?}");
+        for d in DType::ALL {
+            assert!(caps.supports(d, None), "{d} moves");
+            for r in ReduceOp::ALL {
+                let want = match d {
+                    DType::F8E4M3 | DType::F8E5M2 => fp8,
+                    DType::Bool => r != ReduceOp::Avg,
+                    DType::F32 | DType::F64 | DType::F16 | DType::BF16 => true,
+                    _ => r != ReduceOp::Avg,
+                };
+                assert_eq!(caps.supports(d, Some(r)), want, "{d} {r} {caps:?}");
+            }
         }
     }
+    // The version decision alone, a pure function of the version number.
+    use backend_nccl::comm::has_fp8_types;
+    for (v, want) in [
+        ((2, 18, 5), false),
+        ((2, 23, 4), false),
+        ((2, 24, 0), true),
+        ((2, 24, 3), true),
+        ((2, 30, 1), true),
+        ((3, 0, 0), true),
+    ] {
+        assert_eq!(has_fp8_types(v), want, "{v:?}");
+    }
+    assert_eq!(backend_nccl::comm::FP8_VERSION, (2, 24, 0));
+    // The reasons an unsupported reduction names.
+    assert_eq!(
+        hopper_old.describe_reductions(DType::F8E4M3),
+        "NCCL 2.23.4 has no fp8 types (NCCL >= 2.24.0 reduces fp8); fp8 is only moved, as bytes"
+    );
+    assert_eq!(
+        ampere_new.describe_reductions(DType::F8E5M2),
+        "NCCL reduces fp8 on compute capability 9.0 or newer, this GPU has 8.6; fp8 is only moved, as bytes"
+    );
 }
 
 /// Errors of setting up NCCL are library errors naming the backend, so callers can tell them

@@ -506,3 +506,515 @@ fn every_collective_on_device_buffers_in_f32_f16_bf16() {
         "wrong elements per rank (f32, f16, bf16)"
     );
 }
+
+// ----- the operations of issue #16 item 7 and the new dtypes ---------------------------------
+
+/// Elements rank `r` contributes to rank / block `j` in the uneven operations: zeros included
+/// (every fourth block is empty), times `scale` to reach large messages.
+fn uneven(j: usize, scale: usize) -> usize {
+    [1, 3, 0, 2][j % 4] * scale
+}
+
+/// The value of element `k` of the block rank `from` sends to rank `to`.
+fn cell(from: usize, to: usize, k: usize) -> i64 {
+    (from as i64) * 1_000_000_000 + (to as i64) * 1_000_000 + k as i64
+}
+
+fn dev_i64(w: &backend_nccl::NcclCommunicator, len: usize) -> NcclDeviceBuffer<i64> {
+    NcclDeviceBuffer::new(w.stream().alloc_zeros::<i64>(len).unwrap())
+}
+
+/// The six new operations, blocking, on device buffers (distinct send and receive buffers),
+/// with uneven counts (empty blocks included), every root, from a few elements to 8 MiB per
+/// rank, checked exactly against their definitions. Returns the number of wrong elements.
+fn new_operations_on_device(w: &backend_nccl::NcclCommunicator, scale: usize) -> usize {
+    let (me, n) = (w.rank(), w.size());
+    let mut bad = 0usize;
+    let count = |got: &[i64], want: &[i64]| {
+        if got.len() != want.len() {
+            return got.len().max(want.len());
+        }
+        got.iter().zip(want).filter(|(a, b)| a != b).count()
+    };
+
+    // all_to_all_v: rank r sends uneven(2r + j) to rank j.
+    let sc: Vec<usize> = (0..n).map(|j| uneven(2 * me + j, scale)).collect();
+    let rc: Vec<usize> = (0..n).map(|j| uneven(2 * j + me, scale)).collect();
+    let send: Vec<i64> = (0..n)
+        .flat_map(|j| (0..sc[j]).map(move |k| cell(me, j, k)))
+        .collect();
+    let want: Vec<i64> = (0..n)
+        .flat_map(|j| (0..rc[j]).map(move |k| cell(j, me, k)))
+        .collect();
+    if !send.is_empty() && !want.is_empty() {
+        let s = w.to_device(&send).unwrap();
+        let mut r = dev_i64(w, want.len());
+        w.all_to_all_v(BufRef::Device(&s), &sc, BufMut::Device(&mut r), &rc)
+            .unwrap();
+        bad += count(&w.to_host(&r).unwrap(), &want);
+    }
+
+    // all_gather_v: rank j contributes uneven(j).
+    let counts: Vec<usize> = (0..n).map(|j| uneven(j, scale)).collect();
+    let total: usize = counts.iter().sum();
+    let want: Vec<i64> = (0..n)
+        .flat_map(|j| (0..counts[j]).map(move |k| cell(j, 0, k)))
+        .collect();
+    if total > 0 && counts[me] > 0 {
+        let mine: Vec<i64> = (0..counts[me]).map(|k| cell(me, 0, k)).collect();
+        let s = w.to_device(&mine).unwrap();
+        let mut r = dev_i64(w, total);
+        w.all_gather_v(BufRef::Device(&s), BufMut::Device(&mut r), &counts)
+            .unwrap();
+        bad += count(&w.to_host(&r).unwrap(), &want);
+    }
+
+    // reduce_scatter_v (sum and max): block j of every rank reduces onto rank j.
+    if total > 0 && counts[me] > 0 {
+        let send: Vec<i64> = (0..total).map(|i| (me * 7 + i) as i64).collect();
+        let off: usize = counts[..me].iter().sum();
+        let s = w.to_device(&send).unwrap();
+        for (op, f) in [
+            (
+                ReduceOp::Sum,
+                (|a: i64, b: i64| a + b) as fn(i64, i64) -> i64,
+            ),
+            (ReduceOp::Max, |a: i64, b: i64| a.max(b)),
+        ] {
+            let mut r = dev_i64(w, counts[me]);
+            w.reduce_scatter_v(BufRef::Device(&s), &counts, BufMut::Device(&mut r), op)
+                .unwrap();
+            let want: Vec<i64> = (0..counts[me])
+                .map(|k| (1..n).fold((off + k) as i64, |acc, r| f(acc, (r * 7 + off + k) as i64)))
+                .collect();
+            bad += count(&w.to_host(&r).unwrap(), &want);
+        }
+    }
+
+    // reduce, gather and scatter with every root.
+    let m = 5 * scale;
+    for root in 0..n {
+        let send: Vec<i64> = (0..m).map(|i| (me * i + 1) as i64).collect();
+        let s = w.to_device(&send).unwrap();
+        let mut r = dev_i64(w, m);
+        let recv = (me == root).then_some(BufMut::Device(&mut r));
+        w.reduce(BufRef::Device(&s), recv, ReduceOp::Sum, root)
+            .unwrap();
+        if me == root {
+            let want: Vec<i64> = (0..m)
+                .map(|i| (0..n).map(|q| (q * i + 1) as i64).sum())
+                .collect();
+            bad += count(&w.to_host(&r).unwrap(), &want);
+        }
+
+        let mine: Vec<i64> = (0..m).map(|k| cell(me, root, k)).collect();
+        let s = w.to_device(&mine).unwrap();
+        let mut g = dev_i64(w, n * m);
+        let recv = (me == root).then_some(BufMut::Device(&mut g));
+        w.gather(BufRef::Device(&s), recv, root).unwrap();
+        if me == root {
+            let want: Vec<i64> = (0..n)
+                .flat_map(|j| (0..m).map(move |k| cell(j, root, k)))
+                .collect();
+            bad += count(&w.to_host(&g).unwrap(), &want);
+        }
+
+        let all: Vec<i64> = (0..n)
+            .flat_map(|j| (0..m).map(move |k| cell(root, j, k)))
+            .collect();
+        let s = w.to_device(&all).unwrap();
+        let mut r = dev_i64(w, m);
+        let send = (me == root).then_some(BufRef::Device(&s));
+        w.scatter(send, BufMut::Device(&mut r), root).unwrap();
+        let want: Vec<i64> = (0..m).map(|k| cell(root, me, k)).collect();
+        bad += count(&w.to_host(&r).unwrap(), &want);
+    }
+    bad
+}
+
+#[test]
+fn new_operations_on_device_buffers() {
+    let Some(n) = gpus_or_skip("new_operations_on_device_buffers", 1) else {
+        return;
+    };
+    let n = n.min(8);
+    let out = on_gpus(n, T, |_, w| {
+        // 1 element per unit up to about 8 MiB per rank.
+        [1usize, 1000, 1 << 18]
+            .into_iter()
+            .map(|scale| new_operations_on_device(w, scale))
+            .collect::<Vec<_>>()
+    });
+    assert_eq!(
+        out,
+        vec![vec![0, 0, 0]; n],
+        "wrong elements per rank and scale"
+    );
+}
+
+/// The typed forms on host memory (staged through the GPU), blocking and nonblocking, with
+/// the non-root buffers `None` and the nonblocking results as grid-core defines them (the
+/// root's result; a non-root rank gets its send buffer back).
+#[test]
+fn new_operations_on_host_memory_blocking_and_nonblocking() {
+    let Some(n) = gpus_or_skip("new_operations_on_host_memory_blocking_and_nonblocking", 1) else {
+        return;
+    };
+    let n = n.min(8);
+    let out = on_gpus(n, T, |_, w| {
+        let me = w.rank();
+        let sc: Vec<usize> = (0..n).map(|j| uneven(me + j, 1)).collect();
+        let rc: Vec<usize> = (0..n).map(|j| uneven(j + me, 1)).collect();
+        let send: Vec<i32> = (0..n)
+            .flat_map(|j| (0..sc[j]).map(move |k| (me * 100 + j * 10 + k) as i32))
+            .collect();
+        let mut a2a = vec![-1i32; rc.iter().sum()];
+        w.all_to_all_v_into(&send, &sc, &mut a2a, &rc).unwrap();
+        let a2a_nb = w
+            .iall_to_all_v(send.clone(), sc.clone(), rc.clone())
+            .unwrap()
+            .wait()
+            .unwrap();
+
+        let counts: Vec<usize> = (0..n).map(|j| uneven(j, 2)).collect();
+        let mine: Vec<f32> = (0..counts[me]).map(|k| (me * 10 + k) as f32).collect();
+        let mut ag = vec![-1.0f32; counts.iter().sum()];
+        w.all_gather_v_into(&mine, &mut ag, &counts).unwrap();
+        let ag_nb = w
+            .iall_gather_v(mine.clone(), counts.clone())
+            .unwrap()
+            .wait()
+            .unwrap();
+
+        let total: usize = counts.iter().sum();
+        let block: Vec<u32> = (0..total).map(|i| (me + i) as u32).collect();
+        let mut rs = vec![0u32; counts[me]];
+        w.reduce_scatter_v_into(&block, &counts, &mut rs, ReduceOp::Sum)
+            .unwrap();
+        let rs_nb = w
+            .ireduce_scatter_v(block.clone(), counts.clone(), ReduceOp::Min)
+            .unwrap()
+            .wait()
+            .unwrap();
+
+        let root = n - 1;
+        let x = vec![me as u64 + 1, 2];
+        let mut red = vec![0u64; 2];
+        w.reduce_into(
+            &x,
+            (me == root).then_some(&mut red[..]),
+            ReduceOp::Prod,
+            root,
+        )
+        .unwrap();
+        let red_nb = w
+            .ireduce(x.clone(), ReduceOp::Max, root)
+            .unwrap()
+            .wait()
+            .unwrap();
+
+        let g = vec![me as i8, -(me as i8)];
+        let mut gat = vec![0i8; 2 * n];
+        w.gather_into(&g, (me == root).then_some(&mut gat[..]), root)
+            .unwrap();
+        let gat_nb = w.igather(g.clone(), root).unwrap().wait().unwrap();
+
+        let all: Vec<i64> = (0..2 * n as i64).collect();
+        let mut sca = vec![0i64; 2];
+        w.scatter_into((me == root).then_some(&all[..]), &mut sca, root)
+            .unwrap();
+        let sca_nb = w
+            .iscatter((me == root).then(|| all.clone()), 2, root)
+            .unwrap()
+            .wait()
+            .unwrap();
+        (
+            (a2a, a2a_nb),
+            (ag, ag_nb),
+            (rs, rs_nb),
+            (red, red_nb),
+            (gat, gat_nb),
+            (sca, sca_nb),
+        )
+    });
+    let counts: Vec<usize> = (0..n).map(|j| uneven(j, 2)).collect();
+    let gathered: Vec<f32> = (0..n)
+        .flat_map(|j| (0..counts[j]).map(move |k| (j * 10 + k) as f32))
+        .collect();
+    let root = n - 1;
+    for (me, (a2a, ag, rs, red, gat, sca)) in out.into_iter().enumerate() {
+        let want: Vec<i32> = (0..n)
+            .flat_map(|j| (0..uneven(j + me, 1)).map(move |k| (j * 100 + me * 10 + k) as i32))
+            .collect();
+        assert_eq!(a2a, (want.clone(), want), "all_to_all_v on rank {me}");
+        assert_eq!(
+            ag,
+            (gathered.clone(), gathered.clone()),
+            "all_gather_v on rank {me}"
+        );
+        let off: usize = counts[..me].iter().sum();
+        let sum: Vec<u32> = (0..counts[me])
+            .map(|k| (0..n).map(|r| (r + off + k) as u32).sum())
+            .collect();
+        let min: Vec<u32> = (0..counts[me]).map(|k| (off + k) as u32).collect();
+        assert_eq!(rs, (sum, min), "reduce_scatter_v on rank {me}");
+        let prod: u64 = (1..=n as u64).product();
+        if me == root {
+            assert_eq!(
+                red,
+                (vec![prod, 1 << n], vec![n as u64, 2]),
+                "reduce on the root"
+            );
+            let g: Vec<i8> = (0..n).flat_map(|j| [j as i8, -(j as i8)]).collect();
+            assert_eq!(gat, (g.clone(), g), "gather on the root");
+        } else {
+            assert_eq!(red.0, vec![0, 0], "a non-root receive buffer is left alone");
+            assert_eq!(
+                red.1,
+                vec![me as u64 + 1, 2],
+                "ireduce off the root: the send back"
+            );
+            assert_eq!(
+                gat.1,
+                vec![me as i8, -(me as i8)],
+                "igather off the root: the send back"
+            );
+        }
+        let want = vec![2 * me as i64, 2 * me as i64 + 1];
+        assert_eq!(sca, (want.clone(), want), "scatter on rank {me}");
+    }
+}
+
+/// Nonblocking forms on device tensors: the result comes back as this backend's device
+/// buffer (stream-ordered), off the root the send tensor.
+#[test]
+fn new_operations_nonblocking_on_device_tensors() {
+    let Some(n) = gpus_or_skip("new_operations_nonblocking_on_device_tensors", 1) else {
+        return;
+    };
+    let n = n.min(8);
+    let out = on_gpus(n, T, |_, w| {
+        let me = w.rank();
+        let back = |t: Tensor| match t {
+            Tensor::Device(d) => w
+                .to_host(
+                    d.as_any()
+                        .downcast_ref::<NcclDeviceBuffer<i64>>()
+                        .expect("an i64 NCCL buffer comes back"),
+                )
+                .unwrap(),
+            Tensor::Host(h) => panic!("a device tensor came back as host memory: {h:?}"),
+        };
+        let dev = |v: &[i64]| Tensor::Device(Box::new(w.to_device(v).unwrap()));
+        let zeros = |len: usize| Tensor::Device(Box::new(dev_i64(w, len)));
+        let counts: Vec<usize> = (0..n).map(|j| j % 2 + 1).collect();
+        let total: usize = counts.iter().sum();
+        let root = 0;
+        let works = vec![
+            w.start(Request::AllToAllV {
+                send: dev(&vec![me as i64; n]),
+                send_counts: vec![1; n],
+                recv: zeros(n),
+                recv_counts: vec![1; n],
+            })
+            .unwrap(),
+            w.start(Request::AllGatherV {
+                send: dev(&vec![me as i64; counts[me]]),
+                recv: zeros(total),
+                recv_counts: counts.clone(),
+            })
+            .unwrap(),
+            w.start(Request::ReduceScatterV {
+                send: dev(&vec![1; total]),
+                send_counts: counts.clone(),
+                recv: zeros(counts[me]),
+                op: ReduceOp::Sum,
+            })
+            .unwrap(),
+            w.start(Request::Reduce {
+                send: dev(&[me as i64, 1]),
+                recv: (me == root).then(|| zeros(2)),
+                op: ReduceOp::Sum,
+                root,
+            })
+            .unwrap(),
+            w.start(Request::Gather {
+                send: dev(&[me as i64]),
+                recv: (me == root).then(|| zeros(n)),
+                root,
+            })
+            .unwrap(),
+            w.start(Request::Scatter {
+                send: (me == root).then(|| dev(&(10..10 + n as i64).collect::<Vec<_>>())),
+                recv: zeros(1),
+                root,
+            })
+            .unwrap(),
+        ];
+        works
+            .into_iter()
+            .map(|k| back(k.wait().unwrap()))
+            .collect::<Vec<_>>()
+    });
+    let counts: Vec<usize> = (0..n).map(|j| j % 2 + 1).collect();
+    let ranks: Vec<i64> = (0..n as i64).collect();
+    let gathered: Vec<i64> = (0..n)
+        .flat_map(|j| std::iter::repeat_n(j as i64, counts[j]))
+        .collect();
+    let s: i64 = ranks.iter().sum();
+    for (me, got) in out.into_iter().enumerate() {
+        assert_eq!(got[0], ranks, "all_to_all_v on rank {me}");
+        assert_eq!(got[1], gathered, "all_gather_v on rank {me}");
+        assert_eq!(
+            got[2],
+            vec![n as i64; counts[me]],
+            "reduce_scatter_v on rank {me}"
+        );
+        if me == 0 {
+            assert_eq!(got[3], vec![s, n as i64], "reduce on the root");
+            assert_eq!(got[4], ranks, "gather on the root");
+        } else {
+            assert_eq!(
+                got[3],
+                vec![me as i64, 1],
+                "reduce off the root: the send back"
+            );
+            assert_eq!(
+                got[4],
+                vec![me as i64],
+                "gather off the root: the send back"
+            );
+        }
+        assert_eq!(got[5], vec![10 + me as i64], "scatter on rank {me}");
+    }
+}
+
+/// The new dtypes: i8, u32 and u64 reduce exactly (sums wrap); `Bool` reduces as logical or
+/// (`Sum`, `Max`) and and (`Prod`, `Min`) for any non-zero bytes, and `Avg` is refused
+/// before NCCL; fp8 moves every one of its 256 bit patterns unchanged (NaNs included), and
+/// reduces exactly when NCCL and the GPU can (else the front end refuses the reduction,
+/// naming why).
+#[test]
+fn new_dtypes_move_and_reduce() {
+    use grid_core::{Bool, F8E4M3, F8E5M2};
+    let Some(n) = gpus_or_skip("new_dtypes_move_and_reduce", 1) else {
+        return;
+    };
+    let n = n.min(8);
+    let out = on_gpus(n, T, |_, w| {
+        let me = w.rank();
+        let mut i8s = vec![0i8; 2];
+        w.all_reduce_into(&[100i8, -(me as i8)][..], &mut i8s[..], ReduceOp::Sum)
+            .unwrap();
+        let mut u32s = vec![0u32; 2];
+        w.all_reduce_into(&[u32::MAX, me as u32][..], &mut u32s[..], ReduceOp::Sum)
+            .unwrap();
+        let mut u64s = vec![0u64; 2];
+        w.all_reduce_into(
+            &[u64::MAX - me as u64, me as u64][..],
+            &mut u64s[..],
+            ReduceOp::Min,
+        )
+        .unwrap();
+        // Bool: rank 0 holds true as the byte 0x80, the others false; a pattern true
+        // everywhere as distinct non-zero bytes.
+        let bools = [
+            Bool::from_byte(if me == 0 { 0x80 } else { 0 }),
+            Bool::from_byte(me as u8 + 1),
+        ];
+        let mut or = vec![Bool::FALSE; 2];
+        let mut and = vec![Bool::FALSE; 2];
+        let mut max = vec![Bool::FALSE; 2];
+        let mut min = vec![Bool::FALSE; 2];
+        w.all_reduce_into(&bools[..], &mut or[..], ReduceOp::Sum)
+            .unwrap();
+        w.all_reduce_into(&bools[..], &mut and[..], ReduceOp::Prod)
+            .unwrap();
+        w.all_reduce_into(&bools[..], &mut max[..], ReduceOp::Max)
+            .unwrap();
+        w.all_reduce_into(&bools[..], &mut min[..], ReduceOp::Min)
+            .unwrap();
+        let avg = w.all_reduce_into(&bools[..], &mut or.clone()[..], ReduceOp::Avg);
+        let logic: Vec<(bool, bool)> = [or, and, max, min]
+            .iter()
+            .map(|v| (v[0].get(), v[1].get()))
+            .collect();
+        // fp8: all 256 bit patterns through an all-gather, on device and host.
+        let e4: Vec<F8E4M3> = (0..=255u8).map(F8E4M3::from_bits).collect();
+        let e5: Vec<F8E5M2> = (0..=255u8).map(F8E5M2::from_bits).collect();
+        let mut g4 = vec![F8E4M3::from_bits(0); 256 * n];
+        w.all_gather_into(&e4[..], &mut g4[..]).unwrap();
+        let d5 = w.to_device(&e5).unwrap();
+        let mut g5: NcclDeviceBuffer<F8E5M2> = w.zeros(256 * n).unwrap();
+        w.all_gather(BufRef::Device(&d5), BufMut::Device(&mut g5))
+            .unwrap();
+        let g5 = w.to_host(&g5).unwrap();
+        let moved = g4
+            .iter()
+            .map(|x| x.to_bits())
+            .eq((0..n).flat_map(|_| 0..=255u8))
+            && g5
+                .iter()
+                .map(|x| x.to_bits())
+                .eq((0..n).flat_map(|_| 0..=255u8));
+        // fp8 reductions: every partial sum is a small integer, exact in E4M3.
+        let caps = w.capabilities();
+        let x = [
+            F8E4M3::from_f32(1.0),
+            F8E4M3::from_f32(if me == 0 { -2.0 } else { 0.0 }),
+        ];
+        let mut s = [F8E4M3::from_bits(0); 2];
+        let fp8 = w.all_reduce_into(&x[..], &mut s[..], ReduceOp::Sum);
+        let fp8 = match fp8 {
+            Ok(()) => Ok((s[0].to_f32(), s[1].to_f32())),
+            Err(e) => Err(e),
+        };
+        (
+            i8s,
+            u32s,
+            u64s,
+            logic,
+            avg,
+            moved,
+            caps.fp8_reductions(),
+            fp8,
+        )
+    });
+    for (me, (i8s, u32s, u64s, logic, avg, moved, fp8_ok, fp8)) in out.into_iter().enumerate() {
+        let s: i64 = (0..n as i64).sum();
+        assert_eq!(
+            i8s,
+            vec![(100 * n as i64) as i8, (-s) as i8],
+            "i8 wraps, rank {me}"
+        );
+        assert_eq!(
+            u32s,
+            vec![(u32::MAX as u64 * n as u64) as u32, s as u32],
+            "u32, rank {me}"
+        );
+        assert_eq!(
+            u64s,
+            vec![u64::MAX - (n as u64 - 1), 0],
+            "u64 min, rank {me}"
+        );
+        let or0 = true;
+        let and0 = n == 1;
+        assert_eq!(
+            logic,
+            vec![(or0, true), (and0, true), (or0, true), (and0, true)],
+            "bool or/and/max/min, rank {me}"
+        );
+        match avg {
+            Err(Error::Unsupported { .. }) => {}
+            other => panic!("bool avg must be refused before NCCL, got {other:?}"),
+        }
+        assert!(moved, "fp8 bit patterns changed on rank {me}");
+        if fp8_ok {
+            assert_eq!(fp8.unwrap(), (n as f32, -2.0), "fp8 sum, rank {me}");
+        } else {
+            let e = fp8.unwrap_err();
+            assert!(matches!(e, Error::Unsupported { .. }), "{e}");
+            assert!(e.to_string().contains("fp8"), "{e}");
+        }
+    }
+}

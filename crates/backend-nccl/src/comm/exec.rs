@@ -4,9 +4,10 @@
 
 use super::shared::{din, dout, lock};
 use super::NcclBackend;
-use crate::buffer::{downcast, downcast_mut, with_dtype, NcclDeviceBuffer};
+use crate::buffer::{downcast, downcast_mut, with_dtype, NcclDeviceBuffer, NcclElement};
 use crate::error::{cuda, internal};
 use crate::ffi::{self, Coll, DevIn, DevOut, P2p};
+use crate::plan::{self, Call};
 use cudarc::driver::CudaStream;
 use grid_core::{
     BufMut, BufRef, DType, DeviceBuffer, Element, Error, HostSlice, HostSliceMut, Op, P2pOp,
@@ -59,6 +60,61 @@ impl Kind {
     }
 }
 
+/// What a planned operation does, without its buffers: enough to compute its [`plan`] on
+/// any rank.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum Shape<'c> {
+    AllToAllV {
+        send_counts: &'c [usize],
+        recv_counts: &'c [usize],
+    },
+    AllGatherV {
+        recv_counts: &'c [usize],
+    },
+    ReduceScatterV {
+        send_counts: &'c [usize],
+        op: ReduceOp,
+    },
+    Reduce {
+        count: usize,
+        root: usize,
+        op: ReduceOp,
+    },
+    Gather {
+        count: usize,
+        root: usize,
+    },
+    Scatter {
+        count: usize,
+        root: usize,
+    },
+}
+
+impl Shape<'_> {
+    /// The NCCL calls of this operation on `rank` of `size` ([`plan`]).
+    pub(super) fn calls(&self, rank: usize, size: usize) -> Result<Vec<Call>> {
+        match *self {
+            Shape::AllToAllV {
+                send_counts,
+                recv_counts,
+            } => plan::all_to_all_v(rank, send_counts, recv_counts),
+            Shape::AllGatherV { recv_counts } => plan::all_gather_v(rank, recv_counts),
+            Shape::ReduceScatterV { send_counts, .. } => plan::reduce_scatter_v(rank, send_counts),
+            Shape::Reduce { count, root, .. } => plan::reduce(rank, size, root, count),
+            Shape::Gather { count, root } => plan::gather(rank, size, root, count),
+            Shape::Scatter { count, root } => plan::scatter(rank, size, root, count),
+        }
+    }
+
+    /// The reduction, for the reducing ones.
+    pub(super) fn reduce_op(&self) -> Option<ReduceOp> {
+        match *self {
+            Shape::ReduceScatterV { op, .. } | Shape::Reduce { op, .. } => Some(op),
+            _ => None,
+        }
+    }
+}
+
 /// A device buffer must live on the communicator's GPU: only this backend knows its device.
 pub(crate) fn same_device(op: &'static str, buf_device: usize, device: usize) -> Result<()> {
     if buf_device == device {
@@ -100,17 +156,73 @@ impl NcclBackend {
                 self.p2p(name, vec![P2pOp::Recv { buf, peer, tag }], limit)
             }
             Op::Batch(ops) => self.p2p(name, ops, limit),
-            // Interim (issue #16 item 7 in progress).
-            Op::AllToAllV { .. }
-            | Op::AllGatherV { .. }
-            | Op::ReduceScatterV { .. }
-            | Op::Reduce { .. }
-            | Op::Gather { .. }
-            | Op::Scatter { .. } => Err(grid_core::Error::Unsupported {
-                op: name,
-                backend: "nccl",
-                what: "this operation yet".into(),
-            }),
+            Op::AllToAllV {
+                send,
+                send_counts,
+                recv,
+                recv_counts,
+            } => self.planned(
+                name,
+                Shape::AllToAllV {
+                    send_counts,
+                    recv_counts,
+                },
+                Some(send),
+                Some(recv),
+                limit,
+            ),
+            Op::AllGatherV {
+                send,
+                recv,
+                recv_counts,
+            } => self.planned(
+                name,
+                Shape::AllGatherV { recv_counts },
+                Some(send),
+                Some(recv),
+                limit,
+            ),
+            Op::ReduceScatterV {
+                send,
+                send_counts,
+                recv,
+                op,
+            } => self.planned(
+                name,
+                Shape::ReduceScatterV { send_counts, op },
+                Some(send),
+                Some(recv),
+                limit,
+            ),
+            Op::Reduce {
+                send,
+                recv,
+                op,
+                root,
+            } => {
+                let count = send.len();
+                self.planned(
+                    name,
+                    Shape::Reduce { count, root, op },
+                    Some(send),
+                    recv,
+                    limit,
+                )
+            }
+            Op::Gather { send, recv, root } => {
+                let count = send.len();
+                self.planned(name, Shape::Gather { count, root }, Some(send), recv, limit)
+            }
+            Op::Scatter { send, recv, root } => {
+                let count = recv.len();
+                self.planned(
+                    name,
+                    Shape::Scatter { count, root },
+                    send,
+                    Some(recv),
+                    limit,
+                )
+            }
         }
     }
 
@@ -159,8 +271,9 @@ impl NcclBackend {
     ) -> Result<Box<dyn DeviceBuffer>> {
         with_dtype!(h.dtype(), T => {
             let v = <T as Element>::view(h).ok_or_else(|| internal(op, "staging dtype"))?;
-            let s = cuda(op, || self.shared.stream.clone_htod(v))?;
-            Ok(Box::new(NcclDeviceBuffer::new(s)) as Box<dyn DeviceBuffer>)
+            let v = <T as NcclElement>::to_device_repr(v);
+            let s = cuda(op, || self.shared.stream.clone_htod(&*v))?;
+            Ok(Box::new(NcclDeviceBuffer::<T>::new(s)) as Box<dyn DeviceBuffer>)
         })
     }
 
@@ -172,8 +285,8 @@ impl NcclBackend {
         len: usize,
     ) -> Result<Box<dyn DeviceBuffer>> {
         with_dtype!(dtype, T => {
-            let s = cuda(op, || self.shared.stream.alloc_zeros::<T>(len))?;
-            Ok(Box::new(NcclDeviceBuffer::new(s)) as Box<dyn DeviceBuffer>)
+            let s = cuda(op, || self.shared.stream.alloc_zeros::<<T as NcclElement>::Device>(len))?;
+            Ok(Box::new(NcclDeviceBuffer::<T>::new(s)) as Box<dyn DeviceBuffer>)
         })
     }
 
@@ -190,7 +303,16 @@ impl NcclBackend {
             if dst.len() != b.slice.len() {
                 return Err(internal(op, "fetch length"));
             }
-            cuda(op, || self.shared.stream.memcpy_dtoh(&b.slice, dst))
+            match <T as NcclElement>::as_device_repr_mut(&mut *dst) {
+                Some(direct) => cuda(op, || self.shared.stream.memcpy_dtoh(&b.slice, direct)),
+                None => {
+                    // Bool and fp8: read the bytes back, then convert (same length, checked
+                    // above, so every element is set).
+                    let v = cuda(op, || self.shared.stream.clone_dtoh(&b.slice))?;
+                    dst.copy_from_slice(&<T as NcclElement>::from_device_repr(v));
+                    Ok(())
+                }
+            }
         })
     }
 
@@ -215,11 +337,16 @@ impl NcclBackend {
         let st = &*self.shared.stream;
         let missing = || internal(op, "missing send buffer");
         let coll = match kind {
-            Kind::AllReduce(r) => Coll::AllReduce {
-                send: send.map(|s| self.din(op, s)).transpose()?,
-                recv: self.dout(op, recv)?,
-                op: ffi::nccl_op(r),
-            },
+            Kind::AllReduce(r) => {
+                let (dt, rop) = self.reduction(op, recv.dtype(), r)?;
+                Coll::AllReduce {
+                    send: send
+                        .map(|s| self.din(op, s).and_then(|t| t.retype(op, dt)))
+                        .transpose()?,
+                    recv: self.dout(op, recv)?.retype(op, dt)?,
+                    op: rop,
+                }
+            }
             Kind::Broadcast(root) => Coll::Broadcast {
                 buf: self.dout(op, recv)?,
                 root,
@@ -228,11 +355,14 @@ impl NcclBackend {
                 send: self.din(op, send.ok_or_else(missing)?)?,
                 recv: self.dout(op, recv)?,
             },
-            Kind::ReduceScatter(r) => Coll::ReduceScatter {
-                send: self.din(op, send.ok_or_else(missing)?)?,
-                recv: self.dout(op, recv)?,
-                op: ffi::nccl_op(r),
-            },
+            Kind::ReduceScatter(r) => {
+                let (dt, rop) = self.reduction(op, recv.dtype(), r)?;
+                Coll::ReduceScatter {
+                    send: self.din(op, send.ok_or_else(missing)?)?.retype(op, dt)?,
+                    recv: self.dout(op, recv)?.retype(op, dt)?,
+                    op: rop,
+                }
+            }
             Kind::AllToAll => {
                 let ops = self.all_to_all_ops(op, send.ok_or_else(missing)?, recv)?;
                 return self
@@ -443,6 +573,145 @@ impl NcclBackend {
             }
         }
         Ok(())
+    }
+
+    /// The NCCL data type and operation reducing `dtype` with `r` on this communicator
+    /// ([`ffi::reduction`] with this GPU's and library's fp8 support).
+    pub(super) fn reduction(
+        &self,
+        op: &'static str,
+        dtype: DType,
+        r: ReduceOp,
+    ) -> Result<(
+        cudarc::nccl::sys::ncclDataType_t,
+        cudarc::nccl::sys::ncclRedOp_t,
+    )> {
+        ffi::reduction(dtype, r, self.caps.fp8_reductions()).ok_or_else(|| Error::Unsupported {
+            op,
+            backend: crate::error::BACKEND,
+            what: format!("{r} of {dtype} ({})", self.caps.describe_reductions(dtype)),
+        })
+    }
+
+    /// Enqueues the calls of a [`plan`] on device buffers (either may be absent or empty:
+    /// the rank has none in this operation), settling an `ncclInProgress` within `limit`.
+    pub(super) fn enqueue_plan(
+        &self,
+        op: &'static str,
+        calls: &[Call],
+        red: Option<ReduceOp>,
+        send: Option<&dyn DeviceBuffer>,
+        recv: Option<&mut dyn DeviceBuffer>,
+        limit: TimeLimit,
+    ) -> Result<()> {
+        if calls.is_empty() {
+            return Ok(());
+        }
+        let send = send.filter(|s| !s.is_empty());
+        let mut recv = recv.filter(|r| !r.is_empty());
+        if let Some(s) = send {
+            self.wait_for(op, s)?;
+        }
+        if let Some(r) = recv.as_deref() {
+            self.wait_for(op, r)?;
+        }
+        let dtype = match (send, recv.as_deref()) {
+            (Some(s), _) => s.dtype(),
+            (None, Some(r)) => r.dtype(),
+            (None, None) => return Err(internal(op, "a plan without buffers")),
+        };
+        let reduction = red.map(|r| self.reduction(op, dtype, r)).transpose()?;
+        let st = &*self.shared.stream;
+        let sin = send.map(|s| self.din(op, s)).transpose()?;
+        let rout = match recv.take() {
+            Some(r) => Some(self.dout(op, r)?),
+            None => None,
+        };
+        self.shared.call(op, limit, || {
+            self.shared
+                .raw
+                .run_plan(op, calls, sin.as_ref(), rout.as_ref(), reduction, st)
+        })
+    }
+
+    /// The blocking form of the planned operations (all-to-all-v, all-gather-v,
+    /// reduce-scatter-v, reduce, gather, scatter): stages host memory, enqueues the plan, and
+    /// for host output waits and copies back; device output returns at once (stream-ordered),
+    /// with the operation under the watchdog. `send` / `recv` are `None` where the rank has no
+    /// such buffer (off the root).
+    fn planned(
+        &self,
+        op: &'static str,
+        shape: Shape<'_>,
+        send: Option<BufRef<'_>>,
+        recv: Option<BufMut<'_>>,
+        limit: TimeLimit,
+    ) -> Result<()> {
+        let raw = &self.shared.raw;
+        let calls = shape.calls(raw.rank(), raw.size())?;
+        if calls.is_empty() {
+            return Ok(());
+        }
+        self.shared.bind(op)?;
+        let red = shape.reduce_op();
+        let staged_in = match send {
+            Some(BufRef::Host(h)) if !h.is_empty() => Some(self.stage_in(op, h)?),
+            _ => None,
+        };
+        let send_dev: Option<&dyn DeviceBuffer> = match (send, &staged_in) {
+            (Some(BufRef::Device(d)), _) => Some(d),
+            (_, Some(b)) => Some(&**b),
+            _ => None,
+        };
+        let join_send = |me: &Self| match send {
+            Some(BufRef::Device(s)) => me.join_back(op, s),
+            _ => Ok(()),
+        };
+        match recv {
+            Some(BufMut::Host(h)) if !h.is_empty() => {
+                // Every element of the receive buffer is written by the plan: no upload.
+                let mut staged = self.stage_zeros(op, h.dtype(), h.len())?;
+                if let Err(e) =
+                    self.enqueue_plan(op, &calls, red, send_dev, Some(&mut *staged), limit)
+                {
+                    let mut keep = vec![hold(staged)];
+                    keep.extend(staged_in.map(hold));
+                    self.shared.hold_after_error(op, keep);
+                    return Err(e);
+                }
+                join_send(self)?;
+                let mut keep = vec![hold(staged)];
+                keep.extend(staged_in.map(hold));
+                let (c, _) = self.shared.watch(op, limit, keep)?;
+                let mut back = c.wait()?.into_iter();
+                let staged = back
+                    .next()
+                    .ok_or_else(|| internal(op, "staged result"))
+                    .and_then(|b| unhold(op, b))?;
+                self.fetch_into(op, &*staged, h)
+            }
+            recv => {
+                let mut recv_dev = match recv {
+                    Some(BufMut::Device(d)) => Some(d),
+                    _ => None,
+                };
+                let r =
+                    self.enqueue_plan(op, &calls, red, send_dev, recv_dev.as_deref_mut(), limit);
+                if let Err(e) = r {
+                    self.shared
+                        .hold_after_error(op, staged_in.into_iter().map(hold).collect());
+                    return Err(e);
+                }
+                if let Some(d) = recv_dev.as_deref() {
+                    self.join_back(op, d)?;
+                }
+                join_send(self)?;
+                // Watched (time limit, asynchronous error) although nobody waits for it; a
+                // staged send buffer stays alive until the device is done with it.
+                let keep = staged_in.into_iter().map(hold).collect();
+                self.shared.watch(op, limit, keep).map(|_| ())
+            }
+        }
     }
 
     /// Enqueues the barrier: an all-reduce of one float.

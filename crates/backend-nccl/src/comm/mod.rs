@@ -114,6 +114,7 @@ pub struct NcclBackend {
     shared: Arc<Shared>,
     global_ranks: Vec<usize>,
     device: usize,
+    caps: Capabilities,
 }
 
 impl std::fmt::Debug for NcclBackend {
@@ -129,35 +130,115 @@ impl std::fmt::Debug for NcclBackend {
     }
 }
 
-/// Every dtype moves; every reduction works on every dtype except `Avg` (`ncclAvg`) on
-/// integers.
+/// The first NCCL version with the fp8 data types `ncclFloat8e4m3` and `ncclFloat8e5m2`
+/// (`NCCL_VERSION(2, 24, 0)` = 22400).
+pub const FP8_VERSION: (u32, u32, u32) = (2, 24, 0);
+
+/// The first compute capability on which NCCL reduces fp8 (below it NCCL answers "FP8
+/// reduction support begins with sm90 capable devices").
+pub const FP8_COMPUTE_CAPABILITY: (u32, u32) = (9, 0);
+
+/// Whether NCCL `version` (as [`crate::probe::nccl_version`] returns it) has the fp8 data types:
+/// NCCL >= 2.24.0. A pure function of the version.
 ///
 /// ```
-/// use grid_core::{DType, ReduceOp};
-/// assert!(backend_nccl::comm::supports(DType::BF16, Some(ReduceOp::Avg)));
-/// assert!(!backend_nccl::comm::supports(DType::I32, Some(ReduceOp::Avg)));
-/// assert!(backend_nccl::comm::supports(DType::U8, None));
+/// use backend_nccl::comm::has_fp8_types;
+/// assert!(has_fp8_types((2, 24, 0)) && has_fp8_types((2, 30, 1)) && has_fp8_types((3, 0, 0)));
+/// assert!(!has_fp8_types((2, 23, 4)) && !has_fp8_types((2, 18, 5)));
 /// ```
-pub fn supports(dtype: DType, op: Option<ReduceOp>) -> bool {
-    // Interim (issue #16 item 7 in progress): booleans and 8-bit floats are not mapped yet.
-    if matches!(dtype, DType::Bool | DType::F8E4M3 | DType::F8E5M2) {
-        return false;
+pub fn has_fp8_types(version: (u32, u32, u32)) -> bool {
+    version >= FP8_VERSION
+}
+
+/// What the loaded NCCL library and this communicator's GPU can do, as far as the front end
+/// needs to know ([`grid_core::Backend::supports`]).
+///
+/// * Every dtype **moves** (every operation that does not reduce): `Bool` and fp8 as
+///   `ncclUint8` bytes, on every version and GPU.
+/// * Reductions: every operation on f32, f64, f16, bf16; every operation but `Avg` on the
+///   integers (`ncclAvg` is floating point only); on `Bool` logical OR (`Sum`, `Max`) and AND
+///   (`Prod`, `Min`) as `ncclMax` / `ncclMin` of bytes, no `Avg`; on fp8 every operation when
+///   [`Capabilities::fp8_reductions`], none otherwise.
+///
+/// ```
+/// use backend_nccl::comm::Capabilities;
+/// use grid_core::{DType, ReduceOp};
+/// let h100 = Capabilities::new((2, 26, 2), (9, 0));
+/// let a100 = Capabilities::new((2, 26, 2), (8, 0));
+/// let old = Capabilities::new((2, 21, 5), (9, 0));
+/// assert!(h100.supports(DType::F8E4M3, Some(ReduceOp::Sum)));
+/// assert!(!a100.supports(DType::F8E4M3, Some(ReduceOp::Sum)));
+/// assert!(!old.supports(DType::F8E5M2, Some(ReduceOp::Max)));
+/// assert!(old.supports(DType::F8E5M2, None)); // moved as bytes
+/// assert!(h100.supports(DType::Bool, Some(ReduceOp::Sum)) && !h100.supports(DType::Bool, Some(ReduceOp::Avg)));
+/// assert!(!h100.supports(DType::I32, Some(ReduceOp::Avg)));
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Capabilities {
+    /// The loaded NCCL version `(major, minor, patch)`.
+    pub nccl_version: (u32, u32, u32),
+    /// The GPU's compute capability `(major, minor)`.
+    pub compute_capability: (u32, u32),
+}
+
+impl Capabilities {
+    /// The capabilities of NCCL `nccl_version` on a GPU of `compute_capability`.
+    pub fn new(nccl_version: (u32, u32, u32), compute_capability: (u32, u32)) -> Self {
+        Capabilities {
+            nccl_version,
+            compute_capability,
+        }
     }
-    op != Some(ReduceOp::Avg) || dtype.is_float()
+
+    /// Whether fp8 is reduced: the library has the fp8 types ([`has_fp8_types`]) and the GPU
+    /// has compute capability 9.0 or newer ([`FP8_COMPUTE_CAPABILITY`]).
+    pub fn fp8_reductions(&self) -> bool {
+        has_fp8_types(self.nccl_version) && self.compute_capability >= FP8_COMPUTE_CAPABILITY
+    }
+
+    /// Whether `dtype` moves (`op = None`) or reduces with `op`; see the type's docs.
+    pub fn supports(&self, dtype: DType, op: Option<ReduceOp>) -> bool {
+        match op {
+            None => true,
+            Some(r) => crate::ffi::reduction(dtype, r, self.fp8_reductions()).is_some(),
+        }
+    }
+
+    /// Which reductions of `dtype` this communicator has, and why not the others (for the
+    /// error of an unsupported reduction).
+    pub fn describe_reductions(&self, dtype: DType) -> String {
+        let (a, b, p) = self.nccl_version;
+        let (ma, mi) = self.compute_capability;
+        match dtype {
+            DType::F8E4M3 | DType::F8E5M2 if !has_fp8_types(self.nccl_version) => format!(
+                "NCCL {a}.{b}.{p} has no fp8 types (NCCL >= 2.24.0 reduces fp8); fp8 is only moved, as bytes"
+            ),
+            DType::F8E4M3 | DType::F8E5M2 if !self.fp8_reductions() => format!(
+                "NCCL reduces fp8 on compute capability 9.0 or newer, this GPU has {ma}.{mi}; fp8 is only moved, as bytes"
+            ),
+            DType::Bool => "bool reduces with sum and max (logical or), prod and min (logical and); avg is not defined".into(),
+            DType::F8E4M3 | DType::F8E5M2 | DType::F32 | DType::F64 | DType::F16 | DType::BF16 => {
+                "every reduction".into()
+            }
+            _ => "integers reduce with sum, prod, min and max; NCCL's avg is floating point only".into(),
+        }
+    }
 }
 
 impl NcclBackend {
     /// Puts a created NCCL communicator (already under the watchdog, its creation settled)
-    /// behind the front end under `name`.
+    /// behind the front end under `name`; `gpu` is its device's context and what NCCL and the
+    /// device can do.
     pub(crate) fn create(
         raw: Arc<RawComm>,
         tracked: Arc<Tracked>,
-        ctx: Arc<CudaContext>,
+        gpu: (Arc<CudaContext>, Capabilities),
         stream: Arc<CudaStream>,
         global_ranks: Vec<usize>,
         name: String,
         timeout: Duration,
     ) -> NcclCommunicator {
+        let (ctx, caps) = gpu;
         let device = ctx.ordinal();
         let shared = Arc::new(Shared::new(
             raw,
@@ -175,6 +256,7 @@ impl NcclBackend {
                 shared,
                 global_ranks,
                 device,
+                caps,
             },
             name,
         )
@@ -182,6 +264,11 @@ impl NcclBackend {
 
     pub(crate) fn shared(&self) -> &Arc<Shared> {
         &self.shared
+    }
+
+    /// What NCCL and this GPU can do (which reductions, fp8).
+    pub fn capabilities(&self) -> Capabilities {
+        self.caps
     }
 
     /// The GPU (CUDA ordinal) this communicator runs on.
@@ -237,7 +324,8 @@ impl NcclBackend {
             ));
         }
         self.shared.bind(OP)?;
-        cuda(OP, || self.shared.stream.clone_htod(data))
+        let data = T::to_device_repr(data);
+        cuda(OP, || self.shared.stream.clone_htod(&*data))
             .map(NcclDeviceBuffer::new)
             .map_err(|e| annotate(e, OP, &self.shared.name))
     }
@@ -252,7 +340,7 @@ impl NcclBackend {
             ));
         }
         self.shared.bind(OP)?;
-        cuda(OP, || self.shared.stream.alloc_zeros::<T>(len))
+        cuda(OP, || self.shared.stream.alloc_zeros::<T::Device>(len))
             .map(NcclDeviceBuffer::new)
             .map_err(|e| annotate(e, OP, &self.shared.name))
     }
@@ -268,7 +356,7 @@ impl NcclBackend {
             self.wait_for(OP, buf)?;
             self.shared
                 .sync(OP, TimeLimit::After(self.shared.timeout))?;
-            cuda(OP, || self.shared.stream.clone_dtoh(&buf.slice))
+            cuda(OP, || self.shared.stream.clone_dtoh(&buf.slice)).map(T::from_device_repr)
         };
         run().map_err(|e| annotate(e, OP, &self.shared.name))
     }
@@ -291,9 +379,9 @@ impl Backend for NcclBackend {
     fn accepts(&self, _memory: Memory) -> bool {
         true
     }
-    /// See [`supports`].
+    /// See [`Capabilities`].
     fn supports(&self, dtype: DType, op: Option<ReduceOp>) -> bool {
-        supports(dtype, op)
+        self.caps.supports(dtype, op)
     }
     fn check_live(&self, op: &'static str) -> Result<()> {
         self.shared.check_live(op)

@@ -2,7 +2,7 @@
 //! are started** (sends and receives too), each watched by the process's watchdog, and
 //! [`NcclWork`], which completes through the operation's completion marker.
 
-use super::exec::{hold, unhold, Kind};
+use super::exec::{hold, unhold, Kind, Shape};
 use super::shared::{Cell, Shared};
 use super::NcclBackend;
 use crate::buffer::{downcast, owned, with_dtype};
@@ -132,21 +132,69 @@ impl NcclBackend {
                 self.barrier_enqueue(op, limit)?;
                 Output::Ready(empty())
             }
+            Request::AllToAllV {
+                send,
+                send_counts,
+                recv,
+                recv_counts,
+            } => {
+                let shape = Shape::AllToAllV {
+                    send_counts: &send_counts,
+                    recv_counts: &recv_counts,
+                };
+                self.start_planned(op, shape, Some(send), Some(recv), keep, limit)?
+            }
+            Request::AllGatherV {
+                send,
+                recv,
+                recv_counts,
+            } => {
+                let shape = Shape::AllGatherV {
+                    recv_counts: &recv_counts,
+                };
+                self.start_planned(op, shape, Some(send), Some(recv), keep, limit)?
+            }
+            Request::ReduceScatterV {
+                send,
+                send_counts,
+                recv,
+                op: r,
+            } => {
+                let shape = Shape::ReduceScatterV {
+                    send_counts: &send_counts,
+                    op: r,
+                };
+                self.start_planned(op, shape, Some(send), Some(recv), keep, limit)?
+            }
+            Request::Reduce {
+                send,
+                recv,
+                op: r,
+                root,
+            } => {
+                let shape = Shape::Reduce {
+                    count: send.len(),
+                    root,
+                    op: r,
+                };
+                self.start_planned(op, shape, Some(send), recv, keep, limit)?
+            }
+            Request::Gather { send, recv, root } => {
+                let shape = Shape::Gather {
+                    count: send.len(),
+                    root,
+                };
+                self.start_planned(op, shape, Some(send), recv, keep, limit)?
+            }
+            Request::Scatter { send, recv, root } => {
+                let shape = Shape::Scatter {
+                    count: recv.len(),
+                    root,
+                };
+                self.start_planned(op, shape, send, Some(recv), keep, limit)?
+            }
             Request::Send { .. } | Request::Recv { .. } => {
                 return Err(internal(op, "point-to-point request in enqueue_request"))
-            }
-            // Interim (issue #16 item 7 in progress).
-            Request::AllToAllV { .. }
-            | Request::AllGatherV { .. }
-            | Request::ReduceScatterV { .. }
-            | Request::Reduce { .. }
-            | Request::Gather { .. }
-            | Request::Scatter { .. } => {
-                return Err(grid_core::Error::Unsupported {
-                    op,
-                    backend: "nccl",
-                    what: "this operation yet".into(),
-                })
             }
         })
     }
@@ -257,6 +305,85 @@ impl NcclBackend {
     }
 }
 
+impl NcclBackend {
+    /// A planned operation (all-to-all-v, all-gather-v, reduce-scatter-v, reduce, gather,
+    /// scatter) on owned tensors. The work's result is the receive tensor where the rank has
+    /// one, else its send tensor back (reduce and gather off the root). `keep` receives the
+    /// device buffers NCCL uses, the result first.
+    fn start_planned(
+        &self,
+        op: &'static str,
+        shape: Shape<'_>,
+        send: Option<Tensor>,
+        recv: Option<Tensor>,
+        keep: &mut Vec<Box<dyn DeviceBuffer>>,
+        limit: TimeLimit,
+    ) -> Result<Output> {
+        let raw = &self.shared.raw;
+        let calls = shape.calls(raw.rank(), raw.size())?;
+        if calls.is_empty() {
+            // Nothing moves on this rank: the result as it is.
+            return Ok(Output::Ready(recv.or(send).unwrap_or_else(empty)));
+        }
+        let (sdev, shost) = match send {
+            Some(t) => self.operand(op, t, true)?,
+            None => (None, None),
+        };
+        match recv {
+            Some(r) => {
+                let recv_host = matches!(r, Tensor::Host(_));
+                let (rdev, rhost) = self.operand(op, r, false)?;
+                let Some(mut rdev) = rdev else {
+                    // An empty host receive buffer: nothing to receive here; the send (if any)
+                    // still has to go out.
+                    let res = self.enqueue_plan(
+                        op,
+                        &calls,
+                        shape.reduce_op(),
+                        sdev.as_deref(),
+                        None,
+                        limit,
+                    );
+                    keep.extend(sdev);
+                    res?;
+                    return Ok(Output::Ready(rhost.map(Tensor::Host).unwrap_or_else(empty)));
+                };
+                let res = self.enqueue_plan(
+                    op,
+                    &calls,
+                    shape.reduce_op(),
+                    sdev.as_deref(),
+                    Some(&mut *rdev),
+                    limit,
+                );
+                keep.push(rdev);
+                keep.extend(sdev);
+                res?;
+                Ok(if recv_host {
+                    Output::Staged
+                } else {
+                    Output::Device
+                })
+            }
+            None => {
+                // Off the root of a reduce or gather: the send tensor comes back.
+                let res =
+                    self.enqueue_plan(op, &calls, shape.reduce_op(), sdev.as_deref(), None, limit);
+                let out = match shost {
+                    Some(h) => Output::Ready(Tensor::Host(h)),
+                    None => Output::Device,
+                };
+                keep.extend(sdev);
+                res?;
+                if matches!(out, Output::Device) && keep.is_empty() {
+                    return Err(internal(op, "device send tensor missing"));
+                }
+                Ok(out)
+            }
+        }
+    }
+}
+
 fn work(
     b: &NcclBackend,
     op: &'static str,
@@ -346,7 +473,8 @@ impl NcclWork {
                 self.shared.bind(op)?;
                 let h = with_dtype!(d.dtype(), T => {
                     let b = downcast::<T>(op, &*d)?;
-                    owned::<T>(cuda(op, || self.shared.stream.clone_dtoh(&b.slice))?)
+                    let v = cuda(op, || self.shared.stream.clone_dtoh(&b.slice))?;
+                    owned::<T>(<T as crate::buffer::NcclElement>::from_device_repr(v))
                 });
                 Ok(Tensor::Host(h))
             }
