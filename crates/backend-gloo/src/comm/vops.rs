@@ -19,6 +19,10 @@
 //! combine them with [`kernels::reduce`], in rank order: the results are those of the host
 //! kernels, bit for bit (the same as the in-process backend), including `Avg`.
 
+// Until grid-core's `Op`/`Request` variants of issue #16 item 7 reach this branch, only the unit
+// tests below call these algorithms; `Backend::run`/`start` dispatch to them once they exist.
+#![cfg_attr(not(test), allow(dead_code))]
+
 use super::{Inner, BACKEND, MESSAGE_MISMATCH};
 use crate::ffi::{P2pMismatch, RawBlock};
 use grid_core::{
@@ -381,5 +385,177 @@ fn valid_counts(op: &str) -> &'static str {
             "recv.len() equal on every rank, and the root's send holding size blocks of it"
         }
         _ => "send.len() equal on every rank, and the same root",
+    }
+}
+
+/// The algorithms called directly (no front end, so no mismatch check: the unchecked path),
+/// ranks as threads: exact values, and disagreements reported by the receiving rank.
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{run_ranks, GlooConfig};
+
+    const T: Duration = Duration::from_secs(60);
+
+    fn on_ranks<R: Send>(n: usize, job: &str, f: impl Fn(&Inner) -> Result<R> + Sync) -> Vec<R> {
+        let cfg = GlooConfig::new(job).with_timeout(T);
+        run_ranks(n, &cfg, |_f, w| f(&w.inner().inner))
+            .unwrap()
+            .into_iter()
+            .enumerate()
+            .map(|(r, x)| x.unwrap_or_else(|e| panic!("rank {r}: {e}")))
+            .collect()
+    }
+
+    #[test]
+    fn every_operation_is_exact_at_1_to_4_ranks() {
+        for n in [1usize, 2, 3, 4] {
+            on_ranks(n, &format!("vops-unit-{n}"), |c| {
+                let me = c.rank();
+                let v = |from: usize, to: usize, i: usize| (from * 100 + to * 10 + i) as i64;
+                // all_to_all_v: rank r sends (r + j) % 3 elements to rank j.
+                let sc: Vec<usize> = (0..n).map(|j| (me + j) % 3).collect();
+                let rc: Vec<usize> = (0..n).map(|j| (j + me) % 3).collect();
+                let send: Vec<i64> = (0..n)
+                    .flat_map(|j| (0..sc[j]).map(move |i| v(me, j, i)))
+                    .collect();
+                let mut recv = vec![-1i64; rc.iter().sum()];
+                c.all_to_all_v(
+                    HostSlice::I64(&send),
+                    &sc,
+                    HostSliceMut::I64(&mut recv),
+                    &rc,
+                    1,
+                    T,
+                )?;
+                let want: Vec<i64> = (0..n)
+                    .flat_map(|j| (0..rc[j]).map(move |i| v(j, me, i)))
+                    .collect();
+                assert_eq!(recv, want, "all_to_all_v");
+                // all_gather_v: rank j contributes j + 1 elements.
+                let counts: Vec<usize> = (0..n).map(|j| j + 1).collect();
+                let mine: Vec<i64> = (0..=me).map(|i| v(me, 0, i)).collect();
+                let mut recv = vec![0i64; counts.iter().sum()];
+                c.all_gather_v(
+                    HostSlice::I64(&mine),
+                    HostSliceMut::I64(&mut recv),
+                    &counts,
+                    2,
+                    T,
+                )?;
+                let want: Vec<i64> = (0..n)
+                    .flat_map(|j| (0..=j).map(move |i| v(j, 0, i)))
+                    .collect();
+                assert_eq!(recv, want, "all_gather_v");
+                // reduce_scatter_v (Sum) with the same counts.
+                let total: usize = counts.iter().sum();
+                let send: Vec<i64> = (0..total).map(|i| v(me, 1, i)).collect();
+                let mut recv = vec![0i64; me + 1];
+                c.reduce_scatter_v(
+                    HostSlice::I64(&send),
+                    &counts,
+                    HostSliceMut::I64(&mut recv),
+                    ReduceOp::Sum,
+                    3,
+                    T,
+                )?;
+                let off = me * (me + 1) / 2;
+                let want: Vec<i64> = (0..=me)
+                    .map(|i| (0..n).map(|r| v(r, 1, off + i)).sum())
+                    .collect();
+                assert_eq!(recv, want, "reduce_scatter_v");
+                for root in 0..n {
+                    let tag = 10 + 3 * root as u32;
+                    // reduce (Max), gather, scatter
+                    let send: Vec<i64> = (0..4).map(|i| v(me, root, i)).collect();
+                    let mut out = vec![0i64; 4];
+                    let o = (me == root).then_some(HostSliceMut::I64(&mut out));
+                    c.reduce(HostSlice::I64(&send), o, ReduceOp::Max, root, tag, T)?;
+                    if me == root {
+                        assert_eq!(
+                            out,
+                            (0..4).map(|i| v(n - 1, root, i)).collect::<Vec<_>>(),
+                            "reduce"
+                        );
+                    }
+                    let mut all = vec![0i64; 4 * n];
+                    let o = (me == root).then_some(HostSliceMut::I64(&mut all));
+                    c.gather(HostSlice::I64(&send), o, root, tag + 1, T)?;
+                    if me == root {
+                        let want: Vec<i64> = (0..n)
+                            .flat_map(|j| (0..4).map(move |i| v(j, root, i)))
+                            .collect();
+                        assert_eq!(all, want, "gather");
+                    }
+                    let blocks: Vec<i64> = (0..n)
+                        .flat_map(|j| (0..4).map(move |i| v(root, j, i)))
+                        .collect();
+                    let mut got = vec![0i64; 4];
+                    let s = (me == root).then_some(HostSlice::I64(&blocks));
+                    c.scatter(s, HostSliceMut::I64(&mut got), root, tag + 2, T)?;
+                    assert_eq!(
+                        got,
+                        (0..4).map(|i| v(root, me, i)).collect::<Vec<_>>(),
+                        "scatter"
+                    );
+                }
+                Ok(())
+            });
+        }
+    }
+
+    /// Unchecked disagreements: the receiving rank gets `message mismatch` naming the sender
+    /// and both counts, its memory for the block is unchanged, and the communicator works on.
+    #[test]
+    fn disagreements_are_reported_by_the_receiver() {
+        let out = on_ranks(3, "vops-unit-mismatch", |c| {
+            let (me, n) = (c.rank(), 3);
+            let mut errs = Vec::new();
+            // all_to_all_v: rank 1 sends 3 elements to rank 0, which expects 2.
+            let sc: Vec<usize> = (0..n)
+                .map(|j| if me == 1 && j == 0 { 3 } else { 2 })
+                .collect();
+            let send = vec![7i32; sc.iter().sum()];
+            let mut recv = vec![-1i32; 2 * n];
+            let r = c.all_to_all_v(
+                HostSlice::I32(&send),
+                &sc,
+                HostSliceMut::I32(&mut recv),
+                &[2; 3],
+                1,
+                T,
+            );
+            if me == 0 {
+                assert_eq!(&recv[2..4], &[-1, -1], "the discarded block was written");
+            }
+            errs.push(r.err().map(|e| e.to_string()));
+            // gather to root 0: rank 2 sends 5 elements where the root expects 4.
+            let send = vec![1.5f32; if me == 2 { 5 } else { 4 }];
+            let mut all = vec![0.0f32; 12];
+            let o = (me == 0).then_some(HostSliceMut::F32(&mut all));
+            errs.push(
+                c.gather(HostSlice::F32(&send), o, 0, 2, T)
+                    .err()
+                    .map(|e| e.to_string()),
+            );
+            // The communicator works on.
+            let mut all = vec![0u8; 3];
+            let o = (me == 1).then_some(HostSliceMut::U8(&mut all));
+            c.gather(HostSlice::U8(&[me as u8]), o, 1, 3, T)?;
+            if me == 1 {
+                assert_eq!(all, [0, 1, 2]);
+            }
+            Ok(errs)
+        });
+        let e = out[0][0].as_deref().expect("rank 0 is told");
+        assert!(
+            e.contains("all_to_all_v") && e.contains("message mismatch"),
+            "{e}"
+        );
+        assert!(e.contains("rank 1 (world rank 1) sent a block of 3 i32 elements to this rank, which expected 2 i32 elements"), "{e}");
+        assert!(out[1][0].is_none() && out[2][0].is_none(), "{:?}", out);
+        let e = out[0][1].as_deref().expect("the root is told");
+        assert!(e.contains("rank 2 (world rank 2) sent a block of 5 f32 elements to this rank, which expected 4 f32"), "{e}");
+        assert!(out[1][1].is_none() && out[2][1].is_none(), "{:?}", out);
     }
 }
