@@ -58,6 +58,9 @@ constexpr uint8_t kP2pSlotPrefix = 0x7A;
 constexpr uint8_t kP2pPayloadPrefix = 0x7C;
 // Slot prefix of the receiver's answer to a large message (same 56-bit message number).
 constexpr uint8_t kP2pReplyPrefix = 0x7D;
+// Slot prefix of the headers (and whole small messages) of the collectives built from
+// point-to-point messages (gloo_shim_exchange); the low 32 bits: the collective's tag.
+constexpr uint8_t kCollSlotPrefix = 0x79;
 
 // Tag of the barrier that ends a rendezvous (never reached by the collective counter in practice).
 constexpr uint32_t kConnectBarrierTag = 0xFFFFFFFFu;
@@ -426,6 +429,15 @@ struct f16_t {
 struct bf16_t {
   uint16_t x;
 };
+struct bool_t {
+  uint8_t x;
+};
+struct f8e4m3_t {
+  uint8_t x;
+};
+struct f8e5m2_t {
+  uint8_t x;
+};
 
 template <typename T>
 struct DtypeOf;
@@ -456,6 +468,30 @@ struct DtypeOf<f16_t> {
 template <>
 struct DtypeOf<bf16_t> {
   static constexpr int32_t value = GLOO_SHIM_BF16;
+};
+template <>
+struct DtypeOf<int8_t> {
+  static constexpr int32_t value = GLOO_SHIM_I8;
+};
+template <>
+struct DtypeOf<uint32_t> {
+  static constexpr int32_t value = GLOO_SHIM_U32;
+};
+template <>
+struct DtypeOf<uint64_t> {
+  static constexpr int32_t value = GLOO_SHIM_U64;
+};
+template <>
+struct DtypeOf<bool_t> {
+  static constexpr int32_t value = GLOO_SHIM_BOOL;
+};
+template <>
+struct DtypeOf<f8e4m3_t> {
+  static constexpr int32_t value = GLOO_SHIM_F8E4M3;
+};
+template <>
+struct DtypeOf<f8e5m2_t> {
+  static constexpr int32_t value = GLOO_SHIM_F8E5M2;
 };
 
 // The reduction function of the legacy algorithm (gloo::ReductionFunction<T> takes a plain
@@ -493,7 +529,7 @@ const gloo::ReductionFunction<T>* reduction_function(int32_t op) {
 }
 
 bool valid_dtype(int32_t d) {
-  return d >= GLOO_SHIM_F32 && d <= GLOO_SHIM_BF16;
+  return d >= GLOO_SHIM_F32 && d <= GLOO_SHIM_F8E5M2;
 }
 bool valid_op(int32_t op) {
   return op >= GLOO_SHIM_SUM && op <= GLOO_SHIM_MAX;
@@ -523,6 +559,24 @@ void with_dtype(int32_t dtype, F&& f) {
       break;
     case GLOO_SHIM_BF16:
       f(bf16_t{});
+      break;
+    case GLOO_SHIM_I8:
+      f(int8_t{});
+      break;
+    case GLOO_SHIM_U32:
+      f(uint32_t{});
+      break;
+    case GLOO_SHIM_U64:
+      f(uint64_t{});
+      break;
+    case GLOO_SHIM_BOOL:
+      f(bool_t{});
+      break;
+    case GLOO_SHIM_F8E4M3:
+      f(f8e4m3_t{});
+      break;
+    case GLOO_SHIM_F8E5M2:
+      f(f8e5m2_t{});
       break;
     default:
       throw std::invalid_argument("unknown dtype " + std::to_string(dtype));
@@ -718,11 +772,17 @@ size_t dtype_size(int32_t d) {
   switch (d) {
     case GLOO_SHIM_F32:
     case GLOO_SHIM_I32:
+    case GLOO_SHIM_U32:
       return 4;
     case GLOO_SHIM_F64:
     case GLOO_SHIM_I64:
+    case GLOO_SHIM_U64:
       return 8;
     case GLOO_SHIM_U8:
+    case GLOO_SHIM_I8:
+    case GLOO_SHIM_BOOL:
+    case GLOO_SHIM_F8E4M3:
+    case GLOO_SHIM_F8E5M2:
       return 1;
     case GLOO_SHIM_F16:
     case GLOO_SHIM_BF16:
@@ -732,8 +792,9 @@ size_t dtype_size(int32_t d) {
   }
 }
 
-uint64_t header_slot(uint32_t tag) {
-  return gloo::Slot::build(kP2pSlotPrefix, tag);
+// prefix: kP2pSlotPrefix (user messages) or kCollSlotPrefix (gloo_shim_exchange).
+uint64_t header_slot(uint8_t prefix, uint32_t tag) {
+  return gloo::Slot::build(prefix, tag);
 }
 
 uint64_t payload_slot(uint64_t seq) {
@@ -1286,7 +1347,7 @@ class P2pTransfer {
  public:
   P2pTransfer(
       gloo::Context& ctx, std::atomic<uint64_t>& seq, std::shared_ptr<P2pWaits> waits,
-      gloo_shim_p2p_op& op)
+      gloo_shim_p2p_op& op, uint8_t prefix = kP2pSlotPrefix)
       : ctx_(ctx), waits_(std::move(waits)), op_(op) {
     check_op(ctx, op);
     op_.mismatch = 0;
@@ -1295,7 +1356,7 @@ class P2pTransfer {
     if (op_.is_recv) {
       staging_.reset(new char[kHeader + kInlineMax]);
       head_ = ctx_.createUnboundBuffer(staging_.get(), kHeader + kInlineMax);
-      head_->recv(op_.peer, header_slot(op_.tag), 0, kHeader + kInlineMax);
+      head_->recv(op_.peer, header_slot(prefix, op_.tag), 0, kHeader + kInlineMax);
       return;
     }
     P2pHeader h{kP2pMagic, op_.dtype, op_.count, op_.bytes, 0, 0};
@@ -1307,7 +1368,7 @@ class P2pTransfer {
         g_p2p_copied.fetch_add(op_.bytes, std::memory_order_relaxed);
       }
       head_ = ctx_.createUnboundBuffer(staging_.get(), kHeader + op_.bytes);
-      head_->send(op_.peer, header_slot(op_.tag), 0, kHeader + op_.bytes);
+      head_->send(op_.peer, header_slot(prefix, op_.tag), 0, kHeader + op_.bytes);
       return;
     }
     h.chunk = kChunk;
@@ -1319,7 +1380,7 @@ class P2pTransfer {
     staging_.reset(new char[kHeader]);
     std::memcpy(staging_.get(), &h, kHeader);
     head_ = ctx_.createUnboundBuffer(staging_.get(), kHeader);
-    head_->send(op_.peer, header_slot(op_.tag), 0, kHeader);
+    head_->send(op_.peer, header_slot(prefix, op_.tag), 0, kHeader);
     body_ = ctx_.createUnboundBuffer(op_.ptr, op_.bytes);
     for (size_t off = 0; off < op_.bytes; off += kChunk) {
       body_->send(op_.peer, payload_slot(h.seq), off, std::min(kChunk, op_.bytes - off));
@@ -1868,9 +1929,14 @@ int32_t gloo_shim_barrier(
 
 // ---- point to point --------------------------------------------------------------------------------
 
-int32_t gloo_shim_p2p(
+}  // extern "C"
+
+namespace {
+
+// gloo_shim_p2p and gloo_shim_exchange: the headers travel on slot prefix `prefix`.
+int32_t run_p2p(
     gloo_shim_context* c, gloo_shim_p2p_op* ops, size_t n, int64_t timeout_ms,
-    gloo_shim_status* st) {
+    gloo_shim_status* st, uint8_t prefix) {
   return guarded(c->ctx.get(), st, [&] {
     auto deadline = std::chrono::steady_clock::now() + to_millis(timeout_ms);
     // Unwinding out of this block destroys every transfer, which cancels what is pending and
@@ -1883,7 +1949,7 @@ int32_t gloo_shim_p2p(
     std::vector<std::unique_ptr<P2pTransfer>> transfers;
     transfers.reserve(n);
     for (size_t i = 0; i < n; i++) {
-      transfers.emplace_back(new P2pTransfer(*c->ctx, c->p2p_seq, c->waits, ops[i]));
+      transfers.emplace_back(new P2pTransfer(*c->ctx, c->p2p_seq, c->waits, ops[i], prefix));
     }
     // Every header first (each receive posts its payload as soon as its header is read), then
     // everything else. The peers posted all of their sends when their own calls began, so no
@@ -1895,6 +1961,22 @@ int32_t gloo_shim_p2p(
       t->complete(deadline);
     }
   });
+}
+
+}  // namespace
+
+extern "C" {
+
+int32_t gloo_shim_p2p(
+    gloo_shim_context* c, gloo_shim_p2p_op* ops, size_t n, int64_t timeout_ms,
+    gloo_shim_status* st) {
+  return run_p2p(c, ops, n, timeout_ms, st, kP2pSlotPrefix);
+}
+
+int32_t gloo_shim_exchange(
+    gloo_shim_context* c, gloo_shim_p2p_op* ops, size_t n, int64_t timeout_ms,
+    gloo_shim_status* st) {
+  return run_p2p(c, ops, n, timeout_ms, st, kCollSlotPrefix);
 }
 
 uint64_t gloo_shim_p2p_copied_bytes(void) {

@@ -43,7 +43,10 @@ enum {
   GLOO_SHIM_ABORTED = 8
 };
 
-/* Element types (same order as grid_core::DType). */
+/* Element types (backend-gloo maps grid_core::DType to these explicitly). The shim only needs
+ * each one's size; reductions happen in the caller's gloo_shim_reduce_fn. BOOL is one byte
+ * (any value; non-zero is true); the fp8 types are one opaque byte each (moved, never reduced
+ * by backend-gloo). */
 enum {
   GLOO_SHIM_F32 = 0,
   GLOO_SHIM_F64 = 1,
@@ -51,7 +54,13 @@ enum {
   GLOO_SHIM_I64 = 3,
   GLOO_SHIM_U8 = 4,
   GLOO_SHIM_F16 = 5,
-  GLOO_SHIM_BF16 = 6
+  GLOO_SHIM_BF16 = 6,
+  GLOO_SHIM_I8 = 7,
+  GLOO_SHIM_U32 = 8,
+  GLOO_SHIM_U64 = 9,
+  GLOO_SHIM_BOOL = 10,
+  GLOO_SHIM_F8E4M3 = 11,
+  GLOO_SHIM_F8E5M2 = 12
 };
 
 /* Reductions. */
@@ -259,6 +268,17 @@ int32_t gloo_shim_barrier(
  * operations are cancelled before returning: no buffer is touched after the call returns. A
  * receive whose message does not match it is not a failure: see the op's outputs. */
 int32_t gloo_shim_p2p(
+    gloo_shim_context* ctx, gloo_shim_p2p_op* ops, size_t n, int64_t timeout_ms,
+    gloo_shim_status* st);
+/* gloo_shim_p2p for the messages of a collective that the caller builds from point-to-point
+ * messages (backend-gloo's all-to-all-v, all-gather-v, reduce-scatter-v, reduce, gather,
+ * scatter): the same length protocol, posting and cancellation, but each op's tag is the
+ * collective's tag and the headers travel on a slot prefix of their own (never a user tag's
+ * and never one of Gloo's collectives'), so user point-to-point messages can never match them.
+ * A receive whose message does not match it (another element type or count: ranks that
+ * disagree on the counts) is reported in the op's outputs exactly as for gloo_shim_p2p; no
+ * buffer is touched beyond the memory each op names. */
+int32_t gloo_shim_exchange(
     gloo_shim_context* ctx, gloo_shim_p2p_op* ops, size_t n, int64_t timeout_ms,
     gloo_shim_status* st);
 /* Posts one operation and returns a handle to wait on; the memory must stay valid until the

@@ -17,6 +17,8 @@ use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+mod vops;
+
 const BACKEND: &str = "gloo";
 /// The failure recorded by [`GlooBackend::abort`].
 const ABORTED: &str = "aborted by the user";

@@ -728,6 +728,23 @@ pub enum RawP2p<'a> {
     },
 }
 
+/// One block of [`RawContext::exchange`]: `count` elements at element `offset` of the send or
+/// receive buffer, to or from context rank `peer`.
+///
+/// ```
+/// let b = backend_gloo::RawBlock { peer: 1, offset: 4, count: 2 };
+/// assert_eq!(b.offset + b.count, 6);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RawBlock {
+    /// The other rank (context rank, not this one).
+    pub peer: usize,
+    /// First element of the block in its buffer.
+    pub offset: usize,
+    /// Number of elements.
+    pub count: usize,
+}
+
 /// A message whose two sides disagreed on its element type or count (the shim's length
 /// protocol, see [`RawContext::p2p`]). On the receive's side: the message was consumed and
 /// discarded, the receive buffer is untouched. On the send's side (reported for messages of
@@ -1299,6 +1316,129 @@ impl RawContext {
         // output fields of the op structs, which live in `raw`.
         let rc = unsafe {
             sys::gloo_shim_p2p(
+                self.ptr.as_ptr(),
+                raw.as_mut_ptr(),
+                raw.len(),
+                millis(timeout),
+                &mut st,
+            )
+        };
+        check(rc, &st)?;
+        let mut out = Vec::new();
+        for (i, op) in raw.iter().enumerate() {
+            if let Some(m) = mismatch_of(i, op)? {
+                out.push(m);
+            }
+        }
+        Ok(out)
+    }
+
+    /// The messages of one collective built from point-to-point messages (all-to-all-v,
+    /// all-gather-v, reduce-scatter-v, reduce, gather, scatter): each [`RawBlock`] of `sends`
+    /// goes from `send` to its peer, each of `recvs` comes from its peer into `recv`, all posted
+    /// at once and waited for within `timeout`. The messages use the length protocol of
+    /// [`RawContext::p2p`] (so a block whose two sides disagree on its element type or count is
+    /// reported, never written: the returned list) on slots of their own, derived from `tag`
+    /// (the collective's tag): no user point-to-point message and no Gloo collective can match
+    /// them. Every block is sent, even an empty one (its header tells the receiver the count).
+    ///
+    /// Checked here: every block lies inside its buffer, no two receive blocks overlap, and no
+    /// block names this rank or a rank outside the context (the caller copies its own blocks).
+    ///
+    /// ```
+    /// # use backend_gloo::{run_ranks, GlooConfig, RawBlock};
+    /// # use grid_core::{Communicator, HostSlice, HostSliceMut};
+    /// # use std::time::Duration;
+    /// // Rank 0 sends 3 elements to rank 1, rank 1 sends 1 element to rank 0.
+    /// let r = run_ranks(2, &GlooConfig::new("doc-exchange"), |_f, w| {
+    ///     let (me, peer) = (w.rank(), 1 - w.rank());
+    ///     let send = [10 * me as i32 + 1, 10 * me as i32 + 2, 10 * me as i32 + 3];
+    ///     let (n_out, n_in) = if me == 0 { (3, 1) } else { (1, 3) };
+    ///     let mut recv = [0i32; 3];
+    ///     let m = w.raw().exchange(
+    ///         HostSlice::I32(&send), &[RawBlock { peer, offset: 0, count: n_out }],
+    ///         HostSliceMut::I32(&mut recv), &[RawBlock { peer, offset: 0, count: n_in }],
+    ///         5, Duration::from_secs(10),
+    ///     ).map_err(|e| grid_core::Error::Invalid(e.to_string()))?;
+    ///     assert!(m.is_empty());
+    ///     Ok(recv)
+    /// }).unwrap();
+    /// assert_eq!(r[0].as_ref().unwrap(), &[11, 0, 0]);
+    /// assert_eq!(r[1].as_ref().unwrap(), &[1, 2, 3]);
+    /// ```
+    #[allow(clippy::too_many_arguments)]
+    pub fn exchange(
+        &self,
+        send: HostSlice<'_>,
+        sends: &[RawBlock],
+        mut recv: HostSliceMut<'_>,
+        recvs: &[RawBlock],
+        tag: u32,
+        timeout: Duration,
+    ) -> ShimResult<Vec<P2pMismatch>> {
+        let inside = |what: &str, b: &RawBlock, len: usize| -> ShimResult<()> {
+            match b.offset.checked_add(b.count) {
+                Some(end) if end <= len => Ok(()),
+                _ => Err(ShimError::invalid(format!(
+                    "{what} block for rank {} (elements {}..{}+{}) does not lie inside the buffer of {len} elements",
+                    b.peer, b.offset, b.offset, b.count
+                ))),
+            }
+        };
+        for b in sends {
+            inside("send", b, send.len())?;
+        }
+        for b in recvs {
+            inside("receive", b, recv.len())?;
+        }
+        let mut order: Vec<&RawBlock> = recvs.iter().filter(|b| b.count > 0).collect();
+        order.sort_by_key(|b| b.offset);
+        if let Some(w) = order
+            .windows(2)
+            .find(|w| w[0].offset + w[0].count > w[1].offset)
+        {
+            return Err(ShimError::invalid(format!(
+                "the receive blocks from ranks {} and {} overlap (elements {}+{} and {}+{})",
+                w[0].peer, w[1].peer, w[0].offset, w[0].count, w[1].offset, w[1].count
+            )));
+        }
+        let (sd, rd) = (send.dtype(), recv.dtype());
+        let (sp, rp) = (send.as_ptr(), recv.as_mut_ptr());
+        let mut raw = Vec::with_capacity(sends.len() + recvs.len());
+        for b in recvs {
+            // The pointer is only formed here (wrapping_add: no unsafe); the shim dereferences
+            // it for the block's bytes, which lie inside `recv` (checked above).
+            let p = rp.wrapping_add(b.offset * rd.size_bytes());
+            raw.push(raw_op_of(
+                true,
+                self.check_peer(b.peer)?,
+                tag,
+                rd,
+                b.count,
+                p.cast(),
+            ));
+        }
+        for b in sends {
+            let p = sp.wrapping_add(b.offset * sd.size_bytes());
+            raw.push(raw_op_of(
+                false,
+                self.check_peer(b.peer)?,
+                tag,
+                sd,
+                b.count,
+                p as *mut c_void,
+            ));
+        }
+        let mut st = new_status();
+        // SAFETY: live context; every op's memory lies inside `send` (readable, borrowed for
+        // the call) or `recv` (writable, uniquely borrowed for the call), checked above, with
+        // `bytes` = count · element size of the buffer's dtype (raw_op_of); receive blocks are
+        // pairwise disjoint (checked), so no two writes of the shim overlap; the shim waits for
+        // or cancels every operation before returning, and never writes to send memory (passed
+        // as *mut only because the C struct is shared). The shim writes only the ops' outputs,
+        // which live in `raw`.
+        let rc = unsafe {
+            sys::gloo_shim_exchange(
                 self.ptr.as_ptr(),
                 raw.as_mut_ptr(),
                 raw.len(),

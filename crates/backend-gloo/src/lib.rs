@@ -63,8 +63,8 @@ pub use factory::{
     Rendezvous,
 };
 pub use ffi::{
-    p2p_copied_bytes, P2pMismatch, RawContext, RawOp, RawP2p, ReduceScatterAlgorithm, ShimCode,
-    ShimError, P2P_INLINE_MAX,
+    p2p_copied_bytes, P2pMismatch, RawBlock, RawContext, RawOp, RawP2p, ReduceScatterAlgorithm,
+    ShimCode, ShimError, P2P_INLINE_MAX,
 };
 pub use tuning::{
     AllreduceAlgorithm, ParseAlgorithmError, TableRow, ALLREDUCE_ENV, ALLREDUCE_TABLE,
