@@ -473,6 +473,22 @@ impl Error {
         self
     }
 
+    /// The same failure attributed to the operation `op`: the name in [`Error::Timeout`],
+    /// [`Error::PeerFailed`], [`Error::Aborted`] and [`Error::Library`] becomes `op`; other
+    /// errors are returned unchanged. The mismatch check calls it, so that a rank that times
+    /// out or is aborted while the check of a `gather` runs hears about its `gather`, not about
+    /// the check's internal all-reduce.
+    pub(crate) fn in_op(mut self, name: &'static str) -> Error {
+        match &mut self {
+            Error::Timeout { op, .. }
+            | Error::PeerFailed { op, .. }
+            | Error::Aborted { op, .. } => *op = name,
+            Error::Library(l) => l.op = name,
+            _ => {}
+        }
+        self
+    }
+
     /// True for errors of communication (arguments of a communicator call, a backend or peer
     /// failure, a time-out, a finished communicator, a plan mismatch between ranks); false for
     /// errors of topology (layouts, grids, order strings, groups).

@@ -659,7 +659,24 @@ impl DeferredCheck {
     /// agree on the outcome with one more `max_in_place` (of one integer) and, when a rank
     /// disagrees, gather three integers each, so that every rank returns the same
     /// [`Error::CollectiveMismatch`] naming each disagreeing rank, the peer and both counts.
+    ///
+    /// A failure of those exchanges (a time-out, a failed peer, an abort, a library error) is
+    /// returned as a failure of the checked operation: the caller called `op`, not the check.
     pub fn verify(
+        &self,
+        max_in_place: &mut dyn FnMut(&mut [i64]) -> Result<()>,
+        all_gather: &mut GatherFn<'_>,
+        all_to_all: &mut GatherFn<'_>,
+    ) -> Result<()> {
+        let op = self.op;
+        self.verify_fingerprints(
+            &mut |buf| max_in_place(buf).map_err(|e| e.in_op(op)),
+            &mut |mine, all| all_gather(mine, all).map_err(|e| e.in_op(op)),
+            &mut |mine, theirs| all_to_all(mine, theirs).map_err(|e| e.in_op(op)),
+        )
+    }
+
+    fn verify_fingerprints(
         &self,
         max_in_place: &mut dyn FnMut(&mut [i64]) -> Result<()>,
         all_gather: &mut GatherFn<'_>,
