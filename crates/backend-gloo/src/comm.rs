@@ -569,13 +569,103 @@ impl Inner {
                 op,
                 "point-to-point requests are posted directly, never queued on the worker".into(),
             )),
-            // Interim (issue #16 item 7 in progress).
-            Request::AllToAllV { .. }
-            | Request::AllGatherV { .. }
-            | Request::ReduceScatterV { .. }
-            | Request::Reduce { .. }
-            | Request::Gather { .. }
-            | Request::Scatter { .. } => Err(not_yet(op)),
+            Request::AllToAllV {
+                mut send,
+                send_counts,
+                mut recv,
+                recv_counts,
+            } => {
+                self.all_to_all_v(
+                    h(op, &mut send)?.as_slice(),
+                    &send_counts,
+                    h(op, &mut recv)?,
+                    &recv_counts,
+                    tag,
+                    limit,
+                )?;
+                Ok(recv)
+            }
+            Request::AllGatherV {
+                mut send,
+                mut recv,
+                recv_counts,
+            } => {
+                self.all_gather_v(
+                    h(op, &mut send)?.as_slice(),
+                    h(op, &mut recv)?,
+                    &recv_counts,
+                    tag,
+                    limit,
+                )?;
+                Ok(recv)
+            }
+            Request::ReduceScatterV {
+                mut send,
+                send_counts,
+                mut recv,
+                op: r,
+            } => {
+                self.reduce_scatter_v(
+                    h(op, &mut send)?.as_slice(),
+                    &send_counts,
+                    h(op, &mut recv)?,
+                    r,
+                    tag,
+                    limit,
+                )?;
+                Ok(recv)
+            }
+            // Rooted: the root's result, or the caller's send buffer back elsewhere.
+            Request::Reduce {
+                mut send,
+                recv,
+                op: r,
+                root,
+            } => match recv.filter(|_| self.rank() == root) {
+                Some(mut recv) => {
+                    let out = h(op, &mut recv)?;
+                    self.reduce(h(op, &mut send)?.as_slice(), Some(out), r, root, tag, limit)?;
+                    Ok(recv)
+                }
+                None => {
+                    self.reduce(h(op, &mut send)?.as_slice(), None, r, root, tag, limit)?;
+                    Ok(send)
+                }
+            },
+            Request::Gather {
+                mut send,
+                recv,
+                root,
+            } => match recv.filter(|_| self.rank() == root) {
+                Some(mut recv) => {
+                    let out = h(op, &mut recv)?;
+                    self.gather(h(op, &mut send)?.as_slice(), Some(out), root, tag, limit)?;
+                    Ok(recv)
+                }
+                None => {
+                    self.gather(h(op, &mut send)?.as_slice(), None, root, tag, limit)?;
+                    Ok(send)
+                }
+            },
+            Request::Scatter {
+                send,
+                mut recv,
+                root,
+            } => {
+                let mut send = send.filter(|_| self.rank() == root);
+                let src = match send.as_mut() {
+                    Some(t) => Some(h(op, t)?),
+                    None => None,
+                };
+                self.scatter(
+                    src.as_ref().map(|s| s.as_slice()),
+                    h(op, &mut recv)?,
+                    root,
+                    tag,
+                    limit,
+                )?;
+                Ok(recv)
+            }
         }
     }
 
@@ -903,9 +993,12 @@ impl Backend for GlooBackend {
     }
 
     fn supports(&self, dtype: DType, op: Option<ReduceOp>) -> bool {
-        // Interim (issue #16 item 7 in progress): the dtypes added for it move but are not
-        // reduced yet.
-        op.is_none() || DType::ALL[..7].contains(&dtype)
+        // Every dtype moves; reductions run on the host through grid-core's kernels, which have
+        // no arithmetic for the 8-bit floats, and an average of booleans is not a boolean.
+        match op {
+            None => true,
+            Some(r) => !dtype.is_fp8() && dtype.reducible_with(r),
+        }
     }
 
     /// Every collective is checked by default ([`MismatchCheck::All`]): a count or element size
@@ -995,13 +1088,64 @@ impl Backend for GlooBackend {
                 inner.p2p("recv", &mut [RawP2p::Recv { data, peer, tag }], limit)
             }
             Op::Batch(ops) => self.batch(ops, limit),
-            // Interim (issue #16 item 7 in progress).
-            op @ (Op::AllToAllV { .. }
-            | Op::AllGatherV { .. }
-            | Op::ReduceScatterV { .. }
-            | Op::Reduce { .. }
-            | Op::Gather { .. }
-            | Op::Scatter { .. }) => Err(not_yet(op.name())),
+            Op::AllToAllV {
+                send,
+                send_counts,
+                recv,
+                recv_counts,
+            } => {
+                const OP: &str = "all_to_all_v";
+                let (send, recv) = (send.host_only(OP, BACKEND)?, recv.host_only(OP, BACKEND)?);
+                let turn = inner.seq.enter();
+                inner.all_to_all_v(send, send_counts, recv, recv_counts, turn.tag(), limit)
+            }
+            Op::AllGatherV {
+                send,
+                recv,
+                recv_counts,
+            } => {
+                const OP: &str = "all_gather_v";
+                let (send, recv) = (send.host_only(OP, BACKEND)?, recv.host_only(OP, BACKEND)?);
+                let turn = inner.seq.enter();
+                inner.all_gather_v(send, recv, recv_counts, turn.tag(), limit)
+            }
+            Op::ReduceScatterV {
+                send,
+                send_counts,
+                recv,
+                op,
+            } => {
+                const OP: &str = "reduce_scatter_v";
+                let (send, recv) = (send.host_only(OP, BACKEND)?, recv.host_only(OP, BACKEND)?);
+                let turn = inner.seq.enter();
+                inner.reduce_scatter_v(send, send_counts, recv, op, turn.tag(), limit)
+            }
+            Op::Reduce {
+                send,
+                recv,
+                op,
+                root,
+            } => {
+                const OP: &str = "reduce";
+                let send = send.host_only(OP, BACKEND)?;
+                let recv = recv.map(|r| r.host_only(OP, BACKEND)).transpose()?;
+                let turn = inner.seq.enter();
+                inner.reduce(send, recv, op, root, turn.tag(), limit)
+            }
+            Op::Gather { send, recv, root } => {
+                const OP: &str = "gather";
+                let send = send.host_only(OP, BACKEND)?;
+                let recv = recv.map(|r| r.host_only(OP, BACKEND)).transpose()?;
+                let turn = inner.seq.enter();
+                inner.gather(send, recv, root, turn.tag(), limit)
+            }
+            Op::Scatter { send, recv, root } => {
+                const OP: &str = "scatter";
+                let send = send.map(|s| s.host_only(OP, BACKEND)).transpose()?;
+                let recv = recv.host_only(OP, BACKEND)?;
+                let turn = inner.seq.enter();
+                inner.scatter(send, recv, root, turn.tag(), limit)
+            }
         }
     }
 
@@ -1037,16 +1181,6 @@ impl Backend for GlooBackend {
     fn synchronize(&self) -> Result<()> {
         self.inner.seq.drain();
         Ok(())
-    }
-}
-
-/// Interim (issue #16 item 7 in progress): the operations added for it are not run by this
-/// backend yet.
-fn not_yet(op: &'static str) -> Error {
-    Error::Unsupported {
-        op,
-        backend: BACKEND,
-        what: "this operation yet".into(),
     }
 }
 

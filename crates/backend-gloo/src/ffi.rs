@@ -199,11 +199,12 @@ fn dtype_code(d: DType) -> i32 {
         DType::U8 => sys::GLOO_SHIM_U8,
         DType::F16 => sys::GLOO_SHIM_F16,
         DType::BF16 => sys::GLOO_SHIM_BF16,
-        // Interim (issue #16 item 7 in progress): moved as the shim type of the same width,
-        // never reduced (`GlooBackend::supports` refuses their reductions).
-        DType::I8 | DType::Bool | DType::F8E4M3 | DType::F8E5M2 => sys::GLOO_SHIM_U8,
-        DType::U32 => sys::GLOO_SHIM_I32,
-        DType::U64 => sys::GLOO_SHIM_I64,
+        DType::I8 => sys::GLOO_SHIM_I8,
+        DType::U32 => sys::GLOO_SHIM_U32,
+        DType::U64 => sys::GLOO_SHIM_U64,
+        DType::Bool => sys::GLOO_SHIM_BOOL,
+        DType::F8E4M3 => sys::GLOO_SHIM_F8E4M3,
+        DType::F8E5M2 => sys::GLOO_SHIM_F8E5M2,
     }) as i32
 }
 

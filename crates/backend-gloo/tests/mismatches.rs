@@ -669,3 +669,219 @@ fn grid_debug_selects_the_mode() {
     run_processes(T, 2, 20_000, &[("GRID_DEBUG", "detail")]);
     run_processes(T, 2, 20_000, &[]);
 }
+
+// ---- the operations with per-rank counts and the rooted ones (issue #16 item 7) ----------------
+
+/// Asserts a collective mismatch of `op` reported on every rank (checked mode).
+fn assert_v_mismatch(e: Error, op: &str, n: usize) {
+    match &e {
+        Error::CollectiveMismatch {
+            op: o,
+            comm,
+            values,
+            ..
+        } => {
+            assert_eq!((*o, comm.as_str()), (op, "w0"), "{e}");
+            assert_eq!(values.len(), n, "{e}");
+        }
+        other => panic!("expected a collective mismatch of {op}, got {other:?}"),
+    }
+}
+
+/// With the check on (Gloo's default), a count disagreement of each operation with per-rank
+/// counts, and a length disagreement of each rooted one, is `CollectiveMismatch` on every rank
+/// before any data moves (the receive buffers keep their contents); the communicator then
+/// works.
+fn v_checked_child(test: &str) {
+    let world = child_world();
+    let (me, n) = (world.rank(), world.size());
+    assert_eq!(world.mismatch_check(), MismatchCheck::All);
+    // all_to_all_v: rank 1 sends 3 elements to rank 0, which expects 2 from it.
+    let send_counts: Vec<usize> = (0..n)
+        .map(|j| if me == 1 && j == 0 { 3 } else { 2 })
+        .collect();
+    let recv_counts = vec![2usize; n];
+    let send = vec![me as i32; send_counts.iter().sum()];
+    let mut recv = vec![-1i32; 2 * n];
+    let e = world
+        .all_to_all_v_into(&send, &send_counts, &mut recv, &recv_counts)
+        .unwrap_err();
+    println!("rank {me}: {e}");
+    assert_v_mismatch(e, "all_to_all_v", n);
+    assert!(recv.iter().all(|&x| x == -1), "the buffer changed");
+    // all_gather_v: rank 2 passes other counts.
+    let counts: Vec<usize> = (0..n)
+        .map(|j| if me == 2 && j == 0 { 3 } else { 2 })
+        .collect();
+    let send = vec![1.0f32; counts[me]];
+    let mut recv = vec![0.0f32; counts.iter().sum()];
+    let e = world
+        .all_gather_v_into(&send, &mut recv, &counts)
+        .unwrap_err();
+    println!("rank {me}: {e}");
+    assert_v_mismatch(e, "all_gather_v", n);
+    // reduce_scatter_v: rank 0 passes other counts.
+    let counts: Vec<usize> = (0..n)
+        .map(|j| if me == 0 && j == 1 { 3 } else { 2 })
+        .collect();
+    let send = vec![1i64; counts.iter().sum()];
+    let mut recv = vec![0i64; counts[me]];
+    let e = world
+        .reduce_scatter_v_into(&send, &counts, &mut recv, ReduceOp::Sum)
+        .unwrap_err();
+    println!("rank {me}: {e}");
+    assert_v_mismatch(e, "reduce_scatter_v", n);
+    // reduce, gather, scatter: rank 1's length differs.
+    let len = if me == 1 { 5 } else { 4 };
+    let send = vec![1.0f64; len];
+    let mut out = vec![0.0f64; len];
+    let e = world
+        .reduce_into(&send, (me == 0).then_some(&mut out[..]), ReduceOp::Sum, 0)
+        .unwrap_err();
+    println!("rank {me}: {e}");
+    assert_v_mismatch(e, "reduce", n);
+    let mut all = vec![0.0f64; len * n];
+    let e = world
+        .gather_into(&send, (me == 0).then_some(&mut all[..]), 0)
+        .unwrap_err();
+    assert_v_mismatch(e, "gather", n);
+    let blocks = vec![2.0f64; len * n];
+    let e = world
+        .scatter_into((me == 0).then_some(&blocks[..]), &mut out, 0)
+        .unwrap_err();
+    assert_v_mismatch(e, "scatter", n);
+    // The nonblocking form fails its wait on every rank.
+    let send = vec![me as i32; send_counts.iter().sum()];
+    let e = world
+        .iall_to_all_v(send, send_counts.clone(), recv_counts.clone())
+        .and_then(|w| w.wait())
+        .unwrap_err();
+    println!("rank {me}: {e}");
+    assert_v_mismatch(e, "all_to_all_v", n);
+    // Nothing reached Gloo: agreeing calls work.
+    let counts: Vec<usize> = (0..n).map(|j| j + 1).collect();
+    let mut recv = vec![0u8; counts.iter().sum()];
+    world
+        .all_gather_v_into(&vec![me as u8; me + 1], &mut recv, &counts)
+        .unwrap();
+    let want: Vec<u8> = (0..n).flat_map(|j| vec![j as u8; j + 1]).collect();
+    assert_eq!(recv, want);
+    checked(test, &world);
+}
+
+#[test]
+fn v_op_count_mismatches_are_errors_on_every_rank() {
+    const T: &str = "v_op_count_mismatches_are_errors_on_every_rank";
+    if in_child() {
+        return v_checked_child(T);
+    }
+    run_processes(T, 3, 20_000, &[]);
+}
+
+/// Asserts the error of a block whose sides disagreed (check off): class `message mismatch`,
+/// the operation, the peer and both counts in the message.
+fn assert_block_mismatch(e: Error, op: &str, peer: usize, sent: usize, expected: usize) {
+    match &e {
+        Error::Library(l) => {
+            assert_eq!(
+                (l.backend, l.op, l.class.as_deref()),
+                ("gloo", op, Some("message mismatch")),
+                "{e}"
+            );
+            let want = format!("rank {peer} (world rank {peer}) sent a block of {sent} ");
+            assert!(l.message.contains(&want), "{e}");
+            assert!(l.message.contains(&format!("expected {expected} ")), "{e}");
+            assert!(l.message.contains("remains usable"), "{e}");
+        }
+        other => panic!("expected a block mismatch of {op}, got {other:?}"),
+    }
+}
+
+/// With `GRID_DEBUG=off` nothing checks the counts before the data moves: every block carries
+/// its count, so the rank that receives a block of another length gets an error naming the
+/// sender and both counts (its memory for the block unchanged), no process is terminated, the
+/// ranks whose blocks matched complete, and the communicator works afterwards.
+fn v_unchecked_child(test: &str) {
+    let world = child_world();
+    let (me, n) = (world.rank(), world.size());
+    assert_eq!(world.mismatch_check(), MismatchCheck::Off);
+    let ok_or_mismatch =
+        |r: grid_core::Result<()>, op: &str, bad: bool, peer, sent, expected| match (r, bad) {
+            (Ok(()), false) => {}
+            (Err(e), true) => {
+                println!("rank {me}: {e}");
+                assert_block_mismatch(e, op, peer, sent, expected);
+            }
+            (r, _) => panic!("rank {me}: {op}: unexpected {r:?}"),
+        };
+    // all_to_all_v: rank 1 sends 3 elements to rank 0, which expects 2.
+    let send_counts: Vec<usize> = (0..n)
+        .map(|j| if me == 1 && j == 0 { 3 } else { 2 })
+        .collect();
+    let recv_counts = vec![2usize; n];
+    let send = vec![me as i32 + 10; send_counts.iter().sum()];
+    let mut recv = vec![-1i32; 2 * n];
+    let r = world.all_to_all_v_into(&send, &send_counts, &mut recv, &recv_counts);
+    ok_or_mismatch(r, "all_to_all_v", me == 0, 1, 3, 2);
+    // The block from rank 1 was discarded; the others arrived.
+    for j in 0..n {
+        let want = if me == 0 && j == 1 { -1 } else { j as i32 + 10 };
+        assert_eq!(recv[2 * j..2 * j + 2], [want, want], "rank {me} block {j}");
+    }
+    // all_gather_v: rank 2 believes it contributes 3 elements; the others expect 2 from it.
+    let counts: Vec<usize> = (0..n)
+        .map(|j| if me == 2 && j == 2 { 3 } else { 2 })
+        .collect();
+    let send = vec![me as f32; counts[me]];
+    let mut recv = vec![0.0f32; counts.iter().sum()];
+    let r = world.all_gather_v_into(&send, &mut recv, &counts);
+    ok_or_mismatch(r, "all_gather_v", me != 2, 2, 3, 2);
+    // reduce_scatter_v: rank 0 sends 3 elements as rank 1's block, which expects 2.
+    let counts: Vec<usize> = (0..n)
+        .map(|j| if me == 0 && j == 1 { 3 } else { 2 })
+        .collect();
+    let send = vec![1i64; counts.iter().sum()];
+    let mut recv = vec![0i64; counts[me]];
+    let r = world.reduce_scatter_v_into(&send, &counts, &mut recv, ReduceOp::Sum);
+    ok_or_mismatch(r, "reduce_scatter_v", me == 1, 0, 3, 2);
+    if me != 1 {
+        assert_eq!(recv, vec![n as i64; 2], "rank {me}: reduce_scatter_v");
+    }
+    // reduce and gather to root 0: rank 1 sends 5 elements, the root expects 4.
+    let len = if me == 1 { 5 } else { 4 };
+    let send = vec![1.0f64; len];
+    let mut out = vec![0.0f64; len];
+    let r = world.reduce_into(&send, (me == 0).then_some(&mut out[..]), ReduceOp::Sum, 0);
+    ok_or_mismatch(r, "reduce", me == 0, 1, 5, 4);
+    let mut all = vec![0.0f64; len * n];
+    let r = world.gather_into(&send, (me == 0).then_some(&mut all[..]), 0);
+    ok_or_mismatch(r, "gather", me == 0, 1, 5, 4);
+    // scatter from root 0 (blocks of 4): rank 1 expects 5.
+    let blocks = vec![2.0f64; 4 * n];
+    let mut got = vec![0.0f64; len];
+    let r = world.scatter_into((me == 0).then_some(&blocks[..]), &mut got, 0);
+    ok_or_mismatch(r, "scatter", me == 1, 0, 4, 5);
+    // Every message was consumed: agreeing calls give exact results.
+    let counts: Vec<usize> = (0..n).map(|j| j + 1).collect();
+    let mut recv = vec![0u8; counts.iter().sum()];
+    world
+        .all_gather_v_into(&vec![me as u8; me + 1], &mut recv, &counts)
+        .unwrap();
+    let want: Vec<u8> = (0..n).flat_map(|j| vec![j as u8; j + 1]).collect();
+    assert_eq!(recv, want);
+    let mut s = [me as i64 + 1; 3];
+    world
+        .all_reduce_in_place(&mut s[..], ReduceOp::Sum)
+        .unwrap();
+    assert_eq!(s, [(n * (n + 1) / 2) as i64; 3]);
+    checked(test, &world);
+}
+
+#[test]
+fn v_op_count_mismatches_unchecked_never_crash() {
+    const T: &str = "v_op_count_mismatches_unchecked_never_crash";
+    if in_child() {
+        return v_unchecked_child(T);
+    }
+    run_processes(T, 3, 20_000, &[("GRID_DEBUG", "off")]);
+}

@@ -19,10 +19,6 @@
 //! combine them with [`kernels::reduce`], in rank order: the results are those of the host
 //! kernels, bit for bit (the same as the in-process backend), including `Avg`.
 
-// Until grid-core's `Op`/`Request` variants of issue #16 item 7 reach this branch, only the unit
-// tests below call these algorithms; `Backend::run`/`start` dispatch to them once they exist.
-#![cfg_attr(not(test), allow(dead_code))]
-
 use super::{Inner, BACKEND, MESSAGE_MISMATCH};
 use crate::ffi::{P2pMismatch, RawBlock};
 use grid_core::{
@@ -144,12 +140,21 @@ impl Inner {
                 .collect()
         };
         let (sends, recvs) = (blocks(&so, send_counts), blocks(&ro, recv_counts));
+        // This rank's own block first, so that it is in place even when a peer's block fails.
+        let own = send_counts[me] == recv_counts[me];
+        if own {
+            copy_into(
+                OP,
+                &mut recv,
+                ro[me],
+                part(OP, send, so[me], send_counts[me])?,
+            )?;
+        }
         self.exchange(OP, send, &sends, recv.reborrow(), &recvs, tag, limit)?;
-        if send_counts[me] != recv_counts[me] {
+        if !own {
             return Err(self.self_mismatch(OP, send_counts[me], recv_counts[me]));
         }
-        let mine = part(OP, send, so[me], send_counts[me])?;
-        copy_into(OP, &mut recv, ro[me], mine)
+        Ok(())
     }
 
     /// All-gather with per-rank counts: rank `j` contributes `recv_counts[j]` elements.
@@ -181,11 +186,16 @@ impl Inner {
                 count: recv_counts[j],
             })
             .collect();
+        // This rank's own block first, so that it is in place even when a peer's block fails.
+        let own = send.len() == recv_counts[me];
+        if own {
+            copy_into(OP, &mut recv, ro[me], send)?;
+        }
         self.exchange(OP, send, &sends, recv.reborrow(), &recvs, tag, limit)?;
-        if send.len() != recv_counts[me] {
+        if !own {
             return Err(self.self_mismatch(OP, send.len(), recv_counts[me]));
         }
-        copy_into(OP, &mut recv, ro[me], send)
+        Ok(())
     }
 
     /// Reduce-scatter with per-rank counts: block `j` of `send` (`send_counts[j]` elements)
@@ -313,8 +323,9 @@ impl Inner {
                 count: n,
             })
             .collect();
-        self.exchange(OP, send, &[], recv.reborrow(), &recvs, tag, limit)?;
-        copy_into(OP, &mut recv, me * n, send)
+        // The root's own block first, so that it is in place even when a peer's block fails.
+        copy_into(OP, &mut recv, me * n, send)?;
+        self.exchange(OP, send, &[], recv.reborrow(), &recvs, tag, limit)
     }
 
     /// Rooted scatter: block `j` of `send` on `root` (`recv.len()` elements) to rank `j`.
@@ -346,9 +357,8 @@ impl Inner {
                 count: n,
             })
             .collect();
-        self.exchange(OP, send, &sends, recv.reborrow(), &[], tag, limit)?;
-        let mine = part(OP, send, me * n, n)?;
-        recv.copy_from(mine)
+        recv.copy_from(part(OP, send, me * n, n)?)?;
+        self.exchange(OP, send, &sends, recv, &[], tag, limit)
     }
 }
 

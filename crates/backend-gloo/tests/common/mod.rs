@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod procs;
+pub mod vops;
 
 use grid_core::{
     Communicator, CommunicatorExt, DType, Element, Error, HostBuffer, P2pOp, ReduceOp, Request,
@@ -361,6 +362,9 @@ pub fn suite(c: &dyn Communicator) {
         reductions::<u8>(c, n);
         reductions::<f16>(c, n);
         reductions::<bf16>(c, n);
+        reductions::<i8>(c, n);
+        reductions::<u32>(c, n);
+        reductions::<u64>(c, n);
     }
     // One size beyond Gloo's 1 MiB ring segment: 300k f32 = 1.2 MB.
     let n = 300_000;
@@ -380,6 +384,9 @@ pub fn suite(c: &dyn Communicator) {
         movement::<i64>(c, n);
         movement::<bf16>(c, n);
     }
+    movement::<i8>(c, 33);
+    movement::<u64>(c, 33);
+    vops::suite(c);
     point_to_point(c);
     nonblocking(c);
     argument_errors(c);
