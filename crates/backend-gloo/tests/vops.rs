@@ -131,8 +131,8 @@ fn missing_rank_is_a_timeout_naming_it() {
         Ok(Some((e, took, again)))
     })
     .unwrap();
-    for r in 0..2 {
-        let (e, took, again) = out[r].as_ref().unwrap().clone().unwrap();
+    for (r, res) in out.iter().enumerate().take(2) {
+        let (e, took, again) = res.as_ref().unwrap().clone().unwrap();
         assert!(
             matches!(
                 e,
@@ -171,7 +171,7 @@ fn abort_wakes_a_waiting_root() {
                 w.abort();
             });
             let t = Instant::now();
-            let mut all = vec![0i32; 8];
+            let mut all = [0i32; 8];
             let e = w
                 .gather_into(&[1i32; 4], Some(&mut all[..]), 0)
                 .unwrap_err();
@@ -202,9 +202,9 @@ fn user_tags_never_meet_collective_blocks() {
             let rc = vec![1 + me; 2];
             let mut recv = vec![0i32; 2 * (1 + me)];
             w.all_to_all_v_into(&[me as i32; 3], &[1, 2], &mut recv, &rc)?;
-            let want: Vec<i32> = (0..2).flat_map(|j| vec![j as i32; 1 + me]).collect();
+            let want: Vec<i32> = (0..2).flat_map(|j| vec![j; 1 + me]).collect();
             assert_eq!(recv, want);
-            let mut all = vec![0i32; 4];
+            let mut all = [0i32; 4];
             w.gather_into(&[me as i32; 2], (me == 0).then_some(&mut all[..]), 0)?;
             for tag in 0..4u32 {
                 let mut got = [0i32; 2];

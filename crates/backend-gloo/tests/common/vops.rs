@@ -72,7 +72,7 @@ impl Mv for bf16 {
 }
 impl Mv for Bool {
     fn mk(x: usize) -> Self {
-        Bool::from(x % 3 == 0)
+        Bool::from(x.is_multiple_of(3))
     }
     fn key(self) -> u64 {
         u64::from(self.get())
@@ -281,7 +281,7 @@ pub fn bools(c: &dyn Communicator) {
         0 => true,
         1 => r == 1,
         2 => false,
-        _ => (r + i) % 3 == 0,
+        _ => (r + i).is_multiple_of(3),
     };
     let send: Vec<Bool> = (0..len).map(|i| Bool::from(val(me, i))).collect();
     let any: Vec<bool> = (0..len).map(|i| (0..n).any(|r| val(r, i))).collect();
