@@ -993,12 +993,8 @@ impl Backend for GlooBackend {
     }
 
     fn supports(&self, dtype: DType, op: Option<ReduceOp>) -> bool {
-        // Every dtype moves; reductions run on the host through grid-core's kernels, which have
-        // no arithmetic for the 8-bit floats, and an average of booleans is not a boolean.
-        match op {
-            None => true,
-            Some(r) => !dtype.is_fp8() && dtype.reducible_with(r),
-        }
+        // Every dtype moves; reductions run on the host through grid-core's kernels.
+        grid_core::kernels::runs(dtype, op)
     }
 
     /// Every collective is checked by default ([`MismatchCheck::All`]): a count or element size

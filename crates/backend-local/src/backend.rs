@@ -349,13 +349,8 @@ impl Backend for LocalBackend {
         memory == Memory::Host
     }
     fn supports(&self, dtype: DType, op: Option<ReduceOp>) -> bool {
-        // Every dtype moves (grid_core::kernels); every reduction runs except
-        // on fp8 (no arithmetic is defined on the 8-bit formats here) and an
-        // average of booleans (not a boolean).
-        match op {
-            None => true,
-            Some(r) => !dtype.is_fp8() && dtype.reducible_with(r),
-        }
+        // Every dtype moves; reductions run on the host through grid-core's kernels.
+        grid_core::kernels::runs(dtype, op)
     }
     fn check_live(&self, op: &'static str) -> Result<()> {
         if self.is_finished() {

@@ -508,11 +508,9 @@ impl Backend for MpiBackend {
     /// the `stage` module docs) except on fp8, which is never reduced on the host, and the
     /// average of bools.
     fn supports(&self, dtype: DType, op: Option<ReduceOp>) -> bool {
-        match op {
-            None => true,
-            Some(_) if dtype.is_fp8() => false,
-            Some(op) => !(dtype == DType::Bool && op == ReduceOp::Avg),
-        }
+        // Reductions run where grid-core's host kernels run them (MPI's own operators, or
+        // staging through the kernels, give the same results).
+        grid_core::kernels::runs(dtype, op)
     }
     /// Collectives that move at least 2 KiB on a rank are checked by default
     /// ([`CHECK_THRESHOLD`]): a count that differs between ranks makes Open MPI 4.1's

@@ -222,31 +222,12 @@ impl Inner {
                 count: send_counts[j],
             })
             .collect();
-        // Slot k of the scratch memory holds the block of the k-th other rank.
-        let mut scratch = HostBuffer::zeros(send.dtype(), n * (size - 1));
-        let recvs: Vec<RawBlock> = (0..size)
-            .filter(|&j| j != me)
-            .enumerate()
-            .map(|(k, j)| RawBlock {
-                peer: j,
-                offset: k * n,
-                count: n,
-            })
-            .collect();
-        self.exchange(OP, send, &sends, scratch.as_mut_slice(), &recvs, tag, limit)?;
+        let others = self.receive_every_other(OP, send, &sends, n, tag, limit)?;
         if send_counts[me] != n {
             return Err(self.self_mismatch(OP, send_counts[me], n));
         }
-        let scratch = scratch.as_slice();
-        let mut inputs = Vec::with_capacity(size);
-        for j in 0..size {
-            inputs.push(match j.cmp(&me) {
-                std::cmp::Ordering::Equal => part(OP, send, so[me], n)?,
-                std::cmp::Ordering::Less => part(OP, scratch, j * n, n)?,
-                std::cmp::Ordering::Greater => part(OP, scratch, (j - 1) * n, n)?,
-            });
-        }
-        kernels::reduce(&inputs, recv, op)
+        let own = part(OP, send, so[me], n)?;
+        self.reduce_in_rank_order(OP, own, others.as_slice(), recv, op)
     }
 
     /// Rooted reduce: `recv` on `root` (None elsewhere) = the reduction of every rank's `send`.
@@ -261,37 +242,12 @@ impl Inner {
     ) -> Result<()> {
         const OP: &str = "reduce";
         self.alive(OP)?;
-        let (me, size, n) = (self.rank(), self.size(), send.len());
+        let (me, n) = (self.rank(), send.len());
         let Some(recv) = recv.filter(|_| me == root) else {
-            let to_root = [RawBlock {
-                peer: root,
-                offset: 0,
-                count: n,
-            }];
-            let mut none = HostBuffer::zeros(send.dtype(), 0);
-            return self.exchange(OP, send, &to_root, none.as_mut_slice(), &[], tag, limit);
+            return self.send_to_root(OP, send, root, tag, limit);
         };
-        let mut scratch = HostBuffer::zeros(send.dtype(), n * (size - 1));
-        let recvs: Vec<RawBlock> = (0..size)
-            .filter(|&j| j != me)
-            .enumerate()
-            .map(|(k, j)| RawBlock {
-                peer: j,
-                offset: k * n,
-                count: n,
-            })
-            .collect();
-        self.exchange(OP, send, &[], scratch.as_mut_slice(), &recvs, tag, limit)?;
-        let scratch = scratch.as_slice();
-        let mut inputs = Vec::with_capacity(size);
-        for j in 0..size {
-            inputs.push(match j.cmp(&me) {
-                std::cmp::Ordering::Equal => send,
-                std::cmp::Ordering::Less => part(OP, scratch, j * n, n)?,
-                std::cmp::Ordering::Greater => part(OP, scratch, (j - 1) * n, n)?,
-            });
-        }
-        kernels::reduce(&inputs, recv, op)
+        let others = self.receive_every_other(OP, send, &[], n, tag, limit)?;
+        self.reduce_in_rank_order(OP, send, others.as_slice(), recv, op)
     }
 
     /// Rooted gather: `recv` on `root` = every rank's `send` in rank order.
@@ -307,13 +263,7 @@ impl Inner {
         self.alive(OP)?;
         let (me, size, n) = (self.rank(), self.size(), send.len());
         let Some(mut recv) = recv.filter(|_| me == root) else {
-            let to_root = [RawBlock {
-                peer: root,
-                offset: 0,
-                count: n,
-            }];
-            let mut none = HostBuffer::zeros(send.dtype(), 0);
-            return self.exchange(OP, send, &to_root, none.as_mut_slice(), &[], tag, limit);
+            return self.send_to_root(OP, send, root, tag, limit);
         };
         let recvs: Vec<RawBlock> = (0..size)
             .filter(|&j| j != me)
@@ -359,6 +309,74 @@ impl Inner {
             .collect();
         recv.copy_from(part(OP, send, me * n, n)?)?;
         self.exchange(OP, send, &sends, recv, &[], tag, limit)
+    }
+
+    /// Sends the `sends` blocks of `send` and receives `n` elements from every other rank into
+    /// scratch memory, whose slot `k` (elements `k·n..(k+1)·n`) holds the block of the `k`-th
+    /// other rank in rank order.
+    fn receive_every_other(
+        &self,
+        op: &'static str,
+        send: HostSlice<'_>,
+        sends: &[RawBlock],
+        n: usize,
+        tag: u32,
+        limit: Duration,
+    ) -> Result<HostBuffer> {
+        let me = self.rank();
+        let mut scratch = HostBuffer::zeros(send.dtype(), n * (self.size() - 1));
+        let recvs: Vec<RawBlock> = (0..self.size())
+            .filter(|&j| j != me)
+            .enumerate()
+            .map(|(k, j)| RawBlock {
+                peer: j,
+                offset: k * n,
+                count: n,
+            })
+            .collect();
+        self.exchange(op, send, sends, scratch.as_mut_slice(), &recvs, tag, limit)?;
+        Ok(scratch)
+    }
+
+    /// Reduces this rank's block `own` with the other ranks' blocks (`others`, as
+    /// [`Inner::receive_every_other`] lays them out) into `recv`, in rank order, so that the result
+    /// is that of the host kernels over the ranks' inputs in order.
+    fn reduce_in_rank_order(
+        &self,
+        op: &'static str,
+        own: HostSlice<'_>,
+        others: HostSlice<'_>,
+        recv: HostSliceMut<'_>,
+        r: ReduceOp,
+    ) -> Result<()> {
+        let (me, n) = (self.rank(), own.len());
+        let mut inputs = Vec::with_capacity(self.size());
+        for j in 0..self.size() {
+            inputs.push(match j.cmp(&me) {
+                std::cmp::Ordering::Equal => own,
+                std::cmp::Ordering::Less => part(op, others, j * n, n)?,
+                std::cmp::Ordering::Greater => part(op, others, (j - 1) * n, n)?,
+            });
+        }
+        kernels::reduce(&inputs, recv, r)
+    }
+
+    /// The part of a non-root rank in a rooted reduce or gather: its whole `send` to `root`.
+    fn send_to_root(
+        &self,
+        op: &'static str,
+        send: HostSlice<'_>,
+        root: usize,
+        tag: u32,
+        limit: Duration,
+    ) -> Result<()> {
+        let to_root = [RawBlock {
+            peer: root,
+            offset: 0,
+            count: send.len(),
+        }];
+        let mut none = HostBuffer::zeros(send.dtype(), 0);
+        self.exchange(op, send, &to_root, none.as_mut_slice(), &[], tag, limit)
     }
 }
 

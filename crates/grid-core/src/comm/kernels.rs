@@ -12,10 +12,14 @@
 //! * **bool** ([`crate::Bool`]): `Sum` and `Max` are OR, `Prod` and `Min` AND (byte maximum and
 //!   minimum, exact for any bytes); `Avg` is an error.
 //! * **fp8** (E4M3, E5M2): not reduced on the host (an error; NCCL reduces them on GPUs).
-//! * **Min and Max on floats propagate NaN**: a NaN on any rank gives NaN in that position. `Avg` sums in i64 (exact for i8, i32,
-//!   u8 and u32; wrapping for i64), in u128 for u64 (exact), divides by the number of inputs with **truncation toward
-//!   zero** (Rust's `/`: the mean of `[-3, 0]` is `-1`, of `[1, 2]` is `1`) and narrows back,
-//!   which is exact because the mean of values of a type fits the type.
+//! * **Min and Max on floats propagate NaN**: a NaN on any rank gives NaN in that position.
+//! * **Integer `Avg`** sums in i64 (exact for i8, i32, u8 and u32; wrapping for i64), in u128
+//!   for u64 (exact), divides by the number of inputs with **truncation toward zero** (Rust's
+//!   `/`: the mean of `[-3, 0]` is `-1`, of `[1, 2]` is `1`) and narrows back, which is exact
+//!   because the mean of values of a type fits the type.
+//!
+//! [`runs`] says which pairs these kernels compute: the answer of every backend that reduces on
+//! the host to [`super::Communicator::supports`].
 //!
 //! ```
 //! use grid_core::{kernels, HostSlice, HostSliceMut, ReduceOp};
@@ -43,6 +47,20 @@ macro_rules! int_op {
         };
         f
     }};
+}
+
+/// Whether these kernels compute `op` on `dtype` (`None`: the dtype is only moved, which every
+/// dtype can be): every reduction of every type except those on fp8 and `Avg` on bool.
+///
+/// ```
+/// use grid_core::{kernels, DType, ReduceOp};
+/// assert!(kernels::runs(DType::U64, Some(ReduceOp::Avg)));
+/// assert!(kernels::runs(DType::F8E4M3, None));
+/// assert!(!kernels::runs(DType::F8E4M3, Some(ReduceOp::Sum)));
+/// assert!(!kernels::runs(DType::Bool, Some(ReduceOp::Avg)));
+/// ```
+pub fn runs(dtype: DType, op: Option<ReduceOp>) -> bool {
+    op.is_none_or(|r| !dtype.is_fp8() && dtype.reducible_with(r))
 }
 
 /// Reduces `inputs` (one per rank, in rank order; each of `out`'s dtype and length) element by
