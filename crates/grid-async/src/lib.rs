@@ -162,6 +162,78 @@ pub trait AsyncCommunicator: Send + Sync {
     fn all_to_all(&self, send: Tensor, recv: Tensor) -> OpFuture<'_, Tensor> {
         self.run(Request::AllToAll { send, recv })
     }
+    /// All-to-all with per-peer counts: `send_counts[j]` elements of `send` (in rank order) go
+    /// to rank `j`, `recv_counts[j]` arrive from it; resolves to `recv`.
+    fn all_to_all_v(
+        &self,
+        send: Tensor,
+        send_counts: Vec<usize>,
+        recv: Tensor,
+        recv_counts: Vec<usize>,
+    ) -> OpFuture<'_, Tensor> {
+        self.run(Request::AllToAllV {
+            send,
+            send_counts,
+            recv,
+            recv_counts,
+        })
+    }
+    /// All-gather with per-rank counts (rank `j` contributes `recv_counts[j]` elements);
+    /// resolves to `recv`.
+    fn all_gather_v(
+        &self,
+        send: Tensor,
+        recv: Tensor,
+        recv_counts: Vec<usize>,
+    ) -> OpFuture<'_, Tensor> {
+        self.run(Request::AllGatherV {
+            send,
+            recv,
+            recv_counts,
+        })
+    }
+    /// Reduce-scatter with per-rank counts (block `j` of `send` has `send_counts[j]`
+    /// elements); resolves to `recv`, this rank's reduced block.
+    fn reduce_scatter_v(
+        &self,
+        send: Tensor,
+        send_counts: Vec<usize>,
+        recv: Tensor,
+        op: ReduceOp,
+    ) -> OpFuture<'_, Tensor> {
+        self.run(Request::ReduceScatterV {
+            send,
+            send_counts,
+            recv,
+            op,
+        })
+    }
+    /// Rooted reduce: resolves to `recv` (the reduction) on `root`, to `send` elsewhere
+    /// (`recv` is significant only at the root).
+    fn reduce(
+        &self,
+        send: Tensor,
+        recv: Option<Tensor>,
+        op: ReduceOp,
+        root: usize,
+    ) -> OpFuture<'_, Tensor> {
+        self.run(Request::Reduce {
+            send,
+            recv,
+            op,
+            root,
+        })
+    }
+    /// Rooted gather: resolves to `recv` (`size · send.len()` elements, rank order) on `root`,
+    /// to `send` elsewhere.
+    fn gather(&self, send: Tensor, recv: Option<Tensor>, root: usize) -> OpFuture<'_, Tensor> {
+        self.run(Request::Gather { send, recv, root })
+    }
+    /// Rooted scatter: block `j` of the root's `send` (`recv.len()` elements each) to rank
+    /// `j`; resolves to `recv` (`send` is significant only at the root).
+    fn scatter(&self, send: Option<Tensor>, recv: Tensor, root: usize) -> OpFuture<'_, Tensor> {
+        self.run(Request::Scatter { send, recv, root })
+    }
     /// Barrier; resolves once every rank arrived.
     fn barrier(&self) -> OpFuture<'_, ()> {
         let started = self.run(Request::Barrier);
@@ -192,6 +264,20 @@ impl<'a, T: Element> Typed<'a, T> {
             _t: PhantomData,
         }
     }
+}
+
+impl<T: Element> Typed<'_, T> {
+    /// A future that resolves to `e` at once (an argument refused before anything started).
+    fn failed(e: Error) -> Self {
+        Typed::new(Box::pin(std::future::ready(Err(e))))
+    }
+}
+
+/// The zero-filled receive buffer of `sum(counts)` elements of `T` (a sum that overflows, or
+/// bytes that do not fit in memory, is an error).
+fn zeros_for<T: Element>(counts: &[usize]) -> Result<Tensor> {
+    let n = counts.iter().try_fold(0usize, |a, &c| a.checked_add(c));
+    Tensor::host_zeros(T::DTYPE, n.unwrap_or(usize::MAX))
 }
 
 impl<T: Element> std::fmt::Debug for Typed<'_, T> {
@@ -249,6 +335,74 @@ pub trait AsyncCommunicatorExt: AsyncCommunicator {
     fn all_to_all_vec<T: Element>(&self, send: Vec<T>) -> Typed<'_, T> {
         let recv = Tensor::Host(HostBuffer::zeros(T::DTYPE, send.len()));
         Typed::new(self.all_to_all(send.into(), recv))
+    }
+    /// All-to-all with per-peer counts; resolves to the `sum(recv_counts)` received elements
+    /// (rank order).
+    fn all_to_all_v_vec<T: Element>(
+        &self,
+        send: Vec<T>,
+        send_counts: Vec<usize>,
+        recv_counts: Vec<usize>,
+    ) -> Typed<'_, T> {
+        match zeros_for::<T>(&recv_counts) {
+            Ok(recv) => Typed::new(self.all_to_all_v(send.into(), send_counts, recv, recv_counts)),
+            Err(e) => Typed::failed(e),
+        }
+    }
+    /// All-gather with per-rank counts; resolves to the `sum(recv_counts)` gathered elements.
+    fn all_gather_v_vec<T: Element>(&self, send: Vec<T>, recv_counts: Vec<usize>) -> Typed<'_, T> {
+        match zeros_for::<T>(&recv_counts) {
+            Ok(recv) => Typed::new(self.all_gather_v(send.into(), recv, recv_counts)),
+            Err(e) => Typed::failed(e),
+        }
+    }
+    /// Reduce-scatter with per-rank counts; resolves to this rank's reduced block of
+    /// `send_counts[rank]` elements.
+    fn reduce_scatter_v_vec<T: Element>(
+        &self,
+        send: Vec<T>,
+        send_counts: Vec<usize>,
+        op: ReduceOp,
+    ) -> Typed<'_, T> {
+        // A counts vector without this rank's entry is rejected by the front end, naming it.
+        let n = send_counts.get(self.rank()).copied().unwrap_or(0);
+        match Tensor::host_zeros(T::DTYPE, n) {
+            Ok(recv) => Typed::new(self.reduce_scatter_v(send.into(), send_counts, recv, op)),
+            Err(e) => Typed::failed(e),
+        }
+    }
+    /// Rooted reduce; resolves to the reduction on `root`, to `send` elsewhere.
+    fn reduce_vec<T: Element>(&self, send: Vec<T>, op: ReduceOp, root: usize) -> Typed<'_, T> {
+        let recv =
+            (self.rank() == root).then(|| Tensor::Host(HostBuffer::zeros(T::DTYPE, send.len())));
+        Typed::new(self.reduce(send.into(), recv, op, root))
+    }
+    /// Rooted gather; resolves to every rank's `send` in rank order on `root`, to `send`
+    /// elsewhere.
+    fn gather_vec<T: Element>(&self, send: Vec<T>, root: usize) -> Typed<'_, T> {
+        let recv = if self.rank() == root {
+            let n = send.len().saturating_mul(self.size());
+            match Tensor::host_zeros(T::DTYPE, n) {
+                Ok(recv) => Some(recv),
+                Err(e) => return Typed::failed(e),
+            }
+        } else {
+            None
+        };
+        Typed::new(self.gather(send.into(), recv, root))
+    }
+    /// Rooted scatter of the root's `send` (`size · recv_len` elements; `None` elsewhere);
+    /// resolves to this rank's block of `recv_len` elements.
+    fn scatter_vec<T: Element>(
+        &self,
+        send: Option<Vec<T>>,
+        recv_len: usize,
+        root: usize,
+    ) -> Typed<'_, T> {
+        match Tensor::host_zeros(T::DTYPE, recv_len) {
+            Ok(recv) => Typed::new(self.scatter(send.map(Tensor::from), recv, root)),
+            Err(e) => Typed::failed(e),
+        }
     }
     /// Sends `buf` to `peer`; resolves to the sent vector.
     fn send_vec<T: Element>(&self, buf: Vec<T>, peer: usize, tag: u32) -> Typed<'_, T> {

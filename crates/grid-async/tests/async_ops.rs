@@ -73,6 +73,54 @@ fn every_collective_point_to_point_and_the_barrier() {
     assert_eq!(out, vec![0, 1, 2, 3]);
 }
 
+/// The operation set of issue #16 item 7 from async code: uneven all-to-all (rank `s` sends
+/// `s + j` elements to rank `j`), all-gather and reduce-scatter with per-rank counts, and the
+/// rooted operations from root 1, started together and awaited in another order.
+#[test]
+fn uneven_and_rooted_operations() {
+    let out = ranks(3, LocalConfig::default(), |c| async move {
+        let (me, n) = (c.rank(), c.size());
+        let send_counts: Vec<usize> = (0..n).map(|j| me + j).collect();
+        let recv_counts: Vec<usize> = (0..n).map(|s| s + me).collect();
+        let send: Vec<i64> = (0..n)
+            .flat_map(|j| (0..me + j).map(move |i| (100 * me + 10 * j + i) as i64))
+            .collect();
+        let a2a = c.all_to_all_v_vec(send, send_counts, recv_counts);
+        let counts = vec![2, 0, 1];
+        let agv = c.all_gather_v_vec(vec![me as u32; counts[me]], counts.clone());
+        let rsv = c.reduce_scatter_v_vec(vec![me as u64 + 1; 3], counts.clone(), ReduceOp::Sum);
+        let red = c.reduce_vec(vec![me as i8, 1], ReduceOp::Max, 1);
+        let gat = c.gather_vec(vec![me as f64], 1);
+        let sca = c.scatter_vec((me == 1).then(|| vec![5i32, 6, 7, 8, 9, 10]), 2, 1);
+        let want: Vec<i64> = (0..n)
+            .flat_map(|s| (0..s + me).map(move |i| (100 * s + 10 * me + i) as i64))
+            .collect();
+        assert_eq!(sca.await?, vec![5 + 2 * me as i32, 6 + 2 * me as i32]);
+        let gathered = gat.await?;
+        let reduced = red.await?;
+        if me == 1 {
+            assert_eq!(gathered, vec![0.0, 1.0, 2.0]);
+            assert_eq!(reduced, vec![2, 1]);
+        } else {
+            assert_eq!(gathered, vec![me as f64]);
+            assert_eq!(reduced, vec![me as i8, 1]);
+        }
+        assert_eq!(rsv.await?, vec![6; counts[me]]);
+        assert_eq!(agv.await?, vec![0, 0, 2]);
+        assert_eq!(a2a.await?, want);
+        // Counts that do not describe the buffers resolve to the front end's error.
+        let e = c.all_gather_v_vec(vec![1u8], vec![1, 1]).await.unwrap_err();
+        assert!(matches!(e, Error::BadCounts { .. }), "{e}");
+        let e = c
+            .all_to_all_v_vec(vec![1u8], vec![1, 0, 0], vec![usize::MAX, 1, 0])
+            .await
+            .unwrap_err();
+        assert!(e.to_string().contains("does not fit in memory"), "{e}");
+        Ok(me)
+    });
+    assert_eq!(out, vec![0, 1, 2]);
+}
+
 #[test]
 fn bad_arguments_resolve_to_errors_naming_the_problem() {
     let out = ranks(2, LocalConfig::default(), |c| async move {

@@ -194,6 +194,26 @@ pub enum Tensor {
 }
 
 impl Tensor {
+    /// A zero-filled host tensor of `n` elements of `dtype` (the receive buffer of an
+    /// operation that returns its result); a length whose bytes do not fit in memory is an
+    /// error naming it, rather than an allocation failure.
+    ///
+    /// ```
+    /// use grid_core::{DType, Tensor};
+    /// assert_eq!(Tensor::host_zeros(DType::U64, 3).unwrap().len(), 3);
+    /// assert!(Tensor::host_zeros(DType::U64, usize::MAX / 2).is_err());
+    /// ```
+    pub fn host_zeros(dtype: DType, n: usize) -> crate::Result<Tensor> {
+        if n.checked_mul(dtype.size_bytes())
+            .is_none_or(|b| b > isize::MAX as usize)
+        {
+            return Err(crate::Error::Invalid(format!(
+                "a receive buffer of {n} {dtype} elements does not fit in memory"
+            )));
+        }
+        Ok(Tensor::Host(HostBuffer::zeros(dtype, n)))
+    }
+
     /// Element type.
     #[inline]
     pub fn dtype(&self) -> DType {

@@ -873,18 +873,9 @@ pub trait CommunicatorExt: Communicator {
 
 impl<C: Communicator + ?Sized> CommunicatorExt for C {}
 
-/// A zero-filled host tensor of `n` elements of `T`; a length whose bytes do not fit in memory
-/// is an error rather than an allocation failure.
+/// A zero-filled host tensor of `n` elements of `T` ([`Tensor::host_zeros`]).
 fn host_zeros<T: Element>(n: usize) -> Result<Tensor> {
-    if n.checked_mul(T::DTYPE.size_bytes())
-        .is_none_or(|b| b > isize::MAX as usize)
-    {
-        return Err(Error::Invalid(format!(
-            "a receive buffer of {n} {} elements does not fit in memory",
-            T::DTYPE
-        )));
-    }
-    Ok(Tensor::Host(HostBuffer::zeros(T::DTYPE, n)))
+    Tensor::host_zeros(T::DTYPE, n)
 }
 
 fn zero_of<T: Element>() -> T {
