@@ -23,8 +23,8 @@ fn all_ok<T>(results: Vec<grid_core::Result<T>>) -> Vec<T> {
         .collect()
 }
 
-/// The shared suite of item 7 at 1, 2, 3 and 4 ranks (`threads.rs` runs it inside the whole
-/// suite as well; this runs it alone, so that a failure names it).
+/// The suite of item 7 (`common::vops`) at 1, 2, 3 and 4 ranks; the conformance suite's `ops`
+/// section checks the same operations at 8 ranks, as threads and as processes.
 #[test]
 fn item7_suite_at_1_to_4_ranks() {
     for n in [1, 2, 3, 4] {

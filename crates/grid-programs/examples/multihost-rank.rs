@@ -14,6 +14,9 @@
 //! * `conformance`: the backend-neutral conformance suite (`grid_conformance::run_with`: every
 //!   operation, dtype and reduction with exact values, sub-groups, `build_collection` on the
 //!   suite's layouts, the error cases, the lifecycle);
+//! * `conformance-quick`: the same suite with the per-dtype sweeps on the world communicator
+//!   only (`Options::quick_subgroups`: the sub-groups are still created and checked, without
+//!   repeating every dtype and reduction on each);
 //! * `collection`: `build_collection` of the demos' 8-rank layout (`grid_programs::demo::config`),
 //!   then an all-reduce on every family, each result and each group's members checked;
 //! * `pipeline`: the multi-module pipeline of `multimodule-demo` (image encoder dp 2 and audio
@@ -48,12 +51,13 @@ use std::io::Write;
 use std::process::ExitCode;
 use std::sync::Arc;
 
-const USAGE: &str = "usage: multihost-rank --backend mpi|gloo --check conformance|collection|pipeline|loop [--bytes B] [--iters K | --seconds S] [--timeout-ms T]";
+const USAGE: &str = "usage: multihost-rank --backend mpi|gloo --check conformance|conformance-quick|collection|pipeline|loop [--bytes B] [--iters K | --seconds S] [--timeout-ms T]";
 
 /// What a rank checks.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Check {
     Conformance,
+    ConformanceQuick,
     Collection,
     Pipeline,
     Loop,
@@ -63,6 +67,7 @@ impl Check {
     fn name(self) -> &'static str {
         match self {
             Check::Conformance => "conformance",
+            Check::ConformanceQuick => "conformance-quick",
             Check::Collection => "collection",
             Check::Pipeline => "pipeline",
             Check::Loop => "loop",
@@ -100,12 +105,13 @@ fn parse_args() -> Result<Args, String> {
             "--check" => {
                 check = Some(match value.as_str() {
                     "conformance" => Check::Conformance,
+                    "conformance-quick" => Check::ConformanceQuick,
                     "collection" => Check::Collection,
                     "pipeline" => Check::Pipeline,
                     "loop" => Check::Loop,
                     other => {
                         return Err(format!(
-                            "--check {other:?}: expected conformance, collection, pipeline or loop"
+                            "--check {other:?}: expected conformance, conformance-quick, collection, pipeline or loop"
                         ))
                     }
                 })
@@ -273,9 +279,10 @@ fn run_check<F: GroupFactory>(
 ) -> Result<String, String> {
     let me = world.rank();
     match check {
-        Check::Conformance => {
+        Check::Conformance | Check::ConformanceQuick => {
             let opts = grid_conformance::Options {
                 finish,
+                quick_subgroups: check == Check::ConformanceQuick,
                 ..Default::default()
             };
             let report =
