@@ -112,6 +112,12 @@ pub fn main(args: &[String]) -> i32 {
         note: String::new(),
     });
 
+    // The examples and binaries first: the process tests start them (`gloo-loop`, `mpi-loop`,
+    // `grid`, ...) and bring them up to date with `cargo build` themselves, and a first build
+    // from inside one test compiled for tens of seconds on both cores while another test was
+    // timing a failure scenario (a rank starved for a second under that load).
+    steps.push(build_examples_step());
+
     let nextest = has_nextest();
     let (ok, t) = timed(|| {
         let mut c = cargo();
@@ -160,22 +166,26 @@ pub fn main(args: &[String]) -> i32 {
     summary(&steps, &counts)
 }
 
-/// Builds every example of the workspace, then runs each library crate's example with its
-/// documented command; one step (and one test count) per example.
-fn example_steps(counts: &mut Counts) -> Vec<Step> {
-    let mut steps = Vec::new();
+/// Builds every example and binary of the workspace (before the tests).
+fn build_examples_step() -> Step {
     let (ok, t) = timed(|| {
         let mut c = cargo();
-        c.args(["build", "--workspace", "--examples"])
+        c.args(["build", "--workspace", "--examples", "--bins"])
             .args(color_args());
         run(&mut c)
     });
-    steps.push(Step {
+    Step {
         name: "build examples".into(),
         ok,
         time: t,
         note: String::new(),
-    });
+    }
+}
+
+/// Runs each library crate's example with its documented command (built by
+/// [`build_examples_step`]); one step (and one test count) per example.
+fn example_steps(counts: &mut Counts) -> Vec<Step> {
+    let mut steps = Vec::new();
     for ex in examples::find_examples() {
         let name = format!("example {}/{}", ex.package, ex.name);
         let (result, t) = timed(|| {
