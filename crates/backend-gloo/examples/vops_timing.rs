@@ -5,11 +5,12 @@
 //! check is off, so the algorithms are compared, not the checks (the all-to-all-v's check
 //! exchanges the counts as well: docs/operations.md).
 //!
-//! Run: `cargo run --release -p backend-gloo --example vops_timing -- 2 3`
+//! Run: `cargo run -p backend-gloo --example vops_timing -- 2 3`
 //!
 //! The arguments are the number of ranks and of repetitions (default 4 and 15; `cargo xtask
-//! test` runs the quick form above). It prints, per block size, the median time of each and
-//! their ratio.
+//! test` runs the quick form above, as a check that it works). It prints, per block size, the
+//! median time of each and their ratio; for figures worth comparing, build it with `--release`
+//! and keep the defaults.
 
 use backend_gloo::{run_ranks, GlooConfig};
 use grid_core::{Communicator, CommunicatorExt, MismatchCheck};
