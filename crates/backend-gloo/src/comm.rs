@@ -1000,7 +1000,7 @@ impl Backend for GlooBackend {
     /// Every collective is checked by default ([`MismatchCheck::All`]): a count or element size
     /// that differs between ranks, or a rank that skips a collective, makes libgloo throw on
     /// its transport thread, which terminates the process (SIGABRT), or returns wrong data on
-    /// the other ranks; the check (one all-reduce of 14 integers before the collective) turns
+    /// the other ranks; the check (one all-reduce of 16 integers before the collective) turns
     /// every such disagreement into [`Error::CollectiveMismatch`] on every rank first. Its cost
     /// is in docs/performance.md. `GRID_DEBUG=off` or
     /// [`grid_core::Comm::set_mismatch_check`]`(MismatchCheck::Off)` turns it off; a mismatch

@@ -253,7 +253,7 @@ fn p2p(quick: bool) -> Result<(), String> {
 }
 
 /// All-reduce with mismatch checking off against on, same communicator, alternating sample by
-/// sample: what the check (one all-reduce of 14 integers before the call) costs per call.
+/// sample: what the check (one all-reduce of 16 integers before the call) costs per call.
 fn check_cost(quick: bool) -> Result<(), String> {
     let rt = MpiRuntime::init().map_err(|e| e.to_string())?;
     let comm = rt.world();
