@@ -168,6 +168,30 @@ fn data<'a>(p: &'a Part, op: &'static str) -> Result<HostSlice<'a>> {
         .ok_or_else(|| Error::Invalid(format!("local: {op}: a rank contributed no data")))
 }
 
+/// Every rank's contribution to a round, in rank order.
+fn inputs<'a>(parts: &'a [Arc<Part>], op: &'static str) -> Result<Vec<HostSlice<'a>>> {
+    parts.iter().map(|p| data(p, op)).collect()
+}
+
+/// Elements `at..at + k` of a rank's contribution.
+fn take<'a>(src: HostSlice<'a>, at: usize, k: usize, op: &'static str) -> Result<HostSlice<'a>> {
+    src.sub(at, k)
+        .ok_or_else(|| Error::Invalid(format!("local: {op}: input too short")))
+}
+
+/// Copies `src` into elements `at..at + k` of `out` (a length other than `k` is an error).
+fn place(
+    out: &mut HostSliceMut<'_>,
+    at: usize,
+    k: usize,
+    src: HostSlice<'_>,
+    op: &'static str,
+) -> Result<()> {
+    out.sub_mut(at, k)
+        .ok_or_else(|| Error::Invalid(format!("local: {op}: output too short")))?
+        .copy_from(src)
+}
+
 /// This rank's result of a complete round.
 fn complete(
     group: &Group,
@@ -191,20 +215,19 @@ fn complete(
     let missing_out = || Error::Invalid(format!("local: {op}: no output buffer"));
     match kind {
         Kind::Barrier | Kind::Split => Ok(()),
-        Kind::AllReduce(r, ..) => {
-            let ins = parts
-                .iter()
-                .map(|p| data(p, op))
-                .collect::<Result<Vec<_>>>()?;
-            kernels::reduce(&ins, out.ok_or_else(missing_out)?, *r)
+        // The rooted operations: only the root receives.
+        Kind::Reduce(_, root, ..) | Kind::Gather(root, ..) if *root != rank => Ok(()),
+        Kind::AllReduce(r, ..) | Kind::Reduce(r, ..) => {
+            kernels::reduce(&inputs(parts, op)?, out.ok_or_else(missing_out)?, *r)
         }
         Kind::ReduceScatter(r, _, len) => {
             let k = len / n.max(1);
-            let ins = parts
-                .iter()
-                .map(|p| data(p, op))
-                .collect::<Result<Vec<_>>>()?;
-            kernels::reduce_range(&ins, rank * k, out.ok_or_else(missing_out)?, *r)
+            kernels::reduce_range(
+                &inputs(parts, op)?,
+                rank * k,
+                out.ok_or_else(missing_out)?,
+                *r,
+            )
         }
         Kind::Broadcast(root, ..) => {
             if *root == rank {
@@ -215,13 +238,10 @@ fn complete(
                 .ok_or_else(|| Error::Invalid(format!("local: {op}: root {root} missing")))?;
             out.ok_or_else(missing_out)?.copy_from(data(src, op)?)
         }
-        Kind::AllGather(_, k) => {
+        Kind::AllGather(_, k) | Kind::Gather(_, _, k) => {
             let mut out = out.ok_or_else(missing_out)?;
             for (r, p) in parts.iter().enumerate() {
-                let mut dst = out
-                    .sub_mut(r * k, *k)
-                    .ok_or_else(|| Error::Invalid(format!("local: {op}: output too short")))?;
-                dst.copy_from(data(p, op)?)?;
+                place(&mut out, r * k, *k, data(p, op)?, op)?;
             }
             Ok(())
         }
@@ -255,12 +275,7 @@ fn complete(
             for (r, p) in parts.iter().enumerate() {
                 let sent = &counts[r].0;
                 let (from, k) = (sent[..rank].iter().sum::<usize>(), sent[rank]);
-                let src = data(p, op)?
-                    .sub(from, k)
-                    .ok_or_else(|| Error::Invalid(format!("local: {op}: input too short")))?;
-                out.sub_mut(at, k)
-                    .ok_or_else(|| Error::Invalid(format!("local: {op}: output too short")))?
-                    .copy_from(src)?;
+                place(&mut out, at, k, take(data(p, op)?, from, k, op)?, op)?;
                 at += k;
             }
             Ok(())
@@ -269,63 +284,27 @@ fn complete(
             let mut out = out.ok_or_else(missing_out)?;
             let mut at = 0;
             for (p, &k) in parts.iter().zip(counts) {
-                out.sub_mut(at, k)
-                    .ok_or_else(|| Error::Invalid(format!("local: {op}: output too short")))?
-                    .copy_from(data(p, op)?)?;
+                place(&mut out, at, k, data(p, op)?, op)?;
                 at += k;
             }
             Ok(())
         }
         Kind::ReduceScatterV(r, _, counts) => {
-            let ins = parts
-                .iter()
-                .map(|p| data(p, op))
-                .collect::<Result<Vec<_>>>()?;
             let from = counts[..rank].iter().sum();
-            kernels::reduce_range(&ins, from, out.ok_or_else(missing_out)?, *r)
-        }
-        Kind::Reduce(r, root, ..) => {
-            if *root != rank {
-                return Ok(());
-            }
-            let ins = parts
-                .iter()
-                .map(|p| data(p, op))
-                .collect::<Result<Vec<_>>>()?;
-            kernels::reduce(&ins, out.ok_or_else(missing_out)?, *r)
-        }
-        Kind::Gather(root, _, k) => {
-            if *root != rank {
-                return Ok(());
-            }
-            let mut out = out.ok_or_else(missing_out)?;
-            for (r, p) in parts.iter().enumerate() {
-                out.sub_mut(r * k, *k)
-                    .ok_or_else(|| Error::Invalid(format!("local: {op}: output too short")))?
-                    .copy_from(data(p, op)?)?;
-            }
-            Ok(())
+            kernels::reduce_range(&inputs(parts, op)?, from, out.ok_or_else(missing_out)?, *r)
         }
         Kind::Scatter(root, _, k) => {
             let src = parts
                 .get(*root)
                 .ok_or_else(|| Error::Invalid(format!("local: {op}: root {root} missing")))?;
-            let block = data(src, op)?
-                .sub(rank * k, *k)
-                .ok_or_else(|| Error::Invalid(format!("local: {op}: input too short")))?;
-            out.ok_or_else(missing_out)?.copy_from(block)
+            out.ok_or_else(missing_out)?
+                .copy_from(take(data(src, op)?, rank * k, *k, op)?)
         }
         Kind::AllToAll(_, len) => {
             let k = len / n.max(1);
             let mut out = out.ok_or_else(missing_out)?;
             for (r, p) in parts.iter().enumerate() {
-                let src = data(p, op)?
-                    .sub(rank * k, k)
-                    .ok_or_else(|| Error::Invalid(format!("local: {op}: input too short")))?;
-                let mut dst = out
-                    .sub_mut(r * k, k)
-                    .ok_or_else(|| Error::Invalid(format!("local: {op}: output too short")))?;
-                dst.copy_from(src)?;
+                place(&mut out, r * k, k, take(data(p, op)?, rank * k, k, op)?, op)?;
             }
             Ok(())
         }
