@@ -276,8 +276,8 @@ impl<T: Element> Typed<'_, T> {
 /// The zero-filled receive buffer of `sum(counts)` elements of `T` (a sum that overflows, or
 /// bytes that do not fit in memory, is an error).
 fn zeros_for<T: Element>(counts: &[usize]) -> Result<Tensor> {
-    let n = counts.iter().try_fold(0usize, |a, &c| a.checked_add(c));
-    Tensor::host_zeros(T::DTYPE, n.unwrap_or(usize::MAX))
+    let n = grid_core::comm::check::total(counts).unwrap_or(usize::MAX);
+    Tensor::host_zeros(T::DTYPE, n)
 }
 
 impl<T: Element> std::fmt::Debug for Typed<'_, T> {

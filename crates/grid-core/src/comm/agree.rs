@@ -331,7 +331,7 @@ impl Fingerprint {
         counts: &[usize],
         reduce: Option<ReduceOp>,
     ) -> (Pending, usize) {
-        let total = counts.iter().fold(0usize, |a, &c| a.saturating_add(c));
+        let total = super::check::total(counts).unwrap_or(usize::MAX);
         let (mut p, bytes) = Self::with_bytes(name, Some(dtype), (total, total), None, reduce);
         p.counts = Some(counts_hash(counts));
         (p, bytes)
@@ -432,7 +432,7 @@ impl Fingerprint {
             0 => pick(&OPS.map(String::from)),
             2 => pick(&DType::ALL.map(|d| d.to_string())),
             6 => pick(&ReduceOp::ALL.map(|r| r.to_string())),
-            5 | 7 if v < 0 => "none".to_string(),
+            5 | COUNTS if v < 0 => "none".to_string(),
             COUNTS => format!("counts vector with hash {v:#x}"),
             _ => v.to_string(),
         }

@@ -370,24 +370,7 @@ impl<B: Backend> Comm<B> {
             } => {
                 self.input(name, send)?;
                 self.output(name, recv)?;
-                super::check::same_dtype(name, send.dtype(), recv.dtype())?;
-                let n = self.backend.size();
-                super::check::counts(
-                    name,
-                    "send_counts",
-                    send_counts,
-                    n,
-                    "send buffer",
-                    send.len(),
-                )?;
-                super::check::counts(
-                    name,
-                    "recv_counts",
-                    recv_counts,
-                    n,
-                    "recv buffer",
-                    recv.len(),
-                )
+                self.exchange_counts(name, m(send), send_counts, mm(recv), recv_counts)
             }
             Op::AllGatherV {
                 send,
@@ -396,13 +379,7 @@ impl<B: Backend> Comm<B> {
             } => {
                 self.input(name, send)?;
                 self.output(name, recv)?;
-                self.uneven(
-                    name,
-                    (send.dtype(), send.len()),
-                    (recv.dtype(), recv.len()),
-                    recv_counts,
-                    true,
-                )
+                self.uneven(name, m(send), mm(recv), recv_counts, true)
             }
             Op::ReduceScatterV {
                 send,
@@ -412,13 +389,7 @@ impl<B: Backend> Comm<B> {
             } => {
                 self.input(name, send)?;
                 self.output(name, recv)?;
-                self.uneven(
-                    name,
-                    (send.dtype(), send.len()),
-                    (recv.dtype(), recv.len()),
-                    send_counts,
-                    false,
-                )?;
+                self.uneven(name, m(send), mm(recv), send_counts, false)?;
                 self.reduces(name, send.dtype(), *r)
             }
             Op::Reduce {
@@ -529,24 +500,7 @@ impl<B: Backend> Comm<B> {
             } => {
                 self.owned(name, send)?;
                 self.owned(name, recv)?;
-                super::check::same_dtype(name, send.dtype(), recv.dtype())?;
-                let n = self.backend.size();
-                super::check::counts(
-                    name,
-                    "send_counts",
-                    send_counts,
-                    n,
-                    "send buffer",
-                    send.len(),
-                )?;
-                super::check::counts(
-                    name,
-                    "recv_counts",
-                    recv_counts,
-                    n,
-                    "recv buffer",
-                    recv.len(),
-                )
+                self.exchange_counts(name, m(send), send_counts, m(recv), recv_counts)
             }
             Request::AllGatherV {
                 send,
@@ -613,6 +567,22 @@ impl<B: Backend> Comm<B> {
                 self.peer(name, *peer, *tag, false)
             }
         }
+    }
+
+    /// The counts rules of all-to-all-v: one entry per rank in each vector, each summing to its
+    /// buffer's length; same dtype on both sides.
+    fn exchange_counts(
+        &self,
+        op: &'static str,
+        send: (DType, usize),
+        send_counts: &[usize],
+        recv: (DType, usize),
+        recv_counts: &[usize],
+    ) -> Result<()> {
+        super::check::same_dtype(op, send.0, recv.0)?;
+        let n = self.backend.size();
+        super::check::counts(op, "send_counts", send_counts, n, "send buffer", send.1)?;
+        super::check::counts(op, "recv_counts", recv_counts, n, "recv buffer", recv.1)
     }
 
     /// The counts rules of all-gather-v (`gather`: `counts` are the receive counts, this

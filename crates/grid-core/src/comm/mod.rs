@@ -763,7 +763,8 @@ pub trait CommunicatorExt: Communicator {
         send_counts: Vec<usize>,
         recv_counts: Vec<usize>,
     ) -> Result<TypedWork<T>> {
-        let n = recv_counts.iter().fold(0usize, |a, &c| a.saturating_add(c));
+        // A sum that overflows gives a length no buffer can have: host_zeros refuses it.
+        let n = check::total(&recv_counts).unwrap_or(usize::MAX);
         let recv = host_zeros::<T>(n)?;
         Ok(TypedWork::new(self.start(Request::AllToAllV {
             send: send.into(),
@@ -779,7 +780,8 @@ pub trait CommunicatorExt: Communicator {
         send: Vec<T>,
         recv_counts: Vec<usize>,
     ) -> Result<TypedWork<T>> {
-        let n = recv_counts.iter().fold(0usize, |a, &c| a.saturating_add(c));
+        // A sum that overflows gives a length no buffer can have: host_zeros refuses it.
+        let n = check::total(&recv_counts).unwrap_or(usize::MAX);
         let recv = host_zeros::<T>(n)?;
         Ok(TypedWork::new(self.start(Request::AllGatherV {
             send: send.into(),
@@ -977,16 +979,25 @@ pub mod check {
                 counts.len()
             )));
         }
-        let sum = counts
-            .iter()
-            .try_fold(0usize, |a, &c| a.checked_add(c))
-            .ok_or_else(|| bad("overflows: its sum does not fit in usize".into()))?;
+        let sum =
+            total(counts).ok_or_else(|| bad("overflows: its sum does not fit in usize".into()))?;
         if sum != len {
             return Err(bad(format!(
                 "sums to {sum} but the {buffer} has {len} elements"
             )));
         }
         Ok(())
+    }
+
+    /// The sum of a counts vector, `None` when it does not fit in `usize`.
+    ///
+    /// ```
+    /// use grid_core::comm::check;
+    /// assert_eq!(check::total(&[2, 0, 3]), Some(5));
+    /// assert_eq!(check::total(&[usize::MAX, 1]), None);
+    /// ```
+    pub fn total(counts: &[usize]) -> Option<usize> {
+        counts.iter().try_fold(0usize, |a, &c| a.checked_add(c))
     }
 
     /// A communicator rank.
