@@ -61,6 +61,9 @@ constexpr uint8_t kP2pReplyPrefix = 0x7D;
 // Slot prefix of the headers (and whole small messages) of the collectives built from
 // point-to-point messages (gloo_shim_exchange); the low 32 bits: the collective's tag.
 constexpr uint8_t kCollSlotPrefix = 0x79;
+// Slot prefix of the mismatch check's messages (gloo_shim_check_exchange), which run under the
+// tag of the collective they check: apart from that collective's own messages.
+constexpr uint8_t kCheckSlotPrefix = 0x78;
 
 // Tag of the barrier that ends a rendezvous (never reached by the collective counter in practice).
 constexpr uint32_t kConnectBarrierTag = 0xFFFFFFFFu;
@@ -792,7 +795,8 @@ size_t dtype_size(int32_t d) {
   }
 }
 
-// prefix: kP2pSlotPrefix (user messages) or kCollSlotPrefix (gloo_shim_exchange).
+// prefix: kP2pSlotPrefix (user messages), kCollSlotPrefix (gloo_shim_exchange) or
+// kCheckSlotPrefix (gloo_shim_check_exchange).
 uint64_t header_slot(uint8_t prefix, uint32_t tag) {
   return gloo::Slot::build(prefix, tag);
 }
@@ -1977,6 +1981,12 @@ int32_t gloo_shim_exchange(
     gloo_shim_context* c, gloo_shim_p2p_op* ops, size_t n, int64_t timeout_ms,
     gloo_shim_status* st) {
   return run_p2p(c, ops, n, timeout_ms, st, kCollSlotPrefix);
+}
+
+int32_t gloo_shim_check_exchange(
+    gloo_shim_context* c, gloo_shim_p2p_op* ops, size_t n, int64_t timeout_ms,
+    gloo_shim_status* st) {
+  return run_p2p(c, ops, n, timeout_ms, st, kCheckSlotPrefix);
 }
 
 uint64_t gloo_shim_p2p_copied_bytes(void) {

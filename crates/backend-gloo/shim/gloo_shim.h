@@ -281,6 +281,12 @@ int32_t gloo_shim_p2p(
 int32_t gloo_shim_exchange(
     gloo_shim_context* ctx, gloo_shim_p2p_op* ops, size_t n, int64_t timeout_ms,
     gloo_shim_status* st);
+/* gloo_shim_exchange for the mismatch check's messages (backend-gloo's check of a collective,
+ * which runs under that collective's tag right before it): headers on a slot prefix of their
+ * own, so they never meet the checked collective's messages. */
+int32_t gloo_shim_check_exchange(
+    gloo_shim_context* ctx, gloo_shim_p2p_op* ops, size_t n, int64_t timeout_ms,
+    gloo_shim_status* st);
 /* Posts one operation and returns a handle to wait on; the memory must stay valid until the
  * handle is freed (gloo_shim_pending_free cancels the operation if it is still pending). */
 int32_t gloo_shim_post(

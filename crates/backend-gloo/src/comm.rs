@@ -17,6 +17,7 @@ use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+mod check;
 mod vops;
 
 const BACKEND: &str = "gloo";
@@ -499,7 +500,7 @@ impl Inner {
     /// follow each other on every rank in the same order).
     fn verify(&self, check: &DeferredCheck, tag: u32, limit: Duration) -> Result<()> {
         check.verify(
-            &mut |both| self.all_reduce(None, HostSliceMut::I64(both), ReduceOp::Max, tag, limit),
+            &mut |both| self.check_max(both, tag, limit),
             &mut |mine, all| {
                 self.all_gather(HostSlice::I64(mine), HostSliceMut::I64(all), tag, limit)
             },
@@ -1000,8 +1001,8 @@ impl Backend for GlooBackend {
     /// Every collective is checked by default ([`MismatchCheck::All`]): a count or element size
     /// that differs between ranks, or a rank that skips a collective, makes libgloo throw on
     /// its transport thread, which terminates the process (SIGABRT), or returns wrong data on
-    /// the other ranks; the check (one all-reduce of 16 integers before the collective) turns
-    /// every such disagreement into [`Error::CollectiveMismatch`] on every rank first. Its cost
+    /// the other ranks; the check (a maximum of 16 integers over the ranks before the
+    /// collective, exchanged as messages: [`Backend::run_check`]) turns every such disagreement into [`Error::CollectiveMismatch`] on every rank first. Its cost
     /// is in docs/performance.md. `GRID_DEBUG=off` or
     /// [`grid_core::Comm::set_mismatch_check`]`(MismatchCheck::Off)` turns it off; a mismatch
     /// can then terminate the process.
@@ -1019,6 +1020,32 @@ impl Backend for GlooBackend {
 
     fn check_live(&self, op: &'static str) -> Result<()> {
         self.inner.alive(op)
+    }
+
+    /// The check's all-reduce (the maximum of a few `i64`s) runs as one round of messages
+    /// ([`Inner::check_max`], `comm/check.rs`) instead of libgloo's all-reduce, which costs
+    /// several message latencies; its other exchanges (taken only when the ranks disagree) run
+    /// as any operation.
+    fn run_check(&self, op: Validated<Op<'_>>) -> Result<()> {
+        let the_max = matches!(
+            op.op(),
+            Op::AllReduceInPlace { buf, op: ReduceOp::Max }
+                if buf.dtype() == DType::I64 && buf.memory() == Memory::Host
+        );
+        if !the_max {
+            return self.run(op);
+        }
+        let limit = op_limit(op.time_limit());
+        if let Op::AllReduceInPlace { buf, .. } = op.into_op() {
+            if let HostSliceMut::I64(values) = buf.host_only("all_reduce", BACKEND)? {
+                let turn = self.inner.seq.enter();
+                return self.inner.check_max(values, turn.tag(), limit);
+            }
+        }
+        // Unreachable: the shape was matched above.
+        Err(Error::Invalid(
+            "all_reduce: the mismatch check's buffer changed shape".into(),
+        ))
     }
     fn default_time_limit(&self) -> grid_core::TimeLimit {
         grid_core::TimeLimit::After(self.timeout())

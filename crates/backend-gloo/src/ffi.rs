@@ -729,6 +729,14 @@ pub enum RawP2p<'a> {
     },
 }
 
+/// Which slots an exchange's messages travel on ([`RawContext::exchange`]): a collective's own,
+/// or those of the mismatch check that runs under the same tag right before it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Channel {
+    Collective,
+    Check,
+}
+
 /// One block of [`RawContext::exchange`]: `count` elements at element `offset` of the send or
 /// receive buffer, to or from context rank `peer`.
 ///
@@ -1372,6 +1380,34 @@ impl RawContext {
         &self,
         send: HostSlice<'_>,
         sends: &[RawBlock],
+        recv: HostSliceMut<'_>,
+        recvs: &[RawBlock],
+        tag: u32,
+        timeout: Duration,
+    ) -> ShimResult<Vec<P2pMismatch>> {
+        self.exchange_on(Channel::Collective, send, sends, recv, recvs, tag, timeout)
+    }
+
+    /// [`RawContext::exchange`] for the mismatch check of the collective with tag `tag`: its
+    /// messages travel on slots of their own (never the checked collective's).
+    pub(crate) fn check_exchange(
+        &self,
+        send: HostSlice<'_>,
+        sends: &[RawBlock],
+        recv: HostSliceMut<'_>,
+        recvs: &[RawBlock],
+        tag: u32,
+        timeout: Duration,
+    ) -> ShimResult<Vec<P2pMismatch>> {
+        self.exchange_on(Channel::Check, send, sends, recv, recvs, tag, timeout)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn exchange_on(
+        &self,
+        channel: Channel,
+        send: HostSlice<'_>,
+        sends: &[RawBlock],
         mut recv: HostSliceMut<'_>,
         recvs: &[RawBlock],
         tag: u32,
@@ -1430,6 +1466,11 @@ impl RawContext {
                 p as *mut c_void,
             ));
         }
+        // Both have one contract; they differ only in the slot prefix of the headers.
+        let shim_call = match channel {
+            Channel::Collective => sys::gloo_shim_exchange,
+            Channel::Check => sys::gloo_shim_check_exchange,
+        };
         let mut st = new_status();
         // SAFETY: live context; every op's memory lies inside `send` (readable, borrowed for
         // the call) or `recv` (writable, uniquely borrowed for the call), checked above, with
@@ -1439,7 +1480,7 @@ impl RawContext {
         // as *mut only because the C struct is shared). The shim writes only the ops' outputs,
         // which live in `raw`.
         let rc = unsafe {
-            sys::gloo_shim_exchange(
+            shim_call(
                 self.ptr.as_ptr(),
                 raw.as_mut_ptr(),
                 raw.len(),

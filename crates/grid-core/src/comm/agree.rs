@@ -5,8 +5,9 @@
 //!
 //! # How
 //! Each rank describes the collective as a [`Fingerprint`] of `k` integers `f`, and the ranks
-//! run **one small all-reduce** through the backend itself (so it works on every backend): the
-//! maximum of the `2k` integers `[f, -f]`, which yields every field's maximum and (negated)
+//! run **one small all-reduce** through the backend itself (so it works on every backend;
+//! [`Backend::run_check`] lets a backend run it its own way): the maximum of the `2k` integers
+//! `[f, -f]`, which yields every field's maximum and (negated)
 //! minimum. If they are equal for every field, everyone agrees and the real operation runs.
 //! Otherwise the ranks all-gather their fingerprints (`k` integers each), and every rank
 //! returns the same error naming the first field that differs and every rank's value of it.
