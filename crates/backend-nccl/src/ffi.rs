@@ -87,6 +87,19 @@ pub(crate) fn nccl_version() -> Result<i32> {
     })
 }
 
+/// The CUDA driver's version (`cuDriverGetVersion`, e.g. 12040 for 12.4).
+pub(crate) fn driver_version() -> Result<i32> {
+    guard("cuDriverGetVersion", || {
+        let mut v: c_int = 0;
+        // SAFETY: `v` is a valid, writable `int`; the driver library is loaded (module rule 1).
+        // cuDriverGetVersion needs no initialised driver or context.
+        let r = unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut v) };
+        r.result()
+            .map_err(|e| crate::error::driver("cuDriverGetVersion", e))?;
+        Ok(v)
+    })
+}
+
 /// A fresh `ncclUniqueId` as its 128 raw bytes.
 pub(crate) fn unique_id() -> Result<[u8; 128]> {
     guard("ncclGetUniqueId", || {

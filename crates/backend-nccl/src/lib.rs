@@ -55,6 +55,7 @@ mod error;
 mod factory;
 mod ffi;
 mod job;
+pub mod p2p;
 pub mod plan;
 pub mod probe;
 mod split;

@@ -181,8 +181,8 @@ fn split_members_and_ring_exchange() {
         // Pairs {0,1}, {2,3}, ...; an odd last rank stays alone.
         let sub = f.split(w, Some((me / 2) as u32), me).unwrap().unwrap();
         let members = sub.global_ranks().to_vec();
-        // Ring over the world with receives started first (held back, posted as one group on
-        // the first wait).
+        // Ring over the world with receives started first (each enqueued at once on its
+        // point-to-point lane).
         let (right, left) = ((me + 1) % n, (me + n - 1) % n);
         let rw = w.irecv::<i64>(4, left, 0).unwrap();
         let sw = w.isend(vec![me as i64; 4], right, 0).unwrap();
@@ -236,7 +236,8 @@ fn abort_all_stops_every_communicator() {
 
 /// The NCCL issue's cross-communicator case: rank 0 starts an `isend` on one communicator and
 /// then blocks in an all-reduce on another; rank 1 receives first, then joins the all-reduce.
-/// The held-back send is posted before rank 0 blocks, so both finish.
+/// The send is enqueued at once on the pipeline communicator's point-to-point lane, so both
+/// finish.
 #[test]
 fn isend_then_all_reduce_on_another_communicator() {
     let Some(_) = gpus_or_skip("isend_then_all_reduce_on_another_communicator", 2) else {
@@ -263,6 +264,78 @@ fn isend_then_all_reduce_on_another_communicator() {
     for (sum, took) in out {
         assert_eq!(sum, 3.0);
         assert!(took < T, "took {took:?}");
+    }
+}
+
+/// An `isend`/`irecv` exchange between two ranks, both sending first, with messages far larger
+/// than NCCL's buffers (64 MiB): every call is enqueued at once (lanes) and the exchange
+/// completes; then the same with the sends and receives held back ([`P2pPosting::HoldBack`],
+/// posted as one group at the first wait); then blocking `send`/`recv` ordered after the
+/// nonblocking ones between the same ranks (messages of one direction keep their order).
+#[test]
+fn isend_irecv_exchange_between_two_ranks() {
+    use backend_nccl::p2p::P2pPosting;
+    let Some(_) = gpus_or_skip("isend_irecv_exchange_between_two_ranks", 2) else {
+        return;
+    };
+    let len = 16 << 20; // 64 MiB of f32
+    let out = on_gpus(2, T, |f, w| {
+        let me = w.rank();
+        let peer = 1 - me;
+        let mut results = Vec::new();
+        for posting in [P2pPosting::Lanes, P2pPosting::HoldBack] {
+            f.set_p2p_posting(posting).unwrap();
+            let c = f.split(w, Some(0), me).unwrap().unwrap();
+            assert_eq!(c.p2p_posting(), posting);
+            let mine = c.to_device(&vec![me as f32 + 1.0; len]).unwrap();
+            let theirs: NcclDeviceBuffer<f32> = c.zeros(len).unwrap();
+            let s = c
+                .start(Request::Send {
+                    buf: Tensor::Device(Box::new(mine)),
+                    peer,
+                    tag: 0,
+                })
+                .unwrap();
+            let r = c
+                .start(Request::Recv {
+                    buf: Tensor::Device(Box::new(theirs)),
+                    peer,
+                    tag: 0,
+                })
+                .unwrap();
+            s.wait().unwrap();
+            let Tensor::Device(got) = r.wait().unwrap() else {
+                panic!("device receive came back as host memory")
+            };
+            let got = got
+                .as_any()
+                .downcast_ref::<NcclDeviceBuffer<f32>>()
+                .map(|b| c.to_host(b).unwrap())
+                .unwrap();
+            let bad = got.iter().filter(|&&x| x != peer as f32 + 1.0).count();
+            // Order: a nonblocking message, then a blocking one, same direction.
+            let mut first = vec![0i64; 4];
+            let mut second = vec![0i64; 4];
+            if me == 0 {
+                let w1 = c.isend(vec![1i64; 4], 1, 0).unwrap();
+                c.send_to(&[2i64; 4][..], 1, 0).unwrap();
+                w1.wait().unwrap();
+            } else {
+                c.recv_from(&mut first[..], 0, 0).unwrap();
+                c.recv_from(&mut second[..], 0, 0).unwrap();
+            }
+            results.push((bad, first, second));
+        }
+        f.set_p2p_posting(P2pPosting::Lanes).unwrap();
+        results
+    });
+    for (me, results) in out.into_iter().enumerate() {
+        for (bad, first, second) in results {
+            assert_eq!(bad, 0, "rank {me}");
+            if me == 1 {
+                assert_eq!((first, second), (vec![1; 4], vec![2; 4]));
+            }
+        }
     }
 }
 

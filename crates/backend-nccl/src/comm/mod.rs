@@ -34,16 +34,21 @@
 //!   the marker fired, then copies the result back. `wait_timeout` always blocks the host.
 //!   Dropping an unfinished work is safe: its buffers stay with the watchdog until the device
 //!   is done with them.
-//! * **Nonblocking sends and receives are held back** per communicator and posted as one
-//!   `ncclGroupStart/End` group **before this process does anything else on the device**: any
-//!   other operation on any communicator of the same GPU, any wait or poll of a work, a split,
-//!   `synchronize`, `to_host` ([`crate::engine::Outbox`]). So `irecv(left); isend(right); wait`
-//!   rings cannot deadlock behind themselves on the stream (NCCL runs one communicator's
-//!   kernels in order), and an `isend` on one communicator followed by a blocking collective on
-//!   another is posted before the collective (the cross-communicator deadlock of posting only
-//!   at the next call on the same communicator cannot happen). A receive whose matching send is
-//!   only issued *after* waiting on it, on the same communicator, still deadlocks (stream
-//!   order); use `batch_p2p` or start both first.
+//! * **Sends and receives are enqueued when they are called** ([`crate::p2p`]): every
+//!   communicator has two point-to-point lanes (NCCL communicators of the same ranks split from
+//!   it when it is created, one per direction of a message, each with its own stream), and every
+//!   `send`, `recv`, `isend` and `irecv` is posted at once, alone, on the lane of its direction;
+//!   `batch_p2p` posts one group per lane, both before waiting. So an exchange
+//!   (`isend(peer); irecv(peer)` on both ranks) and rings cannot deadlock behind themselves
+//!   (NCCL runs one communicator's kernels one after the other, so both directions on one
+//!   communicator would), and an `isend` followed by a blocking collective on another
+//!   communicator is already posted when the collective starts. With
+//!   [`crate::p2p::P2pPosting::HoldBack`] (chosen, or forced where NCCL serialises all
+//!   communicators of a device) nonblocking sends and receives are instead held back per
+//!   communicator and posted as one `ncclGroupStart/End` group **before this process does
+//!   anything else on the device** ([`crate::engine::Outbox`]). Either way a receive whose
+//!   matching send is only issued *after* waiting on it, in the same direction, cannot
+//!   complete; use `batch_p2p` or start both first.
 //!
 //! # Failure handling
 //! Failure handling is [`crate::engine`]: the state machine that the CPU tests drive with a
@@ -296,7 +301,17 @@ impl NcclBackend {
     /// thread blocked in NCCL: the communicator is nonblocking). Returns false if it was not
     /// live. The front end's [`grid_core::Communicator::abort`] calls it.
     pub fn abort(&self) -> bool {
-        self.shared.tracked.abort("abort() was called")
+        self.shared.abort("abort() was called")
+    }
+
+    /// How this communicator posts single sends and receives: on its two point-to-point lanes
+    /// at once, or held back ([`crate::p2p`]).
+    pub fn p2p_posting(&self) -> crate::p2p::P2pPosting {
+        if self.shared.lanes.get().is_some() {
+            crate::p2p::P2pPosting::Lanes
+        } else {
+            crate::p2p::P2pPosting::HoldBack
+        }
     }
 
     /// `Ok` while NCCL reports no asynchronous error on this communicator (the watchdog checks
@@ -421,7 +436,7 @@ impl Backend for NcclBackend {
         const OP: &str = "synchronize";
         self.shared.outbox.post_all();
         self.shared
-            .sync(OP, TimeLimit::After(self.shared.timeout))
+            .sync_all(OP, TimeLimit::After(self.shared.timeout))
             .map_err(|e| annotate(e, OP, &self.shared.name))
     }
 }

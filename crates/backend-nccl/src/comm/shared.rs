@@ -12,7 +12,7 @@ use crate::ffi::{kick_when_reached, DevIn, DevOut, P2p, RawComm};
 use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream};
 use grid_core::{DeviceBuffer, Error, Result, TimeLimit};
 use std::any::Any;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
 /// The state shared by a communicator and its pending work handles.
@@ -33,6 +33,10 @@ pub(crate) struct Shared {
     pub(crate) outbox: Arc<Outbox>,
     /// This communicator's held-back sends and receives, posted as one group.
     pending: Mutex<Vec<PendingP2p>>,
+    /// The two point-to-point lanes (`[up, down]`, see [`crate::p2p`]), when the communicator
+    /// posts sends and receives at once; unset with [`crate::p2p::P2pPosting::HoldBack`] and on
+    /// a lane itself.
+    pub(crate) lanes: OnceLock<[Arc<Shared>; 2]>,
 }
 
 /// A nonblocking send or receive held back until the next [`Outbox::post_all`].
@@ -136,7 +140,7 @@ impl DeviceEvent for Marker {
 }
 
 impl Shared {
-    pub(super) fn new(
+    pub(crate) fn new(
         raw: Arc<RawComm>,
         tracked: Arc<Tracked>,
         ctx: Arc<CudaContext>,
@@ -157,7 +161,34 @@ impl Shared {
             timeout,
             scratch: Mutex::new(None),
             device_calls,
+            lanes: OnceLock::new(),
         }
+    }
+
+    /// The lane a send to (`send`) or receive from `peer` is posted on, when this communicator
+    /// has lanes ([`crate::p2p::lane`]).
+    pub(crate) fn lane_for(&self, peer: usize, send: bool) -> Option<&Arc<Shared>> {
+        let lanes = self.lanes.get()?;
+        Some(&lanes[crate::p2p::lane(self.raw.rank(), peer, send).index()])
+    }
+
+    /// Aborts the communicator and its lanes; true if the communicator itself was live.
+    pub(crate) fn abort(&self, why: &str) -> bool {
+        let first = self.tracked.abort(why);
+        for l in self.lanes.get().into_iter().flatten() {
+            l.tracked.abort(why);
+        }
+        first
+    }
+
+    /// Waits (host) until everything enqueued so far on the communicator and on its lanes has
+    /// completed, within `limit` each.
+    pub(crate) fn sync_all(&self, op: &'static str, limit: TimeLimit) -> Result<()> {
+        self.sync(op, limit)?;
+        for l in self.lanes.get().into_iter().flatten() {
+            l.sync(op, limit)?;
+        }
+        Ok(())
     }
 
     /// Holds this device's NCCL call lock ([`device_lock`]).
@@ -168,7 +199,7 @@ impl Shared {
     /// Runs one NCCL call on the communicator under the device's call lock, then settles an
     /// `ncclInProgress` within `limit` (still under the lock) or fails the communicator on an
     /// error ([`Shared::after_call`]).
-    pub(super) fn call(
+    pub(crate) fn call(
         &self,
         op: &'static str,
         limit: TimeLimit,
@@ -223,7 +254,7 @@ impl Shared {
     /// records the completion marker, enqueues the host function that kicks the watchdog when
     /// the device reaches it, and hands `keep` (buffers the device uses) to the watchdog until
     /// then. Returns the completion and its event (for streams that must wait on it).
-    pub(super) fn watch(
+    pub(crate) fn watch(
         &self,
         op: &'static str,
         limit: TimeLimit,
@@ -236,7 +267,7 @@ impl Shared {
     /// After an enqueue that failed: NCCL may have enqueued part of it, so `keep` stays with the
     /// watchdog until the device is done with it (the communicator has failed, so the marker
     /// fires once NCCL's abort stopped its kernels).
-    pub(super) fn hold_after_error(&self, op: &'static str, keep: Vec<Box<dyn Any + Send>>) {
+    pub(crate) fn hold_after_error(&self, op: &'static str, keep: Vec<Box<dyn Any + Send>>) {
         if keep.is_empty() {
             return;
         }
@@ -345,7 +376,7 @@ impl Shared {
 
     /// Waits (host) until everything enqueued on the stream so far has completed, within
     /// `limit`.
-    pub(super) fn sync(&self, op: &'static str, limit: TimeLimit) -> Result<()> {
+    pub(crate) fn sync(&self, op: &'static str, limit: TimeLimit) -> Result<()> {
         self.bind(op)?;
         let (c, _) = self.watch(op, limit, Vec::new())?;
         c.wait().map(|_| ())
