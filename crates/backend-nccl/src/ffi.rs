@@ -100,6 +100,33 @@ pub(crate) fn driver_version() -> Result<i32> {
     })
 }
 
+/// Puts the calling thread in CUDA's *relaxed* stream-capture mode, once per thread. The
+/// watchdog thread queries completion markers of eager work; in the default (global) mode a
+/// CUDA graph capture started by another thread prohibits "potentially unsafe" calls on every
+/// thread, so a query could fail or invalidate that capture. Relaxed mode lifts the prohibition
+/// for this thread only (the events it queries are never recorded in a capture: see
+/// [`crate::engine::Launch::Captured`]).
+pub(crate) fn relax_capture_mode() {
+    thread_local! {
+        static RELAXED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    }
+    if RELAXED.with(|r| r.replace(true)) {
+        return;
+    }
+    let r = guard("cuThreadExchangeStreamCaptureMode", || {
+        let mut mode = cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
+        // SAFETY: `mode` is a valid, writable CUstreamCaptureMode; the call only swaps this
+        // thread's capture mode (the previous one is written back into `mode`, and dropped: the
+        // thread stays relaxed for its lifetime). The driver library is loaded (rule 1).
+        let r = unsafe { cudarc::driver::sys::cuThreadExchangeStreamCaptureMode(&mut mode) };
+        r.result()
+            .map_err(|e| crate::error::driver("cuThreadExchangeStreamCaptureMode", e))
+    });
+    if let Err(e) = r {
+        tracing::debug!("nccl: {e}; the watchdog keeps the default capture mode");
+    }
+}
+
 /// A fresh `ncclUniqueId` as its 128 raw bytes.
 pub(crate) fn unique_id() -> Result<[u8; 128]> {
     guard("ncclGetUniqueId", || {
@@ -293,6 +320,7 @@ impl<'a> DevIn<'a> {
         let dtype = typed::<T>("device buffer")?;
         let count = src.len();
         let (ptr, sync) = guard("device_ptr", || Ok(src.device_ptr(stream)))?;
+        forgive_captured_event_waits(stream.context());
         Ok(DevIn {
             ptr,
             count,
@@ -308,6 +336,7 @@ impl<'a> DevIn<'a> {
         let dtype = typed::<T>("device buffer")?;
         let count = v.len();
         let (ptr, sync) = guard("view_ptr", || Ok(v.view_ptr(stream)))?;
+        forgive_captured_event_waits(stream.context());
         Ok(DevIn {
             ptr,
             count,
@@ -326,6 +355,7 @@ impl<'a> DevOut<'a> {
         let dtype = typed::<T>("device buffer")?;
         let count = v.len();
         let (ptr, sync) = guard("view_ptr_mut", || Ok(v.view_ptr_mut(stream)))?;
+        forgive_captured_event_waits(stream.context());
         Ok(DevOut {
             ptr,
             count,
@@ -341,12 +371,33 @@ impl<'a> DevOut<'a> {
         let dtype = typed::<T>("device buffer")?;
         let count = dst.len();
         let (ptr, sync) = guard("device_ptr_mut", || Ok(dst.device_ptr_mut(stream)))?;
+        forgive_captured_event_waits(stream.context());
         Ok(DevOut {
             ptr,
             count,
             dtype,
             _sync: sync,
         })
+    }
+}
+
+/// Clears a `CUDA_ERROR_CAPTURED_EVENT` that cudarc stored in `ctx` (other stored errors stay).
+///
+/// cudarc orders each buffer's uses across streams with per-buffer events (waits before a use,
+/// a record after it) and stores the error of a wait it cannot return, reporting it at the
+/// context's next bind. A buffer used by an operation captured into a CUDA graph has its events
+/// last recorded in that capture, and CUDA refuses to wait eagerly on such an event
+/// (`CUDA_ERROR_CAPTURED_EVENT`) — so the first eager use of that buffer after the capture
+/// would fail an unrelated later call. The refused wait ordered the eager use after nothing
+/// (the capture ran nothing; a replay of the graph is ordered by the stream it is launched on,
+/// which cudarc's events never tracked), so forgetting the error loses no ordering.
+pub(crate) fn forgive_captured_event_waits(ctx: &cudarc::driver::CudaContext) {
+    if let Err(e) = ctx.check_err() {
+        if e.0 != cudarc::driver::sys::CUresult::CUDA_ERROR_CAPTURED_EVENT {
+            ctx.record_err::<()>(Err(e));
+        } else {
+            tracing::debug!("nccl: a buffer's first eager use after a CUDA graph capture: cudarc's wait on its captured event was skipped");
+        }
     }
 }
 

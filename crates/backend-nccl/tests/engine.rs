@@ -18,8 +18,8 @@
 //! one after the other).
 
 use backend_nccl::engine::{
-    Completion, Deferred, DeviceComm, DeviceEvent, Job, Kicker, Outbox, Progress, Tracked,
-    Watchdog, WatchdogOptions,
+    launch_plan, Capture, Completion, Deferred, DeviceComm, DeviceEvent, DeviceStream, Job, Kicker,
+    Launch, Outbox, Progress, Tracked, Watchdog, WatchdogOptions,
 };
 use grid_core::{Error, LibraryError, Result, TimeLimit};
 use std::collections::{HashMap, HashSet};
@@ -1031,6 +1031,151 @@ fn isend_on_a_lane_then_a_blocking_collective_on_another_communicator_completes(
         let took = o.unwrap_or_else(|e| panic!("rank {r}: {e}"));
         assert!(took < Duration::from_secs(1), "rank {r}: {took:?}");
     }
+}
+
+// ------------------------------------------------------------------------------------------------
+// CUDA graph capture
+// ------------------------------------------------------------------------------------------------
+
+/// A stream of the stand-in whose capture state the test sets.
+struct ScriptedStream(Mutex<Capture>);
+
+impl DeviceStream for ScriptedStream {
+    fn capture(&self) -> Result<Capture> {
+        Ok(*self.0.lock().unwrap())
+    }
+}
+
+/// A marker that fails the test if anything queries it (querying an event recorded during a
+/// capture invalidates the capture).
+struct MustNotQuery(Arc<AtomicBool>);
+
+impl DeviceEvent for MustNotQuery {
+    fn query(&self) -> Result<Progress> {
+        self.0.store(true, Ordering::Release);
+        Ok(Progress::Done)
+    }
+}
+
+/// While the stream captures, an operation is not watched: no marker is made or queried, no
+/// time limit runs, the buffers come back at once. After the capture ends, eager operations
+/// are watched again and complete through their markers (the replayed graph runs outside the
+/// state machine). An invalidated capture and host memory during capture are errors that name
+/// the operation, before anything would be enqueued.
+#[test]
+fn captured_work_is_never_watched_and_eager_work_after_it_is() {
+    let dog = dog();
+    let fabric = Fabric::new(1);
+    let (t, res) = create(&fabric, 0, &dog, "world", None, limit(5_000));
+    res.unwrap();
+    let stream = ScriptedStream(Mutex::new(Capture::Capturing));
+    let queried = Arc::new(AtomicBool::new(false));
+    let made = AtomicBool::new(false);
+    let freed = Arc::new(AtomicBool::new(false));
+    let (c, how) = t
+        .launch_on(
+            "all_reduce",
+            limit(100),
+            &stream,
+            || {
+                made.store(true, Ordering::Release);
+                Ok(Box::new(MustNotQuery(queried.clone())) as Box<dyn DeviceEvent>)
+            },
+            vec![Box::new(Buffer(freed.clone()))],
+        )
+        .unwrap();
+    assert_eq!(how, Launch::Captured);
+    assert!(
+        !made.load(Ordering::Acquire),
+        "a marker was made during capture"
+    );
+    assert_eq!(t.pending(), 0, "captured work is not pending eager work");
+    assert_eq!(t.captured_ops(), 1);
+    assert!(matches!(c.outcome(), Some(Ok(()))));
+    // Well past the 100 ms limit: nothing times out, nothing is queried.
+    std::thread::sleep(Duration::from_millis(250));
+    dog.kick();
+    assert_eq!(t.state_name(), "live");
+    assert!(!queried.load(Ordering::Acquire));
+    let back = c.take_stream_ordered();
+    assert_eq!(back.len(), 1, "the buffers come back to the caller");
+    assert!(!freed.load(Ordering::Acquire));
+
+    // Host memory, a host wait, or an invalidated capture: refused before enqueueing.
+    let e = launch_plan("all_gather", Capture::Capturing, true).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::Unsupported {
+                op: "all_gather",
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    assert!(e.to_string().contains("captured into a CUDA graph"), "{e}");
+    *stream.0.lock().unwrap() = Capture::Invalidated;
+    let e = t
+        .launch_on(
+            "broadcast",
+            limit(100),
+            &stream,
+            || unreachable!(),
+            Vec::new(),
+        )
+        .unwrap_err();
+    assert!(
+        e.to_string()
+            .starts_with("broadcast: the stream's CUDA graph capture was invalidated"),
+        "{e}"
+    );
+    assert_eq!(
+        t.state_name(),
+        "live",
+        "a refused operation does not fail the communicator"
+    );
+
+    // Eager again (after the graph was launched): watched, completes through its marker.
+    *stream.0.lock().unwrap() = Capture::Eager;
+    let (c, how) = t
+        .launch_on(
+            "all_reduce",
+            limit(2_000),
+            &stream,
+            || Ok(fabric.collective(0, "ar#eager")),
+            Vec::new(),
+        )
+        .unwrap();
+    assert_eq!(how, Launch::Watched);
+    c.wait().unwrap();
+    assert_eq!(t.pending(), 0);
+
+    // Capturing on a communicator that failed: the completion carries its error.
+    fabric.raise(0);
+    wait_until("the failure", Duration::from_secs(2), || {
+        t.state_name() == "failed"
+    });
+    *stream.0.lock().unwrap() = Capture::Capturing;
+    let (c, _) = t
+        .launch_on(
+            "all_reduce",
+            limit(100),
+            &stream,
+            || unreachable!(),
+            Vec::new(),
+        )
+        .unwrap();
+    let e = c.wait().unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::Aborted {
+                op: "all_reduce",
+                ..
+            }
+        ),
+        "{e:?}"
+    );
 }
 
 // ------------------------------------------------------------------------------------------------

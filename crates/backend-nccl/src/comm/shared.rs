@@ -6,7 +6,10 @@
 
 use super::exec::hold;
 use crate::buffer::{downcast, downcast_mut, with_dtype};
-use crate::engine::{Completion, Deferred, DeviceEvent, Outbox, Progress, Tracked, Watchdog};
+use crate::engine::{
+    Capture, Completion, Deferred, DeviceEvent, DeviceStream, Launch, Outbox, Progress, Tracked,
+    Watchdog,
+};
 use crate::error::{annotate, cuda};
 use crate::ffi::{kick_when_reached, DevIn, DevOut, P2p, RawComm};
 use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream};
@@ -118,6 +121,20 @@ pub(super) fn dout<'a>(
     with_dtype!(d.dtype(), T => DevOut::new::<T, _>(&mut downcast_mut::<T>(op, d)?.slice, stream))
 }
 
+/// A CUDA stream as the state machine sees it: its graph-capture state.
+pub(crate) struct StreamState<'a>(pub(crate) &'a CudaStream);
+
+impl DeviceStream for StreamState<'_> {
+    fn capture(&self) -> Result<Capture> {
+        use cudarc::driver::sys::CUstreamCaptureStatus as S;
+        cuda("cuStreamIsCapturing", || self.0.capture_status()).map(|s| match s {
+            S::CU_STREAM_CAPTURE_STATUS_NONE => Capture::Eager,
+            S::CU_STREAM_CAPTURE_STATUS_ACTIVE => Capture::Capturing,
+            S::CU_STREAM_CAPTURE_STATUS_INVALIDATED => Capture::Invalidated,
+        })
+    }
+}
+
 /// The completion marker of one operation: a CUDA event recorded right after it on the
 /// communicator's stream.
 pub(super) struct Marker {
@@ -128,6 +145,7 @@ pub(super) struct Marker {
 impl DeviceEvent for Marker {
     fn query(&self) -> Result<Progress> {
         const OP: &str = "cuEventQuery";
+        crate::ffi::relax_capture_mode();
         cuda(OP, || self.ctx.bind_to_thread())?;
         cuda(OP, || self.event.try_is_complete()).map(|done| {
             if done {
@@ -215,6 +233,7 @@ impl Shared {
 
     /// Makes the device's context current on this thread.
     pub(crate) fn bind(&self, op: &'static str) -> Result<()> {
+        crate::ffi::forgive_captured_event_waits(&self.ctx);
         cuda(op, || self.ctx.bind_to_thread())
     }
 
@@ -254,14 +273,46 @@ impl Shared {
     /// records the completion marker, enqueues the host function that kicks the watchdog when
     /// the device reaches it, and hands `keep` (buffers the device uses) to the watchdog until
     /// then. Returns the completion and its event (for streams that must wait on it).
+    ///
+    /// While the stream is being captured into a CUDA graph nothing is watched
+    /// ([`Launch::Captured`]): the event is recorded (a node of the graph, for stream-ordered
+    /// waits inside the capture) but never queried, and no host function is enqueued.
     pub(crate) fn watch(
         &self,
         op: &'static str,
         limit: TimeLimit,
         keep: Vec<Box<dyn Any + Send>>,
     ) -> Result<(Completion, Arc<CudaEvent>)> {
-        let event = self.mark(op)?;
-        Ok((self.launch_on(op, limit, &event, keep), event))
+        let mut eager = None;
+        let (c, launch) = self.tracked.launch_on(
+            op,
+            limit,
+            &StreamState(&self.stream),
+            || {
+                let event = self.mark(op)?;
+                eager = Some(event.clone());
+                Ok(Box::new(Marker {
+                    ctx: self.ctx.clone(),
+                    event,
+                }) as Box<dyn DeviceEvent>)
+            },
+            keep,
+        )?;
+        let event = match (launch, eager) {
+            (Launch::Watched, Some(ev)) => ev,
+            _ => Arc::new(cuda(op, || self.stream.record_event(None))?),
+        };
+        Ok((c, event))
+    }
+
+    /// The capture state of this communicator's stream together with `others` (the streams of
+    /// an operation's device buffers, which it joins).
+    pub(crate) fn capture_with(&self, others: &[Arc<CudaStream>]) -> Result<Capture> {
+        let mut states = vec![StreamState(&self.stream).capture()?];
+        for s in others {
+            states.push(StreamState(s).capture()?);
+        }
+        Ok(crate::engine::combine_capture(states))
     }
 
     /// After an enqueue that failed: NCCL may have enqueued part of it, so `keep` stays with the
@@ -287,21 +338,6 @@ impl Shared {
             tracing::debug!("nccl: {e}; completion noticed at the watchdog's next poll");
         }
         Ok(event)
-    }
-
-    /// Registers operation `op`, complete when `event` fired, with the watchdog.
-    fn launch_on(
-        &self,
-        op: &'static str,
-        limit: TimeLimit,
-        event: &Arc<CudaEvent>,
-        keep: Vec<Box<dyn Any + Send>>,
-    ) -> Completion {
-        let marker = Marker {
-            ctx: self.ctx.clone(),
-            event: event.clone(),
-        };
-        self.tracked.launch(op, limit, Box::new(marker), keep)
     }
 
     /// Holds a nonblocking send or receive back until the next [`Outbox::post_all`] (the
@@ -355,20 +391,18 @@ impl Shared {
             self.call(OP, limit, || self.raw.p2p_group(OP, tokens, st))
         });
         // The buffers go to the watchdog whatever happened (NCCL may have enqueued part of
-        // the group); a failure is what every work of the group reports.
-        let event = self.mark(OP);
+        // the group); a failure is what every work of the group reports. Each gets its own
+        // marker (or, during a graph capture, none: see `watch`).
         for p in items {
             let op = if p.send { "send" } else { "recv" };
-            let outcome = match (&posted, &event) {
-                (Ok(()), Ok(ev)) => Cell::Posted(
-                    self.launch_on(op, p.limit, ev, vec![hold(p.buf)]),
-                    ev.clone(),
-                ),
-                (Err(e), Ok(ev)) => {
-                    drop(self.launch_on(op, p.limit, ev, vec![hold(p.buf)]));
+            let watched = self.watch(op, p.limit, vec![hold(p.buf)]);
+            let outcome = match (&posted, watched) {
+                (Ok(()), Ok((c, ev))) => Cell::Posted(c, ev),
+                (Err(e), Ok((c, _))) => {
+                    drop(c);
                     Cell::Failed(e.clone())
                 }
-                (Err(e), Err(_)) | (Ok(()), Err(e)) => Cell::Failed(e.clone()),
+                (_, Err(e)) => Cell::Failed(e),
             };
             *lock(&p.cell) = outcome;
         }
