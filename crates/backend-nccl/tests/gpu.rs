@@ -1110,6 +1110,26 @@ fn new_dtypes_move_and_reduce() {
 
 // ----- the GPU verification kit of the NCCL issue (item 9) ----------------------------------
 
+/// Prints what the suite runs on, one `GPU: ` line per fact (`cargo xtask test --gpu` repeats
+/// them in its report): the NCCL version and every visible device.
+#[test]
+fn nccl_version_and_devices() {
+    let Some(n) = gpus_or_skip("nccl_version_and_devices", 1) else {
+        return;
+    };
+    let (a, b, c) = backend_nccl::probe::nccl_version().unwrap();
+    println!("GPU: NCCL {a}.{b}.{c}");
+    for i in 0..n {
+        let ctx = backend_nccl::cudarc::driver::CudaContext::new(i).unwrap();
+        let (ma, mi) = ctx.compute_capability().unwrap();
+        println!(
+            "GPU: device {i} of {n}: {}, compute capability {ma}.{mi}, {} GiB",
+            ctx.name().unwrap(),
+            ctx.total_mem().unwrap() >> 30
+        );
+    }
+}
+
 /// CUDA graph capture: an in-place all-reduce captured into a graph on the communicator's
 /// stream, the graph launched three times (ones become n^3), host memory refused during the
 /// capture with an error naming the operation, then eager all-reduces on the same buffer and on
