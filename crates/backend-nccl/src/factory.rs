@@ -2,7 +2,8 @@
 //! sub-group with `ncclCommSplit` of a parent (no new unique-id exchange per group).
 
 use crate::bootstrap::{
-    choose_device, claim_device, exchange_unique_id, local_rank_from, DeviceClaim,
+    choose_device, claim_device, exchange_unique_ids, local_rank_from, root_count, root_ranks,
+    DeviceClaim,
 };
 use crate::comm::{Capabilities, NcclBackend, NcclCommunicator};
 use crate::engine::{Job, Progress, Watchdog};
@@ -98,6 +99,14 @@ pub struct NcclOptions {
     pub abort_on_failure: bool,
     /// NCCL's per-communicator settings ([`NcclConfig`]).
     pub config: NcclConfig,
+    /// At most this many ranks per NCCL unique id when the world communicator is created: a
+    /// world of `n` ranks is initialised from `ceil(n / ranks_per_root)` ids with
+    /// `ncclCommInitRankScalable` (NCCL >= 2.23; the ids are created on evenly spaced ranks,
+    /// [`crate::bootstrap::root_ranks`], and broadcast over the bootstrap communicator), which
+    /// spreads NCCL's bootstrap over several roots in large worlds. With one id, or an older
+    /// NCCL, `ncclCommInitRankConfig`. Default 128 (PyTorch's `TORCH_NCCL_RANKS_PER_ROOT`
+    /// default); must be the same on every rank, as must the NCCL version.
+    pub ranks_per_root: usize,
     /// How single sends and receives are posted ([`crate::p2p`]): at once on two
     /// point-to-point communicators split from each communicator when it is created (the
     /// default, [`P2pPosting::Lanes`]), or held back and grouped ([`P2pPosting::HoldBack`]; no
@@ -114,9 +123,13 @@ impl Default for NcclOptions {
             abort_on_failure: true,
             config: NcclConfig::default(),
             p2p: P2pPosting::Lanes,
+            ranks_per_root: 128,
         }
     }
 }
+
+/// The first NCCL with `ncclCommInitRankScalable` (several unique ids per communicator).
+pub const SCALABLE_INIT_VERSION: (u32, u32, u32) = (2, 23, 0);
 
 /// The oldest NCCL this backend runs on: `ncclCommSplit`, and nonblocking communicators with
 /// the `ncclConfig_t` fields it sets (`splitShare` came in 2.18).
@@ -224,13 +237,17 @@ impl NcclFactory {
             .map_err(Clone::clone)
             .and_then(|_| local_setup(rank, &opts, bootstrap.backend()));
         let ready = local.as_ref().map(|_| ()).map_err(Clone::clone);
-        let id = exchange_unique_id(bootstrap, ready, &mut ffi::unique_id)?;
+        let scalable = local
+            .as_ref()
+            .is_ok_and(|(_, v, _, _)| *v >= SCALABLE_INIT_VERSION);
+        let roots = root_ranks(size, root_count(size, opts.ranks_per_root, scalable));
+        let ids = exchange_unique_ids(bootstrap, ready, &roots, &mut ffi::unique_id)?;
         let (ctx, version, caps, claim) = local?;
         let config = config?;
         let dog = Watchdog::global()?;
         cuda("bind context", || ctx.bind_to_thread())?;
         let stream = cuda("cuStreamCreate", || ctx.new_stream())?;
-        let raw = Arc::new(RawComm::init_rank(size, &id, rank, &config)?);
+        let raw = Arc::new(RawComm::init_rank(size, &ids, rank, &config)?);
         let job = Job::new(opts.abort_on_failure);
         let tracked = dog.track("world", raw.clone(), "init", Some(&job));
         crate::job::process().register(&tracked);

@@ -563,40 +563,72 @@ fn to_int(op: &'static str, what: &'static str, v: usize) -> Result<c_int> {
 }
 
 impl RawComm {
-    /// `ncclCommInitRankConfig` in nonblocking mode: starts joining the communicator of
-    /// `nranks` ranks named by `id` as `rank` and returns at once; the creation is finished when
-    /// [`RawComm::progress`] says `Done` (see [`crate::engine::Watchdog::track`]). The CUDA
+    /// `ncclCommInitRankConfig` (one id) or `ncclCommInitRankScalable` (several ids, NCCL >=
+    /// 2.23, checked by the caller) in nonblocking mode: starts joining the communicator of
+    /// `nranks` ranks named by `ids` as `rank` and returns at once; the creation is finished
+    /// when [`RawComm::progress`] says `Done` (see [`crate::engine::Watchdog::track`]). The CUDA
     /// context of the device must be current.
     pub(crate) fn init_rank(
         nranks: usize,
-        id: &[u8; 128],
+        ids: &[[u8; 128]],
         rank: usize,
         cfg: &CommConfig,
     ) -> Result<RawComm> {
-        let n = to_int("ncclCommInitRankConfig", "size", nranks)?;
-        let r = to_int("ncclCommInitRankConfig", "rank", rank)?;
-        let uid = sys::ncclUniqueId {
-            internal: id.map(|b| b as std::ffi::c_char),
-        };
+        const OP: &str = "ncclCommInitRankConfig";
+        let n = to_int(OP, "size", nranks)?;
+        let r = to_int(OP, "rank", rank)?;
+        let nids = to_int(OP, "number of unique ids", ids.len())?;
+        if ids.is_empty() {
+            return Err(crate::error::internal(OP, "no unique id"));
+        }
+        let mut uids: Vec<sys::ncclUniqueId> = ids
+            .iter()
+            .map(|id| sys::ncclUniqueId {
+                internal: id.map(|b| b as std::ffi::c_char),
+            })
+            .collect();
         let mut config = nccl_config(cfg);
-        let comm = guard("ncclCommInitRankConfig", || {
-            let mut comm: sys::ncclComm_t = std::ptr::null_mut();
-            // SAFETY: `comm` is a valid out-pointer; `uid` is passed by value; `config` is a fully
-            // initialised ncclConfig_t (NCCL_CONFIG_INITIALIZER's values) whose `netName` points
-            // into `cfg`, alive for the call; libnccl is loaded (module rule 1). In nonblocking
-            // mode NCCL writes the handle before returning ncclInProgress.
-            check_progress(
-                "ncclCommInitRankConfig",
-                unsafe { sys::ncclCommInitRankConfig(&mut comm, n, uid, r, &mut config) },
-                None,
-            )?;
-            Ok(comm)
-        })?;
+        let comm = if uids.len() == 1 {
+            guard(OP, || {
+                let mut comm: sys::ncclComm_t = std::ptr::null_mut();
+                // SAFETY: `comm` is a valid out-pointer; the id is passed by value; `config` is a
+                // fully initialised ncclConfig_t (NCCL_CONFIG_INITIALIZER's values) whose
+                // `netName` points into `cfg`, alive for the call; libnccl is loaded (module
+                // rule 1). In nonblocking mode NCCL writes the handle before returning
+                // ncclInProgress.
+                check_progress(
+                    OP,
+                    unsafe { sys::ncclCommInitRankConfig(&mut comm, n, uids[0], r, &mut config) },
+                    None,
+                )?;
+                Ok(comm)
+            })?
+        } else {
+            guard("ncclCommInitRankScalable", || {
+                let mut comm: sys::ncclComm_t = std::ptr::null_mut();
+                // SAFETY: as for ncclCommInitRankConfig; `uids` holds exactly `nids` ids, alive
+                // for the call (NCCL copies what it needs before returning). The caller checked
+                // that the library is NCCL >= 2.23, which exports the symbol (a missing symbol
+                // would make cudarc panic, which `guard` turns into an error).
+                check_progress(
+                    "ncclCommInitRankScalable",
+                    unsafe {
+                        sys::ncclCommInitRankScalable(
+                            &mut comm,
+                            n,
+                            r,
+                            nids,
+                            uids.as_mut_ptr(),
+                            &mut config,
+                        )
+                    },
+                    None,
+                )?;
+                Ok(comm)
+            })?
+        };
         if comm.is_null() {
-            return Err(crate::error::internal(
-                "ncclCommInitRankConfig",
-                "NCCL returned no communicator",
-            ));
+            return Err(crate::error::internal(OP, "NCCL returned no communicator"));
         }
         Ok(RawComm::wrap(comm, rank, nranks))
     }

@@ -62,7 +62,7 @@ mod split;
 
 pub use buffer::{NcclDeviceBuffer, NcclElement};
 pub use comm::{NcclBackend, NcclCommunicator, NcclWork};
-pub use factory::{NcclConfig, NcclFactory, NcclOptions, MIN_SPLIT_VERSION};
+pub use factory::{NcclConfig, NcclFactory, NcclOptions, MIN_SPLIT_VERSION, SCALABLE_INIT_VERSION};
 pub use job::{abort_all, Job};
 
 /// Re-export of the cudarc version this crate is built against (for `CudaSlice`, streams).
