@@ -1223,3 +1223,78 @@ impl Outbox {
         }
     }
 }
+
+// ------------------------------------------------------------------------------------------------
+// Pools
+// ------------------------------------------------------------------------------------------------
+
+/// A bounded free list of reusable objects. The backend keeps the CUDA events it records
+/// (completion markers, stream-to-stream joins) in one per communicator, instead of creating and
+/// destroying an event per buffer per call; an event goes back to the pool only when nothing can
+/// still wait on it.
+///
+/// ```
+/// use backend_nccl::engine::Pool;
+/// let pool: Pool<u32> = Pool::new(2);
+/// let a = pool.take(|| Ok(7))?;           // created
+/// pool.give(a);
+/// assert_eq!(pool.take(|| Ok(8))?, 7);    // reused
+/// assert_eq!((pool.created(), pool.idle()), (1, 0));
+/// # Ok::<(), grid_core::Error>(())
+/// ```
+pub struct Pool<T> {
+    free: Mutex<Vec<T>>,
+    cap: usize,
+    created: AtomicUsize,
+}
+
+impl<T> std::fmt::Debug for Pool<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "Pool({} idle of at most {}, {} created)",
+            self.idle(),
+            self.cap,
+            self.created()
+        )
+    }
+}
+
+impl<T> Pool<T> {
+    /// An empty pool keeping at most `cap` idle objects (more are dropped when given back).
+    pub fn new(cap: usize) -> Pool<T> {
+        Pool {
+            free: Mutex::new(Vec::new()),
+            cap,
+            created: AtomicUsize::new(0),
+        }
+    }
+
+    /// An idle object, or a new one from `make`.
+    pub fn take(&self, make: impl FnOnce() -> Result<T>) -> Result<T> {
+        if let Some(t) = lock(&self.free).pop() {
+            return Ok(t);
+        }
+        let t = make()?;
+        self.created.fetch_add(1, Ordering::Relaxed);
+        Ok(t)
+    }
+
+    /// Gives an object back for reuse (dropped when the pool is full).
+    pub fn give(&self, t: T) {
+        let mut free = lock(&self.free);
+        if free.len() < self.cap {
+            free.push(t);
+        }
+    }
+
+    /// How many objects wait for reuse.
+    pub fn idle(&self) -> usize {
+        lock(&self.free).len()
+    }
+
+    /// How many objects `make` created so far.
+    pub fn created(&self) -> usize {
+        self.created.load(Ordering::Relaxed)
+    }
+}

@@ -1240,3 +1240,39 @@ fn a_dropped_communicator_with_stalled_work_is_aborted_on_the_first_timeout() {
     assert_eq!(t.state_name(), "failed");
     assert!(!freed.load(Ordering::Acquire));
 }
+
+// ------------------------------------------------------------------------------------------------
+// The event pool
+// ------------------------------------------------------------------------------------------------
+
+/// The pool the backend keeps its CUDA events in: objects are reused once given back, no more
+/// than the cap wait idle, and a failed creation is an error, not a panic.
+#[test]
+fn the_event_pool_reuses_and_caps() {
+    use backend_nccl::engine::Pool;
+    let pool: Pool<usize> = Pool::new(2);
+    let mut next = 0usize;
+    let mut make = || {
+        next += 1;
+        Ok(next)
+    };
+    let a = pool.take(&mut make).unwrap();
+    let b = pool.take(&mut make).unwrap();
+    let c = pool.take(&mut make).unwrap();
+    assert_eq!((a, b, c, pool.created()), (1, 2, 3, 3));
+    for x in [a, b, c] {
+        pool.give(x);
+    }
+    assert_eq!(pool.idle(), 2, "at most the cap waits idle");
+    // 1000 take/give rounds create nothing new.
+    for _ in 0..1000 {
+        let x = pool.take(&mut make).unwrap();
+        pool.give(x);
+    }
+    assert_eq!(pool.created(), 3);
+    let empty: Pool<usize> = Pool::new(1);
+    let e = empty
+        .take(|| Err(Error::Invalid("cuEventCreate failed".into())))
+        .unwrap_err();
+    assert_eq!(e.to_string(), "cuEventCreate failed");
+}

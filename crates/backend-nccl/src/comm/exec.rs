@@ -258,7 +258,7 @@ impl NcclBackend {
         self.same_device(op, d)?;
         let s = self.stream_of(op, d)?;
         if *s != *sh.stream {
-            cuda(op, || sh.stream.join(&s))?;
+            sh.join(op, &sh.stream, &s)?;
         }
         Ok(())
     }
@@ -272,7 +272,7 @@ impl NcclBackend {
     fn join_back_on(&self, sh: &Shared, op: &'static str, d: &dyn DeviceBuffer) -> Result<()> {
         let s = self.stream_of(op, d)?;
         if *s != *sh.stream {
-            cuda(op, || s.join(&sh.stream))?;
+            sh.join(op, &s, &sh.stream)?;
         }
         Ok(())
     }

@@ -6,6 +6,7 @@
 
 use super::exec::hold;
 use crate::buffer::{downcast, downcast_mut, with_dtype};
+use crate::engine::Pool;
 use crate::engine::{
     Capture, Completion, Deferred, DeviceEvent, DeviceStream, Launch, Outbox, Progress, Tracked,
     Watchdog,
@@ -40,6 +41,37 @@ pub(crate) struct Shared {
     /// posts sends and receives at once; unset with [`crate::p2p::P2pPosting::HoldBack`] and on
     /// a lane itself.
     pub(crate) lanes: OnceLock<[Arc<Shared>; 2]>,
+    /// The CUDA events this communicator records ([`PooledEvent`]).
+    events: Arc<Pool<CudaEvent>>,
+}
+
+/// How many idle CUDA events one communicator keeps for reuse.
+const EVENT_POOL: usize = 64;
+
+/// A CUDA event from a communicator's [`Pool`]: it goes back to the pool when the last handle
+/// drops, that is when no completion, work or wait can still refer to it (a stream wait that was
+/// already enqueued keeps the state the event had then, so re-recording it later is safe).
+pub(crate) struct PooledEvent {
+    event: Option<CudaEvent>,
+    pool: Arc<Pool<CudaEvent>>,
+}
+
+impl std::ops::Deref for PooledEvent {
+    type Target = CudaEvent;
+    fn deref(&self) -> &CudaEvent {
+        // Set from construction until drop.
+        self.event
+            .as_ref()
+            .unwrap_or_else(|| unreachable!("a pooled event is taken only in drop"))
+    }
+}
+
+impl Drop for PooledEvent {
+    fn drop(&mut self) {
+        if let Some(e) = self.event.take() {
+            self.pool.give(e);
+        }
+    }
 }
 
 /// A nonblocking send or receive held back until the next [`Outbox::post_all`].
@@ -54,7 +86,7 @@ struct PendingP2p {
 /// Where a held-back operation's work finds its completion once posted.
 pub(super) enum Cell {
     Waiting,
-    Posted(Completion, Arc<CudaEvent>),
+    Posted(Completion, Arc<PooledEvent>),
     Failed(Error),
     Taken,
 }
@@ -139,7 +171,7 @@ impl DeviceStream for StreamState<'_> {
 /// communicator's stream.
 pub(super) struct Marker {
     pub(super) ctx: Arc<CudaContext>,
-    pub(super) event: Arc<CudaEvent>,
+    pub(super) event: Arc<PooledEvent>,
 }
 
 impl DeviceEvent for Marker {
@@ -180,7 +212,33 @@ impl Shared {
             scratch: Mutex::new(None),
             device_calls,
             lanes: OnceLock::new(),
+            events: Arc::new(Pool::new(EVENT_POOL)),
         }
+    }
+
+    /// Records a pooled event on `stream` (this communicator's device) after everything
+    /// enqueued on it so far.
+    pub(crate) fn record(&self, op: &'static str, stream: &CudaStream) -> Result<PooledEvent> {
+        let event = self.events.take(|| cuda(op, || self.ctx.new_event(None)))?;
+        let event = PooledEvent {
+            event: Some(event),
+            pool: self.events.clone(),
+        };
+        cuda(op, || event.record(stream))?;
+        Ok(event)
+    }
+
+    /// `waiter` waits for the work enqueued so far on `on` (a pooled event instead of cudarc's
+    /// `join`, which creates and destroys one per call). The event goes back to the pool at once:
+    /// the wait keeps the state it was recorded with.
+    pub(crate) fn join(
+        &self,
+        op: &'static str,
+        waiter: &CudaStream,
+        on: &CudaStream,
+    ) -> Result<()> {
+        let event = self.record(op, on)?;
+        cuda(op, || waiter.wait(&event))
     }
 
     /// The lane a send to (`send`) or receive from `peer` is posted on, when this communicator
@@ -282,7 +340,7 @@ impl Shared {
         op: &'static str,
         limit: TimeLimit,
         keep: Vec<Box<dyn Any + Send>>,
-    ) -> Result<(Completion, Arc<CudaEvent>)> {
+    ) -> Result<(Completion, Arc<PooledEvent>)> {
         let mut eager = None;
         let (c, launch) = self.tracked.launch_on(
             op,
@@ -300,7 +358,7 @@ impl Shared {
         )?;
         let event = match (launch, eager) {
             (Launch::Watched, Some(ev)) => ev,
-            _ => Arc::new(cuda(op, || self.stream.record_event(None))?),
+            _ => Arc::new(self.record(op, &self.stream)?),
         };
         Ok((c, event))
     }
@@ -330,8 +388,8 @@ impl Shared {
 
     /// Records a completion marker after everything enqueued so far, and the host function
     /// that kicks the watchdog when the device reaches it.
-    fn mark(&self, op: &'static str) -> Result<Arc<CudaEvent>> {
-        let event = Arc::new(cuda(op, || self.stream.record_event(None))?);
+    fn mark(&self, op: &'static str) -> Result<Arc<PooledEvent>> {
+        let event = Arc::new(self.record(op, &self.stream)?);
         let dog = Watchdog::global()?;
         if let Err(e) = kick_when_reached(&self.stream, dog.kicker()) {
             // Without the host function the watchdog still notices at its next poll.

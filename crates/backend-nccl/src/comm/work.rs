@@ -3,13 +3,13 @@
 //! [`NcclWork`], which completes through the operation's completion marker.
 
 use super::exec::{hold, unhold, Kind, Shape};
+use super::shared::PooledEvent;
 use super::shared::{din, dout, Cell, Shared};
 use super::NcclBackend;
 use crate::buffer::{downcast, owned, with_dtype};
 use crate::engine::Completion;
 use crate::error::{annotate, cuda, internal};
 use crate::ffi::P2p;
-use cudarc::driver::CudaEvent;
 use grid_core::{DType, DeviceBuffer, Error, HostBuffer, Request, Result, Tensor, TimeLimit, Work};
 use std::any::Any;
 use std::sync::{Arc, Mutex};
@@ -435,7 +435,7 @@ fn work(
     b: &NcclBackend,
     op: &'static str,
     completion: Option<Completion>,
-    event: Option<Arc<CudaEvent>>,
+    event: Option<Arc<PooledEvent>>,
     output: Output,
 ) -> Box<dyn Work> {
     Box::new(NcclWork {
@@ -469,7 +469,7 @@ pub struct NcclWork {
     shared: Arc<Shared>,
     op: &'static str,
     completion: Option<Completion>,
-    event: Option<Arc<CudaEvent>>,
+    event: Option<Arc<PooledEvent>>,
     /// A held-back send or receive: its completion appears here once posted.
     deferred: Option<Arc<Mutex<Cell>>>,
     /// Posting it failed (kept for the wait after an `is_completed`).
