@@ -50,6 +50,12 @@
 //!   matching send is only issued *after* waiting on it, in the same direction, cannot
 //!   complete; use `batch_p2p` or start both first.
 //!
+//! * **CUDA graph capture**: when the communicator's stream, or the stream of a device buffer
+//!   the operation joins, is capturing, the operation is enqueued into the graph without a
+//!   completion marker, host function or watchdog entry ([`crate::engine::launch_plan`]); host
+//!   memory, the blocking barrier, `synchronize` and `to_host` are refused with
+//!   [`Error::Unsupported`] naming the operation, before anything is enqueued.
+//!
 //! # Failure handling
 //! Failure handling is [`crate::engine`]: the state machine that the CPU tests drive with a
 //! scripted device runtime. Every communicator is **nonblocking** (`ncclConfig_t.blocking =
