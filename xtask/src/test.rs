@@ -259,7 +259,9 @@ the workspace (cargo nextest when installed, else cargo test), then builds the
 examples and runs each library crate's example with the command its
 documentation gives (`//! Run: `...``), then (as root) the multi-host scenarios of
 `cargo xtask hosts run` on network namespaces (skipped with the reason otherwise).
-  --gpu   also run the NCCL suite (crates/backend-nccl with feature gpu-tests)";
+  --gpu   also run the NCCL suite (crates/backend-nccl with feature gpu-tests), one test at a
+          time, with NCCL_DEBUG=WARN and GRID_REQUIRE_GPU=1; prints the NCCL version and the
+          devices, and fails on any skipped GPU test or size";
 
 fn with_test_env(c: &mut Command) {
     for (k, v) in MPI_ENV {
@@ -290,6 +292,7 @@ fn gpu_suite(counts: &mut Counts) -> Step {
             note: "no GPU suite exists yet".into(),
         };
     }
+    let mut lines = Vec::new();
     let (ok, t) = timed(|| {
         let mut c = cargo();
         c.args([
@@ -300,18 +303,63 @@ fn gpu_suite(counts: &mut Counts) -> Step {
             "gpu-tests",
             "--no-fail-fast",
         ])
-        .args(color_args());
+        .args(color_args())
+        // One test at a time (two tests' ranks on one GPU would be two NCCL ranks per device),
+        // with the test output shown: the NCCL version, the devices, the measurements.
+        .args(["--", "--test-threads=1", "--nocapture"]);
         with_test_env(&mut c);
-        let (status, lines) = run_capture(&mut c);
-        read_cargo_test_counts(&lines, counts);
+        for (k, v) in GPU_ENV {
+            c.env(k, v);
+        }
+        let (status, out) = run_capture(&mut c);
+        read_cargo_test_counts(&out, counts);
+        lines = out;
         status.is_some_and(|s| s.success())
     });
+    for l in gpu_report(&lines) {
+        println!("xtask: {l}");
+    }
+    let skipped = skipped_lines(&lines);
+    for l in &skipped {
+        eprintln!("xtask: --gpu: a GPU test skipped: {l}");
+    }
+    let note = if skipped.is_empty() {
+        String::new()
+    } else {
+        format!(
+            "{} GPU test(s) or sizes skipped (the GPU suite fails on any skip)",
+            skipped.len()
+        )
+    };
     Step {
         name: "GPU suite (backend-nccl, gpu-tests)".into(),
-        ok,
+        ok: ok && skipped.is_empty(),
         time: t,
-        note: String::new(),
+        note,
     }
+}
+
+/// The environment of the GPU suite: NCCL's warnings shown, and every GPU test that would skip
+/// for want of a driver, libnccl or GPU fails instead.
+const GPU_ENV: [(&str, &str); 2] = [("NCCL_DEBUG", "WARN"), ("GRID_REQUIRE_GPU", "1")];
+
+/// The lines of a GPU suite run that say what ran where (`GPU: ...`: the NCCL version and the
+/// devices, printed by the suite's `nccl_version_and_devices` test).
+fn gpu_report(lines: &[String]) -> Vec<String> {
+    lines
+        .iter()
+        .map(|l| strip_ansi(l))
+        .filter_map(|l| l.trim().strip_prefix("GPU: ").map(|r| format!("GPU: {r}")))
+        .collect()
+}
+
+/// The skip lines of a GPU suite run (`SKIPPED: <test>: <reason>` or `SKIPPED size ...`).
+fn skipped_lines(lines: &[String]) -> Vec<String> {
+    lines
+        .iter()
+        .map(|l| strip_ansi(l).trim().to_string())
+        .filter(|l| l.starts_with("SKIPPED"))
+        .collect()
 }
 
 /// Whether `manifest` declares `feature` in its `[features]` table (a plain text scan; enough
@@ -464,6 +512,22 @@ mod tests {
         )
         .unwrap();
         assert!(has_feature(&m, "gpu-tests"));
+        let run: Vec<String> = [
+            "running 3 tests",
+            "GPU: NCCL 2.26.2; device 0 of 1: NVIDIA H100, compute capability 9.0, 79 GiB",
+            "SKIPPED: isend_irecv_exchange_between_two_ranks: needs 2 GPUs, found 1",
+            "SKIPPED size 1024 MiB of f32: needs about 7168 MiB of free device memory",
+            "test result: ok. 3 passed; 0 failed",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        assert_eq!(
+            gpu_report(&run),
+            vec!["GPU: NCCL 2.26.2; device 0 of 1: NVIDIA H100, compute capability 9.0, 79 GiB"]
+        );
+        assert_eq!(skipped_lines(&run).len(), 2);
+        assert_eq!(GPU_ENV, [("NCCL_DEBUG", "WARN"), ("GRID_REQUIRE_GPU", "1")]);
         assert!(!has_feature(&m, "gpu"));
         std::fs::remove_dir_all(&dir).unwrap();
     }

@@ -31,13 +31,73 @@ pub fn exchange_unique_id(
     local: Result<()>,
     make_id: &mut dyn FnMut() -> Result<[u8; ID_BYTES]>,
 ) -> Result<[u8; ID_BYTES]> {
+    let ids = exchange_unique_ids(bootstrap, local, &[0], make_id)?;
+    ids.into_iter()
+        .next()
+        .ok_or_else(|| crate::error::internal("nccl init", "no unique id"))
+}
+
+/// The ranks that create the unique ids of a communicator of `nranks` initialised from `nids`
+/// ids (`ncclCommInitRankScalable`): the ranks are cut into `nids` runs as even as possible (the
+/// first `nranks % nids` runs one longer), and the first rank of each run creates its run's id,
+/// as NCCL's user guide recommends (*Creating a communicator using multiple ncclUniqueIds*).
+/// `nids` is clamped to `1..=nranks`.
+///
+/// ```
+/// use backend_nccl::bootstrap::root_ranks;
+/// assert_eq!(root_ranks(7, 3), vec![0, 3, 5]); // the user guide's example
+/// assert_eq!(root_ranks(8, 1), vec![0]);
+/// assert_eq!(root_ranks(4, 9), vec![0, 1, 2, 3]);
+/// ```
+pub fn root_ranks(nranks: usize, nids: usize) -> Vec<usize> {
+    let nids = nids.clamp(1, nranks.max(1));
+    let (per, extra) = (nranks / nids, nranks % nids);
+    (0..nids).map(|i| i * per + i.min(extra)).collect()
+}
+
+/// How many unique ids initialise a communicator of `nranks` with at most `ranks_per_root`
+/// ranks per id (`ceil(nranks / ranks_per_root)`, at least 1); 1 when `scalable` is false
+/// (the library has no `ncclCommInitRankScalable`).
+///
+/// ```
+/// use backend_nccl::bootstrap::root_count;
+/// assert_eq!(root_count(8, 128, true), 1);
+/// assert_eq!(root_count(1000, 128, true), 8);
+/// assert_eq!(root_count(1000, 128, false), 1);
+/// ```
+pub fn root_count(nranks: usize, ranks_per_root: usize, scalable: bool) -> usize {
+    if !scalable {
+        return 1;
+    }
+    nranks.div_ceil(ranks_per_root.max(1)).max(1)
+}
+
+/// Exchanges the unique ids created on `roots` (see [`root_ranks`]) over `bootstrap`
+/// (collective over it): like [`exchange_unique_id`], with one broadcast of 128 bytes per root.
+/// Returns the ids in the order of `roots`, the same on every rank.
+///
+/// ```
+/// use backend_nccl::bootstrap::exchange_unique_ids;
+/// let ids = backend_local::run(3, &Default::default(), |_, boot| {
+///     let me = grid_core::Communicator::rank(&boot) as u8;
+///     exchange_unique_ids(&boot, Ok(()), &[0, 2], &mut || Ok([me; 128]))
+/// })?;
+/// assert_eq!(ids, vec![vec![[0u8; 128], [2u8; 128]]; 3]);
+/// # Ok::<(), grid_core::Error>(())
+/// ```
+pub fn exchange_unique_ids(
+    bootstrap: &dyn Communicator,
+    local: Result<()>,
+    roots: &[usize],
+    make_id: &mut dyn FnMut() -> Result<[u8; ID_BYTES]>,
+) -> Result<Vec<[u8; ID_BYTES]>> {
     let me = bootstrap.rank();
     let n = bootstrap.size();
     let mut my_err = local.err();
-    let mut id = [0u8; ID_BYTES];
-    if me == 0 && my_err.is_none() {
+    let mut mine = [0u8; ID_BYTES];
+    if roots.contains(&me) && my_err.is_none() {
         match make_id() {
-            Ok(b) => id = b,
+            Ok(b) => mine = b,
             Err(e) => my_err = Some(e),
         }
     }
@@ -63,8 +123,13 @@ pub fn exchange_unique_id(
             at: None,
         });
     }
-    bootstrap.broadcast(BufMut::from(&mut id[..]), 0)?;
-    Ok(id)
+    let mut ids = Vec::with_capacity(roots.len());
+    for &root in roots {
+        let mut id = if root == me { mine } else { [0u8; ID_BYTES] };
+        bootstrap.broadcast(BufMut::from(&mut id[..]), root)?;
+        ids.push(id);
+    }
+    Ok(ids)
 }
 
 /// The environment variables read for the node-local rank, in order: torchrun, Open MPI,

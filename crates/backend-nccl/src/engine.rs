@@ -44,7 +44,7 @@
 
 use grid_core::{Error, Result, TimeLimit};
 use std::any::Any;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
@@ -84,6 +84,87 @@ pub trait DeviceComm: Send + Sync + 'static {
 pub trait DeviceEvent: Send + 'static {
     /// `Ok(Done)` once the device finished everything enqueued before the marker; never blocks.
     fn query(&self) -> Result<Progress>;
+}
+
+/// Whether a stream is being captured into a CUDA graph (`cuStreamIsCapturing`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Capture {
+    /// Not capturing: work runs when enqueued (eager).
+    Eager,
+    /// Capturing: work enqueued now becomes part of a graph and runs only when the graph is
+    /// launched, possibly many times.
+    Capturing,
+    /// The capture was invalidated by an earlier call; it can only be ended.
+    Invalidated,
+}
+
+/// A stream operations are enqueued on, as the state machine sees it. The backend implements it
+/// over a CUDA stream.
+pub trait DeviceStream {
+    /// The stream's capture state; never blocks.
+    fn capture(&self) -> Result<Capture>;
+}
+
+/// How an operation enqueued under a given [`Capture`] state is followed ([`launch_plan`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Launch {
+    /// Eager work: a completion marker is recorded after it and the watchdog polls it
+    /// (time limit, buffers kept until the device is done).
+    Watched,
+    /// Captured into a graph: nothing runs now, so there is nothing to poll. No marker is
+    /// queried (querying an event recorded during capture invalidates the capture, CUDA's
+    /// `CUDA_ERROR_CAPTURED_EVENT`), no host function is enqueued (it would run at every
+    /// replay), and the buffers go back to the caller at once: the graph refers to them, so
+    /// the caller keeps them alive for as long as it may launch the graph.
+    Captured,
+}
+
+/// What to do with operation `op` enqueued on a stream in state `capture`; `host_staged` says
+/// whether it moves host memory (staged through the GPU with copies and a host wait) or waits
+/// on the host (a barrier, `synchronize`). Pure.
+///
+/// Errors: host staging or a host wait during capture ([`Error::Unsupported`] naming the
+/// operation and why), an invalidated capture ([`Error::Invalid`]).
+///
+/// ```
+/// use backend_nccl::engine::{launch_plan, Capture, Launch};
+/// assert_eq!(launch_plan("all_reduce", Capture::Eager, true).unwrap(), Launch::Watched);
+/// assert_eq!(launch_plan("all_reduce", Capture::Capturing, false).unwrap(), Launch::Captured);
+/// let e = launch_plan("all_gather", Capture::Capturing, true).unwrap_err();
+/// assert!(e.to_string().contains("all_gather"));
+/// assert!(e.to_string().contains("CUDA graph"));
+/// ```
+pub fn launch_plan(op: &'static str, capture: Capture, host_staged: bool) -> Result<Launch> {
+    match (capture, host_staged) {
+        (Capture::Eager, _) => Ok(Launch::Watched),
+        (Capture::Capturing, false) => Ok(Launch::Captured),
+        (Capture::Capturing, true) => Err(Error::Unsupported {
+            op,
+            backend: "nccl",
+            what: "host memory or a host wait while a stream is being captured into a CUDA graph (host buffers are staged with copies and a host wait, which a graph cannot replay; a barrier and synchronize wait on the host); pass device buffers (NcclDeviceBuffer) during capture, and wait after launching the graph".into(),
+        }),
+        (Capture::Invalidated, _) => Err(Error::Invalid(format!(
+            "{op}: the stream's CUDA graph capture was invalidated by an earlier call; end the capture (cuStreamEndCapture) and capture again"
+        ))),
+    }
+}
+
+/// The [`Capture`] state of several streams together: capturing if any is (an operation that
+/// joins them is then part of the capture), invalidated if any capture is.
+///
+/// ```
+/// use backend_nccl::engine::{combine_capture, Capture};
+/// assert_eq!(combine_capture([Capture::Eager, Capture::Capturing]), Capture::Capturing);
+/// assert_eq!(combine_capture([]), Capture::Eager);
+/// ```
+pub fn combine_capture(states: impl IntoIterator<Item = Capture>) -> Capture {
+    states
+        .into_iter()
+        .fold(Capture::Eager, |a, b| match (a, b) {
+            (Capture::Invalidated, _) | (_, Capture::Invalidated) => Capture::Invalidated,
+            (Capture::Capturing, _) | (_, Capture::Capturing) => Capture::Capturing,
+            _ => Capture::Eager,
+        })
 }
 
 /// Settings of a [`Watchdog`].
@@ -226,6 +307,7 @@ impl Watchdog {
             }),
             changed: Condvar::new(),
             device_aborted: AtomicBool::new(false),
+            captured_ops: AtomicUsize::new(0),
             dog: Arc::downgrade(&self.dog),
             job: job.map(Arc::downgrade),
         });
@@ -391,6 +473,7 @@ pub struct Tracked {
     device_aborted: AtomicBool,
     dog: Weak<Dog>,
     job: Option<Weak<Job>>,
+    captured_ops: AtomicUsize,
 }
 
 impl std::fmt::Debug for Tracked {
@@ -553,6 +636,61 @@ impl Tracked {
             deadline,
             limit,
         }
+    }
+
+    /// Registers an operation just enqueued on `stream` and follows it as its capture state
+    /// requires ([`launch_plan`]): eager work gets its completion marker from `marker` and is
+    /// watched ([`Tracked::launch`]); captured work is not watched ([`Tracked::captured`]).
+    /// `host_staged`: the operation moves host memory or waits on the host (refused during
+    /// capture). Call it **before** enqueueing anything that the decision forbids.
+    pub fn launch_on(
+        self: &Arc<Self>,
+        op: &'static str,
+        limit: TimeLimit,
+        stream: &dyn DeviceStream,
+        marker: impl FnOnce() -> Result<Box<dyn DeviceEvent>>,
+        keep: Vec<Box<dyn Any + Send>>,
+    ) -> Result<(Completion, Launch)> {
+        match launch_plan(op, stream.capture()?, false)? {
+            Launch::Watched => Ok((self.launch(op, limit, marker()?, keep), Launch::Watched)),
+            Launch::Captured => Ok((self.captured(op, keep), Launch::Captured)),
+        }
+    }
+
+    /// An operation captured into a CUDA graph: nothing runs now, so the watchdog never sees
+    /// it (no marker, no time limit, no query). The completion is finished at once (with the
+    /// communicator's error if it is no longer live) and hands `keep` back. Launching the
+    /// graph later runs the operation outside this state machine: the communicator's
+    /// asynchronous-error polling still covers it.
+    pub fn captured(
+        self: &Arc<Self>,
+        op: &'static str,
+        keep: Vec<Box<dyn Any + Send>>,
+    ) -> Completion {
+        let outcome = match &lock(&self.state).phase {
+            Phase::Live => Ok(()),
+            Phase::Failed(e) => Err(aborted_by(&self.name, op, e)),
+            other => Err(refusal(&self.name, op, other)),
+        };
+        self.captured_ops.fetch_add(1, Ordering::Relaxed);
+        Completion {
+            comm: self.clone(),
+            slot: Arc::new(Slot {
+                op,
+                state: Mutex::new(SlotState {
+                    outcome: Some(outcome),
+                    keep,
+                }),
+                done: Condvar::new(),
+            }),
+            deadline: None,
+            limit: TimeLimit::Unlimited,
+        }
+    }
+
+    /// How many operations were captured into CUDA graphs on this communicator.
+    pub fn captured_ops(&self) -> usize {
+        self.captured_ops.load(Ordering::Relaxed)
     }
 
     /// Aborts the communicator on request: every pending operation returns [`Error::Aborted`]
@@ -1083,5 +1221,80 @@ impl Outbox {
         for m in members {
             m.post_deferred();
         }
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Pools
+// ------------------------------------------------------------------------------------------------
+
+/// A bounded free list of reusable objects. The backend keeps the CUDA events it records
+/// (completion markers, stream-to-stream joins) in one per communicator, instead of creating and
+/// destroying an event per buffer per call; an event goes back to the pool only when nothing can
+/// still wait on it.
+///
+/// ```
+/// use backend_nccl::engine::Pool;
+/// let pool: Pool<u32> = Pool::new(2);
+/// let a = pool.take(|| Ok(7))?;           // created
+/// pool.give(a);
+/// assert_eq!(pool.take(|| Ok(8))?, 7);    // reused
+/// assert_eq!((pool.created(), pool.idle()), (1, 0));
+/// # Ok::<(), grid_core::Error>(())
+/// ```
+pub struct Pool<T> {
+    free: Mutex<Vec<T>>,
+    cap: usize,
+    created: AtomicUsize,
+}
+
+impl<T> std::fmt::Debug for Pool<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "Pool({} idle of at most {}, {} created)",
+            self.idle(),
+            self.cap,
+            self.created()
+        )
+    }
+}
+
+impl<T> Pool<T> {
+    /// An empty pool keeping at most `cap` idle objects (more are dropped when given back).
+    pub fn new(cap: usize) -> Pool<T> {
+        Pool {
+            free: Mutex::new(Vec::new()),
+            cap,
+            created: AtomicUsize::new(0),
+        }
+    }
+
+    /// An idle object, or a new one from `make`.
+    pub fn take(&self, make: impl FnOnce() -> Result<T>) -> Result<T> {
+        if let Some(t) = lock(&self.free).pop() {
+            return Ok(t);
+        }
+        let t = make()?;
+        self.created.fetch_add(1, Ordering::Relaxed);
+        Ok(t)
+    }
+
+    /// Gives an object back for reuse (dropped when the pool is full).
+    pub fn give(&self, t: T) {
+        let mut free = lock(&self.free);
+        if free.len() < self.cap {
+            free.push(t);
+        }
+    }
+
+    /// How many objects wait for reuse.
+    pub fn idle(&self) -> usize {
+        lock(&self.free).len()
+    }
+
+    /// How many objects `make` created so far.
+    pub fn created(&self) -> usize {
+        self.created.load(Ordering::Relaxed)
     }
 }

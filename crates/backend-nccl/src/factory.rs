@@ -2,12 +2,14 @@
 //! sub-group with `ncclCommSplit` of a parent (no new unique-id exchange per group).
 
 use crate::bootstrap::{
-    choose_device, claim_device, exchange_unique_id, local_rank_from, DeviceClaim,
+    choose_device, claim_device, exchange_unique_ids, local_rank_from, root_count, root_ranks,
+    DeviceClaim,
 };
 use crate::comm::{Capabilities, NcclBackend, NcclCommunicator};
 use crate::engine::{Job, Progress, Watchdog};
 use crate::error::{annotate, cuda, lib, BACKEND};
 use crate::ffi::{self, CommConfig, RawComm};
+use crate::p2p::{resolve_posting, Lane, P2pPosting};
 use crate::probe;
 use crate::split::{nccl_color, nccl_key};
 use cudarc::driver::CudaContext;
@@ -15,7 +17,7 @@ use grid_core::{
     split_members, BufMut, BufRef, Communicator, Error, GroupFactory, Result, SplitEntry, TimeLimit,
 };
 use std::ffi::{c_int, CString};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -97,6 +99,20 @@ pub struct NcclOptions {
     pub abort_on_failure: bool,
     /// NCCL's per-communicator settings ([`NcclConfig`]).
     pub config: NcclConfig,
+    /// At most this many ranks per NCCL unique id when the world communicator is created: a
+    /// world of `n` ranks is initialised from `ceil(n / ranks_per_root)` ids with
+    /// `ncclCommInitRankScalable` (NCCL >= 2.23; the ids are created on evenly spaced ranks,
+    /// [`crate::bootstrap::root_ranks`], and broadcast over the bootstrap communicator), which
+    /// spreads NCCL's bootstrap over several roots in large worlds. With one id, or an older
+    /// NCCL, `ncclCommInitRankConfig`. Default 128 (PyTorch's `TORCH_NCCL_RANKS_PER_ROOT`
+    /// default); must be the same on every rank, as must the NCCL version.
+    pub ranks_per_root: usize,
+    /// How single sends and receives are posted ([`crate::p2p`]): at once on two
+    /// point-to-point communicators split from each communicator when it is created (the
+    /// default, [`P2pPosting::Lanes`]), or held back and grouped ([`P2pPosting::HoldBack`]; no
+    /// extra communicators). Must be the same on every rank. [`NcclFactory::set_p2p_posting`]
+    /// changes it for communicators split later.
+    pub p2p: P2pPosting,
 }
 
 impl Default for NcclOptions {
@@ -106,9 +122,14 @@ impl Default for NcclOptions {
             timeout: Duration::from_secs(600),
             abort_on_failure: true,
             config: NcclConfig::default(),
+            p2p: P2pPosting::Lanes,
+            ranks_per_root: 128,
         }
     }
 }
+
+/// The first NCCL with `ncclCommInitRankScalable` (several unique ids per communicator).
+pub const SCALABLE_INIT_VERSION: (u32, u32, u32) = (2, 23, 0);
 
 /// The oldest NCCL this backend runs on: `ncclCommSplit`, and nonblocking communicators with
 /// the `ncclConfig_t` fields it sets (`splitShare` came in 2.18).
@@ -142,6 +163,10 @@ pub struct NcclFactory {
     caps: Capabilities,
     splits: AtomicUsize,
     config: CommConfig,
+    /// Communicators created from now on get point-to-point lanes ([`P2pPosting::Lanes`]).
+    lanes: AtomicBool,
+    /// Why lanes are not possible with the loaded NCCL and CUDA, if so.
+    no_lanes: Option<String>,
     /// This process's claim on the GPU, for as long as the factory lives.
     _claim: DeviceClaim,
 }
@@ -212,13 +237,17 @@ impl NcclFactory {
             .map_err(Clone::clone)
             .and_then(|_| local_setup(rank, &opts, bootstrap.backend()));
         let ready = local.as_ref().map(|_| ()).map_err(Clone::clone);
-        let id = exchange_unique_id(bootstrap, ready, &mut ffi::unique_id)?;
+        let scalable = local
+            .as_ref()
+            .is_ok_and(|(_, v, _, _)| *v >= SCALABLE_INIT_VERSION);
+        let roots = root_ranks(size, root_count(size, opts.ranks_per_root, scalable));
+        let ids = exchange_unique_ids(bootstrap, ready, &roots, &mut ffi::unique_id)?;
         let (ctx, version, caps, claim) = local?;
         let config = config?;
         let dog = Watchdog::global()?;
         cuda("bind context", || ctx.bind_to_thread())?;
         let stream = cuda("cuStreamCreate", || ctx.new_stream())?;
-        let raw = Arc::new(RawComm::init_rank(size, &id, rank, &config)?);
+        let raw = Arc::new(RawComm::init_rank(size, &ids, rank, &config)?);
         let job = Job::new(opts.abort_on_failure);
         let tracked = dog.track("world", raw.clone(), "init", Some(&job));
         crate::job::process().register(&tracked);
@@ -235,6 +264,21 @@ impl NcclFactory {
             "world".to_string(),
             opts.timeout,
         );
+        let driver = ffi::driver_version().ok();
+        let launch_order = std::env::var("NCCL_LAUNCH_ORDER_IMPLICIT").ok();
+        let (posting, no_lanes) = resolve_posting(opts.p2p, launch_order.as_deref(), driver);
+        if let Some(why) = &no_lanes {
+            tracing::warn!("nccl: {why}");
+        }
+        if posting == P2pPosting::Lanes {
+            split_lanes(
+                &world,
+                &job,
+                &config,
+                TimeLimit::After(opts.timeout),
+                opts.timeout,
+            )?;
+        }
         tracing::debug!(
             rank,
             size,
@@ -250,6 +294,8 @@ impl NcclFactory {
                 caps,
                 splits: AtomicUsize::new(0),
                 config,
+                lanes: AtomicBool::new(posting == P2pPosting::Lanes),
+                no_lanes,
                 _claim: claim,
             },
             world,
@@ -286,6 +332,118 @@ impl NcclFactory {
     pub fn options(&self) -> &NcclOptions {
         &self.opts
     }
+
+    /// How communicators split from now on post single sends and receives ([`crate::p2p`]);
+    /// every rank must make the same change before the same split. `Lanes` is refused (the
+    /// error says why) where the loaded NCCL and CUDA would serialise the lanes.
+    pub fn set_p2p_posting(&self, posting: P2pPosting) -> Result<()> {
+        if let (P2pPosting::Lanes, Some(why)) = (posting, &self.no_lanes) {
+            return Err(Error::Unsupported {
+                op: "set_p2p_posting",
+                backend: BACKEND,
+                what: format!("point-to-point lanes: {why}"),
+            });
+        }
+        self.lanes
+            .store(posting == P2pPosting::Lanes, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// How communicators split from now on post single sends and receives.
+    pub fn p2p_posting(&self) -> P2pPosting {
+        if self.lanes.load(Ordering::Relaxed) {
+            P2pPosting::Lanes
+        } else {
+            P2pPosting::HoldBack
+        }
+    }
+}
+
+/// Splits the two point-to-point lanes of `comm` ([`crate::p2p`]), right after its creation
+/// (collective over it: every member calls this in the same order). A communicator of one rank
+/// gets none (it has no peer). The lanes are nonblocking NCCL communicators of the same ranks,
+/// with `comm`'s NCCL options but never `splitShare` (a shared device stream would serialise
+/// them with `comm`), each with its own stream, under the watchdog and in `job`.
+fn split_lanes(
+    comm: &NcclCommunicator,
+    job: &Arc<Job>,
+    config: &CommConfig,
+    limit: TimeLimit,
+    timeout: Duration,
+) -> Result<()> {
+    const OP: &str = "split";
+    let shared = comm.inner().shared();
+    if shared.raw.size() < 2 {
+        return Ok(());
+    }
+    let config = CommConfig {
+        split_share: false,
+        ..config.clone()
+    };
+    let key = nccl_key(shared.raw.rank())?;
+    let wrap = |e| annotate(e, OP, comm.comm_name());
+    let mut made = Vec::with_capacity(2);
+    for lane in [Lane::Up, Lane::Down] {
+        let name = format!("{}/{}", comm.comm_name(), lane.suffix());
+        cuda("bind context", || shared.ctx.bind_to_thread()).map_err(wrap)?;
+        // One NCCL call at a time on this device, until the split settled.
+        let calls = shared.device_guard();
+        let raw = match shared.raw.split(Some(0), key, &config) {
+            Ok((raw, _)) => raw,
+            Err(e) => return Err(shared.failed_call(OP, e)),
+        };
+        let Some(raw) = raw else {
+            return Err(wrap(lib(
+                OP,
+                "ncclCommSplit with colour 0 gave no communicator for a point-to-point lane",
+            )));
+        };
+        let raw = Arc::new(raw);
+        let tracked = Watchdog::global()?.track(name.clone(), raw.clone(), OP, Some(job));
+        crate::job::process().register(&tracked);
+        let ready = tracked
+            .settle(OP, limit)
+            .and_then(|()| raw.learn_identity())
+            .and_then(|(rank, size)| {
+                if (rank, size) == (shared.raw.rank(), shared.raw.size()) {
+                    Ok(())
+                } else {
+                    Err(lib(
+                        OP,
+                        format!(
+                            "point-to-point lane '{name}' has rank {rank} of {size}, its communicator rank {} of {}",
+                            shared.raw.rank(),
+                            shared.raw.size()
+                        ),
+                    ))
+                }
+            })
+            .and_then(|()| cuda("cuStreamCreate", || shared.ctx.new_stream()));
+        drop(calls);
+        let stream = match ready {
+            Ok(s) => s,
+            Err(e) => {
+                tracked.fail(e.clone());
+                tracked.close();
+                return Err(wrap(e));
+            }
+        };
+        made.push(Arc::new(crate::comm::Shared::new(
+            raw,
+            tracked,
+            shared.ctx.clone(),
+            stream,
+            name,
+            timeout,
+        )));
+    }
+    let (Some(down), Some(up)) = (made.pop(), made.pop()) else {
+        return Err(crate::error::internal(OP, "two lanes"));
+    };
+    if shared.lanes.set([up, down]).is_err() {
+        return Err(crate::error::internal(OP, "lanes set twice"));
+    }
+    Ok(())
 }
 
 impl GroupFactory for NcclFactory {
@@ -411,7 +569,7 @@ impl NcclFactory {
         // Held-back sends and receives were started first: posted first. Then one NCCL call
         // at a time on this device, until the split settled.
         shared.outbox.post_all();
-        let _calls = shared.device_guard();
+        let calls = shared.device_guard();
         let (raw, progress) = match shared.raw.split(c, k, config.unwrap_or(&self.config)) {
             Ok(v) => v,
             Err(e) => return Err(shared.failed_call(OP, e)),
@@ -441,6 +599,8 @@ impl NcclFactory {
                 Some((raw, tracked))
             }
         };
+        // The lanes' splits below take the device's call lock themselves.
+        drop(calls);
         match (child, plan) {
             (None, None) => Ok(None),
             (Some((raw, tracked)), Some(p))
@@ -454,7 +614,7 @@ impl NcclFactory {
                         return Err(wrap(e));
                     }
                 };
-                Ok(Some(NcclBackend::create(
+                let child = NcclBackend::create(
                     raw,
                     tracked,
                     (shared.ctx.clone(), self.caps),
@@ -462,7 +622,17 @@ impl NcclFactory {
                     p.members,
                     name,
                     self.opts.timeout,
-                )))
+                );
+                if self.lanes.load(Ordering::Relaxed) {
+                    split_lanes(
+                        &child,
+                        &self.job,
+                        config.unwrap_or(&self.config),
+                        limit,
+                        self.opts.timeout,
+                    )?;
+                }
+                Ok(Some(child))
             }
             (child, plan) => {
                 let got = child.as_ref().map(|(r, _)| (r.rank(), r.size()));

@@ -87,6 +87,46 @@ pub(crate) fn nccl_version() -> Result<i32> {
     })
 }
 
+/// The CUDA driver's version (`cuDriverGetVersion`, e.g. 12040 for 12.4).
+pub(crate) fn driver_version() -> Result<i32> {
+    guard("cuDriverGetVersion", || {
+        let mut v: c_int = 0;
+        // SAFETY: `v` is a valid, writable `int`; the driver library is loaded (module rule 1).
+        // cuDriverGetVersion needs no initialised driver or context.
+        let r = unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut v) };
+        r.result()
+            .map_err(|e| crate::error::driver("cuDriverGetVersion", e))?;
+        Ok(v)
+    })
+}
+
+/// Puts the calling thread in CUDA's *relaxed* stream-capture mode, once per thread. The
+/// watchdog thread queries completion markers of eager work; in the default (global) mode a
+/// CUDA graph capture started by another thread prohibits "potentially unsafe" calls on every
+/// thread, so a query could fail or invalidate that capture. Relaxed mode lifts the prohibition
+/// for this thread only (the events it queries are never recorded in a capture: see
+/// [`crate::engine::Launch::Captured`]).
+pub(crate) fn relax_capture_mode() {
+    thread_local! {
+        static RELAXED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    }
+    if RELAXED.with(|r| r.replace(true)) {
+        return;
+    }
+    let r = guard("cuThreadExchangeStreamCaptureMode", || {
+        let mut mode = cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
+        // SAFETY: `mode` is a valid, writable CUstreamCaptureMode; the call only swaps this
+        // thread's capture mode (the previous one is written back into `mode`, and dropped: the
+        // thread stays relaxed for its lifetime). The driver library is loaded (rule 1).
+        let r = unsafe { cudarc::driver::sys::cuThreadExchangeStreamCaptureMode(&mut mode) };
+        r.result()
+            .map_err(|e| crate::error::driver("cuThreadExchangeStreamCaptureMode", e))
+    });
+    if let Err(e) = r {
+        tracing::debug!("nccl: {e}; the watchdog keeps the default capture mode");
+    }
+}
+
 /// A fresh `ncclUniqueId` as its 128 raw bytes.
 pub(crate) fn unique_id() -> Result<[u8; 128]> {
     guard("ncclGetUniqueId", || {
@@ -280,6 +320,7 @@ impl<'a> DevIn<'a> {
         let dtype = typed::<T>("device buffer")?;
         let count = src.len();
         let (ptr, sync) = guard("device_ptr", || Ok(src.device_ptr(stream)))?;
+        forgive_captured_event_waits(stream.context());
         Ok(DevIn {
             ptr,
             count,
@@ -295,6 +336,7 @@ impl<'a> DevIn<'a> {
         let dtype = typed::<T>("device buffer")?;
         let count = v.len();
         let (ptr, sync) = guard("view_ptr", || Ok(v.view_ptr(stream)))?;
+        forgive_captured_event_waits(stream.context());
         Ok(DevIn {
             ptr,
             count,
@@ -313,6 +355,7 @@ impl<'a> DevOut<'a> {
         let dtype = typed::<T>("device buffer")?;
         let count = v.len();
         let (ptr, sync) = guard("view_ptr_mut", || Ok(v.view_ptr_mut(stream)))?;
+        forgive_captured_event_waits(stream.context());
         Ok(DevOut {
             ptr,
             count,
@@ -328,12 +371,33 @@ impl<'a> DevOut<'a> {
         let dtype = typed::<T>("device buffer")?;
         let count = dst.len();
         let (ptr, sync) = guard("device_ptr_mut", || Ok(dst.device_ptr_mut(stream)))?;
+        forgive_captured_event_waits(stream.context());
         Ok(DevOut {
             ptr,
             count,
             dtype,
             _sync: sync,
         })
+    }
+}
+
+/// Clears a `CUDA_ERROR_CAPTURED_EVENT` that cudarc stored in `ctx` (other stored errors stay).
+///
+/// cudarc orders each buffer's uses across streams with per-buffer events (waits before a use,
+/// a record after it) and stores the error of a wait it cannot return, reporting it at the
+/// context's next bind. A buffer used by an operation captured into a CUDA graph has its events
+/// last recorded in that capture, and CUDA refuses to wait eagerly on such an event
+/// (`CUDA_ERROR_CAPTURED_EVENT`) — so the first eager use of that buffer after the capture
+/// would fail an unrelated later call. The refused wait ordered the eager use after nothing
+/// (the capture ran nothing; a replay of the graph is ordered by the stream it is launched on,
+/// which cudarc's events never tracked), so forgetting the error loses no ordering.
+pub(crate) fn forgive_captured_event_waits(ctx: &cudarc::driver::CudaContext) {
+    if let Err(e) = ctx.check_err() {
+        if e.0 != cudarc::driver::sys::CUresult::CUDA_ERROR_CAPTURED_EVENT {
+            ctx.record_err::<()>(Err(e));
+        } else {
+            tracing::debug!("nccl: a buffer's first eager use after a CUDA graph capture: cudarc's wait on its captured event was skipped");
+        }
     }
 }
 
@@ -499,40 +563,72 @@ fn to_int(op: &'static str, what: &'static str, v: usize) -> Result<c_int> {
 }
 
 impl RawComm {
-    /// `ncclCommInitRankConfig` in nonblocking mode: starts joining the communicator of
-    /// `nranks` ranks named by `id` as `rank` and returns at once; the creation is finished when
-    /// [`RawComm::progress`] says `Done` (see [`crate::engine::Watchdog::track`]). The CUDA
+    /// `ncclCommInitRankConfig` (one id) or `ncclCommInitRankScalable` (several ids, NCCL >=
+    /// 2.23, checked by the caller) in nonblocking mode: starts joining the communicator of
+    /// `nranks` ranks named by `ids` as `rank` and returns at once; the creation is finished
+    /// when [`RawComm::progress`] says `Done` (see [`crate::engine::Watchdog::track`]). The CUDA
     /// context of the device must be current.
     pub(crate) fn init_rank(
         nranks: usize,
-        id: &[u8; 128],
+        ids: &[[u8; 128]],
         rank: usize,
         cfg: &CommConfig,
     ) -> Result<RawComm> {
-        let n = to_int("ncclCommInitRankConfig", "size", nranks)?;
-        let r = to_int("ncclCommInitRankConfig", "rank", rank)?;
-        let uid = sys::ncclUniqueId {
-            internal: id.map(|b| b as std::ffi::c_char),
-        };
+        const OP: &str = "ncclCommInitRankConfig";
+        let n = to_int(OP, "size", nranks)?;
+        let r = to_int(OP, "rank", rank)?;
+        let nids = to_int(OP, "number of unique ids", ids.len())?;
+        if ids.is_empty() {
+            return Err(crate::error::internal(OP, "no unique id"));
+        }
+        let mut uids: Vec<sys::ncclUniqueId> = ids
+            .iter()
+            .map(|id| sys::ncclUniqueId {
+                internal: id.map(|b| b as std::ffi::c_char),
+            })
+            .collect();
         let mut config = nccl_config(cfg);
-        let comm = guard("ncclCommInitRankConfig", || {
-            let mut comm: sys::ncclComm_t = std::ptr::null_mut();
-            // SAFETY: `comm` is a valid out-pointer; `uid` is passed by value; `config` is a fully
-            // initialised ncclConfig_t (NCCL_CONFIG_INITIALIZER's values) whose `netName` points
-            // into `cfg`, alive for the call; libnccl is loaded (module rule 1). In nonblocking
-            // mode NCCL writes the handle before returning ncclInProgress.
-            check_progress(
-                "ncclCommInitRankConfig",
-                unsafe { sys::ncclCommInitRankConfig(&mut comm, n, uid, r, &mut config) },
-                None,
-            )?;
-            Ok(comm)
-        })?;
+        let comm = if uids.len() == 1 {
+            guard(OP, || {
+                let mut comm: sys::ncclComm_t = std::ptr::null_mut();
+                // SAFETY: `comm` is a valid out-pointer; the id is passed by value; `config` is a
+                // fully initialised ncclConfig_t (NCCL_CONFIG_INITIALIZER's values) whose
+                // `netName` points into `cfg`, alive for the call; libnccl is loaded (module
+                // rule 1). In nonblocking mode NCCL writes the handle before returning
+                // ncclInProgress.
+                check_progress(
+                    OP,
+                    unsafe { sys::ncclCommInitRankConfig(&mut comm, n, uids[0], r, &mut config) },
+                    None,
+                )?;
+                Ok(comm)
+            })?
+        } else {
+            guard("ncclCommInitRankScalable", || {
+                let mut comm: sys::ncclComm_t = std::ptr::null_mut();
+                // SAFETY: as for ncclCommInitRankConfig; `uids` holds exactly `nids` ids, alive
+                // for the call (NCCL copies what it needs before returning). The caller checked
+                // that the library is NCCL >= 2.23, which exports the symbol (a missing symbol
+                // would make cudarc panic, which `guard` turns into an error).
+                check_progress(
+                    "ncclCommInitRankScalable",
+                    unsafe {
+                        sys::ncclCommInitRankScalable(
+                            &mut comm,
+                            n,
+                            r,
+                            nids,
+                            uids.as_mut_ptr(),
+                            &mut config,
+                        )
+                    },
+                    None,
+                )?;
+                Ok(comm)
+            })?
+        };
         if comm.is_null() {
-            return Err(crate::error::internal(
-                "ncclCommInitRankConfig",
-                "NCCL returned no communicator",
-            ));
+            return Err(crate::error::internal(OP, "NCCL returned no communicator"));
         }
         Ok(RawComm::wrap(comm, rank, nranks))
     }

@@ -25,6 +25,13 @@
 //!   device is done, non-blocking teardown. [`NcclFactory::abort_all`] / [`abort_all`] abort
 //!   every communicator of a job / process.
 //!
+//! * Point-to-point: every `send`/`recv`/`isend`/`irecv` is enqueued when called, on one of two
+//!   point-to-point lanes of its communicator (one per message direction), so exchanges, rings
+//!   and an `isend` followed by a collective on another communicator cannot deadlock; see
+//!   [`p2p`] for NCCL's rules and where sends are still held back.
+//! * CUDA graph capture: operations on device buffers can be captured; captured work is never
+//!   watched ([`engine::launch_plan`]).
+//!
 //! All `unsafe` code lives in one private module (`ffi`), a thin owned wrapper over
 //! `cudarc::nccl::sys` (and one CUDA host function), with the invariant written next to each
 //! block.
@@ -55,13 +62,14 @@ mod error;
 mod factory;
 mod ffi;
 mod job;
+pub mod p2p;
 pub mod plan;
 pub mod probe;
 mod split;
 
 pub use buffer::{NcclDeviceBuffer, NcclElement};
 pub use comm::{NcclBackend, NcclCommunicator, NcclWork};
-pub use factory::{NcclConfig, NcclFactory, NcclOptions, MIN_SPLIT_VERSION};
+pub use factory::{NcclConfig, NcclFactory, NcclOptions, MIN_SPLIT_VERSION, SCALABLE_INIT_VERSION};
 pub use job::{abort_all, Job};
 
 /// Re-export of the cudarc version this crate is built against (for `CudaSlice`, streams).

@@ -242,3 +242,36 @@ fn two_ranks_of_one_process_cannot_claim_one_gpu() {
     drop(a);
     assert_eq!(claim_device(2).unwrap().device(), 2);
 }
+
+/// Several unique ids (`ncclCommInitRankScalable`): each root creates one, every rank gets all
+/// of them in root order; a root that cannot set up fails every rank without a hang.
+#[test]
+fn several_roots_exchange_their_ids() {
+    use backend_nccl::bootstrap::{exchange_unique_ids, root_count, root_ranks};
+    let roots = root_ranks(7, root_count(7, 3, true));
+    assert_eq!(roots, vec![0, 3, 5]);
+    let out = on_ranks(7, |c| {
+        let me = c.rank() as u8;
+        exchange_unique_ids(c, Ok(()), &roots, &mut || Ok(id_of(me)))
+    });
+    for res in out {
+        assert_eq!(res.unwrap(), vec![id_of(0), id_of(3), id_of(5)]);
+    }
+    let out = on_ranks(7, |c| {
+        let local = if c.rank() == 3 {
+            Err(LibraryError::new("nccl", "load libnccl", "libnccl.so not found").into())
+        } else {
+            Ok(())
+        };
+        exchange_unique_ids(c, local, &roots, &mut || Ok(id_of(9)))
+    });
+    for (r, res) in out.into_iter().enumerate() {
+        let e = res.unwrap_err().to_string();
+        if r != 3 {
+            assert!(
+                e.contains("bootstrap ranks [3] could not set up NCCL"),
+                "{e}"
+            );
+        }
+    }
+}

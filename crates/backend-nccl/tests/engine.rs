@@ -10,12 +10,16 @@
 //! asynchronous error each end in an error on every rank within the time limit plus one second;
 //! `abort()` from another thread returns at once while operations are stalled; dropped
 //! unfinished work keeps its buffers until its marker fires; an `isend` on one communicator
-//! followed by a blocking collective on another completes, because held-back sends are posted
-//! before the rank blocks anywhere (and, as a control, stalls when they are not).
+//! followed by a blocking collective on another completes, both when the send is enqueued at
+//! once on a point-to-point lane (`backend_nccl::p2p`) and when it is held back and posted
+//! before the rank blocks anywhere (and, as a control, stalls when it is not); an exchange and
+//! rings posted at once on lanes complete, while the same exchange posted at once on one
+//! communicator stalls (the serial fabrics model NCCL running one communicator's operations
+//! one after the other).
 
 use backend_nccl::engine::{
-    Completion, Deferred, DeviceComm, DeviceEvent, Job, Kicker, Outbox, Progress, Tracked,
-    Watchdog, WatchdogOptions,
+    launch_plan, Capture, Completion, Deferred, DeviceComm, DeviceEvent, DeviceStream, Job, Kicker,
+    Launch, Outbox, Progress, Tracked, Watchdog, WatchdogOptions,
 };
 use grid_core::{Error, LibraryError, Result, TimeLimit};
 use std::collections::{HashMap, HashSet};
@@ -45,6 +49,50 @@ struct FabricState {
     finalize_stuck: bool,
     finalizing: bool,
     destroyed: HashSet<usize>,
+    /// Serial fabrics only: each rank's operations in enqueue order, and how many of them
+    /// completed (NCCL runs one communicator's operations one after the other).
+    queues: HashMap<usize, Vec<Queued>>,
+    completed: HashMap<usize, usize>,
+}
+
+/// An operation enqueued on a serial fabric.
+#[derive(Clone, PartialEq, Eq, Debug)]
+enum Queued {
+    Collective(String),
+    /// (from, to, n): the n-th message from `from` to `to` on this communicator.
+    P2p(usize, usize, usize),
+}
+
+impl FabricState {
+    /// Serial fabrics: completes operations while possible. A rank's first unfinished
+    /// operation is the one its device is running (NCCL serialises one communicator's
+    /// kernels); it completes once every rank it needs runs the same operation: every rank for
+    /// a collective, the sender and the receiver for a message.
+    fn advance(&mut self, n: usize) {
+        loop {
+            let head = |st: &FabricState, r: usize| -> Option<Queued> {
+                let done = st.completed.get(&r).copied().unwrap_or(0);
+                st.queues.get(&r).and_then(|q| q.get(done)).cloned()
+            };
+            let mut progressed = false;
+            for r in 0..n {
+                let Some(op) = head(self, r) else { continue };
+                let needs: Vec<usize> = match &op {
+                    Queued::Collective(_) => (0..n).collect(),
+                    Queued::P2p(from, to, _) => vec![*from, *to],
+                };
+                if needs.iter().all(|&x| head(self, x).as_ref() == Some(&op)) {
+                    for x in needs {
+                        *self.completed.entry(x).or_default() += 1;
+                    }
+                    progressed = true;
+                }
+            }
+            if !progressed {
+                return;
+            }
+        }
+    }
 }
 
 /// The "network" of one communicator of `n` ranks.
@@ -126,6 +174,25 @@ impl Fabric {
         })
     }
 
+    /// Serial fabrics: rank `rank` enqueues `op` behind everything it enqueued before on this
+    /// communicator; its marker fires once it completed (see [`FabricState::advance`]).
+    fn enqueue(self: &Arc<Self>, rank: usize, op: Queued) -> Box<dyn DeviceEvent> {
+        let index = {
+            let mut st = self.st();
+            let q = st.queues.entry(rank).or_default();
+            q.push(op);
+            let i = q.len() - 1;
+            st.advance(self.n);
+            i
+        };
+        self.kick_all();
+        Box::new(ScriptedEvent {
+            fabric: self.clone(),
+            rank,
+            what: What::Queued(index),
+        })
+    }
+
     /// NCCL reports an asynchronous error on `rank` (a broken connection).
     fn raise(&self, rank: usize) {
         let e: Error = LibraryError::new("nccl", "ncclCommGetAsyncError", "remote process exited")
@@ -186,6 +253,8 @@ enum What {
     P2p(usize, usize, usize),
     /// A marker that fires when the gate opens (or never).
     Gate(Arc<AtomicBool>),
+    /// The rank's operation number `i` on a serial fabric.
+    Queued(usize),
 }
 
 struct ScriptedEvent {
@@ -196,8 +265,10 @@ struct ScriptedEvent {
 
 impl DeviceEvent for ScriptedEvent {
     fn query(&self) -> Result<Progress> {
-        let st = self.fabric.st();
+        let mut st = self.fabric.st();
+        st.advance(self.fabric.n);
         let done = match &self.what {
+            What::Queued(i) => st.completed.get(&self.rank).copied().unwrap_or(0) > *i,
             What::Collective(k) => st.posted.get(k).is_some_and(|s| s.len() == self.fabric.n),
             What::P2p(from, to, n) => st.p2p.get(&(*from, *to, *n)) == Some(&(true, true)),
             What::Gate(g) => {
@@ -758,6 +829,356 @@ fn a_send_held_back_past_a_blocking_collective_stalls_both_ranks() {
 }
 
 // ------------------------------------------------------------------------------------------------
+// Point-to-point posted at once on lanes (serial fabrics: NCCL's one-at-a-time rule)
+// ------------------------------------------------------------------------------------------------
+
+/// One rank's view of a communicator with its two point-to-point lanes (`backend_nccl::p2p`):
+/// every single send and receive is enqueued when it is called, on the lane
+/// `backend_nccl::p2p::lane` picks, exactly as the backend routes them. With `lanes = false`
+/// both go on one communicator (the design the lanes replace), as the control.
+struct P2pComm {
+    rank: usize,
+    /// `[up, down]`, or one fabric for both.
+    fabrics: Vec<Arc<Fabric>>,
+    tracked: Vec<Arc<Tracked>>,
+    /// Messages started so far per (from, to) and lane: NCCL pairs them in order.
+    counts: Mutex<HashMap<(usize, usize, usize), usize>>,
+}
+
+impl P2pComm {
+    fn open(
+        fabrics: &[Arc<Fabric>],
+        rank: usize,
+        dog: &Watchdog,
+        name: &str,
+        l: TimeLimit,
+    ) -> Result<P2pComm> {
+        let mut tracked = Vec::new();
+        for (i, f) in fabrics.iter().enumerate() {
+            let (t, res) = create(f, rank, dog, &format!("{name}/{i}"), None, l);
+            res?;
+            tracked.push(t);
+        }
+        Ok(P2pComm {
+            rank,
+            fabrics: fabrics.to_vec(),
+            tracked,
+            counts: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// `isend` (`send = true`) to or `irecv` from `peer`: enqueued now, never held back.
+    fn start(&self, send: bool, peer: usize, l: TimeLimit) -> Completion {
+        let i = if self.fabrics.len() == 2 {
+            backend_nccl::p2p::lane(self.rank, peer, send).index()
+        } else {
+            0
+        };
+        let (from, to) = if send {
+            (self.rank, peer)
+        } else {
+            (peer, self.rank)
+        };
+        let n = {
+            let mut c = self.counts.lock().unwrap();
+            let e = c.entry((from, to, i)).or_default();
+            *e += 1;
+            *e - 1
+        };
+        let ev = self.fabrics[i].enqueue(self.rank, Queued::P2p(from, to, n));
+        let op = if send { "send" } else { "recv" };
+        self.tracked[i].launch(op, l, ev, Vec::new())
+    }
+}
+
+fn lanes_or_one(n: usize, lanes: bool) -> Vec<Arc<Fabric>> {
+    (0..if lanes { 2 } else { 1 })
+        .map(|_| Fabric::new(n))
+        .collect()
+}
+
+/// Two ranks each `isend` to the other and `irecv` from it (rank 1 in the other order), every
+/// call enqueued at once, then wait for both.
+fn exchange(lanes: bool, l: TimeLimit) -> Vec<Result<Duration>> {
+    let fabrics = lanes_or_one(2, lanes);
+    ranks(2, |r| -> Result<Duration> {
+        let dog = dog();
+        let c = P2pComm::open(&fabrics, r, &dog, "pp", l)?;
+        let start = Instant::now();
+        let peer = 1 - r;
+        let (a, b) = if r == 0 {
+            (c.start(true, peer, l), c.start(false, peer, l))
+        } else {
+            let b = c.start(false, peer, l);
+            (c.start(true, peer, l), b)
+        };
+        a.wait()?;
+        b.wait()?;
+        Ok(start.elapsed())
+    })
+}
+
+#[test]
+fn an_exchange_posted_at_once_on_lanes_completes() {
+    for (r, o) in exchange(true, limit(3_000)).into_iter().enumerate() {
+        let took = o.unwrap_or_else(|e| panic!("rank {r}: {e}"));
+        assert!(took < Duration::from_secs(1), "rank {r}: {took:?}");
+    }
+    // Both ranks sending first, too.
+    let fabrics = lanes_or_one(2, true);
+    for (r, o) in ranks(2, |r| -> Result<()> {
+        let dog = dog();
+        let l = limit(3_000);
+        let c = P2pComm::open(&fabrics, r, &dog, "pp", l)?;
+        let s = c.start(true, 1 - r, l);
+        let v = c.start(false, 1 - r, l);
+        s.wait()?;
+        v.wait().map(|_| ())
+    })
+    .into_iter()
+    .enumerate()
+    {
+        o.unwrap_or_else(|e| panic!("rank {r}: {e}"));
+    }
+}
+
+/// The control: the same calls enqueued at once on one communicator stall on both ranks (each
+/// runs its send first and waits for a receive queued behind the other rank's send) and end in
+/// `Timeout` within the limit plus one second. This is why single sends and receives are not
+/// simply posted on the communicator itself.
+#[test]
+fn an_exchange_posted_at_once_on_one_communicator_stalls() {
+    let fabrics = lanes_or_one(2, false);
+    let l = Duration::from_millis(300);
+    for (r, o) in ranks(2, |r| -> Result<Duration> {
+        let dog = dog();
+        let c = P2pComm::open(&fabrics, r, &dog, "pp", l.into())?;
+        let start = Instant::now();
+        let s = c.start(true, 1 - r, l.into());
+        let v = c.start(false, 1 - r, l.into());
+        let res = s.wait().and_then(|_| v.wait());
+        res.map(|_| start.elapsed()).map_err(|e| match e {
+            Error::Timeout { .. } if start.elapsed() < l + MARGIN => e,
+            other => panic!("rank {r}: {other:?} after {:?}", start.elapsed()),
+        })
+    })
+    .into_iter()
+    .enumerate()
+    {
+        let e = o.unwrap_err();
+        assert!(matches!(e, Error::Timeout { .. }), "rank {r}: {e:?}");
+    }
+}
+
+/// Rings in both directions on 4 ranks: `irecv(left); isend(right)`, then the reverse ring,
+/// every call enqueued at once on its lane.
+#[test]
+fn rings_posted_at_once_on_lanes_complete() {
+    let n = 4;
+    let fabrics = lanes_or_one(n, true);
+    for (r, o) in ranks(n, |r| -> Result<()> {
+        let dog = dog();
+        let l = limit(3_000);
+        let c = P2pComm::open(&fabrics, r, &dog, "ring", l)?;
+        let (left, right) = ((r + n - 1) % n, (r + 1) % n);
+        for (from, to) in [(left, right), (right, left)] {
+            let v = c.start(false, from, l);
+            let s = c.start(true, to, l);
+            v.wait()?;
+            s.wait()?;
+        }
+        Ok(())
+    })
+    .into_iter()
+    .enumerate()
+    {
+        o.unwrap_or_else(|e| panic!("rank {r}: {e}"));
+    }
+}
+
+/// The pattern of the NCCL issue, with posting at once: rank 0 `isend`s on the pipeline
+/// communicator (enqueued at once on its lane, nothing held back, no later call posts it) and
+/// then blocks in an all-reduce on the data-parallel communicator; rank 1 receives first
+/// (blocking), then joins the all-reduce. Both finish.
+#[test]
+fn isend_on_a_lane_then_a_blocking_collective_on_another_communicator_completes() {
+    let pp = lanes_or_one(2, true);
+    let dp = Fabric::new(2);
+    for (r, o) in ranks(2, |r| -> Result<Duration> {
+        let dog = dog();
+        let l = limit(3_000);
+        let p = P2pComm::open(&pp, r, &dog, "pp", l)?;
+        let (d, res) = create(&dp, r, &dog, "dp", None, l);
+        res?;
+        let start = Instant::now();
+        let all_reduce = |key: &str| -> Result<()> {
+            let ev = dp.enqueue(r, Queued::Collective(key.to_string()));
+            d.launch("all_reduce", l, ev, Vec::new()).wait().map(|_| ())
+        };
+        if r == 0 {
+            let send = p.start(true, 1, l);
+            all_reduce("ar#0")?;
+            send.wait()?;
+        } else {
+            p.start(false, 0, l).wait()?;
+            all_reduce("ar#0")?;
+        }
+        Ok(start.elapsed())
+    })
+    .into_iter()
+    .enumerate()
+    {
+        let took = o.unwrap_or_else(|e| panic!("rank {r}: {e}"));
+        assert!(took < Duration::from_secs(1), "rank {r}: {took:?}");
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// CUDA graph capture
+// ------------------------------------------------------------------------------------------------
+
+/// A stream of the stand-in whose capture state the test sets.
+struct ScriptedStream(Mutex<Capture>);
+
+impl DeviceStream for ScriptedStream {
+    fn capture(&self) -> Result<Capture> {
+        Ok(*self.0.lock().unwrap())
+    }
+}
+
+/// A marker that fails the test if anything queries it (querying an event recorded during a
+/// capture invalidates the capture).
+struct MustNotQuery(Arc<AtomicBool>);
+
+impl DeviceEvent for MustNotQuery {
+    fn query(&self) -> Result<Progress> {
+        self.0.store(true, Ordering::Release);
+        Ok(Progress::Done)
+    }
+}
+
+/// While the stream captures, an operation is not watched: no marker is made or queried, no
+/// time limit runs, the buffers come back at once. After the capture ends, eager operations
+/// are watched again and complete through their markers (the replayed graph runs outside the
+/// state machine). An invalidated capture and host memory during capture are errors that name
+/// the operation, before anything would be enqueued.
+#[test]
+fn captured_work_is_never_watched_and_eager_work_after_it_is() {
+    let dog = dog();
+    let fabric = Fabric::new(1);
+    let (t, res) = create(&fabric, 0, &dog, "world", None, limit(5_000));
+    res.unwrap();
+    let stream = ScriptedStream(Mutex::new(Capture::Capturing));
+    let queried = Arc::new(AtomicBool::new(false));
+    let made = AtomicBool::new(false);
+    let freed = Arc::new(AtomicBool::new(false));
+    let (c, how) = t
+        .launch_on(
+            "all_reduce",
+            limit(100),
+            &stream,
+            || {
+                made.store(true, Ordering::Release);
+                Ok(Box::new(MustNotQuery(queried.clone())) as Box<dyn DeviceEvent>)
+            },
+            vec![Box::new(Buffer(freed.clone()))],
+        )
+        .unwrap();
+    assert_eq!(how, Launch::Captured);
+    assert!(
+        !made.load(Ordering::Acquire),
+        "a marker was made during capture"
+    );
+    assert_eq!(t.pending(), 0, "captured work is not pending eager work");
+    assert_eq!(t.captured_ops(), 1);
+    assert!(matches!(c.outcome(), Some(Ok(()))));
+    // Well past the 100 ms limit: nothing times out, nothing is queried.
+    std::thread::sleep(Duration::from_millis(250));
+    dog.kick();
+    assert_eq!(t.state_name(), "live");
+    assert!(!queried.load(Ordering::Acquire));
+    let back = c.take_stream_ordered();
+    assert_eq!(back.len(), 1, "the buffers come back to the caller");
+    assert!(!freed.load(Ordering::Acquire));
+
+    // Host memory, a host wait, or an invalidated capture: refused before enqueueing.
+    let e = launch_plan("all_gather", Capture::Capturing, true).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::Unsupported {
+                op: "all_gather",
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    assert!(e.to_string().contains("captured into a CUDA graph"), "{e}");
+    *stream.0.lock().unwrap() = Capture::Invalidated;
+    let e = t
+        .launch_on(
+            "broadcast",
+            limit(100),
+            &stream,
+            || unreachable!(),
+            Vec::new(),
+        )
+        .unwrap_err();
+    assert!(
+        e.to_string()
+            .starts_with("broadcast: the stream's CUDA graph capture was invalidated"),
+        "{e}"
+    );
+    assert_eq!(
+        t.state_name(),
+        "live",
+        "a refused operation does not fail the communicator"
+    );
+
+    // Eager again (after the graph was launched): watched, completes through its marker.
+    *stream.0.lock().unwrap() = Capture::Eager;
+    let (c, how) = t
+        .launch_on(
+            "all_reduce",
+            limit(2_000),
+            &stream,
+            || Ok(fabric.collective(0, "ar#eager")),
+            Vec::new(),
+        )
+        .unwrap();
+    assert_eq!(how, Launch::Watched);
+    c.wait().unwrap();
+    assert_eq!(t.pending(), 0);
+
+    // Capturing on a communicator that failed: the completion carries its error.
+    fabric.raise(0);
+    wait_until("the failure", Duration::from_secs(2), || {
+        t.state_name() == "failed"
+    });
+    *stream.0.lock().unwrap() = Capture::Capturing;
+    let (c, _) = t
+        .launch_on(
+            "all_reduce",
+            limit(100),
+            &stream,
+            || unreachable!(),
+            Vec::new(),
+        )
+        .unwrap();
+    let e = c.wait().unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::Aborted {
+                op: "all_reduce",
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+}
+
+// ------------------------------------------------------------------------------------------------
 // Teardown
 // ------------------------------------------------------------------------------------------------
 
@@ -818,4 +1239,40 @@ fn a_dropped_communicator_with_stalled_work_is_aborted_on_the_first_timeout() {
     });
     assert_eq!(t.state_name(), "failed");
     assert!(!freed.load(Ordering::Acquire));
+}
+
+// ------------------------------------------------------------------------------------------------
+// The event pool
+// ------------------------------------------------------------------------------------------------
+
+/// The pool the backend keeps its CUDA events in: objects are reused once given back, no more
+/// than the cap wait idle, and a failed creation is an error, not a panic.
+#[test]
+fn the_event_pool_reuses_and_caps() {
+    use backend_nccl::engine::Pool;
+    let pool: Pool<usize> = Pool::new(2);
+    let mut next = 0usize;
+    let mut make = || {
+        next += 1;
+        Ok(next)
+    };
+    let a = pool.take(&mut make).unwrap();
+    let b = pool.take(&mut make).unwrap();
+    let c = pool.take(&mut make).unwrap();
+    assert_eq!((a, b, c, pool.created()), (1, 2, 3, 3));
+    for x in [a, b, c] {
+        pool.give(x);
+    }
+    assert_eq!(pool.idle(), 2, "at most the cap waits idle");
+    // 1000 take/give rounds create nothing new.
+    for _ in 0..1000 {
+        let x = pool.take(&mut make).unwrap();
+        pool.give(x);
+    }
+    assert_eq!(pool.created(), 3);
+    let empty: Pool<usize> = Pool::new(1);
+    let e = empty
+        .take(|| Err(Error::Invalid("cuEventCreate failed".into())))
+        .unwrap_err();
+    assert_eq!(e.to_string(), "cuEventCreate failed");
 }

@@ -181,8 +181,8 @@ fn split_members_and_ring_exchange() {
         // Pairs {0,1}, {2,3}, ...; an odd last rank stays alone.
         let sub = f.split(w, Some((me / 2) as u32), me).unwrap().unwrap();
         let members = sub.global_ranks().to_vec();
-        // Ring over the world with receives started first (held back, posted as one group on
-        // the first wait).
+        // Ring over the world with receives started first (each enqueued at once on its
+        // point-to-point lane).
         let (right, left) = ((me + 1) % n, (me + n - 1) % n);
         let rw = w.irecv::<i64>(4, left, 0).unwrap();
         let sw = w.isend(vec![me as i64; 4], right, 0).unwrap();
@@ -216,8 +216,10 @@ fn abort_all_stops_every_communicator() {
             .unwrap_err();
         (aborted, e1, e2, f.job().live_count())
     });
+    // The world and the split, each with its two point-to-point lanes when there are peers.
+    let per_comm = 1 + 2 * usize::from(n > 1);
     for (aborted, e1, e2, live) in out {
-        assert_eq!(aborted, 2);
+        assert_eq!(aborted, 2 * per_comm);
         assert!(matches!(e1, Error::Aborted { op: "barrier", .. }), "{e1:?}");
         assert!(e1.to_string().contains("abort_all() was called"), "{e1}");
         assert!(
@@ -236,7 +238,8 @@ fn abort_all_stops_every_communicator() {
 
 /// The NCCL issue's cross-communicator case: rank 0 starts an `isend` on one communicator and
 /// then blocks in an all-reduce on another; rank 1 receives first, then joins the all-reduce.
-/// The held-back send is posted before rank 0 blocks, so both finish.
+/// The send is enqueued at once on the pipeline communicator's point-to-point lane, so both
+/// finish.
 #[test]
 fn isend_then_all_reduce_on_another_communicator() {
     let Some(_) = gpus_or_skip("isend_then_all_reduce_on_another_communicator", 2) else {
@@ -263,6 +266,78 @@ fn isend_then_all_reduce_on_another_communicator() {
     for (sum, took) in out {
         assert_eq!(sum, 3.0);
         assert!(took < T, "took {took:?}");
+    }
+}
+
+/// An `isend`/`irecv` exchange between two ranks, both sending first, with messages far larger
+/// than NCCL's buffers (64 MiB): every call is enqueued at once (lanes) and the exchange
+/// completes; then the same with the sends and receives held back ([`P2pPosting::HoldBack`],
+/// posted as one group at the first wait); then blocking `send`/`recv` ordered after the
+/// nonblocking ones between the same ranks (messages of one direction keep their order).
+#[test]
+fn isend_irecv_exchange_between_two_ranks() {
+    use backend_nccl::p2p::P2pPosting;
+    let Some(_) = gpus_or_skip("isend_irecv_exchange_between_two_ranks", 2) else {
+        return;
+    };
+    let len = 16 << 20; // 64 MiB of f32
+    let out = on_gpus(2, T, |f, w| {
+        let me = w.rank();
+        let peer = 1 - me;
+        let mut results = Vec::new();
+        for posting in [P2pPosting::Lanes, P2pPosting::HoldBack] {
+            f.set_p2p_posting(posting).unwrap();
+            let c = f.split(w, Some(0), me).unwrap().unwrap();
+            assert_eq!(c.p2p_posting(), posting);
+            let mine = c.to_device(&vec![me as f32 + 1.0; len]).unwrap();
+            let theirs: NcclDeviceBuffer<f32> = c.zeros(len).unwrap();
+            let s = c
+                .start(Request::Send {
+                    buf: Tensor::Device(Box::new(mine)),
+                    peer,
+                    tag: 0,
+                })
+                .unwrap();
+            let r = c
+                .start(Request::Recv {
+                    buf: Tensor::Device(Box::new(theirs)),
+                    peer,
+                    tag: 0,
+                })
+                .unwrap();
+            s.wait().unwrap();
+            let Tensor::Device(got) = r.wait().unwrap() else {
+                panic!("device receive came back as host memory")
+            };
+            let got = got
+                .as_any()
+                .downcast_ref::<NcclDeviceBuffer<f32>>()
+                .map(|b| c.to_host(b).unwrap())
+                .unwrap();
+            let bad = got.iter().filter(|&&x| x != peer as f32 + 1.0).count();
+            // Order: a nonblocking message, then a blocking one, same direction.
+            let mut first = vec![0i64; 4];
+            let mut second = vec![0i64; 4];
+            if me == 0 {
+                let w1 = c.isend(vec![1i64; 4], 1, 0).unwrap();
+                c.send_to(&[2i64; 4][..], 1, 0).unwrap();
+                w1.wait().unwrap();
+            } else {
+                c.recv_from(&mut first[..], 0, 0).unwrap();
+                c.recv_from(&mut second[..], 0, 0).unwrap();
+            }
+            results.push((bad, first, second));
+        }
+        f.set_p2p_posting(P2pPosting::Lanes).unwrap();
+        results
+    });
+    for (me, results) in out.into_iter().enumerate() {
+        for (bad, first, second) in results {
+            assert_eq!(bad, 0, "rank {me}");
+            if me == 1 {
+                assert_eq!((first, second), (vec![1; 4], vec![2; 4]));
+            }
+        }
     }
 }
 
@@ -399,7 +474,8 @@ fn two_ranks_on_one_gpu_fail_on_both_ranks() {
 }
 
 /// Every collective and `batch_p2p` on device buffers (distinct send and receive buffers), in
-/// f32, f16 and bf16, from 8 bytes to 64 MiB, checked exactly: the values are small integers,
+/// f32, f16 and bf16, from 8 bytes to 1 GiB (1 GiB where the device has the memory, else a
+/// printed skip of that size), checked exactly: the values are small integers,
 /// so every sum of up to 8 ranks is exact in every float type.
 fn every_collective_on_device<T>(w: &backend_nccl::NcclCommunicator, conv: fn(f32) -> T) -> usize
 where
@@ -408,7 +484,22 @@ where
     let (me, n) = (w.rank(), w.size());
     let val = |rank: usize, i: usize| conv(((rank + i) % 7) as f32);
     let mut bad = 0usize;
-    for bytes in [8usize, 1 << 10, 1 << 20, 64 << 20] {
+    for bytes in [8usize, 1 << 10, 1 << 20, 64 << 20, 1 << 30] {
+        // The largest size needs about seven buffers of its size on the device at once.
+        if bytes > 64 << 20 {
+            let (free, _) = w.context().mem_get_info().unwrap();
+            if free < 7 * bytes {
+                println!(
+                    "SKIPPED size {} MiB of {}: needs about {} MiB of free device memory, device {} has {} MiB",
+                    bytes >> 20,
+                    std::any::type_name::<T>(),
+                    (7 * bytes) >> 20,
+                    w.device(),
+                    free >> 20
+                );
+                continue;
+            }
+        }
         // A multiple of n elements (all_to_all and reduce_scatter split it in n blocks).
         let len = (bytes / std::mem::size_of::<T>()).max(n) / n * n;
         let mine: Vec<T> = (0..len).map(|i| val(me, i)).collect();
@@ -1016,5 +1107,251 @@ fn new_dtypes_move_and_reduce() {
             assert!(matches!(e, Error::Unsupported { .. }), "{e}");
             assert!(e.to_string().contains("fp8"), "{e}");
         }
+    }
+}
+
+// ----- the GPU verification kit of the NCCL issue (item 9) ----------------------------------
+
+/// Prints what the suite runs on, one `GPU: ` line per fact (`cargo xtask test --gpu` repeats
+/// them in its report): the NCCL version and every visible device.
+#[test]
+fn nccl_version_and_devices() {
+    let Some(n) = gpus_or_skip("nccl_version_and_devices", 1) else {
+        return;
+    };
+    let (a, b, c) = backend_nccl::probe::nccl_version().unwrap();
+    println!("GPU: NCCL {a}.{b}.{c}");
+    for i in 0..n {
+        let ctx = backend_nccl::cudarc::driver::CudaContext::new(i).unwrap();
+        let (ma, mi) = ctx.compute_capability().unwrap();
+        println!(
+            "GPU: device {i} of {n}: {}, compute capability {ma}.{mi}, {} GiB",
+            ctx.name().unwrap(),
+            ctx.total_mem().unwrap() >> 30
+        );
+    }
+}
+
+/// CUDA graph capture: an in-place all-reduce captured into a graph on the communicator's
+/// stream, the graph launched three times (ones become n^3), host memory refused during the
+/// capture with an error naming the operation, then eager all-reduces on the same buffer and on
+/// host memory.
+#[test]
+fn graph_capture_replay_then_eager() {
+    use backend_nccl::cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+    let Some(n) = gpus_or_skip("graph_capture_replay_then_eager", 1) else {
+        return;
+    };
+    let out = on_gpus(n, T, |_, w| {
+        let mut buf = w.to_device(&vec![1.0f32; 4096]).unwrap();
+        w.synchronize().unwrap();
+        let s = w.stream().clone();
+        s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .unwrap();
+        let captured = w.in_place_all_reduce(BufMut::Device(&mut buf), ReduceOp::Sum);
+        let refused = w
+            .all_reduce_into(&[1.0f32][..], &mut [0.0f32][..], ReduceOp::Sum)
+            .unwrap_err();
+        let graph = s.end_capture(CUgraphInstantiate_flags(0)).unwrap().unwrap();
+        captured.unwrap();
+        for _ in 0..3 {
+            graph.launch().unwrap();
+        }
+        let replayed = w.to_host(&buf).unwrap();
+        // Eager again, on the captured buffer and on host memory.
+        w.in_place_all_reduce(BufMut::Device(&mut buf), ReduceOp::Sum)
+            .unwrap();
+        let again = w.to_host(&buf).unwrap();
+        let mut eager = [0.0f32; 2];
+        w.all_reduce_into(&[1.0f32, 2.0][..], &mut eager[..], ReduceOp::Sum)
+            .unwrap();
+        (replayed, again, refused, eager)
+    });
+    let n = n as f32;
+    for (replayed, again, refused, eager) in out {
+        assert!(
+            replayed.iter().all(|&x| x == n * n * n),
+            "{:?}",
+            &replayed[..4]
+        );
+        assert!(
+            again.iter().all(|&x| x == n * n * n * n),
+            "{:?}",
+            &again[..4]
+        );
+        assert!(
+            matches!(
+                refused,
+                Error::Unsupported {
+                    op: "all_reduce",
+                    ..
+                }
+            ),
+            "{refused:?}"
+        );
+        assert!(refused.to_string().contains("CUDA graph"), "{refused}");
+        assert_eq!(eager, [n, 2.0 * n]);
+    }
+}
+
+/// `start()` on device tensors: out-of-place all-reduce, all-gather, reduce-scatter and
+/// broadcast, each waited for (stream-ordered) and checked.
+#[test]
+fn start_on_device_tensors() {
+    let Some(n) = gpus_or_skip("start_on_device_tensors", 1) else {
+        return;
+    };
+    let out = on_gpus(n, T, |_, w| {
+        let me = w.rank();
+        let len = 1024 * n;
+        let dev = |v: Vec<f32>| -> Tensor { Tensor::Device(Box::new(w.to_device(&v).unwrap())) };
+        let zeros =
+            |len: usize| -> Tensor { Tensor::Device(Box::new(w.zeros::<f32>(len).unwrap())) };
+        let host = |t: Tensor| -> Vec<f32> {
+            let Tensor::Device(d) = t else {
+                panic!("a device tensor came back as host memory")
+            };
+            let b = d.as_any().downcast_ref::<NcclDeviceBuffer<f32>>().unwrap();
+            w.to_host(b).unwrap()
+        };
+        let ar = w
+            .start(Request::AllReduceInto {
+                send: dev(vec![me as f32 + 1.0; len]),
+                recv: zeros(len),
+                op: ReduceOp::Sum,
+            })
+            .unwrap();
+        let ag = w
+            .start(Request::AllGather {
+                send: dev(vec![me as f32; 1024]),
+                recv: zeros(len),
+            })
+            .unwrap();
+        let rs = w
+            .start(Request::ReduceScatter {
+                send: dev((0..len).map(|i| i as f32).collect()),
+                recv: zeros(1024),
+                op: ReduceOp::Sum,
+            })
+            .unwrap();
+        let bc = w
+            .start(Request::Broadcast {
+                buf: dev(vec![me as f32 + 5.0; len]),
+                root: 0,
+            })
+            .unwrap();
+        (
+            host(ar.wait().unwrap()),
+            host(ag.wait().unwrap()),
+            host(rs.wait().unwrap()),
+            host(bc.wait().unwrap()),
+        )
+    });
+    let nf = n as f32;
+    for (me, (ar, ag, rs, bc)) in out.into_iter().enumerate() {
+        assert!(ar.iter().all(|&x| x == nf * (nf + 1.0) / 2.0), "rank {me}");
+        assert!(
+            ag.iter().enumerate().all(|(i, &x)| x == (i / 1024) as f32),
+            "rank {me}"
+        );
+        assert!(
+            rs.iter()
+                .enumerate()
+                .all(|(j, &x)| x == nf * (me * 1024 + j) as f32),
+            "rank {me}"
+        );
+        assert!(bc.iter().all(|&x| x == 5.0), "rank {me}");
+    }
+}
+
+/// 100 rounds of split (with its point-to-point lanes), one operation, and drop: once the
+/// watchdog has finalized and destroyed the dropped communicators, free device memory is back
+/// to its level after the first round (within 64 MiB for the driver's own pools).
+#[test]
+fn split_and_drop_100_rounds_return_device_memory() {
+    let Some(n) = gpus_or_skip("split_and_drop_100_rounds_return_device_memory", 1) else {
+        return;
+    };
+    let out = on_gpus(n, Duration::from_secs(120), |f, w| {
+        let me = w.rank();
+        let round = || {
+            let c = f.split(w, Some(0), me).unwrap().unwrap();
+            let mut x = [1.0f32];
+            c.all_reduce_in_place(&mut x[..], ReduceOp::Sum).unwrap();
+            drop(c);
+        };
+        let settle = || {
+            // The watchdog finalizes dropped communicators in the background; wait for it
+            // (a test-side poll, bounded).
+            let start = std::time::Instant::now();
+            while f.job().live_count() > 1 + 2 * usize::from(n > 1)
+                && start.elapsed() < Duration::from_secs(60)
+            {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            w.synchronize().unwrap();
+            w.context().mem_get_info().unwrap().0
+        };
+        round();
+        let before = settle();
+        for _ in 0..100 {
+            round();
+        }
+        let after = settle();
+        (before, after, f.job().live_count())
+    });
+    for (me, (before, after, live)) in out.into_iter().enumerate() {
+        println!(
+            "rank {me}: free device memory {} MiB after 1 round, {} MiB after 101 rounds ({live} live communicators)",
+            before >> 20,
+            after >> 20
+        );
+        assert!(
+            after + (64 << 20) >= before,
+            "rank {me}: {} MiB of device memory not returned",
+            (before - after) >> 20
+        );
+    }
+}
+
+/// Host overhead of one 8-byte all-reduce on device buffers: the time a blocking call takes to
+/// return (enqueue, stream joins, marker) and, over the same calls, the time until all of them
+/// completed. Printed, not asserted (timings are benchmarks, not tests).
+#[test]
+fn host_overhead_per_8_byte_call() {
+    let Some(n) = gpus_or_skip("host_overhead_per_8_byte_call", 1) else {
+        return;
+    };
+    let out = on_gpus(n, T, |_, w| {
+        let send = w.to_device(&[1.0f32, 2.0]).unwrap();
+        let mut recv: NcclDeviceBuffer<f32> = w.zeros(2).unwrap();
+        let mut once = || {
+            w.all_reduce(
+                BufRef::Device(&send),
+                BufMut::Device(&mut recv),
+                ReduceOp::Sum,
+            )
+            .unwrap()
+        };
+        for _ in 0..100 {
+            once();
+        }
+        w.synchronize().unwrap();
+        let calls = 2000u32;
+        let t = std::time::Instant::now();
+        for _ in 0..calls {
+            once();
+        }
+        let enqueued = t.elapsed() / calls;
+        w.synchronize().unwrap();
+        let completed = t.elapsed() / calls;
+        (enqueued, completed)
+    });
+    for (me, (enqueued, completed)) in out.into_iter().enumerate() {
+        println!(
+            "rank {me} of {n}: host overhead per 8 B all_reduce on device buffers: {:.2} µs to return, {:.2} µs per call including completion",
+            enqueued.as_secs_f64() * 1e6,
+            completed.as_secs_f64() * 1e6
+        );
     }
 }

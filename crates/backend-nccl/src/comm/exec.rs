@@ -2,7 +2,7 @@
 //! staged through the GPU, and the helpers the nonblocking path shares (staging, stream joins,
 //! enqueueing a collective).
 
-use super::shared::{din, dout, lock};
+use super::shared::{din, dout, lock, Shared};
 use super::NcclBackend;
 use crate::buffer::{downcast, downcast_mut, with_dtype, NcclDeviceBuffer, NcclElement};
 use crate::error::{cuda, internal};
@@ -26,6 +26,14 @@ pub(super) fn unhold(op: &'static str, a: Box<dyn Any + Send>) -> Result<Box<dyn
     a.downcast::<Box<dyn DeviceBuffer>>()
         .map(|b| *b)
         .map_err(|_| internal(op, "held buffer type"))
+}
+
+/// A point-to-point group posted on a communicator or lane, not yet finished.
+struct PostedP2p<'a> {
+    completion: crate::engine::Completion,
+    /// Per staged buffer (in the completion's order), the host receive buffer it is copied
+    /// into; empty when the group has no host receive buffer (nothing to wait for).
+    outs: Vec<Option<HostSliceMut<'a>>>,
 }
 
 /// What a queued collective does.
@@ -236,19 +244,35 @@ impl NcclBackend {
 
     /// The communicator's stream waits for the work queued so far on `d`'s stream.
     pub(super) fn wait_for(&self, op: &'static str, d: &dyn DeviceBuffer) -> Result<()> {
+        self.wait_for_on(&self.shared, op, d)
+    }
+
+    /// `sh`'s stream (the communicator's or a lane's) waits for the work queued so far on `d`'s
+    /// stream.
+    pub(super) fn wait_for_on(
+        &self,
+        sh: &Shared,
+        op: &'static str,
+        d: &dyn DeviceBuffer,
+    ) -> Result<()> {
         self.same_device(op, d)?;
         let s = self.stream_of(op, d)?;
-        if *s != *self.shared.stream {
-            cuda(op, || self.shared.stream.join(&s))?;
+        if *s != *sh.stream {
+            sh.join(op, &sh.stream, &s)?;
         }
         Ok(())
     }
 
     /// `d`'s stream waits for the work queued so far on the communicator's stream.
     fn join_back(&self, op: &'static str, d: &dyn DeviceBuffer) -> Result<()> {
+        self.join_back_on(&self.shared, op, d)
+    }
+
+    /// `d`'s stream waits for the work queued so far on `sh`'s stream.
+    fn join_back_on(&self, sh: &Shared, op: &'static str, d: &dyn DeviceBuffer) -> Result<()> {
         let s = self.stream_of(op, d)?;
-        if *s != *self.shared.stream {
-            cuda(op, || s.join(&self.shared.stream))?;
+        if *s != *sh.stream {
+            sh.join(op, &s, &sh.stream)?;
         }
         Ok(())
     }
@@ -476,56 +500,103 @@ impl NcclBackend {
         }
     }
 
-    /// Grouped point-to-point operations (peers validated by the front end), host buffers
-    /// staged.
+    /// Point-to-point operations (peers validated by the front end), host buffers staged: one
+    /// NCCL group on the communicator itself, or, when it has point-to-point lanes, one group
+    /// per lane ([`crate::p2p::split_batch`]), every group posted before any is waited for.
     fn p2p(&self, op: &'static str, ops: Vec<P2pOp<'_>>, limit: TimeLimit) -> Result<()> {
+        let ops: Vec<P2pOp<'_>> = ops
+            .into_iter()
+            .filter(|o| match o {
+                P2pOp::Send { buf, .. } => !buf.is_empty(),
+                P2pOp::Recv { buf, .. } => !buf.is_empty(),
+            })
+            .collect();
+        if ops.is_empty() {
+            return Ok(());
+        }
+        let Some(lanes) = self.shared.lanes.get() else {
+            let posted = self.p2p_post(&self.shared, op, ops, limit)?;
+            return self.p2p_finish(op, posted);
+        };
+        let me = self.shared.raw.rank();
+        let mut groups: [Vec<P2pOp<'_>>; 2] = [Vec::new(), Vec::new()];
+        for o in ops {
+            let (send, peer) = match &o {
+                P2pOp::Send { peer, .. } => (true, *peer),
+                P2pOp::Recv { peer, .. } => (false, *peer),
+            };
+            groups[crate::p2p::lane(me, peer, send).index()].push(o);
+        }
+        let mut posted = Vec::with_capacity(2);
+        for (lane, group) in lanes.iter().zip(groups) {
+            if !group.is_empty() {
+                posted.push(self.p2p_post(lane, op, group, limit)?);
+            }
+        }
+        for p in posted {
+            self.p2p_finish(op, p)?;
+        }
+        Ok(())
+    }
+
+    /// Posts non-empty point-to-point operations as one NCCL group on `sh` (the communicator
+    /// or one of its lanes); host buffers are staged. Returns what [`Self::p2p_finish`] needs.
+    fn p2p_post<'a>(
+        &self,
+        sh: &Shared,
+        op: &'static str,
+        ops: Vec<P2pOp<'a>>,
+        limit: TimeLimit,
+    ) -> Result<PostedP2p<'a>> {
         enum Slot<'a> {
             Send(BufRef<'a>, Option<Box<dyn DeviceBuffer>>, usize),
             Recv(BufMut<'a>, Option<Box<dyn DeviceBuffer>>, usize),
         }
         let mut slots: Vec<Slot<'_>> = ops
             .into_iter()
-            .filter(|o| match o {
-                P2pOp::Send { buf, .. } => !buf.is_empty(),
-                P2pOp::Recv { buf, .. } => !buf.is_empty(),
-            })
             .map(|o| match o {
                 P2pOp::Send { buf, peer, .. } => Slot::Send(buf, None, peer),
                 P2pOp::Recv { buf, peer, .. } => Slot::Recv(buf, None, peer),
             })
             .collect();
-        if slots.is_empty() {
-            return Ok(());
-        }
-        self.shared.bind(op)?;
+        sh.bind(op)?;
         let mut host_out = false;
         for s in slots.iter_mut() {
             match s {
-                Slot::Send(BufRef::Host(h), st, _) => *st = Some(self.stage_in(op, *h)?),
-                Slot::Send(BufRef::Device(d), _, _) => self.wait_for(op, *d)?,
+                Slot::Send(BufRef::Host(h), st, _) => {
+                    let b = self.stage_in(op, *h)?;
+                    self.wait_for_on(sh, op, &*b)?;
+                    *st = Some(b);
+                }
+                Slot::Send(BufRef::Device(d), _, _) => self.wait_for_on(sh, op, *d)?,
                 Slot::Recv(BufMut::Host(h), st, _) => {
                     host_out = true;
-                    *st = Some(self.stage_zeros(op, h.dtype(), h.len())?)
+                    let b = self.stage_zeros(op, h.dtype(), h.len())?;
+                    self.wait_for_on(sh, op, &*b)?;
+                    *st = Some(b);
                 }
-                Slot::Recv(BufMut::Device(d), _, _) => self.wait_for(op, &**d)?,
+                Slot::Recv(BufMut::Device(d), _, _) => self.wait_for_on(sh, op, &**d)?,
             }
         }
         let posted = {
+            let st = &*sh.stream;
             let mut tokens = Vec::with_capacity(slots.len());
             for s in slots.iter_mut() {
                 tokens.push(match s {
-                    Slot::Send(_, Some(b), p) => P2p::Send(self.din(op, &**b)?, *p),
-                    Slot::Send(BufRef::Device(d), None, p) => P2p::Send(self.din(op, *d)?, *p),
-                    Slot::Recv(_, Some(b), p) => P2p::Recv(self.dout(op, &mut **b)?, *p),
+                    Slot::Send(_, Some(b), p) => P2p::Send(din(op, &**b, st)?, *p),
+                    Slot::Send(BufRef::Device(d), None, p) => {
+                        self.same_device(op, *d)?;
+                        P2p::Send(din(op, *d, st)?, *p)
+                    }
+                    Slot::Recv(_, Some(b), p) => P2p::Recv(dout(op, &mut **b, st)?, *p),
                     Slot::Recv(BufMut::Device(d), None, p) => {
-                        P2p::Recv(self.dout(op, &mut **d)?, *p)
+                        self.same_device(op, &**d)?;
+                        P2p::Recv(dout(op, &mut **d, st)?, *p)
                     }
                     _ => return Err(internal(op, "unstaged host buffer")),
                 });
             }
-            self.shared.call(op, limit, || {
-                self.shared.raw.p2p_group(op, tokens, &self.shared.stream)
-            })
+            sh.call(op, limit, || sh.raw.p2p_group(op, tokens, st))
         };
         if let Err(e) = posted {
             // NCCL may have enqueued part of the group: staged buffers stay with the watchdog.
@@ -536,13 +607,13 @@ impl NcclBackend {
                 })
                 .map(hold)
                 .collect();
-            self.shared.hold_after_error(op, keep);
+            sh.hold_after_error(op, keep);
             return Err(e);
         }
         for s in slots.iter() {
             match s {
-                Slot::Send(BufRef::Device(d), _, _) => self.join_back(op, *d)?,
-                Slot::Recv(BufMut::Device(d), _, _) => self.join_back(op, &**d)?,
+                Slot::Send(BufRef::Device(d), _, _) => self.join_back_on(sh, op, *d)?,
+                Slot::Recv(BufMut::Device(d), _, _) => self.join_back_on(sh, op, &**d)?,
                 _ => {}
             }
         }
@@ -563,11 +634,20 @@ impl NcclBackend {
                 _ => {}
             }
         }
-        let (c, _) = self.shared.watch(op, limit, keep)?;
-        if !host_out {
+        let (completion, _) = sh.watch(op, limit, keep)?;
+        Ok(PostedP2p {
+            completion,
+            outs: if host_out { outs } else { Vec::new() },
+        })
+    }
+
+    /// Waits for a posted group with host receive buffers and copies them out; returns at once
+    /// when the group has none (stream-ordered).
+    fn p2p_finish(&self, op: &'static str, p: PostedP2p<'_>) -> Result<()> {
+        if p.outs.is_empty() {
             return Ok(());
         }
-        for (b, h) in c.wait()?.into_iter().zip(outs) {
+        for (b, h) in p.completion.wait()?.into_iter().zip(p.outs) {
             if let Some(h) = h {
                 self.fetch_into(op, &*unhold(op, b)?, h)?;
             }

@@ -34,16 +34,27 @@
 //!   the marker fired, then copies the result back. `wait_timeout` always blocks the host.
 //!   Dropping an unfinished work is safe: its buffers stay with the watchdog until the device
 //!   is done with them.
-//! * **Nonblocking sends and receives are held back** per communicator and posted as one
-//!   `ncclGroupStart/End` group **before this process does anything else on the device**: any
-//!   other operation on any communicator of the same GPU, any wait or poll of a work, a split,
-//!   `synchronize`, `to_host` ([`crate::engine::Outbox`]). So `irecv(left); isend(right); wait`
-//!   rings cannot deadlock behind themselves on the stream (NCCL runs one communicator's
-//!   kernels in order), and an `isend` on one communicator followed by a blocking collective on
-//!   another is posted before the collective (the cross-communicator deadlock of posting only
-//!   at the next call on the same communicator cannot happen). A receive whose matching send is
-//!   only issued *after* waiting on it, on the same communicator, still deadlocks (stream
-//!   order); use `batch_p2p` or start both first.
+//! * **Sends and receives are enqueued when they are called** ([`crate::p2p`]): every
+//!   communicator has two point-to-point lanes (NCCL communicators of the same ranks split from
+//!   it when it is created, one per direction of a message, each with its own stream), and every
+//!   `send`, `recv`, `isend` and `irecv` is posted at once, alone, on the lane of its direction;
+//!   `batch_p2p` posts one group per lane, both before waiting. So an exchange
+//!   (`isend(peer); irecv(peer)` on both ranks) and rings cannot deadlock behind themselves
+//!   (NCCL runs one communicator's kernels one after the other, so both directions on one
+//!   communicator would), and an `isend` followed by a blocking collective on another
+//!   communicator is already posted when the collective starts. With
+//!   [`crate::p2p::P2pPosting::HoldBack`] (chosen, or forced where NCCL serialises all
+//!   communicators of a device) nonblocking sends and receives are instead held back per
+//!   communicator and posted as one `ncclGroupStart/End` group **before this process does
+//!   anything else on the device** ([`crate::engine::Outbox`]). Either way a receive whose
+//!   matching send is only issued *after* waiting on it, in the same direction, cannot
+//!   complete; use `batch_p2p` or start both first.
+//!
+//! * **CUDA graph capture**: when the communicator's stream, or the stream of a device buffer
+//!   the operation joins, is capturing, the operation is enqueued into the graph without a
+//!   completion marker, host function or watchdog entry ([`crate::engine::launch_plan`]); host
+//!   memory, the blocking barrier, `synchronize` and `to_host` are refused with
+//!   [`Error::Unsupported`] naming the operation, before anything is enqueued.
 //!
 //! # Failure handling
 //! Failure handling is [`crate::engine`]: the state machine that the CPU tests drive with a
@@ -296,7 +307,17 @@ impl NcclBackend {
     /// thread blocked in NCCL: the communicator is nonblocking). Returns false if it was not
     /// live. The front end's [`grid_core::Communicator::abort`] calls it.
     pub fn abort(&self) -> bool {
-        self.shared.tracked.abort("abort() was called")
+        self.shared.abort("abort() was called")
+    }
+
+    /// How this communicator posts single sends and receives: on its two point-to-point lanes
+    /// at once, or held back ([`crate::p2p`]).
+    pub fn p2p_posting(&self) -> crate::p2p::P2pPosting {
+        if self.shared.lanes.get().is_some() {
+            crate::p2p::P2pPosting::Lanes
+        } else {
+            crate::p2p::P2pPosting::HoldBack
+        }
     }
 
     /// `Ok` while NCCL reports no asynchronous error on this communicator (the watchdog checks
@@ -351,6 +372,7 @@ impl NcclBackend {
         const OP: &str = "to_host";
         let run = || {
             self.shared.check_live(OP)?;
+            self.capture_check(OP, true, &[buffer_stream(buf)])?;
             self.shared.outbox.post_all();
             self.shared.bind(OP)?;
             self.wait_for(OP, buf)?;
@@ -360,6 +382,151 @@ impl NcclBackend {
         };
         run().map_err(|e| annotate(e, OP, &self.shared.name))
     }
+}
+
+impl NcclBackend {
+    /// Refuses what a CUDA graph capture cannot hold before anything is enqueued
+    /// ([`crate::engine::launch_plan`]): `host` (the operation stages host memory or waits on
+    /// the host) while this communicator's stream or one of `streams` (the operation's device
+    /// buffers' streams, which it joins) is capturing, or any use of an invalidated capture.
+    fn capture_check(
+        &self,
+        op: &'static str,
+        host: bool,
+        streams: &[Arc<CudaStream>],
+    ) -> Result<()> {
+        self.shared.bind(op)?;
+        let capture = self.shared.capture_with(streams)?;
+        crate::engine::launch_plan(op, capture, host).map(|_| ())
+    }
+}
+
+/// The stream a device buffer of this backend is ordered on.
+fn buffer_stream<T: NcclElement>(b: &NcclDeviceBuffer<T>) -> Arc<CudaStream> {
+    b.slice.stream().clone()
+}
+
+/// The stream of an erased device buffer of this backend (`None` for another backend's, which
+/// the operation itself refuses with its own error).
+fn erased_stream(d: &dyn grid_core::DeviceBuffer) -> Option<Arc<CudaStream>> {
+    crate::buffer::with_dtype!(d.dtype(), T => crate::buffer::downcast::<T>("capture", d)
+        .ok()
+        .map(|b| b.slice.stream().clone()))
+}
+
+/// Collects what the capture check needs from a list of buffers.
+#[derive(Default)]
+struct MemoryUse {
+    host: bool,
+    streams: Vec<Arc<CudaStream>>,
+}
+
+impl MemoryUse {
+    fn device(&mut self, d: &dyn grid_core::DeviceBuffer) {
+        if let Some(s) = erased_stream(d) {
+            if !self.streams.iter().any(|x| **x == *s) {
+                self.streams.push(s);
+            }
+        }
+    }
+    fn r(&mut self, b: &grid_core::BufRef<'_>) {
+        match b {
+            grid_core::BufRef::Host(_) => self.host = true,
+            grid_core::BufRef::Device(d) => self.device(*d),
+        }
+    }
+    fn m(&mut self, b: &grid_core::BufMut<'_>) {
+        match b {
+            grid_core::BufMut::Host(_) => self.host = true,
+            grid_core::BufMut::Device(d) => self.device(&**d),
+        }
+    }
+    fn t(&mut self, t: &grid_core::Tensor) {
+        match t {
+            grid_core::Tensor::Host(_) => self.host = true,
+            grid_core::Tensor::Device(d) => self.device(&**d),
+        }
+    }
+}
+
+/// Whether a blocking operation stages host memory or waits on the host (a barrier), and the
+/// streams of its device buffers.
+fn op_memory(op: &Op<'_>) -> (bool, Vec<Arc<CudaStream>>) {
+    let mut u = MemoryUse::default();
+    match op {
+        Op::AllReduce { send, recv, .. }
+        | Op::AllGather { send, recv }
+        | Op::ReduceScatter { send, recv, .. }
+        | Op::AllToAll { send, recv }
+        | Op::AllToAllV { send, recv, .. }
+        | Op::AllGatherV { send, recv, .. }
+        | Op::ReduceScatterV { send, recv, .. } => {
+            u.r(send);
+            u.m(recv);
+        }
+        Op::AllReduceInPlace { buf, .. } | Op::Broadcast { buf, .. } | Op::Recv { buf, .. } => {
+            u.m(buf)
+        }
+        Op::Send { buf, .. } => u.r(buf),
+        Op::Reduce { send, recv, .. } | Op::Gather { send, recv, .. } => {
+            u.r(send);
+            if let Some(r) = recv {
+                u.m(r);
+            }
+        }
+        Op::Scatter { send, recv, .. } => {
+            if let Some(s) = send {
+                u.r(s);
+            }
+            u.m(recv);
+        }
+        Op::Batch(ops) => {
+            for o in ops {
+                match o {
+                    grid_core::P2pOp::Send { buf, .. } => u.r(buf),
+                    grid_core::P2pOp::Recv { buf, .. } => u.m(buf),
+                }
+            }
+        }
+        Op::Barrier => u.host = true,
+    }
+    (u.host, u.streams)
+}
+
+/// [`op_memory`] of a nonblocking request. A nonblocking barrier does not wait on the host
+/// (its work does), so it may be captured.
+fn request_memory(r: &Request) -> (bool, Vec<Arc<CudaStream>>) {
+    let mut u = MemoryUse::default();
+    match r {
+        Request::AllReduceInto { send, recv, .. }
+        | Request::AllGather { send, recv }
+        | Request::ReduceScatter { send, recv, .. }
+        | Request::AllToAll { send, recv }
+        | Request::AllToAllV { send, recv, .. }
+        | Request::AllGatherV { send, recv, .. }
+        | Request::ReduceScatterV { send, recv, .. } => {
+            u.t(send);
+            u.t(recv);
+        }
+        Request::AllReduce { buf, .. }
+        | Request::Broadcast { buf, .. }
+        | Request::Send { buf, .. }
+        | Request::Recv { buf, .. } => u.t(buf),
+        Request::Reduce { send, recv, .. } | Request::Gather { send, recv, .. } => {
+            u.t(send);
+            if let Some(r) = recv {
+                u.t(r);
+            }
+        }
+        Request::Scatter { send, recv, .. } => {
+            if let Some(s) = send {
+                u.t(s);
+            }
+            u.t(recv);
+        }
+        Request::Barrier => {}
+    }
+    (u.host, u.streams)
 }
 
 impl Backend for NcclBackend {
@@ -402,6 +569,9 @@ impl Backend for NcclBackend {
         let op = op.into_op();
         let name = op.name();
         self.shared.check_live(name)?;
+        let (host, streams) = op_memory(&op);
+        self.capture_check(name, host, &streams)
+            .map_err(|e| annotate(e, name, &self.shared.name))?;
         // Held-back sends and receives of this device were started first: posted first.
         self.shared.outbox.post_all();
         self.exec(op, limit)
@@ -412,6 +582,9 @@ impl Backend for NcclBackend {
         let request: Request = op.into_op();
         let name = request.name();
         self.shared.check_live(name)?;
+        let (host, streams) = request_memory(&request);
+        self.capture_check(name, host, &streams)
+            .map_err(|e| annotate(e, name, &self.shared.name))?;
         self.start_request(request, limit)
             .map_err(|e| annotate(e, name, &self.shared.name))
     }
@@ -419,9 +592,11 @@ impl Backend for NcclBackend {
     /// within the communicator's configured timeout.
     fn synchronize(&self) -> Result<()> {
         const OP: &str = "synchronize";
+        self.capture_check(OP, true, &[])
+            .map_err(|e| annotate(e, OP, &self.shared.name))?;
         self.shared.outbox.post_all();
         self.shared
-            .sync(OP, TimeLimit::After(self.shared.timeout))
+            .sync_all(OP, TimeLimit::After(self.shared.timeout))
             .map_err(|e| annotate(e, OP, &self.shared.name))
     }
 }

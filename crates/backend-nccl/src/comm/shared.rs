@@ -6,13 +6,17 @@
 
 use super::exec::hold;
 use crate::buffer::{downcast, downcast_mut, with_dtype};
-use crate::engine::{Completion, Deferred, DeviceEvent, Outbox, Progress, Tracked, Watchdog};
+use crate::engine::Pool;
+use crate::engine::{
+    Capture, Completion, Deferred, DeviceEvent, DeviceStream, Launch, Outbox, Progress, Tracked,
+    Watchdog,
+};
 use crate::error::{annotate, cuda};
 use crate::ffi::{kick_when_reached, DevIn, DevOut, P2p, RawComm};
 use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream};
 use grid_core::{DeviceBuffer, Error, Result, TimeLimit};
 use std::any::Any;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
 /// The state shared by a communicator and its pending work handles.
@@ -33,6 +37,41 @@ pub(crate) struct Shared {
     pub(crate) outbox: Arc<Outbox>,
     /// This communicator's held-back sends and receives, posted as one group.
     pending: Mutex<Vec<PendingP2p>>,
+    /// The two point-to-point lanes (`[up, down]`, see [`crate::p2p`]), when the communicator
+    /// posts sends and receives at once; unset with [`crate::p2p::P2pPosting::HoldBack`] and on
+    /// a lane itself.
+    pub(crate) lanes: OnceLock<[Arc<Shared>; 2]>,
+    /// The CUDA events this communicator records ([`PooledEvent`]).
+    events: Arc<Pool<CudaEvent>>,
+}
+
+/// How many idle CUDA events one communicator keeps for reuse.
+const EVENT_POOL: usize = 64;
+
+/// A CUDA event from a communicator's [`Pool`]: it goes back to the pool when the last handle
+/// drops, that is when no completion, work or wait can still refer to it (a stream wait that was
+/// already enqueued keeps the state the event had then, so re-recording it later is safe).
+pub(crate) struct PooledEvent {
+    event: Option<CudaEvent>,
+    pool: Arc<Pool<CudaEvent>>,
+}
+
+impl std::ops::Deref for PooledEvent {
+    type Target = CudaEvent;
+    fn deref(&self) -> &CudaEvent {
+        // Set from construction until drop.
+        self.event
+            .as_ref()
+            .unwrap_or_else(|| unreachable!("a pooled event is taken only in drop"))
+    }
+}
+
+impl Drop for PooledEvent {
+    fn drop(&mut self) {
+        if let Some(e) = self.event.take() {
+            self.pool.give(e);
+        }
+    }
 }
 
 /// A nonblocking send or receive held back until the next [`Outbox::post_all`].
@@ -47,7 +86,7 @@ struct PendingP2p {
 /// Where a held-back operation's work finds its completion once posted.
 pub(super) enum Cell {
     Waiting,
-    Posted(Completion, Arc<CudaEvent>),
+    Posted(Completion, Arc<PooledEvent>),
     Failed(Error),
     Taken,
 }
@@ -114,16 +153,31 @@ pub(super) fn dout<'a>(
     with_dtype!(d.dtype(), T => DevOut::new::<T, _>(&mut downcast_mut::<T>(op, d)?.slice, stream))
 }
 
+/// A CUDA stream as the state machine sees it: its graph-capture state.
+pub(crate) struct StreamState<'a>(pub(crate) &'a CudaStream);
+
+impl DeviceStream for StreamState<'_> {
+    fn capture(&self) -> Result<Capture> {
+        use cudarc::driver::sys::CUstreamCaptureStatus as S;
+        cuda("cuStreamIsCapturing", || self.0.capture_status()).map(|s| match s {
+            S::CU_STREAM_CAPTURE_STATUS_NONE => Capture::Eager,
+            S::CU_STREAM_CAPTURE_STATUS_ACTIVE => Capture::Capturing,
+            S::CU_STREAM_CAPTURE_STATUS_INVALIDATED => Capture::Invalidated,
+        })
+    }
+}
+
 /// The completion marker of one operation: a CUDA event recorded right after it on the
 /// communicator's stream.
 pub(super) struct Marker {
     pub(super) ctx: Arc<CudaContext>,
-    pub(super) event: Arc<CudaEvent>,
+    pub(super) event: Arc<PooledEvent>,
 }
 
 impl DeviceEvent for Marker {
     fn query(&self) -> Result<Progress> {
         const OP: &str = "cuEventQuery";
+        crate::ffi::relax_capture_mode();
         cuda(OP, || self.ctx.bind_to_thread())?;
         cuda(OP, || self.event.try_is_complete()).map(|done| {
             if done {
@@ -136,7 +190,7 @@ impl DeviceEvent for Marker {
 }
 
 impl Shared {
-    pub(super) fn new(
+    pub(crate) fn new(
         raw: Arc<RawComm>,
         tracked: Arc<Tracked>,
         ctx: Arc<CudaContext>,
@@ -157,7 +211,60 @@ impl Shared {
             timeout,
             scratch: Mutex::new(None),
             device_calls,
+            lanes: OnceLock::new(),
+            events: Arc::new(Pool::new(EVENT_POOL)),
         }
+    }
+
+    /// Records a pooled event on `stream` (this communicator's device) after everything
+    /// enqueued on it so far.
+    pub(crate) fn record(&self, op: &'static str, stream: &CudaStream) -> Result<PooledEvent> {
+        let event = self.events.take(|| cuda(op, || self.ctx.new_event(None)))?;
+        let event = PooledEvent {
+            event: Some(event),
+            pool: self.events.clone(),
+        };
+        cuda(op, || event.record(stream))?;
+        Ok(event)
+    }
+
+    /// `waiter` waits for the work enqueued so far on `on` (a pooled event instead of cudarc's
+    /// `join`, which creates and destroys one per call). The event goes back to the pool at once:
+    /// the wait keeps the state it was recorded with.
+    pub(crate) fn join(
+        &self,
+        op: &'static str,
+        waiter: &CudaStream,
+        on: &CudaStream,
+    ) -> Result<()> {
+        let event = self.record(op, on)?;
+        cuda(op, || waiter.wait(&event))
+    }
+
+    /// The lane a send to (`send`) or receive from `peer` is posted on, when this communicator
+    /// has lanes ([`crate::p2p::lane`]).
+    pub(crate) fn lane_for(&self, peer: usize, send: bool) -> Option<&Arc<Shared>> {
+        let lanes = self.lanes.get()?;
+        Some(&lanes[crate::p2p::lane(self.raw.rank(), peer, send).index()])
+    }
+
+    /// Aborts the communicator and its lanes; true if the communicator itself was live.
+    pub(crate) fn abort(&self, why: &str) -> bool {
+        let first = self.tracked.abort(why);
+        for l in self.lanes.get().into_iter().flatten() {
+            l.tracked.abort(why);
+        }
+        first
+    }
+
+    /// Waits (host) until everything enqueued so far on the communicator and on its lanes has
+    /// completed, within `limit` each.
+    pub(crate) fn sync_all(&self, op: &'static str, limit: TimeLimit) -> Result<()> {
+        self.sync(op, limit)?;
+        for l in self.lanes.get().into_iter().flatten() {
+            l.sync(op, limit)?;
+        }
+        Ok(())
     }
 
     /// Holds this device's NCCL call lock ([`device_lock`]).
@@ -168,7 +275,7 @@ impl Shared {
     /// Runs one NCCL call on the communicator under the device's call lock, then settles an
     /// `ncclInProgress` within `limit` (still under the lock) or fails the communicator on an
     /// error ([`Shared::after_call`]).
-    pub(super) fn call(
+    pub(crate) fn call(
         &self,
         op: &'static str,
         limit: TimeLimit,
@@ -184,6 +291,7 @@ impl Shared {
 
     /// Makes the device's context current on this thread.
     pub(crate) fn bind(&self, op: &'static str) -> Result<()> {
+        crate::ffi::forgive_captured_event_waits(&self.ctx);
         cuda(op, || self.ctx.bind_to_thread())
     }
 
@@ -223,20 +331,52 @@ impl Shared {
     /// records the completion marker, enqueues the host function that kicks the watchdog when
     /// the device reaches it, and hands `keep` (buffers the device uses) to the watchdog until
     /// then. Returns the completion and its event (for streams that must wait on it).
-    pub(super) fn watch(
+    ///
+    /// While the stream is being captured into a CUDA graph nothing is watched
+    /// ([`Launch::Captured`]): the event is recorded (a node of the graph, for stream-ordered
+    /// waits inside the capture) but never queried, and no host function is enqueued.
+    pub(crate) fn watch(
         &self,
         op: &'static str,
         limit: TimeLimit,
         keep: Vec<Box<dyn Any + Send>>,
-    ) -> Result<(Completion, Arc<CudaEvent>)> {
-        let event = self.mark(op)?;
-        Ok((self.launch_on(op, limit, &event, keep), event))
+    ) -> Result<(Completion, Arc<PooledEvent>)> {
+        let mut eager = None;
+        let (c, launch) = self.tracked.launch_on(
+            op,
+            limit,
+            &StreamState(&self.stream),
+            || {
+                let event = self.mark(op)?;
+                eager = Some(event.clone());
+                Ok(Box::new(Marker {
+                    ctx: self.ctx.clone(),
+                    event,
+                }) as Box<dyn DeviceEvent>)
+            },
+            keep,
+        )?;
+        let event = match (launch, eager) {
+            (Launch::Watched, Some(ev)) => ev,
+            _ => Arc::new(self.record(op, &self.stream)?),
+        };
+        Ok((c, event))
+    }
+
+    /// The capture state of this communicator's stream together with `others` (the streams of
+    /// an operation's device buffers, which it joins).
+    pub(crate) fn capture_with(&self, others: &[Arc<CudaStream>]) -> Result<Capture> {
+        let mut states = vec![StreamState(&self.stream).capture()?];
+        for s in others {
+            states.push(StreamState(s).capture()?);
+        }
+        Ok(crate::engine::combine_capture(states))
     }
 
     /// After an enqueue that failed: NCCL may have enqueued part of it, so `keep` stays with the
     /// watchdog until the device is done with it (the communicator has failed, so the marker
     /// fires once NCCL's abort stopped its kernels).
-    pub(super) fn hold_after_error(&self, op: &'static str, keep: Vec<Box<dyn Any + Send>>) {
+    pub(crate) fn hold_after_error(&self, op: &'static str, keep: Vec<Box<dyn Any + Send>>) {
         if keep.is_empty() {
             return;
         }
@@ -248,29 +388,14 @@ impl Shared {
 
     /// Records a completion marker after everything enqueued so far, and the host function
     /// that kicks the watchdog when the device reaches it.
-    fn mark(&self, op: &'static str) -> Result<Arc<CudaEvent>> {
-        let event = Arc::new(cuda(op, || self.stream.record_event(None))?);
+    fn mark(&self, op: &'static str) -> Result<Arc<PooledEvent>> {
+        let event = Arc::new(self.record(op, &self.stream)?);
         let dog = Watchdog::global()?;
         if let Err(e) = kick_when_reached(&self.stream, dog.kicker()) {
             // Without the host function the watchdog still notices at its next poll.
             tracing::debug!("nccl: {e}; completion noticed at the watchdog's next poll");
         }
         Ok(event)
-    }
-
-    /// Registers operation `op`, complete when `event` fired, with the watchdog.
-    fn launch_on(
-        &self,
-        op: &'static str,
-        limit: TimeLimit,
-        event: &Arc<CudaEvent>,
-        keep: Vec<Box<dyn Any + Send>>,
-    ) -> Completion {
-        let marker = Marker {
-            ctx: self.ctx.clone(),
-            event: event.clone(),
-        };
-        self.tracked.launch(op, limit, Box::new(marker), keep)
     }
 
     /// Holds a nonblocking send or receive back until the next [`Outbox::post_all`] (the
@@ -324,20 +449,18 @@ impl Shared {
             self.call(OP, limit, || self.raw.p2p_group(OP, tokens, st))
         });
         // The buffers go to the watchdog whatever happened (NCCL may have enqueued part of
-        // the group); a failure is what every work of the group reports.
-        let event = self.mark(OP);
+        // the group); a failure is what every work of the group reports. Each gets its own
+        // marker (or, during a graph capture, none: see `watch`).
         for p in items {
             let op = if p.send { "send" } else { "recv" };
-            let outcome = match (&posted, &event) {
-                (Ok(()), Ok(ev)) => Cell::Posted(
-                    self.launch_on(op, p.limit, ev, vec![hold(p.buf)]),
-                    ev.clone(),
-                ),
-                (Err(e), Ok(ev)) => {
-                    drop(self.launch_on(op, p.limit, ev, vec![hold(p.buf)]));
+            let watched = self.watch(op, p.limit, vec![hold(p.buf)]);
+            let outcome = match (&posted, watched) {
+                (Ok(()), Ok((c, ev))) => Cell::Posted(c, ev),
+                (Err(e), Ok((c, _))) => {
+                    drop(c);
                     Cell::Failed(e.clone())
                 }
-                (Err(e), Err(_)) | (Ok(()), Err(e)) => Cell::Failed(e.clone()),
+                (_, Err(e)) => Cell::Failed(e),
             };
             *lock(&p.cell) = outcome;
         }
@@ -345,7 +468,7 @@ impl Shared {
 
     /// Waits (host) until everything enqueued on the stream so far has completed, within
     /// `limit`.
-    pub(super) fn sync(&self, op: &'static str, limit: TimeLimit) -> Result<()> {
+    pub(crate) fn sync(&self, op: &'static str, limit: TimeLimit) -> Result<()> {
         self.bind(op)?;
         let (c, _) = self.watch(op, limit, Vec::new())?;
         c.wait().map(|_| ())

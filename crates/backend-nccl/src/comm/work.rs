@@ -3,12 +3,13 @@
 //! [`NcclWork`], which completes through the operation's completion marker.
 
 use super::exec::{hold, unhold, Kind, Shape};
-use super::shared::{Cell, Shared};
+use super::shared::PooledEvent;
+use super::shared::{din, dout, Cell, Shared};
 use super::NcclBackend;
 use crate::buffer::{downcast, owned, with_dtype};
 use crate::engine::Completion;
 use crate::error::{annotate, cuda, internal};
-use cudarc::driver::CudaEvent;
+use crate::ffi::P2p;
 use grid_core::{DType, DeviceBuffer, Error, HostBuffer, Request, Result, Tensor, TimeLimit, Work};
 use std::any::Any;
 use std::sync::{Arc, Mutex};
@@ -33,7 +34,8 @@ fn empty() -> Tensor {
 
 impl NcclBackend {
     /// Starts one validated nonblocking operation: a collective or barrier is enqueued now and
-    /// watched by the watchdog; a send or receive is held back ([`NcclBackend::hold_back`]).
+    /// watched by the watchdog; a send or receive is enqueued now on its point-to-point lane, or
+    /// held back where the communicator has no lanes ([`NcclBackend::post_p2p`]).
     pub(super) fn start_request(
         &self,
         request: Request,
@@ -49,7 +51,7 @@ impl NcclBackend {
                             Some(h) => Output::Ready(Tensor::Host(h)),
                             None => Output::Device,
                         };
-                        self.hold_back(op, true, peer, d, out, limit)
+                        self.post_p2p(op, true, peer, d, out, limit)
                     }
                     (None, Some(h)) => Ok(ready(self, op, Tensor::Host(h))),
                     (None, None) => Err(internal(op, "send operand")),
@@ -64,7 +66,7 @@ impl NcclBackend {
                         } else {
                             Output::Device
                         };
-                        self.hold_back(op, false, peer, d, out, limit)
+                        self.post_p2p(op, false, peer, d, out, limit)
                     }
                     (None, Some(h)) => Ok(ready(self, op, Tensor::Host(h))),
                     (None, None) => Err(internal(op, "recv operand")),
@@ -197,6 +199,51 @@ impl NcclBackend {
                 return Err(internal(op, "point-to-point request in enqueue_request"))
             }
         })
+    }
+
+    /// Posts a nonblocking send or receive: at once, alone, on its point-to-point lane
+    /// ([`crate::p2p`]), watched by the watchdog; or, on a communicator without lanes
+    /// ([`crate::p2p::P2pPosting::HoldBack`]), held back ([`NcclBackend::hold_back`]).
+    fn post_p2p(
+        &self,
+        op: &'static str,
+        send: bool,
+        peer: usize,
+        mut d: Box<dyn DeviceBuffer>,
+        output: Output,
+        limit: TimeLimit,
+    ) -> Result<Box<dyn Work>> {
+        let Some(lane) = self.shared.lane_for(peer, send) else {
+            return self.hold_back(op, send, peer, d, output, limit);
+        };
+        lane.bind(op)?;
+        // The lane's stream waits for the buffer's producer (a staged copy, or the user's work
+        // on a device buffer).
+        self.wait_for_on(lane, op, &*d)?;
+        let st = &*lane.stream;
+        let posted = (|| {
+            let token = if send {
+                P2p::Send(din(op, &*d, st)?, peer)
+            } else {
+                P2p::Recv(dout(op, &mut *d, st)?, peer)
+            };
+            lane.call(op, limit, || lane.raw.p2p_group(op, vec![token], st))
+        })();
+        if let Err(e) = posted {
+            // NCCL may have enqueued it before failing: the buffer stays with the watchdog.
+            lane.hold_after_error(op, vec![hold(d)]);
+            return Err(e);
+        }
+        let (c, event) = lane.watch(op, limit, vec![hold(d)])?;
+        Ok(Box::new(NcclWork {
+            shared: lane.clone(),
+            op,
+            completion: Some(c),
+            event: Some(event),
+            deferred: None,
+            failed: None,
+            output: Some(output),
+        }))
     }
 
     /// Holds a nonblocking send or receive back, to be posted (grouped with the others held
@@ -388,7 +435,7 @@ fn work(
     b: &NcclBackend,
     op: &'static str,
     completion: Option<Completion>,
-    event: Option<Arc<CudaEvent>>,
+    event: Option<Arc<PooledEvent>>,
     output: Output,
 ) -> Box<dyn Work> {
     Box::new(NcclWork {
@@ -422,7 +469,7 @@ pub struct NcclWork {
     shared: Arc<Shared>,
     op: &'static str,
     completion: Option<Completion>,
-    event: Option<Arc<CudaEvent>>,
+    event: Option<Arc<PooledEvent>>,
     /// A held-back send or receive: its completion appears here once posted.
     deferred: Option<Arc<Mutex<Cell>>>,
     /// Posting it failed (kept for the wait after an `is_completed`).
