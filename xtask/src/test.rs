@@ -261,7 +261,8 @@ documentation gives (`//! Run: `...``), then (as root) the multi-host scenarios 
 `cargo xtask hosts run` on network namespaces (skipped with the reason otherwise).
   --gpu   also run the NCCL suite (crates/backend-nccl with feature gpu-tests), one test at a
           time, with NCCL_DEBUG=WARN and GRID_REQUIRE_GPU=1; prints the NCCL version and the
-          devices, and fails on any skipped GPU test or size";
+          devices, and fails on any skipped GPU test (no usable GPU); tests that need more
+          GPUs or device memory than the machine has are listed as not run";
 
 fn with_test_env(c: &mut Command) {
     for (k, v) in MPI_ENV {
@@ -319,15 +320,20 @@ fn gpu_suite(counts: &mut Counts) -> Step {
     for l in gpu_report(&lines) {
         println!("xtask: {l}");
     }
-    let skipped = skipped_lines(&lines);
+    let skipped = marked_lines(&lines, "SKIPPED");
     for l in &skipped {
         eprintln!("xtask: --gpu: a GPU test skipped: {l}");
+    }
+    // Tests that need more GPUs (or device memory) than the machine has, or that cover the
+    // no-GPU path: reported, not failed (one GPU is enough for the suite).
+    for l in marked_lines(&lines, "NOT RUN") {
+        println!("xtask: --gpu: {l}");
     }
     let note = if skipped.is_empty() {
         String::new()
     } else {
         format!(
-            "{} GPU test(s) or sizes skipped (the GPU suite fails on any skip)",
+            "{} GPU test(s) skipped for want of a usable GPU (the GPU suite fails on any skip)",
             skipped.len()
         )
     };
@@ -353,12 +359,14 @@ fn gpu_report(lines: &[String]) -> Vec<String> {
         .collect()
 }
 
-/// The skip lines of a GPU suite run (`SKIPPED: <test>: <reason>` or `SKIPPED size ...`).
-fn skipped_lines(lines: &[String]) -> Vec<String> {
+/// The lines of a GPU suite run that start with `mark`: `SKIPPED: <test>: <reason>` (no
+/// usable GPU: the suite fails) or `NOT RUN: ...` (more GPUs or device memory needed than the
+/// machine has, or a test of the no-GPU path: reported only).
+fn marked_lines(lines: &[String], mark: &str) -> Vec<String> {
     lines
         .iter()
         .map(|l| strip_ansi(l).trim().to_string())
-        .filter(|l| l.starts_with("SKIPPED"))
+        .filter(|l| l.starts_with(mark))
         .collect()
 }
 
@@ -515,8 +523,9 @@ mod tests {
         let run: Vec<String> = [
             "running 3 tests",
             "GPU: NCCL 2.26.2; device 0 of 1: NVIDIA H100, compute capability 9.0, 79 GiB",
-            "SKIPPED: isend_irecv_exchange_between_two_ranks: needs 2 GPUs, found 1",
-            "SKIPPED size 1024 MiB of f32: needs about 7168 MiB of free device memory",
+            "NOT RUN: isend_irecv_exchange_between_two_ranks: needs 2 GPUs, found 1",
+            "NOT RUN: size 1024 MiB of f32: needs about 7168 MiB of free device memory",
+            "SKIPPED: nccl_conformance_all_gpus: no usable GPU: nccl: load the CUDA driver failed",
             "test result: ok. 3 passed; 0 failed",
         ]
         .iter()
@@ -526,7 +535,8 @@ mod tests {
             gpu_report(&run),
             vec!["GPU: NCCL 2.26.2; device 0 of 1: NVIDIA H100, compute capability 9.0, 79 GiB"]
         );
-        assert_eq!(skipped_lines(&run).len(), 2);
+        assert_eq!(marked_lines(&run, "SKIPPED").len(), 1);
+        assert_eq!(marked_lines(&run, "NOT RUN").len(), 2);
         assert_eq!(GPU_ENV, [("NCCL_DEBUG", "WARN"), ("GRID_REQUIRE_GPU", "1")]);
         assert!(!has_feature(&m, "gpu"));
         std::fs::remove_dir_all(&dir).unwrap();

@@ -44,7 +44,7 @@ fn nccl_conformance_two_gpus() {
         return;
     };
     if n == 2 {
-        println!("SKIPPED: nccl_conformance_two_gpus: the all-GPU run already covers 2 ranks");
+        println!("NOT RUN: nccl_conformance_two_gpus: the all-GPU run already covers 2 ranks");
         return;
     }
     run(2);

@@ -106,7 +106,7 @@ fn rank0_failing_to_create_the_id_fails_everyone() {
 #[test]
 fn init_without_driver_or_libnccl_is_a_clear_error_on_every_rank() {
     if let Ok(n) = probe::gpu_count() {
-        println!("SKIPPED: {n} GPU(s) present; this test covers the no-GPU error path");
+        println!("NOT RUN: {n} GPU(s) present; this test covers the no-GPU error path");
         return;
     }
     let out = on_ranks(3, |c| {
@@ -125,7 +125,7 @@ fn init_without_driver_or_libnccl_is_a_clear_error_on_every_rank() {
 #[test]
 fn missing_library_messages_name_candidates_and_directories() {
     match probe::check_libraries() {
-        Ok(()) => println!("SKIPPED: the CUDA driver and libnccl load here; nothing is missing"),
+        Ok(()) => println!("NOT RUN: the CUDA driver and libnccl load here; nothing is missing"),
         Err(e) => {
             let m = e.to_string();
             assert!(
@@ -211,7 +211,7 @@ fn supported_dtypes_and_reductions() {
 #[test]
 fn setup_errors_are_library_errors() {
     match probe::gpu_count() {
-        Ok(n) => println!("SKIPPED: {n} GPU(s) present; this test covers the no-GPU error path"),
+        Ok(n) => println!("NOT RUN: {n} GPU(s) present; this test covers the no-GPU error path"),
         Err(e) => {
             let Error::Library(l) = &e else {
                 panic!("not a library error: {e:?}")

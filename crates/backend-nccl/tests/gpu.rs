@@ -490,7 +490,7 @@ where
             let (free, _) = w.context().mem_get_info().unwrap();
             if free < 7 * bytes {
                 println!(
-                    "SKIPPED size {} MiB of {}: needs about {} MiB of free device memory, device {} has {} MiB",
+                    "NOT RUN: size {} MiB of {}: needs about {} MiB of free device memory, device {} has {} MiB",
                     bytes >> 20,
                     std::any::type_name::<T>(),
                     (7 * bytes) >> 20,

@@ -30,7 +30,8 @@
 use backend_gloo::{run_ranks, GlooConfig, GlooFactory, Rendezvous};
 use backend_mpi::{MpiFactory, MpiRuntime};
 use grid_core::{
-    build_collection, Communicator, CommunicatorExt, GroupFactory, LayoutPlan, ReduceOp,
+    build_collection_with, CollectionOptions, Communicator, CommunicatorExt, Creation,
+    GroupFactory, LayoutPlan, ReduceOp,
 };
 use grid_programs::collectives::Op;
 use grid_programs::demo::config;
@@ -304,13 +305,19 @@ where
     let e = |e: grid_core::Error| e.to_string();
     let (rank, n) = (c.rank(), c.size());
     let mut times = Vec::with_capacity(iters);
-    // One way to build for both of torch's modes (global and local synchronization).
+    // torch's global mode (every rank calls new_group for every group) against a split of
+    // the parent per family; its local synchronization (only the members of a group create
+    // it) against members-only creation.
     if op == "groups" || op == "groups_local" {
         let plan = plan(n)?;
+        let mut options = CollectionOptions::new();
+        if op == "groups_local" {
+            options.creation = Creation::MembersOnly;
+        }
         for it in 0..warmup + iters {
             c.barrier().map_err(e)?;
             let t = Instant::now();
-            let built = build_collection(factory, c, &plan).map_err(e)?;
+            let built = build_collection_with(factory, c, &plan, &options).map_err(e)?;
             let dt = t.elapsed().as_secs_f64();
             if it >= warmup {
                 times.push(dt);
