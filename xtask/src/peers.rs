@@ -1063,7 +1063,7 @@ fn run_all(o: &Options, exe: &Path, dir: &Path) -> i32 {
          mpi4py {} over the same Open MPI; torch {} (Gloo, CPU). f32, sum; time = median over calls of the slowest rank \
          (every call after a barrier); ours and the peer alternate size by size. ratio = peer time / ours (> 1: this project is faster). \
          torch has no out-of-place all-reduce: its row is `recv.copy_(send)` + `all_reduce(recv)`. \
-         groups: the demo layout at world {GROUPS_WORLD}, build_collection against `new_group` for every group of every family.\n",
+         groups: the demo layout at world {GROUPS_WORLD}, build_collection (a split per family; members-only for local sync) against `new_group` for every group of every family.\n",
         version(&peers.mpi4py),
         version(&peers.torch),
     );

@@ -10,8 +10,10 @@
 //!   `all_reduce_in_place` (`all_reduce_in_place`: `MPI_IN_PLACE` on MPI, the buffer refilled
 //!   before every call, outside the timing), `all_gather`, `reduce_scatter`, `broadcast` (root
 //!   0), all f32 sum, with nccl-tests' byte counts ([`Op::shape`]); or `groups` / `groups_local`
-//!   (the same here; `BYTES` is ignored): [`build_collection`] of the demo layout at this world size, every family's
-//!   communicators, dropped after each call. The results of the last call are checked.
+//!   (`BYTES` is ignored): [`build_collection_with`] of the demo layout at this world size, every
+//!   family's communicators, by a split of the parent per family (`groups`, against torch's
+//!   global `new_group`) or members-only ([`Creation::MembersOnly`], `groups_local`, against
+//!   torch's `use_local_synchronization=True`), dropped after each call. The results of the last call are checked.
 //! * `quit`: the rank ends.
 //!
 //! The peer scripts (`xtask/peers/*.py`) answer the same commands. Ranks wait for the next
