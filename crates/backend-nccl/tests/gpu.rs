@@ -473,16 +473,47 @@ fn two_ranks_on_one_gpu_fail_on_both_ranks() {
     );
 }
 
+/// The seed of the random data of [`every_collective_on_device`]: `GRID_TEST_SEED` if set (to
+/// replay a failure), else the clock; printed once, the same for every rank of the process.
+fn test_seed() -> u64 {
+    static SEED: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *SEED.get_or_init(|| {
+        let seed = std::env::var("GRID_TEST_SEED")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| {
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(1, |d| d.as_nanos() as u64)
+            });
+        println!("random data: GRID_TEST_SEED={seed}");
+        seed
+    })
+}
+
+/// Element `i` of rank `rank`'s random data: an integer from 0 to 7 (a SplitMix64 hash of the
+/// seed, the rank and the index), so every sum over up to 8 ranks is exact in f32, f16 and bf16.
+fn random_value(seed: u64, rank: usize, i: usize) -> f32 {
+    let mut x = seed ^ ((rank as u64) << 40) ^ (i as u64);
+    x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    x ^= x >> 31;
+    (x % 8) as f32
+}
+
 /// Every collective and `batch_p2p` on device buffers (distinct send and receive buffers), in
 /// f32, f16 and bf16, from 8 bytes to 1 GiB (1 GiB where the device has the memory, else a
-/// printed skip of that size), checked exactly: the values are small integers,
-/// so every sum of up to 8 ranks is exact in every float type.
+/// printed `NOT RUN` of that size), checked exactly: the values are seeded random integers from
+/// 0 to 7 ([`random_value`]), so every sum of up to 8 ranks is exact in every float type.
 fn every_collective_on_device<T>(w: &backend_nccl::NcclCommunicator, conv: fn(f32) -> T) -> usize
 where
     T: backend_nccl::NcclElement + PartialEq + std::fmt::Debug,
 {
     let (me, n) = (w.rank(), w.size());
-    let val = |rank: usize, i: usize| conv(((rank + i) % 7) as f32);
+    let seed = test_seed();
+    let val = |rank: usize, i: usize| conv(random_value(seed, rank, i));
+    let sum = |i: usize| conv((0..n).map(|r| random_value(seed, r, i)).sum());
     let mut bad = 0usize;
     for bytes in [8usize, 1 << 10, 1 << 20, 64 << 20, 1 << 30] {
         // The largest size needs about seven buffers of its size on the device at once.
@@ -513,9 +544,7 @@ where
         )
         .unwrap();
         let got = w.to_host(&recv).unwrap();
-        bad += (0..len)
-            .filter(|&i| got[i] != conv((0..n).map(|r| ((r + i) % 7) as f32).sum()))
-            .count();
+        bad += (0..len).filter(|&i| got[i] != sum(i)).count();
         // broadcast from the last rank.
         let mut b = w.to_device(&mine).unwrap();
         w.broadcast(BufMut::Device(&mut b), n - 1).unwrap();
@@ -543,7 +572,7 @@ where
         bad += (0..blk)
             .filter(|&j| {
                 let i = me * blk + j;
-                got[j] != conv((0..n).map(|r| ((r + i) % 7) as f32).sum())
+                got[j] != sum(i)
             })
             .count();
         // all_to_all: block j of rank r lands in block r of rank j.
@@ -1354,4 +1383,31 @@ fn host_overhead_per_8_byte_call() {
             completed.as_secs_f64() * 1e6
         );
     }
+}
+
+/// The random data of the device tests (CPU only): every value 0..=7 occurs, ranks differ, and
+/// a seed replays exactly.
+#[test]
+fn random_data_is_small_integers_that_differ_by_rank_and_replay_by_seed() {
+    let a: Vec<f32> = (0..4096).map(|i| random_value(42, 0, i)).collect();
+    let b: Vec<f32> = (0..4096).map(|i| random_value(42, 1, i)).collect();
+    for v in 0..8 {
+        assert!(a.iter().any(|&x| x == v as f32), "value {v} never occurs");
+    }
+    assert!(a
+        .iter()
+        .all(|&x| (0.0..8.0).contains(&x) && x.fract() == 0.0));
+    assert!(a.iter().zip(&b).filter(|(x, y)| x != y).count() > 3000);
+    assert_eq!(
+        a,
+        (0..4096)
+            .map(|i| random_value(42, 0, i))
+            .collect::<Vec<_>>()
+    );
+    assert_ne!(
+        a,
+        (0..4096)
+            .map(|i| random_value(43, 0, i))
+            .collect::<Vec<_>>()
+    );
 }
