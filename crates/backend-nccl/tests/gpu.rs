@@ -1392,7 +1392,7 @@ fn random_data_is_small_integers_that_differ_by_rank_and_replay_by_seed() {
     let a: Vec<f32> = (0..4096).map(|i| random_value(42, 0, i)).collect();
     let b: Vec<f32> = (0..4096).map(|i| random_value(42, 1, i)).collect();
     for v in 0..8 {
-        assert!(a.iter().any(|&x| x == v as f32), "value {v} never occurs");
+        assert!(a.contains(&(v as f32)), "value {v} never occurs");
     }
     assert!(a
         .iter()
