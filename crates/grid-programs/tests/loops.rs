@@ -407,3 +407,51 @@ fn mpi_loop_timeout_reports_and_dumps_the_timed_out_all_reduce() {
     }
     std::fs::remove_dir_all(&trace).expect("remove the dumps");
 }
+
+/// `nccl-loop` under mpirun: with GPUs for both ranks it completes every iteration; without
+/// (CI), every rank that reports prints one line naming what is missing (the driver, libnccl
+/// or a GPU), completes nothing and fails the job, and nothing hangs.
+#[test]
+fn nccl_loop_mpi_bootstrap_completes_or_names_what_is_missing() {
+    let exe = example("nccl-loop");
+    let exe = exe.to_string_lossy();
+    let out = backend_mpi::testing::launch(2, 60, &exe, &["--iters", "5", "--bytes", "4096"])
+        .expect("mpirun runs");
+    let lines: Vec<serde_json::Value> = out
+        .output
+        .lines()
+        .filter(|l| l.starts_with('{'))
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{l:?}: {e}")))
+        .collect();
+    assert!(!lines.is_empty(), "no rank reported: {}", out.output);
+    match backend_nccl::probe::gpu_count() {
+        Ok(n) if n >= 2 => {
+            assert_eq!(out.code, Some(0), "{}", out.output);
+            assert_eq!(lines.len(), 2, "{}", out.output);
+            for l in &lines {
+                assert_eq!(l["completed"], 5, "{l}");
+                assert!(l["error"].is_null(), "{l}");
+            }
+        }
+        _ => {
+            assert_ne!(out.code, Some(0), "{}", out.output);
+            for l in &lines {
+                assert_eq!(l["completed"], 0, "{l}");
+                let e = l["error"].as_str().unwrap_or_else(|| panic!("no error: {l}"));
+                assert!(
+                    ["CUDA driver", "libnccl", "GPU"].iter().any(|w| e.contains(w)),
+                    "the error does not say what is missing: {e}"
+                );
+            }
+        }
+    }
+    // A bad option: status 2 and one line, before MPI starts.
+    let bad = Command::new(&*exe)
+        .args(["--iters", "x"])
+        .output()
+        .expect("run nccl-loop");
+    assert_eq!(bad.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&bad.stderr);
+    assert_eq!(err.lines().count(), 1, "{err:?}");
+    assert!(err.starts_with("nccl-loop: "), "{err}");
+}
