@@ -437,9 +437,13 @@ fn nccl_loop_mpi_bootstrap_completes_or_names_what_is_missing() {
             assert_ne!(out.code, Some(0), "{}", out.output);
             for l in &lines {
                 assert_eq!(l["completed"], 0, "{l}");
-                let e = l["error"].as_str().unwrap_or_else(|| panic!("no error: {l}"));
+                let e = l["error"]
+                    .as_str()
+                    .unwrap_or_else(|| panic!("no error: {l}"));
                 assert!(
-                    ["CUDA driver", "libnccl", "GPU"].iter().any(|w| e.contains(w)),
+                    ["CUDA driver", "libnccl", "GPU"]
+                        .iter()
+                        .any(|w| e.contains(w)),
                     "the error does not say what is missing: {e}"
                 );
             }
