@@ -13,6 +13,7 @@
 //! Without a usable GPU it prints `SKIPPED: <reason>` and exits with status 0.
 
 use backend_local::{LocalComm, LocalConfig, LocalWorld};
+use backend_nccl::cudarc::driver::sys::CUevent_flags;
 use backend_nccl::{probe, NcclCommunicator, NcclDeviceBuffer, NcclFactory, NcclOptions};
 use grid_core::{BufMut, BufRef, Communicator, CommunicatorExt, ReduceOp};
 use grid_programs::collectives::{bandwidth, sizes, Op};
@@ -134,7 +135,12 @@ fn rank(i: usize, boot: &LocalComm, args: &Args) -> Result<(), String> {
             "device buffers"
         };
         println!("## NCCL collectives, {n} ranks ({what}, f32, sum)\n");
-        println!("Time: median over samples of the slowest rank (µs per call; a sample is the mean of several back-to-back calls followed by one stream synchronisation). algbw = bytes / time, busbw = algbw · factor (nccl-tests conventions).\n");
+        let clock = if args.host {
+            "host wall-clock time from before the calls to the end of one stream synchronisation"
+        } else {
+            "CUDA events recorded on the communicator's stream before and after the calls, as nccl-tests times"
+        };
+        println!("Time: median over samples of the slowest rank (µs per call; a sample is the mean of several back-to-back calls, timed by {clock}). algbw = bytes / time, busbw = algbw · factor (nccl-tests conventions).\n");
         println!(
             "{}",
             header(&[
@@ -148,6 +154,14 @@ fn rank(i: usize, boot: &LocalComm, args: &Args) -> Result<(), String> {
             ])
         );
     }
+    // Device buffers are timed on the GPU: two timing events on the communicator's stream.
+    let timing = |what: &str| {
+        world
+            .context()
+            .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(|err| format!("cuEventCreate ({what}): {err:?}"))
+    };
+    let (start, end) = (timing("start")?, timing("end")?);
     for op in Op::ALL {
         for bytes in sizes(64 << 20) {
             let (send_len, recv_len, counted) = op.shape(bytes, n);
@@ -157,12 +171,29 @@ fn rank(i: usize, boot: &LocalComm, args: &Args) -> Result<(), String> {
             for it in 0..warm + samples {
                 boot.barrier().map_err(e)?;
                 let t = Instant::now();
+                if !args.host {
+                    start
+                        .record(world.stream())
+                        .map_err(|err| format!("cuEventRecord: {err:?}"))?;
+                }
                 for _ in 0..inner {
                     runner.run(op).map_err(e)?;
                 }
-                world.synchronize().map_err(e)?;
+                let secs = if args.host {
+                    world.synchronize().map_err(e)?;
+                    t.elapsed().as_secs_f64()
+                } else {
+                    end.record(world.stream())
+                        .map_err(|err| format!("cuEventRecord: {err:?}"))?;
+                    world.synchronize().map_err(e)?;
+                    f64::from(
+                        start
+                            .elapsed_ms(&end)
+                            .map_err(|err| format!("cuEventElapsedTime: {err:?}"))?,
+                    ) / 1e3
+                };
                 if it >= warm {
-                    times.push(t.elapsed().as_secs_f64() / inner as f64);
+                    times.push(secs / inner as f64);
                 }
             }
             let mut slowest = vec![0f64; samples];
