@@ -27,7 +27,7 @@ def shape(op, nbytes, n):
     block = max(elems // n, 1)
     if op in ("all_reduce", "all_reduce_in_place", "broadcast"):
         return elems, elems
-    if op == "all_gather":
+    if op in ("all_gather", "all_gather_in_place"):
         return block, block * n
     return block * n, block
 
