@@ -848,7 +848,10 @@ impl RawComm {
             });
         }
         let block = count / n;
-        let width = type_bytes(op, dtype)? as u64;
+        let width = match nccl_dtype_size(dtype) {
+            0 => return Err(internal(op, "an in-place buffer of no NCCL data type")),
+            w => w as u64,
+        };
         let offset = (self.rank() as u64)
             .checked_mul(block as u64)
             .and_then(|e| e.checked_mul(width))
@@ -1413,23 +1416,4 @@ mod tests {
             Progress::Done
         );
     }
-}
-
-/// Bytes per element of an NCCL data type (the types this crate passes); an internal error for
-/// any other.
-fn type_bytes(op: &'static str, dt: sys::ncclDataType_t) -> Result<usize> {
-    use sys::ncclDataType_t as N;
-    Ok(match dt {
-        N::ncclInt8 | N::ncclUint8 => 1,
-        N::ncclFloat16 | N::ncclBfloat16 => 2,
-        N::ncclInt32 | N::ncclUint32 | N::ncclFloat32 => 4,
-        N::ncclInt64 | N::ncclUint64 | N::ncclFloat64 => 8,
-        d if d == NCCL_FLOAT8E4M3 || d == NCCL_FLOAT8E5M2 => 1,
-        other => {
-            return Err(internal(
-                op,
-                &format!("no element size for NCCL data type {other:?}"),
-            ))
-        }
-    })
 }

@@ -21,8 +21,8 @@ pub(crate) fn in_place_mismatch(ctx: &mut Ctx, label: &str, c: &dyn Communicator
     let name = format!("{p}/all_gather_mixed_forms_agree");
     let mut got = vec![-1i32; n * k];
     let r = if me % 2 == 0 {
-        for j in me * k..(me + 1) * k {
-            got[j] = tag(j);
+        for (j, x) in got.iter_mut().enumerate().skip(me * k).take(k) {
+            *x = tag(j);
         }
         c.all_gather_in_place(&mut got[..])
     } else {
