@@ -18,7 +18,17 @@ import socket
 import sys
 import time
 
-OPS = ("all_reduce", "all_reduce_in_place", "all_gather", "reduce_scatter", "broadcast", "groups", "groups_local")
+OPS = (
+    "all_reduce",
+    "all_reduce_in_place",
+    "all_gather",
+    "all_gather_in_place",
+    "reduce_scatter",
+    "reduce_scatter_in_place",
+    "broadcast",
+    "groups",
+    "groups_local",
+)
 
 
 def shape(op, nbytes, n):
@@ -27,7 +37,7 @@ def shape(op, nbytes, n):
     block = max(elems // n, 1)
     if op in ("all_reduce", "all_reduce_in_place", "broadcast"):
         return elems, elems
-    if op == "all_gather":
+    if op in ("all_gather", "all_gather_in_place"):
         return block, block * n
     return block * n, block
 

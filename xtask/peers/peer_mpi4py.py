@@ -2,8 +2,11 @@
 
 all_reduce: Allreduce(send, recv); all_reduce_in_place: Allreduce(MPI.IN_PLACE, buf), the buffer
 refilled before every call (outside the timing); all_gather: Allgather; reduce_scatter:
-Reduce_scatter_block; broadcast: Bcast from rank 0. numpy float32 buffers (the buffer protocol:
-no copies in mpi4py).
+Reduce_scatter_block; all_gather_in_place: Allgather(MPI.IN_PLACE, buf) on one buffer of
+size · block elements whose own block holds this rank's values; reduce_scatter_in_place:
+Reduce_scatter_block(MPI.IN_PLACE, buf), buf refilled before every call (outside the timing),
+the result at the start of buf (MPI's convention); broadcast: Bcast from rank 0. numpy float32
+buffers (the buffer protocol: no copies in mpi4py).
 """
 
 import numpy as np
@@ -20,7 +23,7 @@ def main():
         if op == "groups":
             raise ValueError("groups: mpi4py is not measured for group creation")
         send_len, recv_len = common.shape(op, nbytes, n)
-        value = float(rank) if op == "all_gather" else float(rank + 1)
+        value = float(rank) if op in ("all_gather", "all_gather_in_place") else float(rank + 1)
         send = np.full(send_len, value, dtype=np.float32)
         recv = np.zeros(recv_len, dtype=np.float32)
         prepare = lambda: None
@@ -33,10 +36,20 @@ def main():
             call = lambda: comm.Allgather(send, recv)
         elif op == "reduce_scatter":
             call = lambda: comm.Reduce_scatter_block(send, recv, op=MPI.SUM)
+        elif op == "all_gather_in_place":
+            whole = recv
+            prepare = lambda: whole[rank * send_len:(rank + 1) * send_len].fill(value)
+            call = lambda: comm.Allgather(MPI.IN_PLACE, whole)
+        elif op == "reduce_scatter_in_place":
+            whole = np.zeros(send_len, dtype=np.float32)
+            prepare = lambda: whole.fill(value)
+            call = lambda: comm.Reduce_scatter_block(MPI.IN_PLACE, whole, op=MPI.SUM)
         else:
             prepare = lambda: np.copyto(recv, send)
             call = lambda: comm.Bcast(recv, root=0)
         times = common.timed(comm.Barrier, call, prepare, warmup, iters)
+        if op == "reduce_scatter_in_place":
+            recv[:] = whole[:recv_len]
         check(op, send_len, recv, n)
         return times
 
@@ -44,7 +57,7 @@ def main():
 
 
 def check(op, send_len, recv, n):
-    if op == "all_gather":
+    if op in ("all_gather", "all_gather_in_place"):
         want = (np.arange(recv.size) // send_len).astype(np.float32)
     else:
         want = np.full(recv.size, common.expected(op, n), dtype=np.float32)

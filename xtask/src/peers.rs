@@ -31,7 +31,8 @@ const HELP: &str =
     "usage: cargo xtask bench peers [--quick] [--ranks 2,4] [--only mpi,gloo,groups] [--json PATH]
 
 This project (MPI; Gloo as processes and as threads) against mpi4py and torch.distributed's Gloo,
-interleaved in one sitting: all_reduce (out of place and in place), all_gather, reduce_scatter,
+interleaved in one sitting: all_reduce (out of place and in place), all_gather and reduce_scatter
+(out of place and in place; torch has no in-place form of these two: its rows show none),
 broadcast, 8 B to 64 MiB, at each rank count; and building the demo layout's communicators at
 world 8 (build_collection against torch's new_group for every group, global and with
 use_local_synchronization=True). The peers are installed into target/peers-venv.
@@ -81,7 +82,9 @@ const OPS: &[(&str, &str)] = &[
     ("all_reduce", "all_reduce (out of place)"),
     ("all_reduce_in_place", "all_reduce (in place)"),
     ("all_gather", "all_gather"),
+    ("all_gather_in_place", "all_gather (in place)"),
     ("reduce_scatter", "reduce_scatter"),
+    ("reduce_scatter_in_place", "reduce_scatter (in place)"),
     ("broadcast", "broadcast"),
 ];
 
@@ -90,6 +93,13 @@ const GROUP_OPS: &[(&str, &str)] = &[
     ("groups", "groups (global)"),
     ("groups_local", "groups (local sync)"),
 ];
+
+/// The operations torch.distributed has no in-place form of: no torch job runs them, and their
+/// Gloo rows name the peer [`NO_TORCH_PEER`] with no time and no ratio.
+const NO_TORCH: &[&str] = &["all_gather_in_place", "reduce_scatter_in_place"];
+
+/// The peer column of a Gloo row of an operation in [`NO_TORCH`].
+const NO_TORCH_PEER: &str = "torch (has no in-place form)";
 
 /// World size of the group-creation rows (the demo layout's).
 const GROUPS_WORLD: usize = 8;
@@ -972,12 +982,22 @@ fn run_all(o: &Options, exe: &Path, dir: &Path) -> i32 {
                 }
                 cell += 1;
                 let mut t: Vec<Result<f64, String>> = vec![Err(String::new()); kinds.len()];
+                let no_torch = NO_TORCH.contains(&op);
                 for i in order {
-                    t[i] = measure(&mut slots[i], op, bytes, warmup, iters);
+                    t[i] = if no_torch && kinds[i] == "torch" {
+                        Err("torch.distributed has no in-place form of this operation".into())
+                    } else {
+                        measure(&mut slots[i], op, bytes, warmup, iters)
+                    };
                 }
                 for &(backend, ours, peer, theirs) in PAIRS {
                     let (Some(ours), Some(theirs)) = (slot_of(ours), slot_of(theirs)) else {
                         continue;
+                    };
+                    let peer = if no_torch && peer == "torch" {
+                        NO_TORCH_PEER
+                    } else {
+                        peer
                     };
                     rows.push(Row {
                         op: label.to_string(),

@@ -1862,7 +1862,10 @@ int32_t gloo_shim_allgather(
       return;
     }
     gloo::AllgatherOptions opts(c->ctx);
-    opts.setInput(const_cast<uint8_t*>(static_cast<const uint8_t*>(send)), bytes);
+    if (send != nullptr) {
+      // Without an input Gloo gathers in place: this rank's block is already in the output.
+      opts.setInput(const_cast<uint8_t*>(static_cast<const uint8_t*>(send)), bytes);
+    }
     opts.setOutput(static_cast<uint8_t*>(recv), bytes * static_cast<size_t>(c->ctx->size));
     opts.setTag(tag);
     opts.setTimeout(to_millis(timeout_ms));

@@ -218,14 +218,19 @@ int32_t gloo_shim_allreduce(
 int32_t gloo_shim_broadcast(
     gloo_shim_context* ctx, void* buf, size_t bytes, int32_t root, uint32_t tag,
     int64_t timeout_ms, gloo_shim_status* st);
-/* recv (size * bytes) = concatenation of every rank's send (bytes). */
+/* recv (size * bytes) = concatenation of every rank's send (bytes). send == NULL: in place,
+ * recv already holds this rank's block at rank * bytes (Gloo gets no input and copies
+ * nothing). */
 int32_t gloo_shim_allgather(
     gloo_shim_context* ctx, const void* send, void* recv, size_t bytes, uint32_t tag,
     int64_t timeout_ms, gloo_shim_status* st);
 /* recv (recv_count elements) = block `rank` of op over ranks of send (size * recv_count),
  * reduced with `reduce`. algorithm: GLOO_SHIM_RS_*; allreduce_algorithm and
  * max_segment_bytes: the all-reduce that GLOO_SHIM_RS_ALLREDUCE runs (as in
- * gloo_shim_allreduce). */
+ * gloo_shim_allreduce). recv may be send + rank * recv_count (NCCL's in-place form; send is
+ * then writable and its other blocks are left unspecified): every algorithm reads this rank's
+ * input block only before, or element by element while, it writes the result there (the ring
+ * reduces it into itself at its last step; the others reduce a copy first). */
 int32_t gloo_shim_reduce_scatter(
     gloo_shim_context* ctx, const void* send, void* recv, size_t recv_count, int32_t dtype,
     int32_t op, gloo_shim_reduce_fn reduce, int32_t algorithm, int32_t allreduce_algorithm,

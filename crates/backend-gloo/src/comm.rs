@@ -473,6 +473,91 @@ impl Inner {
         Ok(())
     }
 
+    /// All-gather in place: Gloo gets no input and reads this rank's block from `buf`.
+    fn all_gather_in_place(&self, buf: HostSliceMut<'_>, tag: u32, limit: Duration) -> Result<()> {
+        const OP: &str = "all_gather";
+        self.alive(OP)?;
+        self.ctx
+            .allgather_in_place(buf, tag, limit)
+            .map_err(|e| self.fail_after(OP, e, limit))
+    }
+
+    /// Reduce-scatter in place: this rank's block lands at `rank · k` of `buf`. With the
+    /// default algorithm ([`ReduceScatterAlgorithm::Allreduce`]) the whole buffer is
+    /// all-reduced in place (no scratch buffer, no copy; the other blocks then hold the other
+    /// ranks' results); the ring writes the block straight into `buf`; halving-doubling stages
+    /// a copy as it always does. i32 and u8 averages are summed in i64 (the conversion is the
+    /// staging) and the block narrowed back.
+    fn reduce_scatter_in_place(
+        &self,
+        mut buf: HostSliceMut<'_>,
+        op: ReduceOp,
+        tag: u32,
+        limit: Duration,
+    ) -> Result<()> {
+        const OP: &str = "reduce_scatter";
+        self.alive(OP)?;
+        let k = buf.len() / self.size().max(1);
+        let at = self.rank() * k;
+        if let Some(mut wide) = widened_average(buf.as_slice(), op) {
+            self.scatter_in_place(wide.as_mut_slice(), RawOp::Sum, tag, limit)?;
+            let mut w = wide.as_mut_slice();
+            let mut mine = self.block(OP, &mut w, at, k)?;
+            kernels::divide(mine.reborrow(), self.size());
+            return narrow(OP, mine.as_slice(), self.block(OP, &mut buf, at, k)?);
+        }
+        self.scatter_in_place(buf.reborrow(), raw_op(op), tag, limit)?;
+        if op == ReduceOp::Avg {
+            kernels::divide(self.block(OP, &mut buf, at, k)?, self.size());
+        }
+        Ok(())
+    }
+
+    /// Elements `at..at + k` of `s` (an internal error when out of bounds, which the front
+    /// end's validation rules out).
+    fn block<'s>(
+        &self,
+        op: &'static str,
+        s: &'s mut HostSliceMut<'_>,
+        at: usize,
+        k: usize,
+    ) -> Result<HostSliceMut<'s>> {
+        let len = s.len();
+        s.sub_mut(at, k).ok_or_else(|| {
+            self.internal(
+                op,
+                format!("block {at}..+{k} of {len} elements out of bounds"),
+            )
+        })
+    }
+
+    /// The in-place reduce-scatter of [`Inner::reduce_scatter_in_place`] with the library's
+    /// reduction `op` (averages divided by the caller).
+    fn scatter_in_place(
+        &self,
+        buf: HostSliceMut<'_>,
+        op: RawOp,
+        tag: u32,
+        limit: Duration,
+    ) -> Result<()> {
+        const OP: &str = "reduce_scatter";
+        let r = match self.reduce_scatter {
+            ReduceScatterAlgorithm::Allreduce => {
+                self.ctx
+                    .allreduce_in_place(buf, op, self.allreduce, tag, limit)
+            }
+            algorithm => self.ctx.reduce_scatter_in_place_with(
+                buf,
+                op,
+                algorithm,
+                self.allreduce,
+                tag,
+                limit,
+            ),
+        };
+        r.map_err(|e| self.fail_after(OP, e, limit))
+    }
+
     fn all_to_all(
         &self,
         send: HostSlice<'_>,
@@ -561,6 +646,14 @@ impl Inner {
             Request::AllToAll { mut send, mut recv } => {
                 self.all_to_all(h(op, &mut send)?.as_slice(), h(op, &mut recv)?, tag, limit)?;
                 Ok(recv)
+            }
+            Request::AllGatherInPlace { mut buf } => {
+                self.all_gather_in_place(h(op, &mut buf)?, tag, limit)?;
+                Ok(buf)
+            }
+            Request::ReduceScatterInPlace { mut buf, op: r } => {
+                self.reduce_scatter_in_place(h(op, &mut buf)?, r, tag, limit)?;
+                Ok(buf)
             }
             Request::Barrier => {
                 self.barrier(tag, limit)?;
@@ -1091,6 +1184,16 @@ impl Backend for GlooBackend {
                 let (send, recv) = (send.host_only(OP, BACKEND)?, recv.host_only(OP, BACKEND)?);
                 let turn = inner.seq.enter();
                 inner.reduce_scatter(send, recv, op, turn.tag(), limit)
+            }
+            Op::AllGatherInPlace { buf } => {
+                let buf = buf.host_only("all_gather", BACKEND)?;
+                let turn = inner.seq.enter();
+                inner.all_gather_in_place(buf, turn.tag(), limit)
+            }
+            Op::ReduceScatterInPlace { buf, op } => {
+                let buf = buf.host_only("reduce_scatter", BACKEND)?;
+                let turn = inner.seq.enter();
+                inner.reduce_scatter_in_place(buf, op, turn.tag(), limit)
             }
             Op::AllToAll { send, recv } => {
                 const OP: &str = "all_to_all";

@@ -1148,6 +1148,104 @@ impl RawContext {
         check(rc, &st)
     }
 
+    /// All-gather in place: `buf` holds `size · k` elements with this rank's block at
+    /// `rank · k`; afterwards every block. Gloo gets no input buffer (the shim's in-place form)
+    /// and copies nothing.
+    pub fn allgather_in_place(
+        &self,
+        mut buf: HostSliceMut<'_>,
+        tag: u32,
+        timeout: Duration,
+    ) -> ShimResult<()> {
+        let block = self.block_of(&buf)?;
+        let bytes = block * buf.dtype().size_bytes();
+        let mut st = new_status();
+        let _g = self.lock();
+        // SAFETY: live context; `buf` writable for size · bytes (checked by `block_of`) and
+        // exclusively borrowed for the call; a null input is the shim's in-place form, in
+        // which Gloo reads this rank's block from `buf` itself.
+        let rc = unsafe {
+            sys::gloo_shim_allgather(
+                self.ptr.as_ptr(),
+                std::ptr::null(),
+                buf.as_mut_ptr().cast(),
+                bytes,
+                tag,
+                millis(timeout),
+                &mut st,
+            )
+        };
+        check(rc, &st)
+    }
+
+    /// Reduce-scatter in place: `buf` holds `size · k` input elements; afterwards this rank's
+    /// reduced block is at `rank · k` (the shim's in-place form: its output is the input's own
+    /// block) and the rest of `buf` is unspecified. `algorithm` as for
+    /// [`RawContext::reduce_scatter_with`]; the ring writes the result straight into `buf`,
+    /// the others stage a copy first (halving-doubling always, `Allreduce` a scratch buffer of
+    /// the whole input: for no copy, all-reduce `buf` in place instead).
+    #[allow(clippy::too_many_arguments)]
+    pub fn reduce_scatter_in_place_with(
+        &self,
+        mut buf: HostSliceMut<'_>,
+        op: RawOp,
+        algorithm: ReduceScatterAlgorithm,
+        allreduce: AllreduceAlgorithm,
+        tag: u32,
+        timeout: Duration,
+    ) -> ShimResult<()> {
+        let k = self.block_of(&buf)?;
+        let algo = match algorithm {
+            ReduceScatterAlgorithm::HalvingDoubling => sys::GLOO_SHIM_RS_HALVING_DOUBLING,
+            ReduceScatterAlgorithm::Allreduce => sys::GLOO_SHIM_RS_ALLREDUCE,
+            ReduceScatterAlgorithm::Ring => sys::GLOO_SHIM_RS_RING,
+        } as i32;
+        let (ar_algo, segment) = self.allreduce_codes(allreduce, bytes_of(&buf.as_slice()));
+        let dtype = buf.dtype();
+        let base = buf.as_mut_ptr();
+        let at = self.rank * k * dtype.size_bytes();
+        let mut st = new_status();
+        let _g = self.lock();
+        clear_reduce_failure();
+        // SAFETY: live context; `buf` readable and writable for size · k elements (checked by
+        // `block_of`) and exclusively borrowed for the call; both pointers derive from its one
+        // raw pointer, the output at byte offset rank · k · width < len · width: the shim's
+        // in-place form (gloo_shim.h), whose algorithms read this rank's input block before or
+        // element by element while they write the result there.
+        let rc = unsafe {
+            sys::gloo_shim_reduce_scatter(
+                self.ptr.as_ptr(),
+                base.cast_const().cast(),
+                base.add(at).cast(),
+                k,
+                dtype_code(dtype),
+                op.code(),
+                Some(reduce_callback),
+                algo,
+                ar_algo,
+                segment,
+                tag,
+                millis(timeout),
+                &mut st,
+            )
+        };
+        check(rc, &st)?;
+        reduce_failure()
+    }
+
+    /// The block length `k` of an in-place all-gather or reduce-scatter on `buf`
+    /// (`size · k` elements); an error otherwise.
+    fn block_of(&self, buf: &HostSliceMut<'_>) -> ShimResult<usize> {
+        let size = self.size.max(1);
+        if !buf.len().is_multiple_of(size) {
+            return Err(ShimError::invalid(format!(
+                "an in-place buffer of {} elements over {size} ranks",
+                buf.len()
+            )));
+        }
+        Ok(buf.len() / size)
+    }
+
     /// `recv` = block `rank` of `op(send of every rank)`; `send.len() == size · recv.len()`.
     #[allow(clippy::too_many_arguments)]
     pub fn reduce_scatter(

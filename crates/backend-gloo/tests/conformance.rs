@@ -8,7 +8,10 @@ fn conformance(n: usize) {
     let cfg = GlooConfig::new(format!("conformance{n}")).with_timeout(Duration::from_secs(60));
     let out = run_ranks(n, &cfg, |factory, world| {
         // Gloo has no finish operation; abort() is checked by the suite's lifecycle section.
-        let opts = Options::default();
+        let opts = Options {
+            mismatch_check: Some(grid_conformance::comm_mismatch_check()),
+            ..Options::default()
+        };
         Ok(run_with(factory, &world, &opts))
     })
     .unwrap();

@@ -50,6 +50,10 @@ const N: usize = 4 << 20;
 /// buffer (what a copy would need), above the small bookkeeping of a call.
 const SLACK: usize = 256 << 10;
 
+/// Held by each test for its whole run: the allocation counter is process-wide, so the tests
+/// of this file must not run side by side (`cargo test` runs them on parallel threads).
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 /// Bytes Rust allocated (on every rank thread) while `f` ran on every rank; ranks meet at a
 /// barrier before and after so that the window covers exactly the calls.
 fn allocated_during(gate: &Barrier, f: impl FnOnce()) -> usize {
@@ -65,6 +69,7 @@ fn allocated_during(gate: &Barrier, f: impl FnOnce()) -> usize {
 
 #[test]
 fn all_reduce_makes_no_copy() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
     let cfg = GlooConfig::new("no-copy").with_timeout(Duration::from_secs(120));
     let gate = Barrier::new(2);
     let out = run_ranks(2, &cfg, |_f, world| {
@@ -116,6 +121,62 @@ fn all_reduce_makes_no_copy() {
         Ok(measured)
     })
     .unwrap();
+    check_no_copy(out);
+}
+
+/// The in-place all-gather gives Gloo no input (this rank's block is read where it lies) and
+/// the in-place reduce-scatter, with the default algorithm, all-reduces the buffer in place:
+/// neither copies the data on the Rust side, blocking or nonblocking.
+#[test]
+fn in_place_all_gather_and_reduce_scatter_make_no_copy() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let cfg = GlooConfig::new("no-copy-ip").with_timeout(Duration::from_secs(120));
+    let gate = Barrier::new(2);
+    let out = run_ranks(2, &cfg, |_f, world| {
+        let (rank, k) = (world.rank(), N / 2);
+        let mut measured = Vec::new();
+        let mut buf = vec![0.0f32; N];
+        buf[rank * k..(rank + 1) * k].fill(rank as f32 + 1.0);
+        let bytes = allocated_during(&gate, || world.all_gather_in_place(&mut buf).unwrap());
+        measured.push(("all_gather_in_place f32".to_string(), bytes));
+        assert!(buf[..k].iter().all(|&x| x == 1.0) && buf[k..].iter().all(|&x| x == 2.0));
+        let mut buf = vec![rank as f32 + 1.0; N];
+        let bytes = allocated_during(&gate, || {
+            world
+                .reduce_scatter_in_place(&mut buf, ReduceOp::Avg)
+                .unwrap()
+        });
+        measured.push(("reduce_scatter_in_place avg f32".to_string(), bytes));
+        assert!(buf[rank * k..(rank + 1) * k].iter().all(|&x| x == 1.5));
+        let owned = vec![rank as i64; N];
+        let ptr = owned.as_ptr();
+        let mut back = Vec::new();
+        let bytes = allocated_during(&gate, || {
+            back = world
+                .ireduce_scatter_in_place(owned, ReduceOp::Sum)
+                .unwrap()
+                .wait()
+                .unwrap();
+        });
+        measured.push(("ireduce_scatter_in_place sum i64".to_string(), bytes));
+        assert_eq!(back.as_ptr(), ptr, "the buffer came back reallocated");
+        assert!(back[rank * k..(rank + 1) * k].iter().all(|&x| x == 1));
+        let mut owned = vec![0i64; N];
+        owned[rank * k..(rank + 1) * k].fill(rank as i64 + 5);
+        let ptr = owned.as_ptr();
+        let bytes = allocated_during(&gate, || {
+            back = world.iall_gather_in_place(owned).unwrap().wait().unwrap();
+        });
+        measured.push(("iall_gather_in_place i64".to_string(), bytes));
+        assert_eq!(back.as_ptr(), ptr, "the buffer came back reallocated");
+        assert!(back[..k].iter().all(|&x| x == 5) && back[k..].iter().all(|&x| x == 6));
+        Ok(measured)
+    })
+    .unwrap();
+    check_no_copy(out);
+}
+
+fn check_no_copy(out: Vec<grid_core::Result<Vec<(String, usize)>>>) {
     for (r, res) in out.into_iter().enumerate() {
         for (what, bytes) in res.unwrap_or_else(|e| panic!("rank {r}: {e}")) {
             assert!(

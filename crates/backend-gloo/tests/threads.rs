@@ -128,6 +128,54 @@ fn reduce_scatter_ring() {
     reduce_scatter_repeated(ReduceScatterAlgorithm::Ring);
 }
 
+/// The in-place reduce-scatter on every algorithm that runs reliably (the default all-reduce,
+/// the ring, whose last step reduces this rank's input block into itself), at 1, 2, 3 and 5
+/// ranks, with odd block sizes: this rank's block at rank · k, blocking and nonblocking, for a
+/// native sum, a float average and an i32 average (summed in i64).
+#[test]
+fn reduce_scatter_in_place_every_algorithm() {
+    use grid_core::{Communicator, CommunicatorExt, ReduceOp};
+    for algorithm in [
+        ReduceScatterAlgorithm::Allreduce,
+        ReduceScatterAlgorithm::Ring,
+    ] {
+        for n in [1usize, 2, 3, 5] {
+            let config = cfg(&format!("rsip{n}{algorithm:?}")).with_reduce_scatter(algorithm);
+            let results = run_ranks(n, &config, |_f, w| {
+                let (me, k) = (w.rank(), 7);
+                // Rank r's element j: r + j (sum over ranks: n(n-1)/2 + n·j).
+                let sum = |j: usize| (n * (n - 1) / 2 + n * j) as i64;
+                let input: Vec<i64> = (0..n * k).map(|j| (me + j) as i64).collect();
+                let mut buf = input.clone();
+                w.reduce_scatter_in_place(&mut buf, ReduceOp::Sum)?;
+                let want: Vec<i64> = (me * k..(me + 1) * k).map(sum).collect();
+                assert_eq!(&buf[me * k..(me + 1) * k], &want[..], "{algorithm:?} sum");
+                let back = w
+                    .ireduce_scatter_in_place(input.clone(), ReduceOp::Sum)?
+                    .wait()?;
+                assert_eq!(&back[me * k..(me + 1) * k], &want[..], "{algorithm:?} isum");
+                let mut f: Vec<f64> = input.iter().map(|&x| x as f64).collect();
+                w.reduce_scatter_in_place(&mut f, ReduceOp::Avg)?;
+                let want: Vec<f64> = (me * k..(me + 1) * k)
+                    .map(|j| sum(j) as f64 / n as f64)
+                    .collect();
+                assert_eq!(&f[me * k..(me + 1) * k], &want[..], "{algorithm:?} avg");
+                let mut i: Vec<i32> = input.iter().map(|&x| x as i32).collect();
+                w.reduce_scatter_in_place(&mut i, ReduceOp::Avg)?;
+                let want: Vec<i32> = (me * k..(me + 1) * k)
+                    .map(|j| (sum(j) / n as i64) as i32)
+                    .collect();
+                assert_eq!(&i[me * k..(me + 1) * k], &want[..], "{algorithm:?} i32 avg");
+                Ok(())
+            })
+            .unwrap();
+            for (r, res) in results.into_iter().enumerate() {
+                res.unwrap_or_else(|e| panic!("{algorithm:?}, rank {r} of {n}: {e}"));
+            }
+        }
+    }
+}
+
 /// Reduce-scatter on sizes that are not powers of two.
 #[test]
 fn reduce_scatter_halving_doubling_odd_sizes() {

@@ -382,6 +382,17 @@ impl Backend for LocalBackend {
                 let kind = Kind::AllGather(s.dtype(), s.len());
                 self.collective(kind, Some(s.to_owned_buffer()), Some(r), limit)
             }
+            Op::AllGatherInPlace { buf } => {
+                // The round of the out-of-place all-gather (so the two forms meet), with this
+                // rank's block as its deposit; every block, its own included, is placed
+                // straight into `buf`.
+                const OP: &str = "all_gather";
+                let b = host_mut(OP, buf)?;
+                let k = b.len() / self.group.size().max(1);
+                let mine = take(b.as_slice(), self.rank * k, k, OP)?.to_owned_buffer();
+                let kind = Kind::AllGather(b.dtype(), k);
+                self.collective(kind, Some(mine), Some(b), limit)
+            }
             Op::ReduceScatter { send, recv, op } => {
                 let (s, r) = (
                     host("reduce_scatter", send)?,
@@ -389,6 +400,20 @@ impl Backend for LocalBackend {
                 );
                 let kind = Kind::ReduceScatter(op, s.dtype(), s.len());
                 self.collective(kind, Some(s.to_owned_buffer()), Some(r), limit)
+            }
+            Op::ReduceScatterInPlace { buf, op } => {
+                // The deposit is the whole input (the other threads read their blocks of it);
+                // this rank's block is reduced straight into `buf` at rank · count, and the
+                // rest of `buf` keeps the input.
+                const OP: &str = "reduce_scatter";
+                let mut b = host_mut(OP, buf)?;
+                let k = b.len() / self.group.size().max(1);
+                let kind = Kind::ReduceScatter(op, b.dtype(), b.len());
+                let input = b.as_slice().to_owned_buffer();
+                let out = b
+                    .sub_mut(self.rank * k, k)
+                    .ok_or_else(|| Error::Invalid(format!("local: {OP}: output too short")))?;
+                self.collective(kind, Some(input), Some(out), limit)
             }
             Op::AllToAll { send, recv } => {
                 let (s, r) = (host("all_to_all", send)?, host_mut("all_to_all", recv)?);
@@ -532,6 +557,27 @@ impl Backend for LocalBackend {
                 let seq = self.begin(kind.clone(), Some(s))?;
                 Pending::Coll { seq, kind, out: r }
             }
+            Request::AllGatherInPlace { buf } => {
+                let b = owned(name, buf)?;
+                let k = b.len() / self.group.size().max(1);
+                let mine = take(b.as_slice(), self.rank * k, k, name)?.to_owned_buffer();
+                let kind = Kind::AllGather(b.dtype(), k);
+                let seq = self.begin(kind.clone(), Some(mine))?;
+                Pending::Coll { seq, kind, out: b }
+            }
+            Request::ReduceScatterInPlace { buf, op } => {
+                let b = owned(name, buf)?;
+                let k = b.len() / self.group.size().max(1);
+                let kind = Kind::ReduceScatter(op, b.dtype(), b.len());
+                let seq = self.begin(kind.clone(), Some(b.clone()))?;
+                Pending::Block {
+                    seq,
+                    kind,
+                    out: b,
+                    at: self.rank * k,
+                    len: k,
+                }
+            }
             Request::AllToAll { send, recv } => {
                 let (s, r) = (owned(name, send)?, owned(name, recv)?);
                 let kind = Kind::AllToAll(s.dtype(), s.len());
@@ -641,6 +687,15 @@ enum Pending {
         kind: Kind,
         out: HostBuffer,
     },
+    /// A collective whose result is elements `at..at + len` of `out` (the in-place
+    /// reduce-scatter); `wait` returns all of `out`.
+    Block {
+        seq: u64,
+        kind: Kind,
+        out: HostBuffer,
+        at: usize,
+        len: usize,
+    },
     Send {
         t: Ticket,
         buf: HostBuffer,
@@ -691,6 +746,32 @@ impl LocalWork {
                     Ok(Some(Tensor::Host(out)))
                 }
             },
+            Pending::Block {
+                seq,
+                kind,
+                mut out,
+                at,
+                len,
+            } => match g.collect(seq, op, until, strict)? {
+                None => {
+                    self.pending = Some(Pending::Block {
+                        seq,
+                        kind,
+                        out,
+                        at,
+                        len,
+                    });
+                    Ok(None)
+                }
+                Some(parts) => {
+                    let mut whole = out.as_mut_slice();
+                    let block = whole
+                        .sub_mut(at, len)
+                        .ok_or_else(|| Error::Invalid(format!("local: {op}: output too short")))?;
+                    complete(&g, self.rank, &kind, &parts, Some(block))?;
+                    Ok(Some(Tensor::Host(out)))
+                }
+            },
             Pending::Send { t, buf } => {
                 if g.wait_consumed(&t, op, until, strict)? {
                     Ok(Some(Tensor::Host(buf)))
@@ -717,7 +798,9 @@ impl Work for LocalWork {
     fn is_completed(&mut self) -> bool {
         match &self.pending {
             None => true,
-            Some(Pending::Coll { seq, .. }) => self.group.arrived(*seq),
+            Some(Pending::Coll { seq, .. } | Pending::Block { seq, .. }) => {
+                self.group.arrived(*seq)
+            }
             Some(Pending::Send { t, .. }) => self.group.consumed(t),
             Some(Pending::Recv { t, .. }) => self.group.posted(t),
         }

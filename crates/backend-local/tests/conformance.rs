@@ -12,6 +12,7 @@ fn conformance(ranks: usize) {
     let results = run(ranks, &config, |factory, world| {
         let opts = Options::<LocalComm> {
             finish: Some(Box::new(|c: &LocalComm| c.finish())),
+            mismatch_check: Some(grid_conformance::comm_mismatch_check()),
             ..Default::default()
         };
         Ok(run_with(factory, &world, &opts))

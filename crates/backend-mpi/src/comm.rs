@@ -213,6 +213,45 @@ impl MpiBackend {
             .map_err(|e| self.err(OP, e))
     }
 
+    /// `MPI_IN_PLACE` all-gather of `buf` (`size · k` elements, this rank's block at
+    /// `rank · k`); libraries whose `MPI_IN_PLACE` is unknown go through one copy of this
+    /// rank's block.
+    fn gather_in_place(&self, c: &raw::Comm, mut buf: HostSliceMut<'_>) -> Result<()> {
+        const OP: &str = "all_gather";
+        if raw::in_place_supported() {
+            return c.all_gather_in_place(buf).map_err(|e| self.err(OP, e));
+        }
+        let k = buf.len() / self.size.max(1);
+        let mine = block_of(OP, buf.as_slice(), self.rank * k, k)?.to_owned_buffer();
+        c.all_gather(mine.as_slice(), buf.reborrow())
+            .map_err(|e| self.err(OP, e))
+    }
+
+    /// `MPI_IN_PLACE` reduce-scatter of `buf` (`size · k` elements of the wire type, `k` of
+    /// them per rank), leaving the reduced block where MPI puts it: at the **start** of `buf`.
+    /// Returns that offset (0); libraries whose `MPI_IN_PLACE` is unknown reduce a copy of the
+    /// input into `rank · k`, which is returned instead.
+    fn scatter_in_place(
+        &self,
+        c: &raw::Comm,
+        mut buf: HostSliceMut<'_>,
+        r: raw::Reduce,
+    ) -> Result<usize> {
+        const OP: &str = "reduce_scatter";
+        if raw::in_place_supported() {
+            c.reduce_scatter_in_place(buf, r)
+                .map_err(|e| self.err(OP, e))?;
+            return Ok(0);
+        }
+        let k = buf.len() / self.size.max(1);
+        let at = self.rank * k;
+        let send = buf.as_slice().to_owned_buffer();
+        let recv = block_mut(OP, &mut buf, at, k)?;
+        c.reduce_scatter(send.as_slice(), recv, r)
+            .map_err(|e| self.err(OP, e))?;
+        Ok(at)
+    }
+
     /// The error of an operation this rank gave up (a cancelled receive).
     #[cold]
     fn stopped(&self, op: &'static str, limit: TimeLimit, peer: Option<usize>, why: Stop) -> Error {
@@ -287,6 +326,41 @@ impl MpiBackend {
                         c.reduce_scatter(s.as_slice(), r.as_mut_slice(), plan.op)
                             .map_err(|e| self.err(OP, e))?;
                         stage::narrow(r.as_slice(), recv, plan.divide);
+                    }
+                }
+                Ok(())
+            }
+            Op::AllGatherInPlace { buf } => {
+                let buf = host_mut("all_gather", buf)?;
+                let _w = watch(watch::ALL_GATHER);
+                self.gather_in_place(c, buf)
+            }
+            Op::ReduceScatterInPlace { buf, op } => {
+                // MPI leaves the reduced block at the start of the buffer; the convention here
+                // (NCCL's) is rank · k: one copy_within of k elements moves it there.
+                const OP: &str = "reduce_scatter";
+                let mut buf = host_mut(OP, buf)?;
+                let k = buf.len() / self.size.max(1);
+                let at = self.rank * k;
+                let plan = stage::plan(buf.dtype(), op, self.size);
+                let _w = watch(watch::REDUCE_SCATTER);
+                match plan.wire {
+                    None => {
+                        let from = self.scatter_in_place(c, buf.reborrow(), plan.op)?;
+                        if from != at {
+                            buf.copy_within(from, k, at)?;
+                        }
+                        if let Some(n) = plan.divide {
+                            grid_core::kernels::divide(block_mut(OP, &mut buf, at, k)?, n);
+                        }
+                    }
+                    Some(w) => {
+                        // The conversion to the wire type is the staging; the wire buffer is
+                        // reduce-scattered in place and its block narrowed into rank · k.
+                        let mut wide = stage::widen(buf.as_slice(), w);
+                        let from = self.scatter_in_place(c, wide.as_mut_slice(), plan.op)?;
+                        let src = block_of(OP, wide.as_slice(), from, k * plan.parts)?;
+                        stage::narrow(src, block_mut(OP, &mut buf, at, k)?, plan.divide);
                     }
                 }
                 Ok(())
@@ -474,6 +548,28 @@ fn stopped(op: &'static str, limit: TimeLimit, peer: Option<usize>, why: Stop) -
             at: None,
         },
     }
+}
+
+/// Elements `at..at + k` of `s` (an internal error when out of bounds, which validation rules
+/// out).
+fn block_of<'a>(op: &'static str, s: HostSlice<'a>, at: usize, k: usize) -> Result<HostSlice<'a>> {
+    s.sub(at, k)
+        .ok_or_else(|| Error::Invalid(format!("{op}: internal: block {at}..+{k} out of bounds")))
+}
+
+/// Elements `at..at + k` of `s`, mutably (see [`block_of`]).
+fn block_mut<'s>(
+    op: &'static str,
+    s: &'s mut HostSliceMut<'_>,
+    at: usize,
+    k: usize,
+) -> Result<HostSliceMut<'s>> {
+    let len = s.len();
+    s.sub_mut(at, k).ok_or_else(|| {
+        Error::Invalid(format!(
+            "{op}: internal: block {at}..+{k} of {len} elements out of bounds"
+        ))
+    })
 }
 
 fn host<'a>(op: &'static str, b: BufRef<'a>) -> Result<HostSlice<'a>> {
@@ -679,6 +775,63 @@ impl Backend for MpiBackend {
                 let (send, recv) = (owned(name, send)?, owned(name, recv)?);
                 (Immediate::AllToAll, vec![send, recv], Post::Take(1))
             }
+            Request::AllGatherInPlace { buf } => {
+                let buf = owned(name, buf)?;
+                if raw::in_place_supported() {
+                    (Immediate::AllGatherInPlace, vec![buf], Post::Take(0))
+                } else {
+                    // MPI_IN_PLACE unknown: one copy of this rank's block.
+                    let k = buf.len() / size.max(1);
+                    let mine = block_of(name, buf.as_slice(), self.rank * k, k)?.to_owned_buffer();
+                    (Immediate::AllGather, vec![mine, buf], Post::Take(1))
+                }
+            }
+            Request::ReduceScatterInPlace { buf, op } => {
+                let buf = owned(name, buf)?;
+                let k = buf.len() / size.max(1);
+                let at = self.rank * k;
+                let plan = stage::plan(buf.dtype(), op, size);
+                let in_place = raw::in_place_supported();
+                match plan.wire {
+                    // MPI's result at the start of the buffer, moved to rank · k at the end.
+                    None if in_place => (
+                        Immediate::ReduceScatterInPlace(plan.op),
+                        vec![buf],
+                        Post::Block {
+                            idx: 0,
+                            from: 0,
+                            out: None,
+                            at,
+                            k,
+                            plan,
+                        },
+                    ),
+                    _ => {
+                        let wire = match plan.wire {
+                            Some(w) => stage::widen(buf.as_slice(), w),
+                            None => buf.clone(),
+                        };
+                        let (what, bufs, idx) = if in_place {
+                            (Immediate::ReduceScatterInPlace(plan.op), vec![wire], 0)
+                        } else {
+                            let r = HostBuffer::zeros(wire.dtype(), k * plan.parts);
+                            (Immediate::ReduceScatter(plan.op), vec![wire, r], 1)
+                        };
+                        (
+                            what,
+                            bufs,
+                            Post::Block {
+                                idx,
+                                from: 0,
+                                out: Some(buf),
+                                at,
+                                k,
+                                plan,
+                            },
+                        )
+                    }
+                }
+            }
             Request::Barrier => (Immediate::Barrier, vec![], Post::Empty),
             Request::Send { buf, peer, tag } => {
                 let buf = owned(name, buf)?;
@@ -837,6 +990,18 @@ enum Post {
     },
     /// This buffer, not one MPI used (a staged reduce off the root hands its input back).
     Give(HostBuffer),
+    /// An in-place reduce-scatter's block: `k` elements (`k · plan.parts` of the wire type)
+    /// at `from` of buffer `idx` become elements `at..at + k` of `out` (narrowed, divided as
+    /// `plan` says), or, with no `out`, of buffer `idx` itself (moved there with one
+    /// `copy_within`); the whole buffer is the result.
+    Block {
+        idx: usize,
+        from: usize,
+        out: Option<HostBuffer>,
+        at: usize,
+        k: usize,
+        plan: Plan,
+    },
     Empty,
 }
 
@@ -917,6 +1082,39 @@ impl MpiWork {
                 b
             }
             Some(Post::Give(b)) => b,
+            Some(Post::Block {
+                idx,
+                from,
+                out,
+                at,
+                k,
+                plan,
+            }) => {
+                let mut b = take(&mut bufs, idx)?;
+                match out {
+                    None => {
+                        let mut s = b.as_mut_slice();
+                        if from != at {
+                            s.copy_within(from, k, at)?;
+                        }
+                        if let Some(n) = plan.divide {
+                            grid_core::kernels::divide(block_mut(op, &mut s, at, k)?, n);
+                        }
+                        b
+                    }
+                    Some(mut out) => {
+                        let src = block_of(op, b.as_slice(), from, k * plan.parts)?;
+                        let mut o = out.as_mut_slice();
+                        let mut dst = block_mut(op, &mut o, at, k)?;
+                        // Same type: a copy (then the average's division); else a narrowing.
+                        stage::narrow(src, dst.reborrow(), plan.divide);
+                        if let (None, Some(n)) = (plan.wire, plan.divide) {
+                            grid_core::kernels::divide(dst, n);
+                        }
+                        out
+                    }
+                }
+            }
             Some(Post::Empty) | None => HostBuffer::zeros(DType::U8, 0),
         };
         Ok(Tensor::Host(out))

@@ -10,7 +10,10 @@
 //!   (validation, sequence numbers, tracing) over [`MpiBackend`], which executes the validated
 //!   operations (all collectives, point to point, batches, nonblocking
 //!   [`grid_core::Communicator::start`] as MPI immediate operations on owned buffers). In-place
-//!   all-reduce passes `MPI_IN_PLACE`, blocking and nonblocking, with no copy. It is
+//!   all-reduce and all-gather pass `MPI_IN_PLACE`, blocking and nonblocking, with no copy; the
+//!   in-place reduce-scatter passes `MPI_IN_PLACE` to `MPI_Reduce_scatter_block`, which leaves
+//!   the result at the start of the buffer, and moves it to `rank · count` with one
+//!   `copy_within` of `count` elements (grid-core's convention, NCCL's). It is
 //!   `Send + Sync` (see the `raw` module for the invariant).
 //! * [`MpiFactory`] implements [`grid_core::GroupFactory`]: `split` is `MPI_Comm_split`,
 //!   `create_group` is `MPI_Comm_create` over the parent.

@@ -6,6 +6,7 @@ use grid_conformance::{run_with, Options};
 fn suite(rt: &backend_mpi::MpiRuntime) -> Result<(), String> {
     let opts = Options::<MpiCommunicator> {
         finish: Some(Box::new(|c: &MpiCommunicator| c.finish())),
+        mismatch_check: Some(grid_conformance::comm_mismatch_check()),
         ..Default::default()
     };
     let report = run_with(&MpiFactory::new(), rt.world(), &opts).map_err(|f| f.to_string())?;

@@ -23,7 +23,7 @@
 
 use crate::buffer::NcclElement;
 use crate::engine::{DeviceComm, Kicker, Progress};
-use crate::error::{cuda, guard, nccl_err};
+use crate::error::{cuda, guard, internal, nccl_err};
 use cudarc::driver::{CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, SyncOnDrop};
 use cudarc::nccl::sys;
 use grid_core::{DType, Error, Result};
@@ -462,6 +462,16 @@ pub(crate) enum Coll<'a> {
         recv: DevOut<'a>,
         op: sys::ncclRedOp_t,
     },
+    /// `ncclAllGather` in place: `buf` holds `size · count` elements and the send buffer is
+    /// `buf + rank · count` (NCCL's in-place convention), so nothing is copied.
+    AllGatherInPlace { buf: DevOut<'a> },
+    /// `ncclReduceScatter` in place: `buf` holds `size · count` input elements and the receive
+    /// buffer is `buf + rank · count` (NCCL's in-place convention); the rest of `buf` is left
+    /// as NCCL leaves it.
+    ReduceScatterInPlace {
+        buf: DevOut<'a>,
+        op: sys::ncclRedOp_t,
+    },
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -843,6 +853,49 @@ impl RawComm {
                     check_progress("ncclAllGather", r, Some(h.0))
                 })
             }
+            Coll::AllGatherInPlace { buf } => {
+                let (count, at) = self.in_place_block("all_gather", buf.count, buf.dtype)?;
+                let h = self.live("all_gather")?;
+                guard("ncclAllGather", || {
+                    // SAFETY: `buf` has size · count elements of `buf.dtype` (checked by
+                    // `in_place_block`), all of which ncclAllGather writes; the send buffer is
+                    // its own block at byte offset rank · count · width, inside it (rank < size):
+                    // NCCL's in-place form, which it reads before overwriting; live handle.
+                    let r = unsafe {
+                        sys::ncclAllGather(
+                            (buf.ptr + at) as *const c_void,
+                            buf.ptr as *mut c_void,
+                            count,
+                            buf.dtype,
+                            h.0,
+                            s,
+                        )
+                    };
+                    check_progress("ncclAllGather", r, Some(h.0))
+                })
+            }
+            Coll::ReduceScatterInPlace { buf, op } => {
+                let (count, at) = self.in_place_block("reduce_scatter", buf.count, buf.dtype)?;
+                let h = self.live("reduce_scatter")?;
+                guard("ncclReduceScatter", || {
+                    // SAFETY: `buf` has size · count elements of `buf.dtype` (checked by
+                    // `in_place_block`), the input ncclReduceScatter reads; the receive buffer
+                    // is this rank's block at byte offset rank · count · width, inside it:
+                    // NCCL's in-place form; live handle under the lock.
+                    let r = unsafe {
+                        sys::ncclReduceScatter(
+                            buf.ptr as *const c_void,
+                            (buf.ptr + at) as *mut c_void,
+                            count,
+                            buf.dtype,
+                            op,
+                            h.0,
+                            s,
+                        )
+                    };
+                    check_progress("ncclReduceScatter", r, Some(h.0))
+                })
+            }
             Coll::ReduceScatter { send, recv, op } => {
                 same(
                     send.dtype,
@@ -870,6 +923,36 @@ impl RawComm {
                 })
             }
         }
+    }
+
+    /// The block count and the byte offset of this rank's block of an in-place collective on
+    /// `count` elements of `dtype` (`size · block` of them), checked next to the `unsafe` calls
+    /// that offset a device pointer by it.
+    fn in_place_block(
+        &self,
+        op: &'static str,
+        count: usize,
+        dtype: sys::ncclDataType_t,
+    ) -> Result<(usize, u64)> {
+        let n = self.size().max(1);
+        if !count.is_multiple_of(n) {
+            return Err(Error::Indivisible {
+                op,
+                what: "in-place device buffer",
+                len: count,
+                parts: n,
+            });
+        }
+        let block = count / n;
+        let width = match nccl_dtype_size(dtype) {
+            0 => return Err(internal(op, "an in-place buffer of no NCCL data type")),
+            w => w as u64,
+        };
+        let offset = (self.rank() as u64)
+            .checked_mul(block as u64)
+            .and_then(|e| e.checked_mul(width))
+            .ok_or_else(|| internal(op, "block offset overflows"))?;
+        Ok((block, offset))
     }
 
     /// Enqueues point-to-point operations between `ncclGroupStart` and `ncclGroupEnd` (always

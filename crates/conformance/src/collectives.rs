@@ -85,6 +85,7 @@ fn typed<T: Num>(ctx: &mut Ctx, label: &str, c: &dyn Communicator) {
                 format!("the {} backend does not reduce {d} with {op}", c.backend()),
             );
             ctx.skip(format!("{p}/reduce_scatter/{op}"), "unsupported");
+            ctx.skip(format!("{p}/reduce_scatter_in_place/{op}"), "unsupported");
             continue;
         }
         if n > T::EXACT_UP_TO {
@@ -129,6 +130,19 @@ fn typed<T: Num>(ctx: &mut Ctx, label: &str, c: &dyn Communicator) {
                 .map(|i| reduce_expected::<T>(op, n, me * k + i))
                 .collect();
             ctx.values(name, op, n, &want, &recv);
+        }
+        // The same in place: the input is the whole buffer, this rank's reduced block lands at
+        // rank · k (the rest of the buffer is unspecified and not checked).
+        let name = format!("{p}/reduce_scatter_in_place/{op}");
+        let mut buf: Vec<T> = (0..n * k).map(|j| value_in::<T>(op, me, j)).collect();
+        if ctx
+            .ok(&name, c.reduce_scatter_in_place(&mut buf[..], op))
+            .is_some()
+        {
+            let want: Vec<T> = (0..k)
+                .map(|i| reduce_expected::<T>(op, n, me * k + i))
+                .collect();
+            ctx.values(name, op, n, &want, &buf[me * k..(me + 1) * k]);
         }
     }
     // Empty all-reduce.
@@ -175,6 +189,16 @@ fn typed<T: Num>(ctx: &mut Ctx, label: &str, c: &dyn Communicator) {
     {
         let want: Vec<T> = (0..n * k).map(|j| T::tag(j)).collect();
         ctx.eq(name, &want, &recv);
+    }
+    // All-gather in place: this rank's block already at rank · k, the others' slots hold junk
+    // that must be overwritten.
+    let name = format!("{p}/all_gather_in_place");
+    let mut buf: Vec<T> = (0..n * k)
+        .map(|j| if j / k == me { T::tag(j) } else { T::of(99) })
+        .collect();
+    if ctx.ok(&name, c.all_gather_in_place(&mut buf[..])).is_some() {
+        let want: Vec<T> = (0..n * k).map(|j| T::tag(j)).collect();
+        ctx.eq(name, &want, &buf);
     }
     // All-to-all: from rank r to rank j, element i: (r·n + j)·2 + i.
     let name = format!("{p}/all_to_all");

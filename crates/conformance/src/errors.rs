@@ -196,6 +196,54 @@ pub(crate) fn errors(ctx: &mut Ctx, label: &str, c: &dyn Communicator) {
         "PeerOutOfRange { rank: size, size }",
         |e| matches!(e, Error::PeerOutOfRange { rank, size, .. } if *rank == n && *size == n),
     );
+    // The in-place all-gather and reduce-scatter: a buffer that is not one block per rank is
+    // Indivisible, naming its length and the size, blocking and nonblocking, before any
+    // communication (so every rank may make the bad call alone).
+    if n > 1 {
+        let indivisible = |e: &Error| matches!(e, Error::Indivisible { len, parts, .. } if *len == 2 * n + 1 && *parts == n);
+        let want = "Indivisible { len: 2·size + 1, parts: size }";
+        let mut odd = vec![0f32; 2 * n + 1];
+        expect_err(
+            ctx,
+            format!("{p}/all_gather_in_place_indivisible"),
+            c.all_gather_in_place(&mut odd[..]),
+            want,
+            indivisible,
+        );
+        expect_err(
+            ctx,
+            format!("{p}/reduce_scatter_in_place_indivisible"),
+            c.reduce_scatter_in_place(&mut odd[..], ReduceOp::Sum),
+            want,
+            indivisible,
+        );
+        expect_err(
+            ctx,
+            format!("{p}/iall_gather_in_place_indivisible"),
+            c.iall_gather_in_place(vec![0i64; 2 * n + 1]).map(|_| ()),
+            want,
+            indivisible,
+        );
+        expect_err(
+            ctx,
+            format!("{p}/ireduce_scatter_in_place_indivisible"),
+            c.ireduce_scatter_in_place(vec![0i64; 2 * n + 1], ReduceOp::Max)
+                .map(|_| ()),
+            want,
+            indivisible,
+        );
+    }
+    // An unsupported reduction in place is refused like out of place (bool has no average).
+    if c.supports(DType::Bool, None) {
+        let mut b = vec![grid_core::Bool::from(true); 2 * n];
+        expect_err(
+            ctx,
+            format!("{p}/reduce_scatter_in_place_unsupported"),
+            c.reduce_scatter_in_place(&mut b[..], ReduceOp::Avg),
+            "Unsupported",
+            unsup,
+        );
+    }
     // Out-of-place nonblocking all-reduce validates at start too.
     expect_err(
         ctx,

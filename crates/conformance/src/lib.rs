@@ -14,7 +14,14 @@
 //!
 //! All-reduce is checked in all four forms: blocking out of place (`all_reduce_into`) and in
 //! place (`all_reduce_in_place`), nonblocking in place (`iall_reduce`) and out of place
-//! (`iall_reduce_into`), each with every supported dtype and reduction.
+//! (`iall_reduce_into`), each with every supported dtype and reduction. All-gather and
+//! reduce-scatter likewise in place (`all_gather_in_place`, `reduce_scatter_in_place` and
+//! their `i…` forms: this rank's block at `rank · count`, the rest of a reduce-scatter's buffer
+//! unchecked since it is unspecified) as well as out of place, every dtype and reduction, with
+//! their error cases (a buffer that is not one block per rank is `Indivisible` with its length
+//! and the size); and, when [`Options::mismatch_check`] is given, with the mismatch check on,
+//! one form on some ranks and the other on the rest must agree (same counts) or fail with
+//! `CollectiveMismatch` on `count` on every rank (different counts).
 //!
 //! The operation set of a training framework (the `ops` checks) is checked the same way, blocking
 //! and nonblocking, for every dtype (all 13 of [`grid_core::DType::ALL`]: bool with OR/AND
@@ -86,6 +93,7 @@ mod ctx;
 mod errors;
 mod finish;
 pub mod group_options;
+mod in_place;
 mod layouts;
 mod lifecycle;
 pub mod live;
@@ -99,7 +107,8 @@ use collectives::{identity, sweep};
 use ctx::Ctx;
 use errors::errors;
 use finish::finished;
-use grid_core::{Communicator, GroupFactory, LayoutConfig};
+use grid_core::{Communicator, GroupFactory, LayoutConfig, MismatchCheck};
+use in_place::in_place_mismatch;
 use layouts::{layout, plan_mismatch};
 use lifecycle::lifecycle;
 use nonblocking::nonblocking;
@@ -237,6 +246,31 @@ impl std::error::Error for Failure {}
 /// ```
 pub type FinishFn<C> = Box<dyn Fn(&C)>;
 
+/// Sets a communicator's mismatch-checking mode and returns the mode it had
+/// ([`Options::mismatch_check`]); [`comm_mismatch_check`] is the one for every
+/// [`grid_core::Comm`].
+pub type MismatchFn<C> = Box<dyn Fn(&C, MismatchCheck) -> MismatchCheck>;
+
+/// The [`MismatchFn`] of a front-end communicator ([`grid_core::Comm`], which every backend's
+/// communicator is): [`grid_core::Comm::set_mismatch_check`], returning the previous mode.
+///
+/// ```
+/// # fn demo<B: grid_core::Backend>() {
+/// let opts = grid_conformance::Options::<grid_core::Comm<B>> {
+///     mismatch_check: Some(grid_conformance::comm_mismatch_check()),
+///     ..Default::default()
+/// };
+/// # let _ = opts;
+/// # }
+/// ```
+pub fn comm_mismatch_check<B: grid_core::Backend>() -> MismatchFn<grid_core::Comm<B>> {
+    Box::new(|c: &grid_core::Comm<B>, mode| {
+        let old = c.mismatch_check();
+        c.set_mismatch_check(mode);
+        old
+    })
+}
+
 /// Options of [`run_with`].
 ///
 /// ```
@@ -251,6 +285,11 @@ pub struct Options<C> {
     pub layouts: Option<Vec<LayoutConfig>>,
     /// Skip the whole per-dtype sweep on sub-groups (only the parent gets it), to save time.
     pub quick_subgroups: bool,
+    /// Sets the parent's mismatch-checking mode and returns the previous one. When given, the
+    /// suite turns the check on ([`MismatchCheck::All`]) for the in-place mismatch checks of
+    /// the parent (one rank in place, another out of place) and restores the mode afterwards;
+    /// `None` records them as skipped.
+    pub mismatch_check: Option<MismatchFn<C>>,
 }
 
 impl<C> Default for Options<C> {
@@ -259,6 +298,7 @@ impl<C> Default for Options<C> {
             finish: None,
             layouts: None,
             quick_subgroups: false,
+            mismatch_check: None,
         }
     }
 }
@@ -317,6 +357,17 @@ pub fn run_with<F: GroupFactory>(
     nonblocking(&mut ctx, "parent", parent);
     operations(&mut ctx, "parent", parent);
     errors(&mut ctx, "parent", parent);
+    match &opts.mismatch_check {
+        Some(set) => {
+            let old = set(world, MismatchCheck::All);
+            in_place_mismatch(&mut ctx, "parent", parent);
+            set(world, old);
+        }
+        None => ctx.skip(
+            "parent/in_place_mismatch".into(),
+            "the backend gave no way to turn the mismatch check on (Options::mismatch_check is None)",
+        ),
+    }
     ctx.agree(parent, "parent")?;
 
     // 2. Sub-groups.

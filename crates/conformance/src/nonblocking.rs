@@ -64,6 +64,27 @@ fn nb_typed<T: Num>(ctx: &mut Ctx, label: &str, c: &dyn Communicator) {
                 .collect();
             ctx.values(name, op, n, &want, &v);
         }
+        // In place: `wait` hands back the whole buffer, this rank's block at rank · 2.
+        let name = format!("{p}/ireduce_scatter_in_place/{op}");
+        let buf: Vec<T> = (0..n * 2).map(|j| value_in::<T>(op, me, j)).collect();
+        let r = c.ireduce_scatter_in_place(buf, op).and_then(|w| w.wait());
+        if let Some(v) = ctx.ok(&name, r) {
+            let want: Vec<T> = (0..2)
+                .map(|i| reduce_expected::<T>(op, n, me * 2 + i))
+                .collect();
+            if v.len() == n * 2 {
+                ctx.values(name, op, n, &want, &v[me * 2..me * 2 + 2]);
+            } else {
+                ctx.fail(
+                    &name,
+                    format!(
+                        "wait returned {} elements, want the whole buffer of {}",
+                        v.len(),
+                        n * 2
+                    ),
+                );
+            }
+        }
     }
     let root = n - 1;
     let name = format!("{p}/ibroadcast");
@@ -79,6 +100,14 @@ fn nb_typed<T: Num>(ctx: &mut Ctx, label: &str, c: &dyn Communicator) {
     let name = format!("{p}/iall_gather");
     let send: Vec<T> = (0..3).map(|i| T::tag(me * 3 + i)).collect();
     if let Some(v) = ctx.ok(&name, c.iall_gather(send).and_then(|w| w.wait())) {
+        let want: Vec<T> = (0..n * 3).map(|j| T::tag(j)).collect();
+        ctx.eq(name, &want, &v);
+    }
+    let name = format!("{p}/iall_gather_in_place");
+    let buf: Vec<T> = (0..n * 3)
+        .map(|j| if j / 3 == me { T::tag(j) } else { T::of(99) })
+        .collect();
+    if let Some(v) = ctx.ok(&name, c.iall_gather_in_place(buf).and_then(|w| w.wait())) {
         let want: Vec<T> = (0..n * 3).map(|j| T::tag(j)).collect();
         ctx.eq(name, &want, &v);
     }

@@ -158,6 +158,18 @@ pub trait AsyncCommunicator: Send + Sync {
     fn reduce_scatter(&self, send: Tensor, recv: Tensor, op: ReduceOp) -> OpFuture<'_, Tensor> {
         self.run(Request::ReduceScatter { send, recv, op })
     }
+    /// All-gather in place: `buf` holds `size · count` elements with this rank's block at
+    /// `rank · count`; resolves to `buf` with every block filled
+    /// ([`grid_core::Communicator::in_place_all_gather`]).
+    fn all_gather_in_place(&self, buf: Tensor) -> OpFuture<'_, Tensor> {
+        self.run(Request::AllGatherInPlace { buf })
+    }
+    /// Reduce-scatter in place: `buf` holds `size · count` input elements; resolves to `buf`
+    /// with this rank's reduced block at `rank · count..(rank + 1) · count` and the rest
+    /// unspecified ([`grid_core::Communicator::in_place_reduce_scatter`]).
+    fn reduce_scatter_in_place(&self, buf: Tensor, op: ReduceOp) -> OpFuture<'_, Tensor> {
+        self.run(Request::ReduceScatterInPlace { buf, op })
+    }
     /// All-to-all with equal blocks (same length, divisible by the size); resolves to `recv`.
     fn all_to_all(&self, send: Tensor, recv: Tensor) -> OpFuture<'_, Tensor> {
         self.run(Request::AllToAll { send, recv })
@@ -330,6 +342,16 @@ pub trait AsyncCommunicatorExt: AsyncCommunicator {
         // An indivisible length gives a recv length that the front end rejects, naming both.
         let recv = Tensor::Host(HostBuffer::zeros(T::DTYPE, send.len() / size));
         Typed::new(self.reduce_scatter(send.into(), recv, op))
+    }
+    /// All-gather in place ([`AsyncCommunicator::all_gather_in_place`]); resolves to `buf`
+    /// (`size · count` elements) with every block filled.
+    fn all_gather_in_place_vec<T: Element>(&self, buf: Vec<T>) -> Typed<'_, T> {
+        Typed::new(self.all_gather_in_place(buf.into()))
+    }
+    /// Reduce-scatter in place ([`AsyncCommunicator::reduce_scatter_in_place`]); resolves to
+    /// `buf` with this rank's reduced block at `rank · count` (the rest unspecified).
+    fn reduce_scatter_in_place_vec<T: Element>(&self, buf: Vec<T>, op: ReduceOp) -> Typed<'_, T> {
+        Typed::new(self.reduce_scatter_in_place(buf.into(), op))
     }
     /// All-to-all with equal blocks; resolves to the received blocks in rank order.
     fn all_to_all_vec<T: Element>(&self, send: Vec<T>) -> Typed<'_, T> {

@@ -73,6 +73,41 @@ fn every_collective_point_to_point_and_the_barrier() {
     assert_eq!(out, vec![0, 1, 2, 3]);
 }
 
+/// The in-place all-gather and reduce-scatter from async code: started together, awaited in
+/// the other order; each resolves to the whole buffer (the reduce-scatter's block at rank · 2),
+/// and a buffer that is not one block per rank resolves to Indivisible.
+#[test]
+fn in_place_all_gather_and_reduce_scatter() {
+    let out = ranks(3, LocalConfig::default(), |c| async move {
+        let (me, n) = (c.rank(), c.size());
+        let mut mine = vec![-1i64; 2 * n];
+        mine[2 * me] = 10 * me as i64;
+        mine[2 * me + 1] = 10 * me as i64 + 1;
+        let gathered = c.all_gather_in_place_vec(mine);
+        let input: Vec<f64> = (0..2 * n).map(|j| (me + j) as f64).collect();
+        let scattered = c.reduce_scatter_in_place_vec(input, ReduceOp::Sum);
+        let s = scattered.await?;
+        // Element j summed over ranks: n(n-1)/2 + n·j.
+        let want: Vec<f64> = (2 * me..2 * me + 2)
+            .map(|j| (n * (n - 1) / 2 + n * j) as f64)
+            .collect();
+        assert_eq!((s.len(), &s[2 * me..2 * me + 2]), (2 * n, &want[..]));
+        assert_eq!(
+            gathered.await?,
+            (0..n as i64)
+                .flat_map(|j| [10 * j, 10 * j + 1])
+                .collect::<Vec<_>>()
+        );
+        let bad = c.all_gather_in_place_vec(vec![0u8; 2 * n + 1]).await;
+        assert!(
+            matches!(bad, Err(grid_core::Error::Indivisible { len, parts: 3, .. }) if len == 2 * n + 1),
+            "{bad:?}"
+        );
+        Ok(me)
+    });
+    assert_eq!(out, vec![0, 1, 2]);
+}
+
 /// The operation set of issue #16 item 7 from async code: uneven all-to-all (rank `s` sends
 /// `s + j` elements to rank `j`), all-gather and reduce-scatter with per-rank counts, and the
 /// rooted operations from root 1, started together and awaited in another order.

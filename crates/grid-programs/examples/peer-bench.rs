@@ -332,11 +332,13 @@ where
         "all_reduce" => (Op::AllReduce, false),
         "all_reduce_in_place" => (Op::AllReduce, true),
         "all_gather" => (Op::AllGather, false),
+        "all_gather_in_place" => (Op::AllGather, true),
         "reduce_scatter" => (Op::ReduceScatter, false),
+        "reduce_scatter_in_place" => (Op::ReduceScatter, true),
         "broadcast" => (Op::Broadcast, false),
         other => {
             return Err(format!(
-                "unknown operation {other:?}: expected all_reduce, all_reduce_in_place, all_gather, reduce_scatter, broadcast, groups or groups_local"
+                "unknown operation {other:?}: expected all_reduce, all_reduce_in_place, all_gather, all_gather_in_place, reduce_scatter, reduce_scatter_in_place, broadcast, groups or groups_local"
             ))
         }
     };
@@ -348,17 +350,34 @@ where
     };
     let send = vec![value; send_len];
     let mut recv = vec![0f32; recv_len];
+    // The in-place all-gather and reduce-scatter work on one buffer of size · block elements:
+    // this rank's block of the gather (the others' slots zero), the whole input of the scatter.
+    let block = send_len.min(recv_len);
+    let mut whole = vec![
+        0f32;
+        if in_place && kind != Op::AllReduce {
+            send_len.max(recv_len)
+        } else {
+            0
+        }
+    ];
     for it in 0..warmup + iters {
         if in_place || kind == Op::Broadcast {
-            recv.copy_from_slice(&send);
+            match kind {
+                Op::AllGather => whole[rank * block..(rank + 1) * block].fill(value),
+                Op::ReduceScatter => whole.fill(value),
+                _ => recv.copy_from_slice(&send),
+            }
         }
         c.barrier().map_err(e)?;
         let t = Instant::now();
         match (kind, in_place) {
             (Op::AllReduce, true) => c.all_reduce_in_place(&mut recv[..], ReduceOp::Sum),
             (Op::AllReduce, false) => c.all_reduce_into(&send[..], &mut recv[..], ReduceOp::Sum),
-            (Op::AllGather, _) => c.all_gather_into(&send[..], &mut recv[..]),
-            (Op::ReduceScatter, _) => {
+            (Op::AllGather, true) => c.all_gather_in_place(&mut whole[..]),
+            (Op::AllGather, false) => c.all_gather_into(&send[..], &mut recv[..]),
+            (Op::ReduceScatter, true) => c.reduce_scatter_in_place(&mut whole[..], ReduceOp::Sum),
+            (Op::ReduceScatter, false) => {
                 c.reduce_scatter_into(&send[..], &mut recv[..], ReduceOp::Sum)
             }
             (Op::Broadcast, _) => c.broadcast_into(&mut recv[..], 0),
@@ -368,6 +387,12 @@ where
         if it >= warmup {
             times.push(dt);
         }
+    }
+    // The in-place results: the whole gathered buffer, this rank's reduced block at rank · block.
+    match (kind, in_place) {
+        (Op::AllGather, true) => recv.copy_from_slice(&whole),
+        (Op::ReduceScatter, true) => recv.copy_from_slice(&whole[rank * block..(rank + 1) * block]),
+        _ => {}
     }
     check(kind, &send, &recv, n).map_err(|m| format!("{op} of {bytes} bytes on {n} ranks: {m}"))?;
     Ok(times)

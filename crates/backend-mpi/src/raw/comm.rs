@@ -335,6 +335,53 @@ impl Comm {
         }
     }
 
+    /// `MPI_Allgather(MPI_IN_PLACE, ...)` on `buf` of `size · n` elements: this rank's block
+    /// is read from `buf` at `rank · n` and every block is written around it, with no copy.
+    #[inline]
+    pub(crate) fn all_gather_in_place(&self, mut buf: HostSliceMut<'_>) -> R<()> {
+        let place = in_place()?;
+        let n = blocks("all_gather", buf.len(), self.size)?;
+        let dt = datatype(buf.dtype());
+        // SAFETY: `buf` holds size·n elements of `dt` (checked by `blocks`), which is what
+        // MPI_Allgather writes (and reads this rank's block of) with MPI_IN_PLACE, and stays
+        // exclusively borrowed for the whole blocking call; `place` is this library's
+        // MPI_IN_PLACE, which MPI never dereferences (the send count and type are ignored).
+        unsafe {
+            rc(ffi::MPI_Allgather(
+                place,
+                0,
+                dt,
+                mptr(&mut buf),
+                n,
+                dt,
+                self.raw,
+            ))
+        }
+    }
+
+    /// `MPI_Reduce_scatter_block(MPI_IN_PLACE, buf, n, ...)` on `buf` of `size · n` input
+    /// elements. MPI leaves this rank's reduced block at the **start** of `buf` (elements
+    /// `0..n`), not at `rank · n`; the caller moves it. The rest of `buf` is left as MPI left it.
+    #[inline]
+    pub(crate) fn reduce_scatter_in_place(&self, mut buf: HostSliceMut<'_>, r: Reduce) -> R<()> {
+        let place = in_place()?;
+        let n = blocks("reduce_scatter", buf.len(), self.size)?;
+        let (dt, op) = (datatype(buf.dtype()), op(r, buf.dtype())?);
+        // SAFETY: `buf` holds size·n elements of `dt` (checked by `blocks`): the input MPI reads
+        // with MPI_IN_PLACE and the n-element result it writes at its start; exclusively
+        // borrowed for the whole blocking call; `place` is MPI_IN_PLACE, never dereferenced.
+        unsafe {
+            rc(ffi::MPI_Reduce_scatter_block(
+                place,
+                mptr(&mut buf),
+                n,
+                dt,
+                op,
+                self.raw,
+            ))
+        }
+    }
+
     #[inline]
     pub(crate) fn reduce_scatter(
         &self,
@@ -829,4 +876,17 @@ pub(crate) enum P2p<'s, 'b> {
         peer: usize,
         tag: u32,
     },
+}
+
+/// The block count `n` (as MPI's `int`) of an in-place all-gather or reduce-scatter of `len`
+/// elements over `size` ranks; an error unless `len` is `size · n` and fits MPI's counts.
+pub(super) fn blocks(what: &str, len: usize, size: usize) -> R<c_int> {
+    let size = size.max(1);
+    if !len.is_multiple_of(size) {
+        return Err(RawError::msg(format!(
+            "internal: in-place {what} of {len} elements over {size} ranks"
+        )));
+    }
+    count(len)?;
+    count(len / size)
 }

@@ -1,7 +1,7 @@
 //! Nonblocking operations on owned host memory: [`Comm::start`] hands the buffers to MPI and
 //! [`Pending`] keeps them alive (and out of reach) until the request completed.
 
-use super::comm::{root_arrays, same_len};
+use super::comm::{blocks, root_arrays, same_len};
 use super::wait::{cancel_all, status, wait_all, Stop};
 use super::{
     count, cptr, datatype, equal_layout, finalized, in_place, int, layout, mptr, op, rc, same,
@@ -25,6 +25,12 @@ pub(crate) enum Immediate {
     AllGather,
     /// `bufs[0]` input, `bufs[1]` this rank's block.
     ReduceScatter(Reduce),
+    /// `bufs[0]` (`size · n` elements) gathered in place (`MPI_IN_PLACE`), this rank's block
+    /// read at `rank · n`.
+    AllGatherInPlace,
+    /// `bufs[0]` (`size · n` elements) reduce-scattered in place (`MPI_IN_PLACE`): the result
+    /// lands at its start (elements `0..n`).
+    ReduceScatterInPlace(Reduce),
     /// `bufs[0]` input, `bufs[1]` result.
     AllToAll,
     /// No buffers.
@@ -191,6 +197,48 @@ impl Comm {
                     rc(ffi::MPI_Ireduce_scatter_block(
                         s,
                         d,
+                        n,
+                        dt,
+                        op,
+                        self.raw,
+                        req.as_mut_ptr(),
+                    ))?
+                };
+            }
+            Immediate::AllGatherInPlace => {
+                need(1)?;
+                let place = in_place()?;
+                let n = blocks("iall_gather", bufs[0].len(), size)?;
+                let p = mptr(&mut bufs[0].as_mut_slice());
+                // SAFETY: the owned buffer holds size·n elements of `dt` (checked by `blocks`);
+                // it moves into the returned `Pending`, which keeps it untouched until
+                // completion; `place` is MPI_IN_PLACE (send count and type ignored).
+                unsafe {
+                    rc(ffi::MPI_Iallgather(
+                        place,
+                        0,
+                        dt,
+                        p,
+                        n,
+                        dt,
+                        self.raw,
+                        req.as_mut_ptr(),
+                    ))?
+                };
+            }
+            Immediate::ReduceScatterInPlace(r) => {
+                need(1)?;
+                let place = in_place()?;
+                let n = blocks("ireduce_scatter", bufs[0].len(), size)?;
+                let op = op(r, dtype)?;
+                let p = mptr(&mut bufs[0].as_mut_slice());
+                // SAFETY: the owned buffer holds size·n elements of `dt` (checked by `blocks`),
+                // the input and (at its start) the result; kept untouched by `Pending` until
+                // completion; `place` is MPI_IN_PLACE.
+                unsafe {
+                    rc(ffi::MPI_Ireduce_scatter_block(
+                        place,
+                        p,
                         n,
                         dt,
                         op,

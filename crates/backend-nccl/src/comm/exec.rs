@@ -44,6 +44,10 @@ pub(super) enum Kind {
     AllGather,
     ReduceScatter(ReduceOp),
     AllToAll,
+    /// All-gather in place: NCCL's send buffer is `recv + rank · count`.
+    AllGatherInPlace,
+    /// Reduce-scatter in place: NCCL's receive buffer is `send + rank · count`.
+    ReduceScatterInPlace(ReduceOp),
 }
 
 impl Kind {
@@ -51,8 +55,8 @@ impl Kind {
         match self {
             Kind::AllReduce(_) => "all_reduce",
             Kind::Broadcast(_) => "broadcast",
-            Kind::AllGather => "all_gather",
-            Kind::ReduceScatter(_) => "reduce_scatter",
+            Kind::AllGather | Kind::AllGatherInPlace => "all_gather",
+            Kind::ReduceScatter(_) | Kind::ReduceScatterInPlace(_) => "reduce_scatter",
             Kind::AllToAll => "all_to_all",
         }
     }
@@ -61,7 +65,7 @@ impl Kind {
     /// separate send buffer).
     pub(super) fn reads_recv(self, in_place: bool) -> bool {
         match self {
-            Kind::Broadcast(_) => true,
+            Kind::Broadcast(_) | Kind::AllGatherInPlace | Kind::ReduceScatterInPlace(_) => true,
             Kind::AllReduce(_) => in_place,
             _ => false,
         }
@@ -152,6 +156,10 @@ impl NcclBackend {
                 self.blocking(Kind::ReduceScatter(op), Some(send), recv, limit)
             }
             Op::AllToAll { send, recv } => self.blocking(Kind::AllToAll, Some(send), recv, limit),
+            Op::AllGatherInPlace { buf } => self.blocking(Kind::AllGatherInPlace, None, buf, limit),
+            Op::ReduceScatterInPlace { buf, op } => {
+                self.blocking(Kind::ReduceScatterInPlace(op), None, buf, limit)
+            }
             Op::Barrier => {
                 self.shared.bind(name)?;
                 self.barrier_enqueue(name, limit)?;
@@ -384,6 +392,16 @@ impl NcclBackend {
                 Coll::ReduceScatter {
                     send: self.din(op, send.ok_or_else(missing)?)?.retype(op, dt)?,
                     recv: self.dout(op, recv)?.retype(op, dt)?,
+                    op: rop,
+                }
+            }
+            Kind::AllGatherInPlace => Coll::AllGatherInPlace {
+                buf: self.dout(op, recv)?,
+            },
+            Kind::ReduceScatterInPlace(r) => {
+                let (dt, rop) = self.reduction(op, recv.dtype(), r)?;
+                Coll::ReduceScatterInPlace {
+                    buf: self.dout(op, recv)?.retype(op, dt)?,
                     op: rop,
                 }
             }

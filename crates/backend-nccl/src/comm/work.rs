@@ -130,6 +130,12 @@ impl NcclBackend {
             Request::AllToAll { send, recv } => {
                 self.start_two(op, Kind::AllToAll, send, recv, keep, limit)?
             }
+            Request::AllGatherInPlace { buf } => {
+                self.start_in_place(op, Kind::AllGatherInPlace, buf, keep, limit)?
+            }
+            Request::ReduceScatterInPlace { buf, op: r } => {
+                self.start_in_place(op, Kind::ReduceScatterInPlace(r), buf, keep, limit)?
+            }
             Request::Barrier => {
                 self.barrier_enqueue(op, limit)?;
                 Output::Ready(empty())

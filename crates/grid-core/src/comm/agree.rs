@@ -25,8 +25,10 @@
 //! issue different numbers of them.
 //!
 //! # What is checked
-//! * every collective: all-reduce (in place and out of place compare alike), broadcast,
-//!   all-gather, reduce-scatter, all-to-all, and barrier (its operation only: it has no data);
+//! * every collective: all-reduce, all-gather and reduce-scatter (in place and out of place
+//!   compare alike: an in-place all-gather of `size · count` elements is an all-gather of
+//!   `count`, an in-place reduce-scatter of `size · count` a reduce-scatter into `count`),
+//!   broadcast, all-to-all, and barrier (its operation only: it has no data);
 //! * nonblocking collectives: on a backend that runs checks in its own order
 //!   ([`Backend::checks_when_run`], Gloo) the check travels with the request
 //!   ([`Validated::check`], a [`DeferredCheck`]) and the backend runs it right before the
@@ -268,9 +270,13 @@ impl Fingerprint {
     /// block of a rooted operation rather than the root's whole buffer, the total of an
     /// all-gather-v or reduce-scatter-v; an all-to-all-v, whose sizes no rank knows for the
     /// others, counts as `usize::MAX` bytes (checked in every mode but `Off`).
-    pub(crate) fn of_op(op: &Op<'_>) -> Option<(Pending, usize)> {
+    ///
+    /// The in-place all-gather and reduce-scatter count as their out-of-place forms
+    /// ([`Op::sizes_on`] of the communicator's `size`), so a rank that calls one form and a rank
+    /// that calls the other with the same counts agree.
+    pub(crate) fn of_op(op: &Op<'_>, size: usize) -> Option<(Pending, usize)> {
         let name = op.name();
-        let sizes = op.sizes();
+        let sizes = op.sizes_on(size);
         let (dtype, root, reduce) = match op {
             Op::AllReduce { send, op, .. } => (Some(send.dtype()), None, Some(*op)),
             Op::AllReduceInPlace { buf, op } => (Some(buf.dtype()), None, Some(*op)),
@@ -278,7 +284,9 @@ impl Fingerprint {
             Op::AllGather { send, .. } | Op::AllToAll { send, .. } => {
                 (Some(send.dtype()), None, None)
             }
+            Op::AllGatherInPlace { buf } => (Some(buf.dtype()), None, None),
             Op::ReduceScatter { send, op, .. } => (Some(send.dtype()), None, Some(*op)),
+            Op::ReduceScatterInPlace { buf, op } => (Some(buf.dtype()), None, Some(*op)),
             Op::Barrier => (None, None, None),
             Op::AllToAllV {
                 send,
@@ -349,10 +357,10 @@ impl Fingerprint {
     }
 
     /// The fingerprint of a nonblocking operation, with the bytes of its larger buffer; `None`
-    /// for point-to-point operations (not checked).
-    pub(crate) fn of_request(r: &Request) -> Option<(Pending, usize)> {
+    /// for point-to-point operations (not checked). In-place forms count as in [`Self::of_op`].
+    pub(crate) fn of_request(r: &Request, size: usize) -> Option<(Pending, usize)> {
         let name = r.name();
-        let sizes = r.sizes();
+        let sizes = r.sizes_on(size);
         let d = |t: &Tensor| Some(t.dtype());
         let (dtype, root, reduce) = match r {
             Request::AllReduceInto { send, op, .. } => (d(send), None, Some(*op)),
@@ -361,7 +369,9 @@ impl Fingerprint {
             Request::AllGather { send, .. } | Request::AllToAll { send, .. } => {
                 (d(send), None, None)
             }
+            Request::AllGatherInPlace { buf } => (d(buf), None, None),
             Request::ReduceScatter { send, op, .. } => (d(send), None, Some(*op)),
+            Request::ReduceScatterInPlace { buf, op } => (d(buf), None, Some(*op)),
             Request::Barrier => (None, None, None),
             Request::AllToAllV {
                 send,
@@ -502,7 +512,7 @@ impl<B: Backend> Comm<B> {
         if self.mismatch_check() == MismatchCheck::Off {
             return Ok(()); // nothing to count or compare: one relaxed load per operation
         }
-        match Fingerprint::of_op(op) {
+        match Fingerprint::of_op(op, self.inner().size()) {
             Some((f, bytes)) => self.agree(op.name(), f, bytes, seq, limit, false),
             None => Ok(()),
         }
@@ -523,7 +533,7 @@ impl<B: Backend> Comm<B> {
         if self.mismatch_check() == MismatchCheck::Off {
             return Ok(None);
         }
-        let Some((pending, bytes)) = Fingerprint::of_request(r) else {
+        let Some((pending, bytes)) = Fingerprint::of_request(r, self.inner().size()) else {
             return Ok(None);
         };
         if !self.inner().checks_when_run() {
@@ -813,6 +823,61 @@ mod tests {
         );
     }
 
+    /// An in-place all-gather or reduce-scatter fingerprints (and counts bytes) exactly as its
+    /// out-of-place form with the same counts; another count differs in `count`.
+    #[test]
+    fn in_place_forms_fingerprint_as_their_out_of_place_forms() {
+        let fp = |op: &Op<'_>| {
+            let (p, bytes) = Fingerprint::of_op(op, 4).unwrap();
+            (p.fingerprint(), bytes)
+        };
+        let block = [0i32; 3];
+        let mut whole = [0i32; 12];
+        let mut other = [0i32; 12];
+        let gather = fp(&Op::AllGather {
+            send: BufRef::from(&block[..]),
+            recv: BufMut::from(&mut whole[..]),
+        });
+        assert_eq!(
+            gather,
+            fp(&Op::AllGatherInPlace {
+                buf: BufMut::from(&mut other[..])
+            })
+        );
+        let mut bigger = [0i32; 16];
+        let (f, _) = Fingerprint::of_op(
+            &Op::AllGatherInPlace {
+                buf: BufMut::from(&mut bigger[..]),
+            },
+            4,
+        )
+        .unwrap();
+        let all = [gather.0 .0, f.fingerprint().0].concat();
+        let (field, values) = Fingerprint::first_difference(&all).unwrap();
+        assert_eq!(
+            (field, describe_values(&values)),
+            ("count", "rank 0: 3, rank 1: 4".into())
+        );
+        let scatter = fp(&Op::ReduceScatter {
+            send: BufRef::from(&whole[..]),
+            recv: BufMut::from(&mut [0i32; 3][..]),
+            op: ReduceOp::Max,
+        });
+        assert_eq!(
+            scatter,
+            fp(&Op::ReduceScatterInPlace {
+                buf: BufMut::from(&mut other[..]),
+                op: ReduceOp::Max
+            })
+        );
+        let r = Request::ReduceScatterInPlace {
+            buf: vec![0i32; 12].into(),
+            op: ReduceOp::Max,
+        };
+        let (p, bytes) = Fingerprint::of_request(&r, 4).unwrap();
+        assert_eq!((p.fingerprint(), bytes), scatter);
+    }
+
     #[test]
     fn modes_round_trip_and_thresholds_count_the_larger_buffer() {
         for m in [
@@ -825,18 +890,24 @@ mod tests {
         }
         let send = [0f64; 3];
         let mut recv = [0f64; 6];
-        let (_, bytes) = Fingerprint::of_op(&Op::AllGather {
-            send: BufRef::from(&send[..]),
-            recv: BufMut::from(&mut recv[..]),
-        })
+        let (_, bytes) = Fingerprint::of_op(
+            &Op::AllGather {
+                send: BufRef::from(&send[..]),
+                recv: BufMut::from(&mut recv[..]),
+            },
+            2,
+        )
         .unwrap();
         assert_eq!(bytes, 48);
-        assert!(Fingerprint::of_op(&Op::Send {
-            buf: BufRef::from(&send[..]),
-            peer: 1,
-            tag: 0
-        })
+        assert!(Fingerprint::of_op(
+            &Op::Send {
+                buf: BufRef::from(&send[..]),
+                peer: 1,
+                tag: 0
+            },
+            2
+        )
         .is_none());
-        assert_eq!(Fingerprint::of_request(&Request::Barrier).unwrap().1, 0);
+        assert_eq!(Fingerprint::of_request(&Request::Barrier, 2).unwrap().1, 0);
     }
 }

@@ -226,6 +226,18 @@ macro_rules! dtypes {
                 let end = start.checked_add(len)?;
                 match self { $( HostSliceMut::$variant(s) => s.get_mut(start..end).map(|x| HostSliceMut::$variant(x)), )* }
             }
+            /// Copies elements `src..src + len` to `dest..dest + len` within this slice (the two
+            /// ranges may overlap, as `slice::copy_within`); an error, with nothing copied, when
+            /// either range ends past the slice.
+            pub fn copy_within(&mut self, src: usize, len: usize, dest: usize) -> Result<()> {
+                let n = self.len();
+                let fits = |at: usize| at.checked_add(len).is_some_and(|end| end <= n);
+                if !fits(src) || !fits(dest) {
+                    return Err(Error::Invalid(format!("copy of elements {src}..+{len} to {dest}..+{len} within a slice of {n} elements")));
+                }
+                match self { $( HostSliceMut::$variant(s) => s.copy_within(src..src + len, dest), )* }
+                Ok(())
+            }
             /// A shorter-lived reborrow.
             #[inline]
             pub fn reborrow(&mut self) -> HostSliceMut<'_> { match self { $( HostSliceMut::$variant(s) => HostSliceMut::$variant(&mut s[..]), )* } }

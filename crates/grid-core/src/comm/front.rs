@@ -351,6 +351,15 @@ impl<B: Backend> Comm<B> {
                 self.output(name, recv)?;
                 self.shapes(name, Shape::Gather, m(send), mm(recv))
             }
+            Op::AllGatherInPlace { buf } => {
+                self.output(name, buf)?;
+                self.blocks(name, buf.len())
+            }
+            Op::ReduceScatterInPlace { buf, op: r } => {
+                self.output(name, buf)?;
+                self.blocks(name, buf.len())?;
+                self.reduces(name, buf.dtype(), *r)
+            }
             Op::ReduceScatter { send, recv, op: r } => {
                 self.input(name, send)?;
                 self.output(name, recv)?;
@@ -481,6 +490,15 @@ impl<B: Backend> Comm<B> {
                 self.owned(name, recv)?;
                 self.shapes(name, Shape::Gather, m(send), m(recv))
             }
+            Request::AllGatherInPlace { buf } => {
+                self.owned(name, buf)?;
+                self.blocks(name, buf.len())
+            }
+            Request::ReduceScatterInPlace { buf, op } => {
+                self.owned(name, buf)?;
+                self.blocks(name, buf.len())?;
+                self.reduces(name, buf.dtype(), *op)
+            }
             Request::ReduceScatter { send, recv, op } => {
                 self.owned(name, send)?;
                 self.owned(name, recv)?;
@@ -567,6 +585,22 @@ impl<B: Backend> Comm<B> {
                 self.peer(name, *peer, *tag, false)
             }
         }
+    }
+
+    /// The length rule of the in-place all-gather and reduce-scatter: one buffer of `size`
+    /// equal blocks (`len` a multiple of the communicator's size), else
+    /// [`Error::Indivisible`] naming the length and the size.
+    fn blocks(&self, op: &'static str, len: usize) -> Result<()> {
+        let n = self.backend.size();
+        if n > 0 && !len.is_multiple_of(n) {
+            return Err(Error::Indivisible {
+                op,
+                what: "in-place buffer (one block of count elements per rank)",
+                len,
+                parts: n,
+            });
+        }
+        Ok(())
     }
 
     /// The counts rules of all-to-all-v: one entry per rank in each vector, each summing to its
@@ -681,8 +715,9 @@ impl<B: Backend> Comm<B> {
         let op = only_at_root(op, self.backend.rank());
         self.validate(&op)?;
         let limit = limit.unwrap_or_else(|| self.life.time_limit());
-        let (seq, handle) = self.number(|| describe_op(&op), true);
-        let span = self.span(name, seq, op.sizes(), false);
+        let size = self.backend.size();
+        let (seq, handle) = self.number(|| describe_op(&op, size), true);
+        let span = self.span(name, seq, op.sizes_on(size), false);
         let _g = span.enter();
         let result = self
             .agree_op(&op, seq, limit)
@@ -704,8 +739,9 @@ impl<B: Backend> Comm<B> {
         let r = request_only_at_root(r, self.backend.rank());
         self.validate_request(&r)?;
         let limit = limit.unwrap_or_else(|| self.life.time_limit());
-        let (seq, handle) = self.number(|| describe_request(&r), false);
-        let span = self.span(name, seq, r.sizes(), true);
+        let size = self.backend.size();
+        let (seq, handle) = self.number(|| describe_request(&r, size), false);
+        let span = self.span(name, seq, r.sizes_on(size), true);
         let _g = span.enter();
         let started = self
             .agree_request(&r, seq, limit)
@@ -995,9 +1031,11 @@ fn request_only_at_root(r: Request, me: usize) -> Request {
 }
 
 /// The log's description of a blocking operation: the dtype and the elements this rank sends
-/// (for a receive or a broadcast, the buffer's), root or peer and tag; a batch records the
-/// dtype of its first operation and the elements of all of them.
-fn describe_op(op: &Op<'_>) -> OpDesc {
+/// (for a receive or a broadcast, the buffer's; for the in-place all-gather and reduce-scatter
+/// what their out-of-place forms send, so both forms log alike), root or peer and tag; a batch
+/// records the dtype of its first operation and the elements of all of them. `size`: the
+/// communicator's.
+fn describe_op(op: &Op<'_>, size: usize) -> OpDesc {
     let d = OpDesc::new(op.name());
     let reducing = |d: OpDesc, b: &BufRef<'_>, r: ReduceOp| {
         d.dtype(b.dtype().name())
@@ -1008,10 +1046,11 @@ fn describe_op(op: &Op<'_>) -> OpDesc {
         Op::AllReduce { send, op: r, .. } | Op::ReduceScatter { send, op: r, .. } => {
             reducing(d, send, *r)
         }
-        Op::AllReduceInPlace { buf, op: r } => d
+        Op::AllReduceInPlace { buf, op: r } | Op::ReduceScatterInPlace { buf, op: r } => d
             .dtype(buf.dtype().name())
             .count(buf.len())
             .reduce_op(reduce_name(*r)),
+        Op::AllGatherInPlace { buf } => d.dtype(buf.dtype().name()).count(op.sizes_on(size).0),
         Op::Broadcast { buf, root } => d.dtype(buf.dtype().name()).count(buf.len()).root(*root),
         Op::AllGather { send, .. }
         | Op::AllToAll { send, .. }
@@ -1053,14 +1092,17 @@ fn describe_op(op: &Op<'_>) -> OpDesc {
 }
 
 /// The log's description of a nonblocking operation (as [`describe_op`]).
-fn describe_request(r: &Request) -> OpDesc {
+fn describe_request(r: &Request, size: usize) -> OpDesc {
     let d = OpDesc::new(r.name());
     let t = |d: OpDesc, b: &Tensor| d.dtype(b.dtype().name()).count(b.len());
     match r {
         Request::AllReduceInto { send, op, .. } | Request::ReduceScatter { send, op, .. } => {
             t(d, send).reduce_op(reduce_name(*op))
         }
-        Request::AllReduce { buf, op } => t(d, buf).reduce_op(reduce_name(*op)),
+        Request::AllReduce { buf, op } | Request::ReduceScatterInPlace { buf, op } => {
+            t(d, buf).reduce_op(reduce_name(*op))
+        }
+        Request::AllGatherInPlace { buf } => d.dtype(buf.dtype().name()).count(r.sizes_on(size).0),
         Request::Broadcast { buf, root } => t(d, buf).root(*root),
         Request::AllGather { send, .. }
         | Request::AllToAll { send, .. }
@@ -1267,6 +1309,13 @@ mod tests {
                 Op::AllReduceInPlace {
                     buf: BufMut::Host(h),
                     ..
+                }
+                | Op::AllGatherInPlace {
+                    buf: BufMut::Host(h),
+                }
+                | Op::ReduceScatterInPlace {
+                    buf: BufMut::Host(h),
+                    ..
                 } => h.as_mut_ptr() as usize,
                 _ => 0,
             };
@@ -1343,6 +1392,53 @@ mod tests {
                 ..
             })
         ));
+        // The in-place all-gather and reduce-scatter: one block per rank, else Indivisible
+        // naming the length and the size.
+        let e = c.all_gather_in_place(&mut [0i32; 3][..]).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::Indivisible {
+                    op: "all_gather",
+                    len: 3,
+                    parts: 2,
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        assert_eq!(
+            e.to_string(),
+            "all_gather: in-place buffer (one block of count elements per rank) of 3 elements cannot be cut into 2 equal blocks (give a multiple of 2)"
+        );
+        assert!(matches!(
+            c.reduce_scatter_in_place(&mut [0f64; 5][..], ReduceOp::Sum),
+            Err(Error::Indivisible {
+                op: "reduce_scatter",
+                len: 5,
+                parts: 2,
+                ..
+            })
+        ));
+        assert!(matches!(
+            c.reduce_scatter_in_place(&mut [0u8; 4][..], ReduceOp::Prod),
+            Err(Error::Unsupported { .. })
+        ));
+        assert!(matches!(
+            c.iall_gather_in_place(vec![0i32; 7]),
+            Err(Error::Indivisible {
+                len: 7,
+                parts: 2,
+                ..
+            })
+        ));
+        let mut gathered = [0i32; 4];
+        let gaddr = gathered.as_mut_ptr() as usize;
+        c.all_gather_in_place(&mut gathered[..]).unwrap();
+        let mut scattered = [0i32; 6];
+        let saddr = scattered.as_mut_ptr() as usize;
+        c.reduce_scatter_in_place(&mut scattered[..], ReduceOp::Max)
+            .unwrap();
         c.barrier().unwrap();
         assert!(c.ibarrier().is_err());
         // The in-place all-reduce reached the backend as the caller's own buffer (no copy);
@@ -1351,11 +1447,13 @@ mod tests {
             *c.inner().seen.lock().unwrap(),
             vec![
                 ("all_reduce", 0, addr),
-                ("barrier", 1, 0),
-                ("barrier", 2, 0)
+                ("all_gather", 1, gaddr),
+                ("reduce_scatter", 2, saddr),
+                ("barrier", 3, 0),
+                ("barrier", 4, 0)
             ]
         );
-        assert_eq!(c.ops_issued(), 3);
+        assert_eq!(c.ops_issued(), 5);
         assert_eq!(Communicator::name(&c), "tp");
         assert_eq!(c.global_ranks(), &[5, 7]);
     }

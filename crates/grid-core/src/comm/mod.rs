@@ -138,6 +138,25 @@ pub trait Communicator: Send + Sync {
             op,
         )
     }
+    /// All-gather in place: `buf` holds `size · count` elements with this rank's block already
+    /// at `rank · count`; afterwards block `j` holds rank `j`'s block, in rank order. `buf`'s
+    /// length must be a multiple of the size ([`Error::Indivisible`] otherwise). Behind the
+    /// front end the backend receives the buffer itself ([`Op::AllGatherInPlace`]; MPI passes
+    /// `MPI_IN_PLACE`, Gloo gives libgloo no input, NCCL's send buffer is `buf + rank · count`),
+    /// with no copy of this rank's block.
+    fn in_place_all_gather(&self, buf: BufMut<'_>) -> Result<()> {
+        self.call_op(Op::AllGatherInPlace { buf }, None)
+    }
+    /// Reduce-scatter in place: `buf` holds `size · count` input elements (block `j` for rank
+    /// `j`); afterwards this rank's reduced block is at `rank · count..(rank + 1) · count`
+    /// (NCCL's and Megatron's convention) and **the rest of `buf` is unspecified** (each backend
+    /// leaves there whatever its algorithm left: partial sums, the input, or other ranks'
+    /// results). `buf`'s length must be a multiple of the size ([`Error::Indivisible`]
+    /// otherwise). Behind the front end the backend receives the buffer itself
+    /// ([`Op::ReduceScatterInPlace`]).
+    fn in_place_reduce_scatter(&self, buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
+        self.call_op(Op::ReduceScatterInPlace { buf, op }, None)
+    }
     /// Copies `buf` of rank `root` into `buf` of every rank.
     fn broadcast(&self, buf: BufMut<'_>, root: usize) -> Result<()>;
     /// Concatenates every rank's `send` in rank order into `recv` (`size · send.len()` elements).
@@ -572,6 +591,43 @@ pub trait CommunicatorExt: Communicator {
     ) -> Result<()> {
         self.reduce_scatter(T::host(send).into(), T::host_mut(recv).into(), op)
     }
+    /// Typed all-gather in place ([`Communicator::in_place_all_gather`]): `buf` holds `size ·
+    /// count` elements with this rank's block at `rank · count`; afterwards every block is
+    /// filled.
+    ///
+    /// ```
+    /// use grid_core::{Communicator, CommunicatorExt};
+    /// let got = backend_local::run(3, &Default::default(), |_f, c| {
+    ///     let mut buf = vec![0i32; 2 * c.size()];
+    ///     let me = c.rank();
+    ///     buf[2 * me..2 * me + 2].copy_from_slice(&[10 * me as i32, 10 * me as i32 + 1]);
+    ///     c.all_gather_in_place(&mut buf)?;
+    ///     Ok(buf)
+    /// })?;
+    /// assert!(got.iter().all(|b| b == &[0, 1, 10, 11, 20, 21]));
+    /// # Ok::<(), grid_core::Error>(())
+    /// ```
+    fn all_gather_in_place<T: Element>(&self, buf: &mut [T]) -> Result<()> {
+        self.in_place_all_gather(T::host_mut(buf).into())
+    }
+    /// Typed reduce-scatter in place ([`Communicator::in_place_reduce_scatter`]): `buf` holds
+    /// `size · count` input elements; afterwards this rank's reduced block is at `rank ·
+    /// count..(rank + 1) · count` and the rest of `buf` is unspecified.
+    ///
+    /// ```
+    /// use grid_core::{Communicator, CommunicatorExt, ReduceOp};
+    /// let got = backend_local::run(2, &Default::default(), |_f, c| {
+    ///     let mut buf = vec![1i64, 2, 3, 4]; // two blocks of 2
+    ///     c.reduce_scatter_in_place(&mut buf, ReduceOp::Sum)?;
+    ///     let me = c.rank();
+    ///     Ok(buf[2 * me..2 * me + 2].to_vec()) // this rank's block; the rest is unspecified
+    /// })?;
+    /// assert_eq!(got, vec![vec![2, 4], vec![6, 8]]);
+    /// # Ok::<(), grid_core::Error>(())
+    /// ```
+    fn reduce_scatter_in_place<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
+        self.in_place_reduce_scatter(T::host_mut(buf).into(), op)
+    }
     /// Typed all-to-all.
     fn all_to_all_into<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
         self.all_to_all(T::host(send).into(), T::host_mut(recv).into())
@@ -746,6 +802,29 @@ pub trait CommunicatorExt: Communicator {
             recv: Tensor::Host(recv),
             op,
         })?))
+    }
+    /// Nonblocking all-gather in place ([`Communicator::in_place_all_gather`]): `buf` holds
+    /// `size · count` elements with this rank's block at `rank · count`; `wait` returns `buf`
+    /// with every block filled.
+    fn iall_gather_in_place<T: Element>(&self, buf: Vec<T>) -> Result<TypedWork<T>> {
+        Ok(TypedWork::new(
+            self.start(Request::AllGatherInPlace { buf: buf.into() })?,
+        ))
+    }
+    /// Nonblocking reduce-scatter in place ([`Communicator::in_place_reduce_scatter`]): `wait`
+    /// returns `buf` (`size · count` elements) with this rank's reduced block at `rank ·
+    /// count..(rank + 1) · count`; the rest of it is unspecified.
+    fn ireduce_scatter_in_place<T: Element>(
+        &self,
+        buf: Vec<T>,
+        op: ReduceOp,
+    ) -> Result<TypedWork<T>> {
+        Ok(TypedWork::new(self.start(
+            Request::ReduceScatterInPlace {
+                buf: buf.into(),
+                op,
+            },
+        )?))
     }
     /// Nonblocking all-to-all.
     fn iall_to_all<T: Element>(&self, send: Vec<T>) -> Result<TypedWork<T>> {

@@ -71,6 +71,21 @@ pub enum Request {
         /// Reduction.
         op: ReduceOp,
     },
+    /// All-gather in place: `buf` holds `size · count` elements, this rank's block already at
+    /// `rank · count`; afterwards every block is filled. `wait` returns `buf`.
+    AllGatherInPlace {
+        /// Every rank's block in rank order; this rank's is the input.
+        buf: Tensor,
+    },
+    /// Reduce-scatter in place: `buf` holds `size · count` input elements; afterwards this
+    /// rank's reduced block is at `rank · count..(rank + 1) · count` (NCCL's convention) and the
+    /// rest of `buf` is unspecified. `wait` returns `buf`.
+    ReduceScatterInPlace {
+        /// Input; this rank's reduced block afterwards.
+        buf: Tensor,
+        /// Reduction.
+        op: ReduceOp,
+    },
     /// All-to-all with equal blocks (`send.len() == recv.len()`, divisible by size).
     AllToAll {
         /// Block `j` goes to rank `j`.
@@ -175,8 +190,10 @@ impl Request {
         match self {
             Request::AllReduce { .. } | Request::AllReduceInto { .. } => "all_reduce",
             Request::Broadcast { .. } => "broadcast",
-            Request::AllGather { .. } => "all_gather",
-            Request::ReduceScatter { .. } => "reduce_scatter",
+            Request::AllGather { .. } | Request::AllGatherInPlace { .. } => "all_gather",
+            Request::ReduceScatter { .. } | Request::ReduceScatterInPlace { .. } => {
+                "reduce_scatter"
+            }
             Request::AllToAll { .. } => "all_to_all",
             Request::AllToAllV { .. } => "all_to_all_v",
             Request::AllGatherV { .. } => "all_gather_v",
@@ -227,7 +244,8 @@ impl Request {
     }
 
     /// The sizes this request moves, for tracing and errors: (elements of the input, elements
-    /// of the output).
+    /// of the output); for the in-place all-gather and reduce-scatter, the whole buffer twice
+    /// ([`Request::sizes_on`] counts them as their out-of-place forms do).
     #[inline]
     pub fn sizes(&self) -> (usize, usize) {
         match self {
@@ -245,10 +263,31 @@ impl Request {
                 (send.as_ref().map_or(0, Tensor::len), recv.len())
             }
             Request::AllReduce { buf, .. }
+            | Request::AllGatherInPlace { buf }
+            | Request::ReduceScatterInPlace { buf, .. }
             | Request::Broadcast { buf, .. }
             | Request::Send { buf, .. }
             | Request::Recv { buf, .. } => (buf.len(), buf.len()),
             Request::Barrier => (0, 0),
+        }
+    }
+
+    /// [`Request::sizes`] on a communicator of `size` ranks, with the in-place all-gather and
+    /// reduce-scatter counted as their out-of-place forms (all-gather: `(count, size · count)`,
+    /// reduce-scatter: `(size · count, count)`), so that the two forms of one call trace, log
+    /// and fingerprint alike.
+    ///
+    /// ```
+    /// use grid_core::Request;
+    /// let r = Request::AllGatherInPlace { buf: vec![0i32; 6].into() };
+    /// assert_eq!((r.sizes(), r.sizes_on(3)), ((6, 6), (2, 6)));
+    /// ```
+    #[inline]
+    pub fn sizes_on(&self, size: usize) -> (usize, usize) {
+        match self {
+            Request::AllGatherInPlace { buf } => (buf.len() / size.max(1), buf.len()),
+            Request::ReduceScatterInPlace { buf, .. } => (buf.len(), buf.len() / size.max(1)),
+            other => other.sizes(),
         }
     }
 }
@@ -293,6 +332,21 @@ pub enum Op<'a> {
         send: BufRef<'a>,
         /// This rank's reduced block.
         recv: BufMut<'a>,
+        /// Reduction.
+        op: ReduceOp,
+    },
+    /// In-place all-gather ([`Request::AllGatherInPlace`]): `buf` holds `size · count`
+    /// elements, this rank's block at `rank · count` is the input.
+    AllGatherInPlace {
+        /// Every rank's block in rank order.
+        buf: BufMut<'a>,
+    },
+    /// In-place reduce-scatter ([`Request::ReduceScatterInPlace`]): `buf` holds `size · count`
+    /// input elements; afterwards this rank's reduced block is at `rank · count` and the rest
+    /// is unspecified.
+    ReduceScatterInPlace {
+        /// Input; this rank's reduced block afterwards.
+        buf: BufMut<'a>,
         /// Reduction.
         op: ReduceOp,
     },
@@ -399,8 +453,8 @@ impl Op<'_> {
         match self {
             Op::AllReduce { .. } | Op::AllReduceInPlace { .. } => "all_reduce",
             Op::Broadcast { .. } => "broadcast",
-            Op::AllGather { .. } => "all_gather",
-            Op::ReduceScatter { .. } => "reduce_scatter",
+            Op::AllGather { .. } | Op::AllGatherInPlace { .. } => "all_gather",
+            Op::ReduceScatter { .. } | Op::ReduceScatterInPlace { .. } => "reduce_scatter",
             Op::AllToAll { .. } => "all_to_all",
             Op::AllToAllV { .. } => "all_to_all_v",
             Op::AllGatherV { .. } => "all_gather_v",
@@ -415,7 +469,9 @@ impl Op<'_> {
         }
     }
 
-    /// (elements of the input, elements of the output), for tracing.
+    /// (elements of the input, elements of the output), for tracing; for the in-place
+    /// all-gather and reduce-scatter, the whole buffer twice ([`Op::sizes_on`] counts them as
+    /// their out-of-place forms do).
     #[inline]
     pub fn sizes(&self) -> (usize, usize) {
         match self {
@@ -430,15 +486,37 @@ impl Op<'_> {
                 (send.len(), recv.as_ref().map_or(0, BufMut::len))
             }
             Op::Scatter { send, recv, .. } => (send.as_ref().map_or(0, BufRef::len), recv.len()),
-            Op::AllReduceInPlace { buf, .. } | Op::Broadcast { buf, .. } | Op::Recv { buf, .. } => {
-                (buf.len(), buf.len())
-            }
+            Op::AllReduceInPlace { buf, .. }
+            | Op::AllGatherInPlace { buf }
+            | Op::ReduceScatterInPlace { buf, .. }
+            | Op::Broadcast { buf, .. }
+            | Op::Recv { buf, .. } => (buf.len(), buf.len()),
             Op::Send { buf, .. } => (buf.len(), buf.len()),
             Op::Barrier => (0, 0),
             Op::Batch(ops) => ops.iter().fold((0, 0), |(s, r), o| match o {
                 P2pOp::Send { buf, .. } => (s + buf.len(), r),
                 P2pOp::Recv { buf, .. } => (s, r + buf.len()),
             }),
+        }
+    }
+
+    /// [`Op::sizes`] on a communicator of `size` ranks, with the in-place all-gather and
+    /// reduce-scatter counted as their out-of-place forms (all-gather: `(count, size · count)`,
+    /// reduce-scatter: `(size · count, count)`), so that the two forms of one call trace, log
+    /// and fingerprint alike.
+    ///
+    /// ```
+    /// use grid_core::{BufMut, Op, ReduceOp};
+    /// let mut v = [0f32; 8];
+    /// let op = Op::ReduceScatterInPlace { buf: BufMut::from(&mut v[..]), op: ReduceOp::Sum };
+    /// assert_eq!((op.sizes(), op.sizes_on(4)), ((8, 8), (8, 2)));
+    /// ```
+    #[inline]
+    pub fn sizes_on(&self, size: usize) -> (usize, usize) {
+        match self {
+            Op::AllGatherInPlace { buf } => (buf.len() / size.max(1), buf.len()),
+            Op::ReduceScatterInPlace { buf, .. } => (buf.len(), buf.len() / size.max(1)),
+            other => other.sizes(),
         }
     }
 }
