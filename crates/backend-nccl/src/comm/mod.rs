@@ -464,9 +464,11 @@ fn op_memory(op: &Op<'_>) -> (bool, Vec<Arc<CudaStream>>) {
             u.r(send);
             u.m(recv);
         }
-        Op::AllReduceInPlace { buf, .. } | Op::Broadcast { buf, .. } | Op::Recv { buf, .. } => {
-            u.m(buf)
-        }
+        Op::AllReduceInPlace { buf, .. }
+        | Op::AllGatherInPlace { buf }
+        | Op::ReduceScatterInPlace { buf, .. }
+        | Op::Broadcast { buf, .. }
+        | Op::Recv { buf, .. } => u.m(buf),
         Op::Send { buf, .. } => u.r(buf),
         Op::Reduce { send, recv, .. } | Op::Gather { send, recv, .. } => {
             u.r(send);
@@ -509,6 +511,8 @@ fn request_memory(r: &Request) -> (bool, Vec<Arc<CudaStream>>) {
             u.t(recv);
         }
         Request::AllReduce { buf, .. }
+        | Request::AllGatherInPlace { buf }
+        | Request::ReduceScatterInPlace { buf, .. }
         | Request::Broadcast { buf, .. }
         | Request::Send { buf, .. }
         | Request::Recv { buf, .. } => u.t(buf),
