@@ -29,7 +29,7 @@ use backend_mpi::MpiRuntime;
 use backend_nccl::{NcclFactory, NcclOptions};
 use grid_core::{Communicator, Error, TimeLimit};
 use grid_programs::smoke::{
-    dump_after_error, install_trace_dir, run_loop, LoopOptions, Outcome, Waits,
+    dump_after_error, install_trace_dir, launcher_rank, run_loop, LoopOptions, Outcome, Waits,
 };
 use std::io::Write;
 use std::process::ExitCode;
@@ -37,21 +37,7 @@ use std::process::ExitCode;
 const USAGE: &str = "usage: mpirun -np N nccl-loop [--bytes B] [--iters K | --seconds S] [--timeout-ms T] [--trace-dir D] [--fault RANK:KIND@ITER (a testing aid; KIND: kill, skip, count, dtype, op, root, long-send, abort)]";
 
 fn parse_args() -> Result<LoopOptions, String> {
-    let mut options = LoopOptions::default();
-    let mut it = std::env::args().skip(1);
-    while let Some(flag) = it.next() {
-        if flag == "--help" || flag == "-h" {
-            return Err(USAGE.to_string());
-        }
-        let value = it
-            .next()
-            .ok_or_else(|| format!("{flag} needs a value; {USAGE}"))?;
-        if !options.flag(&flag, &value)? {
-            return Err(format!("unknown option {flag:?}; {USAGE}"));
-        }
-    }
-    options.check()?;
-    Ok(options)
+    LoopOptions::parse(std::env::args().skip(1), USAGE)
 }
 
 fn main() -> ExitCode {
@@ -90,14 +76,6 @@ fn main() -> ExitCode {
         }
     }
     report_and_exit(rank, completed, result.map_err(|e: Error| e.to_string()))
-}
-
-/// The rank the launcher gave this process, when MPI itself could not start.
-fn launcher_rank() -> usize {
-    ["OMPI_COMM_WORLD_RANK", "PMI_RANK"]
-        .iter()
-        .find_map(|v| std::env::var(v).ok()?.parse().ok())
-        .unwrap_or(0)
 }
 
 /// Prints the rank's one line and ends the process: status 0 after a complete loop; otherwise

@@ -151,6 +151,38 @@ impl LoopOptions {
         }
     }
 
+    /// The options of a program whose command line holds nothing but loop options
+    /// (`mpi-loop`, `nccl-loop`): `--flag value` pairs, checked ([`LoopOptions::check`]).
+    /// `--help` or `-h`, an unknown flag or a flag without its value is an `Err` of one line
+    /// that ends with `usage`.
+    ///
+    /// ```
+    /// use grid_programs::smoke::LoopOptions;
+    /// let args = ["--iters", "5"].map(String::from);
+    /// assert!(LoopOptions::parse(args.into_iter(), "usage: x").is_ok());
+    /// let e = LoopOptions::parse(["--bogus", "1"].map(String::from).into_iter(), "usage: x");
+    /// assert_eq!(e.unwrap_err(), "unknown option \"--bogus\"; usage: x");
+    /// ```
+    pub fn parse(
+        mut args: impl Iterator<Item = String>,
+        usage: &str,
+    ) -> std::result::Result<LoopOptions, String> {
+        let mut options = LoopOptions::default();
+        while let Some(flag) = args.next() {
+            if flag == "--help" || flag == "-h" {
+                return Err(usage.to_string());
+            }
+            let value = args
+                .next()
+                .ok_or_else(|| format!("{flag} needs a value; {usage}"))?;
+            if !options.flag(&flag, &value)? {
+                return Err(format!("unknown option {flag:?}; {usage}"));
+            }
+        }
+        options.check()?;
+        Ok(options)
+    }
+
     /// The time limit of one all-reduce.
     pub fn timeout(&self) -> Duration {
         Duration::from_millis(self.timeout_ms)
@@ -614,4 +646,13 @@ pub fn dump_after_error(error: &Error) -> Option<String> {
         .dump(&reason)
         .err()
         .map(|e| format!("cannot dump the operation log: {e}"))
+}
+
+/// The rank the launcher gave this process (`OMPI_COMM_WORLD_RANK`, `PMI_RANK`), for the one
+/// line a rank prints when MPI itself could not start; 0 without a launcher.
+pub fn launcher_rank() -> usize {
+    ["OMPI_COMM_WORLD_RANK", "PMI_RANK"]
+        .iter()
+        .find_map(|v| std::env::var(v).ok()?.parse().ok())
+        .unwrap_or(0)
 }
