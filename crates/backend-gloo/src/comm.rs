@@ -1116,7 +1116,7 @@ impl Backend for GlooBackend {
     }
 
     /// The check's all-reduce (the maximum of a few `i64`s) runs as one round of messages
-    /// ([`Inner::check_max`], `comm/check.rs`) instead of libgloo's all-reduce, which costs
+    /// (`Inner::check_max` in `comm/check.rs`) instead of libgloo's all-reduce, which costs
     /// several message latencies; its other exchanges (taken only when the ranks disagree) run
     /// as any operation.
     fn run_check(&self, op: Validated<Op<'_>>) -> Result<()> {
