@@ -2,6 +2,7 @@
 //! [`MpiCommunicator`], the communicator users hold (`Comm<MpiBackend>`).
 
 use crate::raw::{self, Immediate, P2p, Pending, RawError, Stop};
+use crate::ring;
 use crate::stage::{self, Plan};
 use crate::watch::{self, Ending, Site, Watch};
 use grid_core::{
@@ -80,6 +81,8 @@ pub struct MpiBackend {
     timeout: TimeLimit,
     /// The blocking collective in flight and the abort flag (see the `watch` module).
     watch: Arc<Watch>,
+    /// The scratch block of the ring all-reduce (`ring` module), kept between calls.
+    ring_scratch: std::sync::Mutex<Option<grid_core::HostBuffer>>,
 }
 
 impl MpiBackend {
@@ -111,6 +114,7 @@ impl MpiBackend {
             finished: AtomicBool::new(false),
             timeout,
             watch,
+            ring_scratch: std::sync::Mutex::new(None),
         };
         Ok(Comm::new(backend, name))
     }
@@ -197,7 +201,8 @@ impl MpiBackend {
     }
 
     /// `MPI_IN_PLACE` all-reduce; libraries whose `MPI_IN_PLACE` is unknown go through one
-    /// copy of the input.
+    /// copy of the input. Large ones of the types MPI reduces natively run as the `ring`
+    /// module's ring on the duplicate communicator instead (see there why).
     fn reduce_in_place(
         &self,
         c: &raw::Comm,
@@ -205,6 +210,19 @@ impl MpiBackend {
         r: raw::Reduce,
     ) -> Result<()> {
         const OP: &str = "all_reduce";
+        if ring::applies(buf.dtype(), buf.len(), self.size) {
+            return ring::all_reduce(
+                &self.check,
+                buf,
+                r,
+                (self.rank, self.size),
+                &self.ring_scratch,
+            )
+            .map_err(|e| match e {
+                ring::RingError::Mpi(e) => self.err(OP, e),
+                ring::RingError::Other(e) => e,
+            });
+        }
         if raw::in_place_supported() {
             return c.all_reduce_in_place(buf, r).map_err(|e| self.err(OP, e));
         }
@@ -274,8 +292,14 @@ impl MpiBackend {
                 if plan.wire.is_some() {
                     return self.all_reduce_staged(c, Some(send), recv, plan);
                 }
-                c.all_reduce(send, recv.reborrow(), plan.op)
-                    .map_err(|e| self.err(OP, e))?;
+                if ring::applies(send.dtype(), send.len(), self.size) {
+                    // The ring works in place: one copy of the input first.
+                    recv.copy_from(send)?;
+                    self.reduce_in_place(c, recv.reborrow(), plan.op)?;
+                } else {
+                    c.all_reduce(send, recv.reborrow(), plan.op)
+                        .map_err(|e| self.err(OP, e))?;
+                }
                 if let Some(n) = plan.divide {
                     grid_core::kernels::divide(recv, n);
                 }

@@ -90,6 +90,7 @@ mod config;
 mod factory;
 #[allow(unsafe_code)]
 mod raw;
+mod ring;
 mod runtime;
 mod stage;
 pub mod testing;

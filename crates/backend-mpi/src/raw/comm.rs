@@ -279,6 +279,104 @@ impl Comm {
         }
     }
 
+    /// One step of a ring (`MPI_Sendrecv`): `send` to rank `to` while receiving
+    /// `recv.len()` elements from rank `from` (the lengths may differ; the dtypes may not),
+    /// both with `tag`. The two buffers are distinct borrows.
+    pub(crate) fn sendrecv(
+        &self,
+        send: HostSlice<'_>,
+        to: usize,
+        mut recv: HostSliceMut<'_>,
+        from: usize,
+        tag: i32,
+    ) -> R<()> {
+        same("sendrecv", (send.dtype(), 0), (recv.dtype(), 0))?;
+        let (ns, nr, dt) = (
+            count(send.len())?,
+            count(recv.len())?,
+            datatype(send.dtype()),
+        );
+        let (to, from) = (int("peer", to)?, int("peer", from)?);
+        // SAFETY: `send` holds `ns` elements of `dt` (readable, shared borrow) and `recv` holds
+        // `nr` elements of `dt` (writable, unique borrow, so it cannot overlap `send`); both
+        // stay borrowed for the whole blocking call; a message longer than `nr` is an MPI error
+        // (MPI_ERR_TRUNCATE), not a write past `recv`; the status is ignored.
+        unsafe {
+            rc(ffi::MPI_Sendrecv(
+                cptr(&send),
+                ns,
+                dt,
+                to,
+                tag,
+                mptr(&mut recv),
+                nr,
+                dt,
+                from,
+                tag,
+                self.raw,
+                ffi::RSMPI_STATUS_IGNORE,
+            ))
+        }
+    }
+
+    /// [`Comm::sendrecv`] between two blocks of one buffer, each `(offset, length, peer)`:
+    /// the send block goes to its peer while the receive block comes from its peer. The blocks
+    /// must lie inside `buf` and not overlap (checked).
+    pub(crate) fn sendrecv_within(
+        &self,
+        mut buf: HostSliceMut<'_>,
+        (send_at, send_len, to): (usize, usize, usize),
+        (recv_at, recv_len, from): (usize, usize, usize),
+        tag: i32,
+    ) -> R<()> {
+        let total = buf.len();
+        let inside = |at: usize, len: usize| at.checked_add(len).is_some_and(|end| end <= total);
+        if !inside(send_at, send_len) || !inside(recv_at, recv_len) {
+            return Err(RawError::msg(format!(
+                "sendrecv_within: blocks {send_at}+{send_len} and {recv_at}+{recv_len} do not lie inside a buffer of {total} elements"
+            )));
+        }
+        let overlap = send_len > 0
+            && recv_len > 0
+            && send_at < recv_at + recv_len
+            && recv_at < send_at + send_len;
+        if overlap {
+            return Err(RawError::msg(format!(
+                "sendrecv_within: blocks {send_at}+{send_len} and {recv_at}+{recv_len} overlap"
+            )));
+        }
+        let (ns, nr, dt) = (count(send_len)?, count(recv_len)?, datatype(buf.dtype()));
+        let (to, from) = (int("peer", to)?, int("peer", from)?);
+        let width = buf.dtype().size_bytes();
+        let base = mptr(&mut buf).cast::<u8>();
+        // Only formed here (wrapping_add: no unsafe); dereferenced by MPI inside `buf`.
+        let (sp, rp) = (
+            base.wrapping_add(send_at * width),
+            base.wrapping_add(recv_at * width),
+        );
+        // SAFETY: both blocks lie inside `buf` (checked: `at + len <= total`, so the byte
+        // ranges `at · width .. (at + len) · width` are inside its allocation) and do not
+        // overlap (checked), so MPI reads `ns` elements of `dt` at `sp` and writes at most `nr`
+        // at `rp` without touching the same bytes (a longer message is MPI_ERR_TRUNCATE); `buf`
+        // is uniquely borrowed for the whole blocking call.
+        unsafe {
+            rc(ffi::MPI_Sendrecv(
+                sp.cast_const().cast(),
+                ns,
+                dt,
+                to,
+                tag,
+                rp.cast(),
+                nr,
+                dt,
+                from,
+                tag,
+                self.raw,
+                ffi::RSMPI_STATUS_IGNORE,
+            ))
+        }
+    }
+
     /// `MPI_Allreduce(MPI_IN_PLACE, buf, ...)`: the result replaces `buf`, with no copy.
     #[inline]
     pub(crate) fn all_reduce_in_place(&self, mut buf: HostSliceMut<'_>, r: Reduce) -> R<()> {

@@ -1,0 +1,173 @@
+//! Large all-reduces as a ring of `MPI_Sendrecv` steps reduced by grid-core's kernels, instead
+//! of `MPI_Allreduce`.
+//!
+//! Why: Open MPI 4.1's `MPI_Allreduce` allocates its temporary buffer on every call. From
+//! 32 MiB on, glibc serves such an allocation with a fresh `mmap` (its dynamic mmap threshold
+//! stops at 32 MiB), so every call page-faults the whole buffer in and unmaps it again: at
+//! 2 ranks an f32 sum of 32 MiB took 19–20 ms, and 7.5–8 ms with glibc told to keep large
+//! blocks (`GLIBC_TUNABLES=glibc.malloc.mmap_threshold=…`, which a library cannot set for its
+//! process). The ring keeps one scratch block per communicator across calls, moves
+//! `2 (n - 1) / n` of the buffer per rank (recursive doubling at 2 ranks moves all of it) and
+//! reduces `(n - 1) / n` of it. Measured figures are in docs/performance.md.
+//!
+//! The algorithm: the buffer is cut into `n` blocks ([`blocks`], sizes differing by at most
+//! one element). Reduce-scatter: in step `s` (`0..n-1`) rank `r` sends block `r - s` to rank
+//! `r + 1` and receives block `r - s - 1` from rank `r - 1` into the scratch block, which it
+//! reduces into its own copy of that block; afterwards rank `r` holds the fully reduced block
+//! `r + 1`. All-gather: in step `s` rank `r` sends block `r + 1 - s` and receives block `r - s`
+//! straight into the buffer (all indices modulo `n`). Every block is reduced along the ring in
+//! one order and then copied, so every rank ends with the same bits.
+//!
+//! Used for f32, f64, i32 and i64 (`Sum`, `Prod`, `Min`, `Max`, and `Avg` as a sum divided
+//! afterwards, as around `MPI_Allreduce`) from [`RING_MIN_BYTES`], on the communicator's
+//! duplicate (the one the mismatch check uses), so its messages never meet a user's
+//! point-to-point messages. It runs under the same watch as `MPI_Allreduce`: a rank that
+//! passes its time limit or is aborted inside it ends the job as a blocking collective does.
+
+use crate::raw;
+use grid_core::{kernels, DType, Error, HostBuffer, HostSliceMut, ReduceOp};
+use std::sync::Mutex;
+
+/// All-reduces of at least this many bytes (on every rank: the mismatch check makes the sizes
+/// agree) take the ring. Below it `MPI_Allreduce` needs no fresh mapping: glibc reuses freed
+/// blocks under its 32 MiB dynamic mmap threshold.
+pub(crate) const RING_MIN_BYTES: usize = 32 << 20;
+
+/// The tag of the ring's messages (on the duplicate communicator, where nothing else sends).
+const TAG: i32 = 1;
+
+/// The `n` blocks of a buffer of `len` elements: `(offset, length)`, the first `len % n`
+/// blocks one element longer.
+pub(crate) fn blocks(len: usize, n: usize) -> Vec<(usize, usize)> {
+    let n = n.max(1);
+    let (base, extra) = (len / n, len % n);
+    (0..n)
+        .map(|i| (i * base + i.min(extra), base + usize::from(i < extra)))
+        .collect()
+}
+
+/// Whether an all-reduce of `len` elements of `dtype` (the type MPI would reduce: no staged
+/// types) takes the ring on `size` ranks.
+pub(crate) fn applies(dtype: DType, len: usize, size: usize) -> bool {
+    size >= 2
+        && matches!(dtype, DType::F32 | DType::F64 | DType::I32 | DType::I64)
+        && len.saturating_mul(dtype.size_bytes()) >= RING_MIN_BYTES
+}
+
+/// The reduction of [`raw::Reduce`] in grid-core's kernels.
+fn kernel_op(r: raw::Reduce) -> ReduceOp {
+    match r {
+        raw::Reduce::Sum => ReduceOp::Sum,
+        raw::Reduce::Prod => ReduceOp::Prod,
+        raw::Reduce::Min => ReduceOp::Min,
+        raw::Reduce::Max => ReduceOp::Max,
+    }
+}
+
+/// What went wrong inside the ring.
+#[derive(Debug)]
+pub(crate) enum RingError {
+    /// An MPI call failed.
+    Mpi(raw::RawError),
+    /// A host kernel refused its inputs, or a block did not lie where this module cut it
+    /// (neither happens for buffers this module cuts; reported, never a panic).
+    Other(Error),
+}
+
+fn outside(what: &str) -> RingError {
+    RingError::Other(Error::Invalid(format!(
+        "all_reduce: internal error in the ring: {what}"
+    )))
+}
+
+/// The ring all-reduce of `buf` in place on `c` (see the module docs) with `r`; `scratch` is
+/// the communicator's cached block, kept for the next call.
+pub(crate) fn all_reduce(
+    c: &raw::Comm,
+    mut buf: HostSliceMut<'_>,
+    r: raw::Reduce,
+    (rank, n): (usize, usize),
+    scratch: &Mutex<Option<HostBuffer>>,
+) -> std::result::Result<(), RingError> {
+    let op = kernel_op(r);
+    let parts = blocks(buf.len(), n);
+    let longest = parts.iter().map(|p| p.1).max().unwrap_or(0);
+    let mut guard = scratch.lock().unwrap_or_else(|p| p.into_inner());
+    let fits = guard
+        .as_ref()
+        .is_some_and(|s| s.dtype() == buf.dtype() && s.len() >= longest);
+    if !fits {
+        // The old block (if any) goes first: never two large blocks at once.
+        *guard = None;
+        *guard = Some(HostBuffer::zeros(buf.dtype(), longest));
+    }
+    let tmp = guard.as_mut().ok_or_else(|| outside("no scratch block"))?;
+    let (right, left) = ((rank + 1) % n, (rank + n - 1) % n);
+    let at = |i: usize| parts[i % n];
+    // Reduce-scatter: block `rank - s` goes right, block `rank - s - 1` comes from the left.
+    for s in 0..n - 1 {
+        let (send_at, send_len) = at(rank + n - s);
+        let (recv_at, recv_len) = at(rank + 2 * n - s - 1);
+        let mut whole_tmp = tmp.as_mut_slice();
+        let mut into = whole_tmp
+            .sub_mut(0, recv_len)
+            .ok_or_else(|| outside("scratch block too short"))?;
+        let out = buf
+            .as_slice()
+            .sub(send_at, send_len)
+            .ok_or_else(|| outside("block outside the buffer"))?;
+        c.sendrecv(out, right, into.reborrow(), left, TAG)
+            .map_err(RingError::Mpi)?;
+        let mine = buf
+            .sub_mut(recv_at, recv_len)
+            .ok_or_else(|| outside("block outside the buffer"))?;
+        kernels::accumulate(mine, into.as_slice(), op).map_err(RingError::Other)?;
+    }
+    // All-gather: block `rank + 1 - s` goes right, block `rank - s` comes from the left.
+    for s in 0..n - 1 {
+        let send = at(rank + 1 + n - s);
+        let recv = at(rank + n - s);
+        c.sendrecv_within(
+            buf.reborrow(),
+            (send.0, send.1, right),
+            (recv.0, recv.1, left),
+            TAG,
+        )
+        .map_err(RingError::Mpi)?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn blocks_cover_the_buffer_in_order_and_differ_by_at_most_one() {
+        for n in 1..=9 {
+            for len in [0usize, 1, 2, 7, 8, 9, 100, 1001] {
+                let b = blocks(len, n);
+                assert_eq!(b.len(), n);
+                let mut at = 0;
+                for &(o, l) in &b {
+                    assert_eq!(o, at, "len {len}, n {n}");
+                    at += l;
+                }
+                assert_eq!(at, len);
+                let (lo, hi) = (b.iter().map(|p| p.1).min(), b.iter().map(|p| p.1).max());
+                assert!(hi.unwrap() - lo.unwrap() <= 1);
+            }
+        }
+    }
+
+    #[test]
+    fn the_ring_applies_to_large_native_reductions_only() {
+        let big = RING_MIN_BYTES / 4;
+        assert!(applies(DType::F32, big, 2));
+        assert!(applies(DType::I64, big / 2, 3));
+        assert!(!applies(DType::F32, big - 1, 2));
+        assert!(!applies(DType::F32, big, 1));
+        assert!(!applies(DType::BF16, 2 * big, 2));
+        assert!(!applies(DType::U8, 4 * big, 2));
+    }
+}

@@ -1,0 +1,86 @@
+//! All-reduces of 32 MiB and more run as a ring of `MPI_Sendrecv` steps (the crate's `ring`
+//! module) instead of `MPI_Allreduce`: exact values at 2, 3 and 4 ranks, every reduction, in
+//! place and out of place, a length that does not divide by the rank count (blocks of unequal
+//! length), every type the ring takes, and the same bits on every rank.
+
+use backend_mpi::mpi_test;
+use grid_core::{Communicator, CommunicatorExt, Element, ReduceOp};
+
+/// Bytes of the buffers: above the ring's 32 MiB threshold, and 3 elements past a multiple of
+/// 4, so that no rank count of the tests divides the length.
+const BYTES: usize = (32 << 20) + 24;
+
+/// Rank `r`'s element `i`: small integers (exact sums and products in every type).
+fn value(r: usize, i: usize) -> i64 {
+    ((r * 7 + i * 3) % 5) as i64 + 1
+}
+
+/// The exact result (an average as the quotient; the types tested with `Avg` are floats).
+fn expected(n: usize, i: usize, op: ReduceOp) -> f64 {
+    let all = (0..n).map(|r| value(r, i));
+    (match op {
+        ReduceOp::Sum | ReduceOp::Avg => all.sum(),
+        ReduceOp::Prod => all.product(),
+        ReduceOp::Min => all.min().unwrap_or(0),
+        ReduceOp::Max => all.max().unwrap_or(0),
+    }) as f64
+        / if op == ReduceOp::Avg { n as f64 } else { 1.0 }
+}
+
+fn check<T: Element + PartialEq + Copy + std::fmt::Debug>(
+    c: &backend_mpi::MpiCommunicator,
+    conv: fn(f64) -> T,
+    ops: &[ReduceOp],
+) -> Result<(), String> {
+    let (me, n) = (c.rank(), c.size());
+    let len = BYTES / std::mem::size_of::<T>();
+    let mine: Vec<T> = (0..len).map(|i| conv(value(me, i) as f64)).collect();
+    for &op in ops {
+        let want = |i: usize| conv(expected(n, i, op));
+        let mut out = vec![conv(0.0); len];
+        c.all_reduce_into(&mine[..], &mut out[..], op)
+            .map_err(|e| format!("{op:?} out of place: {e}"))?;
+        if let Some(i) = (0..len).find(|&i| out[i] != want(i)) {
+            return Err(format!(
+                "{op:?} out of place, {} elements: element {i} is {:?}, expected {:?}",
+                len,
+                out[i],
+                want(i)
+            ));
+        }
+        let mut buf = mine.clone();
+        c.all_reduce_in_place(&mut buf[..], op)
+            .map_err(|e| format!("{op:?} in place: {e}"))?;
+        if buf != out {
+            return Err(format!("{op:?}: in place differs from out of place"));
+        }
+        // Every rank holds the same bits: the maximum over the ranks of the result equals it.
+        let mut max = out.clone();
+        c.all_reduce_in_place(&mut max[..], ReduceOp::Max)
+            .map_err(|e| format!("{op:?} agreement: {e}"))?;
+        if max != out {
+            return Err(format!("{op:?}: the ranks' results differ"));
+        }
+    }
+    Ok(())
+}
+
+fn every_type(rt: &backend_mpi::MpiRuntime) -> Result<(), String> {
+    let c = rt.world();
+    let all = [
+        ReduceOp::Sum,
+        ReduceOp::Prod,
+        ReduceOp::Min,
+        ReduceOp::Max,
+        ReduceOp::Avg,
+    ];
+    check::<f32>(c, |x| x as f32, &all)?;
+    check::<f64>(c, |x| x, &[ReduceOp::Sum, ReduceOp::Avg])?;
+    check::<i32>(c, |x| x as i32, &[ReduceOp::Sum, ReduceOp::Max])?;
+    check::<i64>(c, |x| x as i64, &[ReduceOp::Sum, ReduceOp::Min])?;
+    Ok(())
+}
+
+mpi_test!(mpi_ring_all_reduce_np2, np = 2, timeout = 180, every_type);
+mpi_test!(mpi_ring_all_reduce_np3, np = 3, timeout = 180, every_type);
+mpi_test!(mpi_ring_all_reduce_np4, np = 4, timeout = 240, every_type);
