@@ -81,8 +81,9 @@ pub struct MpiBackend {
     timeout: TimeLimit,
     /// The blocking collective in flight and the abort flag (see the `watch` module).
     watch: Arc<Watch>,
-    /// The scratch block of the ring all-reduce (`ring` module), kept between calls.
-    ring_scratch: std::sync::Mutex<Option<grid_core::HostBuffer>>,
+    /// The scratch blocks of the ring all-reduce and reduce-scatter (`ring` module), kept
+    /// between calls.
+    ring_scratch: ring::Scratch,
 }
 
 impl MpiBackend {
@@ -114,7 +115,7 @@ impl MpiBackend {
             finished: AtomicBool::new(false),
             timeout,
             watch,
-            ring_scratch: std::sync::Mutex::new(None),
+            ring_scratch: std::sync::Mutex::new([None, None]),
         };
         Ok(Comm::new(backend, name))
     }
@@ -211,17 +212,9 @@ impl MpiBackend {
     ) -> Result<()> {
         const OP: &str = "all_reduce";
         if ring::applies(buf.dtype(), buf.len(), self.size) {
-            return ring::all_reduce(
-                &self.check,
-                buf,
-                r,
-                (self.rank, self.size),
-                &self.ring_scratch,
-            )
-            .map_err(|e| match e {
-                ring::RingError::Mpi(e) => self.err(OP, e),
-                ring::RingError::Other(e) => e,
-            });
+            let me = (self.rank, self.size);
+            return ring::all_reduce(&self.check, buf, r, me, &self.ring_scratch)
+                .map_err(|e| self.ring_err(OP, e));
         }
         if raw::in_place_supported() {
             return c.all_reduce_in_place(buf, r).map_err(|e| self.err(OP, e));
@@ -229,6 +222,15 @@ impl MpiBackend {
         let send = buf.as_slice().to_owned_buffer();
         c.all_reduce(send.as_slice(), buf.reborrow(), r)
             .map_err(|e| self.err(OP, e))
+    }
+
+    /// The error of a ring (`ring` module) in operation `op`.
+    #[cold]
+    fn ring_err(&self, op: &'static str, e: ring::RingError) -> Error {
+        match e {
+            ring::RingError::Mpi(e) => self.err(op, e),
+            ring::RingError::Other(e) => e,
+        }
     }
 
     /// `MPI_IN_PLACE` all-gather of `buf` (`size · k` elements, this rank's block at
@@ -337,6 +339,21 @@ impl MpiBackend {
                 let plan = stage::plan(send.dtype(), op, self.size);
                 let _w = watch(watch::REDUCE_SCATTER);
                 match plan.wire {
+                    None if ring::applies(send.dtype(), send.len(), self.size) => {
+                        let me = (self.rank, self.size);
+                        ring::reduce_scatter(
+                            &self.check,
+                            send,
+                            recv.reborrow(),
+                            plan.op,
+                            me,
+                            &self.ring_scratch,
+                        )
+                        .map_err(|e| self.ring_err(OP, e))?;
+                        if let Some(n) = plan.divide {
+                            grid_core::kernels::divide(recv, n);
+                        }
+                    }
                     None => {
                         c.reduce_scatter(send, recv.reborrow(), plan.op)
                             .map_err(|e| self.err(OP, e))?;

@@ -13,7 +13,12 @@
 //!   all-reduce and all-gather pass `MPI_IN_PLACE`, blocking and nonblocking, with no copy; the
 //!   in-place reduce-scatter passes `MPI_IN_PLACE` to `MPI_Reduce_scatter_block`, which leaves
 //!   the result at the start of the buffer, and moves it to `rank · count` with one
-//!   `copy_within` of `count` elements (grid-core's convention, NCCL's). It is
+//!   `copy_within` of `count` elements (grid-core's convention, NCCL's). Blocking all-reduces
+//!   and out-of-place reduce-scatters of 32 MiB and more (f32, f64, i32, i64) run as a ring of `MPI_Sendrecv` steps on the
+//!   communicator's duplicate, reduced by grid-core's kernels with a scratch block kept per
+//!   communicator: Open MPI maps and page-faults a fresh temporary buffer for every such
+//!   `MPI_Allreduce` and `MPI_Reduce_scatter_block` (docs/performance.md, "Large
+//!   all-reduces"). It is
 //!   `Send + Sync` (see the `raw` module for the invariant).
 //! * [`MpiFactory`] implements [`grid_core::GroupFactory`]: `split` is `MPI_Comm_split`,
 //!   `create_group` is `MPI_Comm_create` over the parent.

@@ -1,7 +1,8 @@
-//! Large all-reduces as a ring of `MPI_Sendrecv` steps reduced by grid-core's kernels, instead
-//! of `MPI_Allreduce`.
+//! Large all-reduces and reduce-scatters as a ring of `MPI_Sendrecv` steps reduced by
+//! grid-core's kernels, instead of `MPI_Allreduce` and `MPI_Reduce_scatter_block`.
 //!
-//! Why: Open MPI 4.1's `MPI_Allreduce` allocates its temporary buffer on every call. From
+//! Why: Open MPI 4.1's `MPI_Allreduce` (and `MPI_Reduce_scatter_block`) allocates its
+//! temporary buffer on every call. From
 //! 32 MiB on, glibc serves such an allocation with a fresh `mmap` (its dynamic mmap threshold
 //! stops at 32 MiB), so every call page-faults the whole buffer in and unmaps it again: at
 //! 2 ranks an f32 sum of 32 MiB took 19–20 ms, and 7.5–8 ms with glibc told to keep large
@@ -18,8 +19,14 @@
 //! straight into the buffer (all indices modulo `n`). Every block is reduced along the ring in
 //! one order and then copied, so every rank ends with the same bits.
 //!
-//! Used for f32, f64, i32 and i64 (`Sum`, `Prod`, `Min`, `Max`, and `Avg` as a sum divided
-//! afterwards, as around `MPI_Allreduce`) from [`RING_MIN_BYTES`], on the communicator's
+//! The reduce-scatter ([`reduce_scatter`]) is the first half with the blocks shifted by one, so
+//! that each rank ends with its own block; partial results travel through two scratch blocks
+//! and the input is never written.
+//!
+//! Used for blocking calls of f32, f64, i32 and i64 (`Sum`, `Prod`, `Min`, `Max`, and `Avg` as
+//! a sum divided afterwards, as around the MPI calls) from [`RING_MIN_BYTES`] (of the whole
+//! all-reduce buffer, or of the reduce-scatter's input); the in-place reduce-scatter and the
+//! nonblocking forms stay with MPI, on the communicator's
 //! duplicate (the one the mismatch check uses), so its messages never meet a user's
 //! point-to-point messages. It runs under the same watch as `MPI_Allreduce`: a rank that
 //! passes its time limit or is aborted inside it ends the job as a blocking collective does.
@@ -64,6 +71,61 @@ fn kernel_op(r: raw::Reduce) -> ReduceOp {
     }
 }
 
+/// The ring reduce-scatter of `send` (`n` blocks of `recv.len()` elements) into `recv` on `c`
+/// with `r`: in step `s` rank `r` sends the partial result of block `r - s - 1` right and
+/// receives that of block `r - s - 2` from the left, to which it adds its own input of that
+/// block; after `n - 1` steps the block it holds is its own, `r`. Partial results travel
+/// through the two scratch blocks, so the input is never copied or written.
+pub(crate) fn reduce_scatter(
+    c: &raw::Comm,
+    send: grid_core::HostSlice<'_>,
+    mut recv: HostSliceMut<'_>,
+    r: raw::Reduce,
+    (rank, n): (usize, usize),
+    scratch: &Scratch,
+) -> std::result::Result<(), RingError> {
+    let op = kernel_op(r);
+    let k = recv.len();
+    let input = |b: usize| {
+        send.sub((b % n) * k, k)
+            .ok_or_else(|| outside("block outside the input"))
+    };
+    let mut guard = scratch.lock().unwrap_or_else(|p| p.into_inner());
+    let [a, b] = &mut *guard;
+    let (theirs, partial) = (block(a, send.dtype(), k), block(b, send.dtype(), k));
+    let (mut theirs, mut partial) = (theirs.as_mut_slice(), partial.as_mut_slice());
+    let (mut theirs, mut partial) = (
+        theirs
+            .sub_mut(0, k)
+            .ok_or_else(|| outside("scratch block too short"))?,
+        partial
+            .sub_mut(0, k)
+            .ok_or_else(|| outside("scratch block too short"))?,
+    );
+    let (right, left) = ((rank + 1) % n, (rank + n - 1) % n);
+    for s in 0..n - 1 {
+        let out = if s == 0 {
+            input(rank + n - 1)?
+        } else {
+            partial.as_slice()
+        };
+        c.sendrecv(out, right, theirs.reborrow(), left, TAG)
+            .map_err(RingError::Mpi)?;
+        // The block that arrived: `rank - s - 2`; at the last step this rank's own.
+        let target = if s == n - 2 {
+            recv.reborrow()
+        } else {
+            partial.reborrow()
+        };
+        let mut target = target;
+        target
+            .copy_from(input(rank + 2 * n - s - 2)?)
+            .map_err(RingError::Other)?;
+        kernels::accumulate(target, theirs.as_slice(), op).map_err(RingError::Other)?;
+    }
+    Ok(())
+}
+
 /// What went wrong inside the ring.
 #[derive(Debug)]
 pub(crate) enum RingError {
@@ -80,28 +142,36 @@ fn outside(what: &str) -> RingError {
     )))
 }
 
-/// The ring all-reduce of `buf` in place on `c` (see the module docs) with `r`; `scratch` is
-/// the communicator's cached block, kept for the next call.
+/// A communicator's scratch blocks, kept between calls (the all-reduce uses the first, the
+/// reduce-scatter both).
+pub(crate) type Scratch = Mutex<[Option<HostBuffer>; 2]>;
+
+/// Scratch block `slot` with room for `len` elements of `dtype` (reallocated when it has not).
+fn block(slot: &mut Option<HostBuffer>, dtype: DType, len: usize) -> &mut HostBuffer {
+    if !slot
+        .as_ref()
+        .is_some_and(|s| s.dtype() == dtype && s.len() >= len)
+    {
+        // The old block (if any) goes first: never two large blocks at once.
+        *slot = None;
+    }
+    slot.get_or_insert_with(|| HostBuffer::zeros(dtype, len))
+}
+
+/// The ring all-reduce of `buf` in place on `c` (see the module docs) with `r`; `scratch`
+/// holds the communicator's cached blocks.
 pub(crate) fn all_reduce(
     c: &raw::Comm,
     mut buf: HostSliceMut<'_>,
     r: raw::Reduce,
     (rank, n): (usize, usize),
-    scratch: &Mutex<Option<HostBuffer>>,
+    scratch: &Scratch,
 ) -> std::result::Result<(), RingError> {
     let op = kernel_op(r);
     let parts = blocks(buf.len(), n);
     let longest = parts.iter().map(|p| p.1).max().unwrap_or(0);
     let mut guard = scratch.lock().unwrap_or_else(|p| p.into_inner());
-    let fits = guard
-        .as_ref()
-        .is_some_and(|s| s.dtype() == buf.dtype() && s.len() >= longest);
-    if !fits {
-        // The old block (if any) goes first: never two large blocks at once.
-        *guard = None;
-        *guard = Some(HostBuffer::zeros(buf.dtype(), longest));
-    }
-    let tmp = guard.as_mut().ok_or_else(|| outside("no scratch block"))?;
+    let tmp = block(&mut guard[0], buf.dtype(), longest);
     let (right, left) = ((rank + 1) % n, (rank + n - 1) % n);
     let at = |i: usize| parts[i % n];
     // Reduce-scatter: block `rank - s` goes right, block `rank - s - 1` comes from the left.

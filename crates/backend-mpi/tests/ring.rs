@@ -1,7 +1,8 @@
-//! All-reduces of 32 MiB and more run as a ring of `MPI_Sendrecv` steps (the crate's `ring`
-//! module) instead of `MPI_Allreduce`: exact values at 2, 3 and 4 ranks, every reduction, in
-//! place and out of place, a length that does not divide by the rank count (blocks of unequal
-//! length), every type the ring takes, and the same bits on every rank.
+//! All-reduces and reduce-scatters of 32 MiB and more run as a ring of `MPI_Sendrecv` steps
+//! (the crate's `ring` module) instead of `MPI_Allreduce` / `MPI_Reduce_scatter_block`: exact
+//! values at 2, 3 and 4 ranks, every reduction, all-reduce in place and out of place with a
+//! length that does not divide by the rank count (blocks of unequal length), every type the
+//! ring takes, and the same bits on every rank.
 
 use backend_mpi::mpi_test;
 use grid_core::{Communicator, CommunicatorExt, Element, ReduceOp};
@@ -65,6 +66,35 @@ fn check<T: Element + PartialEq + Copy + std::fmt::Debug>(
     Ok(())
 }
 
+/// Reduce-scatter of `n` blocks of `k` elements (`n · k` elements above the threshold).
+fn check_scatter<T: Element + PartialEq + Copy + std::fmt::Debug>(
+    c: &backend_mpi::MpiCommunicator,
+    conv: fn(f64) -> T,
+    ops: &[ReduceOp],
+) -> Result<(), String> {
+    let (me, n) = (c.rank(), c.size());
+    let k = BYTES / std::mem::size_of::<T>() / n + 1;
+    let mine: Vec<T> = (0..n * k).map(|i| conv(value(me, i) as f64)).collect();
+    for &op in ops {
+        let mut out = vec![conv(0.0); k];
+        c.reduce_scatter_into(&mine[..], &mut out[..], op)
+            .map_err(|e| format!("reduce_scatter {op:?}: {e}"))?;
+        let want = |j: usize| conv(expected(n, me * k + j, op));
+        if let Some(j) = (0..k).find(|&j| out[j] != want(j)) {
+            return Err(format!(
+                "reduce_scatter {op:?}, blocks of {k}: element {j} is {:?}, expected {:?}",
+                out[j],
+                want(j)
+            ));
+        }
+        // The input is left as it was.
+        if (0..n * k).any(|i| mine[i] != conv(value(me, i) as f64)) {
+            return Err(format!("reduce_scatter {op:?} changed its input"));
+        }
+    }
+    Ok(())
+}
+
 fn every_type(rt: &backend_mpi::MpiRuntime) -> Result<(), String> {
     let c = rt.world();
     let all = [
@@ -78,6 +108,10 @@ fn every_type(rt: &backend_mpi::MpiRuntime) -> Result<(), String> {
     check::<f64>(c, |x| x, &[ReduceOp::Sum, ReduceOp::Avg])?;
     check::<i32>(c, |x| x as i32, &[ReduceOp::Sum, ReduceOp::Max])?;
     check::<i64>(c, |x| x as i64, &[ReduceOp::Sum, ReduceOp::Min])?;
+    check_scatter::<f32>(c, |x| x as f32, &all)?;
+    check_scatter::<f64>(c, |x| x, &[ReduceOp::Max])?;
+    check_scatter::<i32>(c, |x| x as i32, &[ReduceOp::Sum])?;
+    check_scatter::<i64>(c, |x| x as i64, &[ReduceOp::Prod])?;
     Ok(())
 }
 
