@@ -2,9 +2,9 @@
 //! grid-core's kernels, instead of `MPI_Allreduce` and `MPI_Reduce_scatter_block`.
 //!
 //! Why: Open MPI 4.1's `MPI_Allreduce` (and `MPI_Reduce_scatter_block`) allocates its
-//! temporary buffer on every call. From
-//! 32 MiB on, glibc serves such an allocation with a fresh `mmap` (its dynamic mmap threshold
-//! stops at 32 MiB), so every call page-faults the whole buffer in and unmaps it again: at
+//! temporary buffer on every call. From 32 MiB on, glibc serves such an allocation with a
+//! fresh `mmap` (its dynamic mmap threshold stops at 32 MiB), so every call page-faults the
+//! whole buffer in and unmaps it again: at
 //! 2 ranks an f32 sum of 32 MiB took 19–20 ms, and 7.5–8 ms with glibc told to keep large
 //! blocks (`GLIBC_TUNABLES=glibc.malloc.mmap_threshold=…`, which a library cannot set for its
 //! process). The ring keeps one scratch block per communicator across calls, moves
@@ -26,10 +26,10 @@
 //! Used for blocking calls of f32, f64, i32 and i64 (`Sum`, `Prod`, `Min`, `Max`, and `Avg` as
 //! a sum divided afterwards, as around the MPI calls) from [`RING_MIN_BYTES`] (of the whole
 //! all-reduce buffer, or of the reduce-scatter's input); the in-place reduce-scatter and the
-//! nonblocking forms stay with MPI, on the communicator's
-//! duplicate (the one the mismatch check uses), so its messages never meet a user's
-//! point-to-point messages. It runs under the same watch as `MPI_Allreduce`: a rank that
-//! passes its time limit or is aborted inside it ends the job as a blocking collective does.
+//! nonblocking forms stay with MPI. The ring runs on the communicator's duplicate (the one the
+//! mismatch check uses), so its messages never meet a user's point-to-point messages, and
+//! under the same watch as `MPI_Allreduce`: a rank that passes its time limit or is aborted
+//! inside it ends the job as a blocking collective does.
 
 use crate::raw;
 use grid_core::{kernels, DType, Error, HostBuffer, HostSliceMut, ReduceOp};
