@@ -962,7 +962,7 @@ pub(super) fn root_arrays(c: &[c_int], d: &[c_int]) -> (*const c_int, *const c_i
     }
 }
 
-/// One operation of [`Comm::batch`].
+/// One operation of [`Comm::batch_within`].
 pub(crate) enum P2p<'s, 'b> {
     Send {
         buf: HostSlice<'b>,
