@@ -30,12 +30,12 @@
 //! error exits without `MPI_Finalize` (which would wait for the operation that never finished);
 //! `mpirun` then ends the job.
 
-use backend_mpi::MpiRuntime;
-use grid_core::{Communicator, Error, TimeLimit};
-use grid_programs::smoke::{
-    dump_after_error, install_trace_dir, launcher_rank, run_loop, LoopOptions, Outcome, Waits,
-};
-use std::io::Write;
+use grid_core::{Communicator, TimeLimit};
+use grid_programs::smoke::{run_loop, LoopOptions, Waits};
+use mpi_rank::{end_mpi_rank, start_mpi_rank};
+
+#[path = "common/mpi_rank.rs"]
+mod mpi_rank;
 use std::process::ExitCode;
 
 const USAGE: &str = "usage: mpirun -np N mpi-loop [--bytes B] [--iters K | --seconds S] [--timeout-ms T] [--trace-dir D] [--fault RANK:KIND@ITER (a testing aid; KIND: kill, skip, count, dtype, op, root, long-send, abort)]";
@@ -52,49 +52,13 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    // The recorder comes before MPI: initialising MPI creates the world communicator, whose
-    // world rank then names the dump file.
-    let rt = match &options.trace_dir {
-        Some(dir) => install_trace_dir(dir, None),
-        None => Ok(()),
-    }
-    .and_then(|()| MpiRuntime::init().map_err(|e| e.to_string()));
-    let rt = match rt {
+    let rt = match start_mpi_rank(&options) {
         Ok(rt) => rt,
-        Err(e) => {
-            // No rank number without MPI: the launcher's, if any.
-            let outcome = Outcome {
-                rank: launcher_rank(),
-                completed: 0,
-                error: Some(e),
-            };
-            println!("{}", outcome.json_line());
-            return ExitCode::FAILURE;
-        }
+        Err(status) => return status,
     };
     let world = rt.world();
     world.set_time_limit(TimeLimit::After(options.timeout()));
-    let rank = world.rank();
     let mut completed = 0u64;
     let result = run_loop(world, &options, Waits::Nonblocking, &mut completed);
-    let outcome = Outcome {
-        rank,
-        completed,
-        error: result.as_ref().err().map(Error::to_string),
-    };
-    // The line first: once one rank exits, mpirun may end the others at any moment.
-    println!("{}", outcome.json_line());
-    let _ = std::io::stdout().flush();
-    match result {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            if let Some(warning) = dump_after_error(&e) {
-                eprintln!("mpi-loop: rank {rank}: {warning}");
-            }
-            let _ = std::io::stdout().flush();
-            let _ = std::io::stderr().flush();
-            // Not MPI_Finalize: it would wait for the all-reduce that never finished.
-            std::process::exit(1)
-        }
-    }
+    end_mpi_rank("mpi-loop", world.rank(), completed, result)
 }

@@ -25,13 +25,13 @@
 //! 2 with one line on standard error for invalid options). A rank that ended by an error exits
 //! without finalizing MPI.
 
-use backend_mpi::MpiRuntime;
 use backend_nccl::{NcclFactory, NcclOptions};
-use grid_core::{Communicator, Error, TimeLimit};
-use grid_programs::smoke::{
-    dump_after_error, install_trace_dir, launcher_rank, run_loop, LoopOptions, Outcome, Waits,
-};
-use std::io::Write;
+use grid_core::{Communicator, TimeLimit};
+use grid_programs::smoke::{run_loop, LoopOptions, Waits};
+use mpi_rank::{end_mpi_rank, start_mpi_rank};
+
+#[path = "common/mpi_rank.rs"]
+mod mpi_rank;
 use std::process::ExitCode;
 
 const USAGE: &str = "usage: mpirun -np N nccl-loop [--bytes B] [--iters K | --seconds S] [--timeout-ms T] [--trace-dir D] [--fault RANK:KIND@ITER (a testing aid; KIND: kill, skip, count, dtype, op, root, long-send, abort)]";
@@ -48,14 +48,9 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let rt = match &options.trace_dir {
-        Some(dir) => install_trace_dir(dir, None),
-        None => Ok(()),
-    }
-    .and_then(|()| MpiRuntime::init().map_err(|e| e.to_string()));
-    let rt = match rt {
+    let rt = match start_mpi_rank(&options) {
         Ok(rt) => rt,
-        Err(e) => return report_and_exit(launcher_rank(), 0, Err(e)),
+        Err(status) => return status,
     };
     let boot = rt.world();
     let rank = boot.rank();
@@ -65,35 +60,10 @@ fn main() -> ExitCode {
     };
     let (_factory, world) = match NcclFactory::init(boot, nccl_options) {
         Ok(made) => made,
-        Err(e) => return report_and_exit(rank, 0, Err(e.to_string())),
+        Err(e) => return end_mpi_rank("nccl-loop", rank, 0, Err(e)),
     };
     world.set_time_limit(TimeLimit::After(options.timeout()));
     let mut completed = 0u64;
     let result = run_loop(&world, &options, Waits::Nonblocking, &mut completed);
-    if let Err(e) = &result {
-        if let Some(warning) = dump_after_error(e) {
-            eprintln!("nccl-loop: rank {rank}: {warning}");
-        }
-    }
-    report_and_exit(rank, completed, result.map_err(|e: Error| e.to_string()))
-}
-
-/// Prints the rank's one line and ends the process: status 0 after a complete loop; otherwise
-/// status 1 without finalizing MPI (which would wait for the operation that never finished).
-fn report_and_exit(rank: usize, completed: u64, result: Result<(), String>) -> ExitCode {
-    let ok = result.is_ok();
-    let outcome = Outcome {
-        rank,
-        completed,
-        error: result.err(),
-    };
-    // The line first: once one rank exits, mpirun may end the others at any moment.
-    println!("{}", outcome.json_line());
-    let _ = std::io::stdout().flush();
-    let _ = std::io::stderr().flush();
-    if ok {
-        ExitCode::SUCCESS
-    } else {
-        std::process::exit(1)
-    }
+    end_mpi_rank("nccl-loop", rank, completed, result)
 }

@@ -647,12 +647,3 @@ pub fn dump_after_error(error: &Error) -> Option<String> {
         .err()
         .map(|e| format!("cannot dump the operation log: {e}"))
 }
-
-/// The rank the launcher gave this process (`OMPI_COMM_WORLD_RANK`, `PMI_RANK`), for the one
-/// line a rank prints when MPI itself could not start; 0 without a launcher.
-pub fn launcher_rank() -> usize {
-    ["OMPI_COMM_WORLD_RANK", "PMI_RANK"]
-        .iter()
-        .find_map(|v| std::env::var(v).ok()?.parse().ok())
-        .unwrap_or(0)
-}

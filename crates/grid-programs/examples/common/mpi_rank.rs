@@ -1,0 +1,58 @@
+//! The start and end of a rank of a loop under `mpirun`, shared by `mpi-loop` and `nccl-loop`
+//! (included with `#[path]`: the library crate builds no backend).
+
+use backend_mpi::MpiRuntime;
+use grid_core::{Error, Result};
+use grid_programs::smoke::{dump_after_error, install_trace_dir, LoopOptions, Outcome};
+use std::io::Write;
+use std::process::ExitCode;
+
+/// The start of a rank of a loop under `mpirun` (`mpi-loop`, `nccl-loop`): the recorder of
+/// `--trace-dir` first (initialising MPI creates the world communicator, whose world rank then
+/// names the dump file), then MPI. When either fails the rank has printed its one line, with
+/// the launcher's rank (`OMPI_COMM_WORLD_RANK`, `PMI_RANK`; MPI gives none), and `Err` is the
+/// status to exit with.
+pub fn start_mpi_rank(options: &LoopOptions) -> std::result::Result<MpiRuntime, ExitCode> {
+    let started = match &options.trace_dir {
+        Some(dir) => install_trace_dir(dir, None),
+        None => Ok(()),
+    }
+    .and_then(|()| MpiRuntime::init().map_err(|e| e.to_string()));
+    started.map_err(|e| {
+        let rank = ["OMPI_COMM_WORLD_RANK", "PMI_RANK"]
+            .iter()
+            .find_map(|v| std::env::var(v).ok()?.parse().ok())
+            .unwrap_or(0);
+        let outcome = Outcome {
+            rank,
+            completed: 0,
+            error: Some(e),
+        };
+        println!("{}", outcome.json_line());
+        ExitCode::FAILURE
+    })
+}
+
+/// The end of a rank of a loop under `mpirun`: its one line first (once one rank exits,
+/// `mpirun` may end the others at any moment), then, after an error, the operation log's dump
+/// (a warning about it on standard error, after `program: rank R: `) and exit status 1 without
+/// finalizing MPI, which would wait for the operation that never finished; status 0 after a
+/// complete loop.
+pub fn end_mpi_rank(program: &str, rank: usize, completed: u64, result: Result<()>) -> ExitCode {
+    let outcome = Outcome {
+        rank,
+        completed,
+        error: result.as_ref().err().map(Error::to_string),
+    };
+    println!("{}", outcome.json_line());
+    let _ = std::io::stdout().flush();
+    let Err(e) = result else {
+        return ExitCode::SUCCESS;
+    };
+    if let Some(warning) = dump_after_error(&e) {
+        eprintln!("{program}: rank {rank}: {warning}");
+    }
+    let _ = std::io::stdout().flush();
+    let _ = std::io::stderr().flush();
+    std::process::exit(1)
+}
