@@ -732,8 +732,10 @@ pub enum RawP2p<'a> {
 /// Which slots an exchange's messages travel on ([`RawContext::exchange`]): a collective's own,
 /// or those of the mismatch check that runs under the same tag right before it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Channel {
+pub(crate) enum Channel {
+    /// The collective's own slots (`gloo_shim_exchange`).
     Collective,
+    /// The mismatch check's slots (`gloo_shim_check_exchange`).
     Check,
 }
 
@@ -1486,22 +1488,10 @@ impl RawContext {
         self.exchange_on(Channel::Collective, send, sends, recv, recvs, tag, timeout)
     }
 
-    /// [`RawContext::exchange`] for the mismatch check of the collective with tag `tag`: its
-    /// messages travel on slots of their own (never the checked collective's).
-    pub(crate) fn check_exchange(
-        &self,
-        send: HostSlice<'_>,
-        sends: &[RawBlock],
-        recv: HostSliceMut<'_>,
-        recvs: &[RawBlock],
-        tag: u32,
-        timeout: Duration,
-    ) -> ShimResult<Vec<P2pMismatch>> {
-        self.exchange_on(Channel::Check, send, sends, recv, recvs, tag, timeout)
-    }
-
+    /// [`RawContext::exchange`] on the slots of `channel`: the mismatch check of the collective
+    /// with tag `tag` uses [`Channel::Check`], so its messages never meet the collective's.
     #[allow(clippy::too_many_arguments)]
-    fn exchange_on(
+    pub(crate) fn exchange_on(
         &self,
         channel: Channel,
         send: HostSlice<'_>,

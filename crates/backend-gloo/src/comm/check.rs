@@ -19,7 +19,7 @@
 //! those of every other operation.
 
 use super::Inner;
-use crate::ffi::RawBlock;
+use crate::ffi::{Channel, RawBlock};
 use grid_core::{HostSlice, HostSliceMut, Result};
 use std::time::Duration;
 
@@ -81,24 +81,18 @@ impl Inner {
         tag: u32,
         limit: Duration,
     ) -> Result<()> {
-        const OP: &str = "all_reduce";
-        let mismatches = self
-            .ctx
-            .check_exchange(
-                HostSlice::I64(send),
-                sends,
-                HostSliceMut::I64(recv),
-                recvs,
-                tag,
-                limit,
-            )
-            .map_err(|e| self.fail_after(OP, e, limit))?;
-        match mismatches.first() {
-            None => Ok(()),
-            // Every rank sends the same fixed number of integers; a message of another length
-            // means a peer runs a different version of this library.
-            Some(m) => Err(self.block_mismatch(OP, m)),
-        }
+        // Every rank sends the same fixed number of integers; a message of another length
+        // means a peer runs a different version of this library.
+        self.exchange_on(
+            Channel::Check,
+            "all_reduce",
+            HostSlice::I64(send),
+            sends,
+            HostSliceMut::I64(recv),
+            recvs,
+            tag,
+            limit,
+        )
     }
 }
 

@@ -20,7 +20,7 @@
 //! kernels, bit for bit (the same as the in-process backend), including `Avg`.
 
 use super::{Inner, BACKEND, MESSAGE_MISMATCH};
-use crate::ffi::{P2pMismatch, RawBlock};
+use crate::ffi::{Channel, P2pMismatch, RawBlock};
 use grid_core::{
     kernels, Error, HostBuffer, HostSlice, HostSliceMut, LibraryError, ReduceOp, Result,
 };
@@ -65,12 +65,38 @@ impl Inner {
         tag: u32,
         limit: Duration,
     ) -> Result<()> {
+        self.exchange_on(
+            Channel::Collective,
+            op,
+            send,
+            sends,
+            recv,
+            recvs,
+            tag,
+            limit,
+        )
+    }
+
+    /// [`Inner::exchange`] on the slots of `channel` (the mismatch check's exchanges use
+    /// [`Channel::Check`]).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn exchange_on(
+        &self,
+        channel: Channel,
+        op: &'static str,
+        send: HostSlice<'_>,
+        sends: &[RawBlock],
+        recv: HostSliceMut<'_>,
+        recvs: &[RawBlock],
+        tag: u32,
+        limit: Duration,
+    ) -> Result<()> {
         if sends.is_empty() && recvs.is_empty() {
             return Ok(());
         }
         let mismatches = self
             .ctx
-            .exchange(send, sends, recv, recvs, tag, limit)
+            .exchange_on(channel, send, sends, recv, recvs, tag, limit)
             .map_err(|e| self.fail_after(op, e, limit))?;
         match mismatches.first() {
             None => Ok(()),
@@ -80,7 +106,7 @@ impl Inner {
 
     /// The error of a block whose two sides disagreed (possible only with the mismatch check
     /// off): [`Error::Library`] of class [`MESSAGE_MISMATCH`]. The communicator stays usable.
-    pub(super) fn block_mismatch(&self, op: &'static str, m: &P2pMismatch) -> Error {
+    fn block_mismatch(&self, op: &'static str, m: &P2pMismatch) -> Error {
         let world = self.global_ranks.get(m.peer).copied().unwrap_or(m.peer);
         let peer = m.peer;
         tracing::warn!(communicator = %self.name, op, peer, posted = ?m.posted, sent = ?m.sent, is_recv = m.is_recv, "the ranks disagreed on a block of a collective");
