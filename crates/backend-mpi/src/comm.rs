@@ -212,9 +212,7 @@ impl MpiBackend {
     ) -> Result<()> {
         const OP: &str = "all_reduce";
         if ring::applies(buf.dtype(), buf.len(), self.size) {
-            let me = (self.rank, self.size);
-            return ring::all_reduce(&self.check, buf, r, me, &self.ring_scratch)
-                .map_err(|e| self.ring_err(OP, e));
+            return self.ring_all_reduce(buf, r);
         }
         if raw::in_place_supported() {
             return c.all_reduce_in_place(buf, r).map_err(|e| self.err(OP, e));
@@ -222,6 +220,13 @@ impl MpiBackend {
         let send = buf.as_slice().to_owned_buffer();
         c.all_reduce(send.as_slice(), buf.reborrow(), r)
             .map_err(|e| self.err(OP, e))
+    }
+
+    /// The `ring` module's all-reduce of `buf` in place, on the duplicate communicator.
+    fn ring_all_reduce(&self, buf: HostSliceMut<'_>, r: raw::Reduce) -> Result<()> {
+        let me = (self.rank, self.size);
+        ring::all_reduce(&self.check, buf, r, me, &self.ring_scratch)
+            .map_err(|e| self.ring_err("all_reduce", e))
     }
 
     /// The error of a ring (`ring` module) in operation `op`.
@@ -297,7 +302,7 @@ impl MpiBackend {
                 if ring::applies(send.dtype(), send.len(), self.size) {
                     // The ring works in place: one copy of the input first.
                     recv.copy_from(send)?;
-                    self.reduce_in_place(c, recv.reborrow(), plan.op)?;
+                    self.ring_all_reduce(recv.reborrow(), plan.op)?;
                 } else {
                     c.all_reduce(send, recv.reborrow(), plan.op)
                         .map_err(|e| self.err(OP, e))?;
