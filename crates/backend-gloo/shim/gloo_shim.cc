@@ -1418,6 +1418,12 @@ class P2pTransfer {
       if (match && h.bytes > 0) {
         std::memcpy(op_.ptr, staging_.get() + kHeader, h.bytes);
         g_p2p_copied.fetch_add(h.bytes, std::memory_order_relaxed);
+      } else if (!match && op_.keep_prefix != 0 && h.dtype == op_.dtype) {
+        const size_t prefix = std::min<size_t>(static_cast<size_t>(h.bytes), op_.bytes);
+        if (prefix > 0) {
+          std::memcpy(op_.ptr, staging_.get() + kHeader, prefix);
+          g_p2p_copied.fetch_add(prefix, std::memory_order_relaxed);
+        }
       }
       return;
     }

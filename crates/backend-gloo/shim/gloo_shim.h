@@ -133,6 +133,12 @@ typedef struct gloo_shim_p2p_op {
   int32_t mismatch;
   int32_t other_dtype;
   uint64_t other_count;
+  /* Input, receives only (0 for sends): when 1 and an inline message (at most
+   * GLOO_SHIM_P2P_INLINE_MAX bytes) of the same element type but another count arrives, its
+   * first min(sent, posted) elements are still copied into ptr (mismatch = 1 and other_count
+   * report the whole message). The mismatch check's messages all begin with the sender's
+   * fingerprint, which a receiver then reads whatever the rest of the message is. */
+  int32_t keep_prefix;
 } gloo_shim_p2p_op;
 
 /* ---- stores ---------------------------------------------------------------------------------- */

@@ -3,8 +3,8 @@
 
 use crate::exec::{panic_message, worker_gone, Completion, GlooWork, Sequencer};
 use crate::ffi::{
-    AllreduceAlgorithm, P2pMismatch, RawContext, RawOp, RawP2p, ReduceScatterAlgorithm, ShimCode,
-    ShimError, P2P_INLINE_MAX,
+    AllreduceAlgorithm, Channel, P2pMismatch, RawContext, RawOp, RawP2p, ReduceScatterAlgorithm,
+    ShimCode, ShimError, P2P_INLINE_MAX,
 };
 use grid_core::{
     kernels, Backend, Comm, DType, DeferredCheck, Error, HostBuffer, HostSlice, HostSliceMut,
@@ -18,7 +18,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 mod check;
+mod oneshot;
 mod vops;
+
+use oneshot::Small;
 
 const BACKEND: &str = "gloo";
 /// The failure recorded by [`GlooBackend::abort`].
@@ -367,6 +370,7 @@ impl Inner {
     /// `send = None`: in place on `recv` (Gloo gets no input and reduces its output buffer).
     fn all_reduce(
         &self,
+        check: Option<&DeferredCheck>,
         send: Option<HostSlice<'_>>,
         mut recv: HostSliceMut<'_>,
         op: ReduceOp,
@@ -374,6 +378,14 @@ impl Inner {
         limit: Duration,
     ) -> Result<()> {
         const OP: &str = "all_reduce";
+        let small = Small::AllReduce {
+            send,
+            recv: recv.reborrow(),
+            op,
+        };
+        if self.one_shot(check, small, tag, limit)? {
+            return Ok(());
+        }
         self.alive(OP)?;
         if let Some(wide) = widened_average(send.unwrap_or(recv.as_slice()), op) {
             // An i32 or u8 average sums in i64 (grid_core::kernels' rule): the conversion is
@@ -403,12 +415,20 @@ impl Inner {
 
     fn broadcast(
         &self,
-        buf: HostSliceMut<'_>,
+        check: Option<&DeferredCheck>,
+        mut buf: HostSliceMut<'_>,
         root: usize,
         tag: u32,
         limit: Duration,
     ) -> Result<()> {
         const OP: &str = "broadcast";
+        let small = Small::Broadcast {
+            buf: buf.reborrow(),
+            root,
+        };
+        if self.one_shot(check, small, tag, limit)? {
+            return Ok(());
+        }
         self.alive(OP)?;
         self.ctx
             .broadcast(buf, root, tag, limit)
@@ -417,12 +437,20 @@ impl Inner {
 
     fn all_gather(
         &self,
+        check: Option<&DeferredCheck>,
         send: HostSlice<'_>,
-        recv: HostSliceMut<'_>,
+        mut recv: HostSliceMut<'_>,
         tag: u32,
         limit: Duration,
     ) -> Result<()> {
         const OP: &str = "all_gather";
+        let small = Small::AllGather {
+            send: Some(send),
+            recv: recv.reborrow(),
+        };
+        if self.one_shot(check, small, tag, limit)? {
+            return Ok(());
+        }
         self.alive(OP)?;
         self.ctx
             .allgather(send, recv, tag, limit)
@@ -431,6 +459,7 @@ impl Inner {
 
     fn reduce_scatter(
         &self,
+        check: Option<&DeferredCheck>,
         send: HostSlice<'_>,
         mut recv: HostSliceMut<'_>,
         op: ReduceOp,
@@ -438,6 +467,14 @@ impl Inner {
         limit: Duration,
     ) -> Result<()> {
         const OP: &str = "reduce_scatter";
+        let small = Small::ReduceScatter {
+            send: Some(send),
+            recv: recv.reborrow(),
+            op,
+        };
+        if self.one_shot(check, small, tag, limit)? {
+            return Ok(());
+        }
         self.alive(OP)?;
         if let Some(wide) = widened_average(send, op) {
             // As in all_reduce: an i32 or u8 average sums in i64.
@@ -474,8 +511,21 @@ impl Inner {
     }
 
     /// All-gather in place: Gloo gets no input and reads this rank's block from `buf`.
-    fn all_gather_in_place(&self, buf: HostSliceMut<'_>, tag: u32, limit: Duration) -> Result<()> {
+    fn all_gather_in_place(
+        &self,
+        check: Option<&DeferredCheck>,
+        mut buf: HostSliceMut<'_>,
+        tag: u32,
+        limit: Duration,
+    ) -> Result<()> {
         const OP: &str = "all_gather";
+        let small = Small::AllGather {
+            send: None,
+            recv: buf.reborrow(),
+        };
+        if self.one_shot(check, small, tag, limit)? {
+            return Ok(());
+        }
         self.alive(OP)?;
         self.ctx
             .allgather_in_place(buf, tag, limit)
@@ -490,12 +540,21 @@ impl Inner {
     /// staging) and the block narrowed back.
     fn reduce_scatter_in_place(
         &self,
+        check: Option<&DeferredCheck>,
         mut buf: HostSliceMut<'_>,
         op: ReduceOp,
         tag: u32,
         limit: Duration,
     ) -> Result<()> {
         const OP: &str = "reduce_scatter";
+        let small = Small::ReduceScatter {
+            send: None,
+            recv: buf.reborrow(),
+            op,
+        };
+        if self.one_shot(check, small, tag, limit)? {
+            return Ok(());
+        }
         self.alive(OP)?;
         let k = buf.len() / self.size().max(1);
         let at = self.rank() * k;
@@ -560,51 +619,84 @@ impl Inner {
 
     fn all_to_all(
         &self,
+        check: Option<&DeferredCheck>,
         send: HostSlice<'_>,
-        recv: HostSliceMut<'_>,
+        mut recv: HostSliceMut<'_>,
         tag: u32,
         limit: Duration,
     ) -> Result<()> {
         const OP: &str = "all_to_all";
+        let small = Small::AllToAll {
+            send,
+            recv: recv.reborrow(),
+        };
+        if self.one_shot(check, small, tag, limit)? {
+            return Ok(());
+        }
         self.alive(OP)?;
         self.ctx
             .alltoall(send, recv, tag, limit)
             .map_err(|e| self.fail_after(OP, e, limit))
     }
 
-    fn barrier(&self, tag: u32, limit: Duration) -> Result<()> {
+    fn barrier(&self, check: Option<&DeferredCheck>, tag: u32, limit: Duration) -> Result<()> {
         const OP: &str = "barrier";
+        if self.one_shot(check, Small::Barrier, tag, limit)? {
+            return Ok(());
+        }
         self.alive(OP)?;
         self.ctx
             .barrier(tag, limit)
             .map_err(|e| self.fail_after(OP, e, limit))
     }
 
-    /// Runs the mismatch check of a nonblocking collective (on the worker, its turn held, right
-    /// before the collective, with the collective's tag: the two exchanges and the collective
-    /// follow each other on every rank in the same order).
+    /// Runs the mismatch check's exchanges where one round of fingerprints does not decide it
+    /// (more than [`check::DIRECT_MAX`] ranks, or an all-to-all-v's counts): its turn held,
+    /// right before the collective, with the collective's tag, every exchange on the check's
+    /// slots (the exchanges and the collective follow each other on every rank in the same
+    /// order).
     fn verify(&self, check: &DeferredCheck, tag: u32, limit: Duration) -> Result<()> {
+        let on_check = Channel::Check;
         check.verify(
             &mut |both| self.check_max(both, tag, limit),
             &mut |mine, all| {
-                self.all_gather(HostSlice::I64(mine), HostSliceMut::I64(all), tag, limit)
+                let send = Some(HostSlice::I64(mine));
+                let c = Small::AllGather {
+                    send,
+                    recv: HostSliceMut::I64(all),
+                };
+                self.round(on_check, None, c, tag, limit)
             },
             &mut |mine, theirs| {
-                self.all_to_all(HostSlice::I64(mine), HostSliceMut::I64(theirs), tag, limit)
+                let send = HostSlice::I64(mine);
+                let c = Small::AllToAll {
+                    send,
+                    recv: HostSliceMut::I64(theirs),
+                };
+                self.round(on_check, None, c, tag, limit)
             },
         )
     }
 
     /// Runs a nonblocking collective (on the worker, its turn held) and returns its result buffer.
-    fn exec(&self, request: Request, tag: u32, limit: Duration) -> Result<Tensor> {
+    fn exec(
+        &self,
+        request: Request,
+        check: Option<&DeferredCheck>,
+        tag: u32,
+        limit: Duration,
+    ) -> Result<Tensor> {
         let op = request.name();
+        if !one_round_form(&request) {
+            self.check_only(check, tag, limit)?;
+        }
         // Host memory: the front end accepted nothing else, so this cannot fail.
         fn h<'t>(op: &'static str, t: &'t mut Tensor) -> Result<HostSliceMut<'t>> {
             t.as_mut().host_only(op, BACKEND)
         }
         match request {
             Request::AllReduce { mut buf, op: r } => {
-                self.all_reduce(None, h(op, &mut buf)?, r, tag, limit)?;
+                self.all_reduce(check, None, h(op, &mut buf)?, r, tag, limit)?;
                 Ok(buf)
             }
             Request::AllReduceInto {
@@ -613,6 +705,7 @@ impl Inner {
                 op: r,
             } => {
                 self.all_reduce(
+                    check,
                     Some(h(op, &mut send)?.as_slice()),
                     h(op, &mut recv)?,
                     r,
@@ -622,11 +715,17 @@ impl Inner {
                 Ok(recv)
             }
             Request::Broadcast { mut buf, root } => {
-                self.broadcast(h(op, &mut buf)?, root, tag, limit)?;
+                self.broadcast(check, h(op, &mut buf)?, root, tag, limit)?;
                 Ok(buf)
             }
             Request::AllGather { mut send, mut recv } => {
-                self.all_gather(h(op, &mut send)?.as_slice(), h(op, &mut recv)?, tag, limit)?;
+                self.all_gather(
+                    check,
+                    h(op, &mut send)?.as_slice(),
+                    h(op, &mut recv)?,
+                    tag,
+                    limit,
+                )?;
                 Ok(recv)
             }
             Request::ReduceScatter {
@@ -635,6 +734,7 @@ impl Inner {
                 op: r,
             } => {
                 self.reduce_scatter(
+                    check,
                     h(op, &mut send)?.as_slice(),
                     h(op, &mut recv)?,
                     r,
@@ -644,19 +744,25 @@ impl Inner {
                 Ok(recv)
             }
             Request::AllToAll { mut send, mut recv } => {
-                self.all_to_all(h(op, &mut send)?.as_slice(), h(op, &mut recv)?, tag, limit)?;
+                self.all_to_all(
+                    check,
+                    h(op, &mut send)?.as_slice(),
+                    h(op, &mut recv)?,
+                    tag,
+                    limit,
+                )?;
                 Ok(recv)
             }
             Request::AllGatherInPlace { mut buf } => {
-                self.all_gather_in_place(h(op, &mut buf)?, tag, limit)?;
+                self.all_gather_in_place(check, h(op, &mut buf)?, tag, limit)?;
                 Ok(buf)
             }
             Request::ReduceScatterInPlace { mut buf, op: r } => {
-                self.reduce_scatter_in_place(h(op, &mut buf)?, r, tag, limit)?;
+                self.reduce_scatter_in_place(check, h(op, &mut buf)?, r, tag, limit)?;
                 Ok(buf)
             }
             Request::Barrier => {
-                self.barrier(tag, limit)?;
+                self.barrier(check, tag, limit)?;
                 Ok(Tensor::Host(HostBuffer::zeros(DType::U8, 0)))
             }
             Request::Send { .. } | Request::Recv { .. } => Err(self.internal(
@@ -784,16 +890,30 @@ impl Inner {
     }
 }
 
+/// Whether a nonblocking collective runs its own check (one round with its data, or the check
+/// first: `Inner::one_shot`); the others get theirs from `Inner::check_only`.
+fn one_round_form(r: &Request) -> bool {
+    matches!(
+        r,
+        Request::AllReduce { .. }
+            | Request::AllReduceInto { .. }
+            | Request::Broadcast { .. }
+            | Request::AllGather { .. }
+            | Request::ReduceScatter { .. }
+            | Request::AllToAll { .. }
+            | Request::AllGatherInPlace { .. }
+            | Request::ReduceScatterInPlace { .. }
+            | Request::Barrier
+    )
+}
+
 fn worker_loop(inner: Arc<Inner>, rx: Receiver<Job>) {
     for job in rx {
         let turn = inner.seq.turn(job.ticket);
         let tag = turn.tag();
         let op = job.request.name();
         let r = catch_unwind(AssertUnwindSafe(|| {
-            if let Some(check) = &job.check {
-                inner.verify(check, tag, job.limit)?;
-            }
-            inner.exec(job.request, tag, job.limit)
+            inner.exec(job.request, job.check.as_ref(), tag, job.limit)
         }));
         // Complete before releasing the turn, so that `synchronize` (which waits for the turns)
         // sees every earlier operation completed.
@@ -1115,31 +1235,6 @@ impl Backend for GlooBackend {
         self.inner.alive(op)
     }
 
-    /// The check's all-reduce (the maximum of a few `i64`s) runs as one round of messages
-    /// (`Inner::check_max` in `comm/check.rs`) instead of libgloo's all-reduce, which costs
-    /// several message latencies; its other exchanges (taken only when the ranks disagree) run
-    /// as any operation.
-    fn run_check(&self, op: Validated<Op<'_>>) -> Result<()> {
-        let the_max = matches!(
-            op.op(),
-            Op::AllReduceInPlace { buf, op: ReduceOp::Max }
-                if buf.dtype() == DType::I64 && buf.memory() == Memory::Host
-        );
-        if !the_max {
-            return self.run(op);
-        }
-        let limit = op_limit(op.time_limit());
-        if let Op::AllReduceInPlace { buf, .. } = op.into_op() {
-            if let HostSliceMut::I64(values) = buf.host_only("all_reduce", BACKEND)? {
-                let turn = self.inner.seq.enter();
-                return self.inner.check_max(values, turn.tag(), limit);
-            }
-        }
-        // Unreachable: the shape was matched above.
-        Err(Error::Invalid(
-            "all_reduce: the mismatch check's buffer changed shape".into(),
-        ))
-    }
     fn default_time_limit(&self) -> grid_core::TimeLimit {
         grid_core::TimeLimit::After(self.timeout())
     }
@@ -1153,57 +1248,59 @@ impl Backend for GlooBackend {
         self.inner.ctx.close();
     }
 
-    fn run(&self, op: Validated<Op<'_>>) -> Result<()> {
+    fn run(&self, mut op: Validated<Op<'_>>) -> Result<()> {
         let inner = &*self.inner;
         let limit = op_limit(op.time_limit());
+        let check = op.take_check();
+        let check = check.as_ref();
         match op.into_op() {
             Op::AllReduce { send, recv, op } => {
                 const OP: &str = "all_reduce";
                 let (send, recv) = (send.host_only(OP, BACKEND)?, recv.host_only(OP, BACKEND)?);
                 let turn = inner.seq.enter();
-                inner.all_reduce(Some(send), recv, op, turn.tag(), limit)
+                inner.all_reduce(check, Some(send), recv, op, turn.tag(), limit)
             }
             Op::AllReduceInPlace { buf, op } => {
                 let buf = buf.host_only("all_reduce", BACKEND)?;
                 let turn = inner.seq.enter();
-                inner.all_reduce(None, buf, op, turn.tag(), limit)
+                inner.all_reduce(check, None, buf, op, turn.tag(), limit)
             }
             Op::Broadcast { buf, root } => {
                 let buf = buf.host_only("broadcast", BACKEND)?;
                 let turn = inner.seq.enter();
-                inner.broadcast(buf, root, turn.tag(), limit)
+                inner.broadcast(check, buf, root, turn.tag(), limit)
             }
             Op::AllGather { send, recv } => {
                 const OP: &str = "all_gather";
                 let (send, recv) = (send.host_only(OP, BACKEND)?, recv.host_only(OP, BACKEND)?);
                 let turn = inner.seq.enter();
-                inner.all_gather(send, recv, turn.tag(), limit)
+                inner.all_gather(check, send, recv, turn.tag(), limit)
             }
             Op::ReduceScatter { send, recv, op } => {
                 const OP: &str = "reduce_scatter";
                 let (send, recv) = (send.host_only(OP, BACKEND)?, recv.host_only(OP, BACKEND)?);
                 let turn = inner.seq.enter();
-                inner.reduce_scatter(send, recv, op, turn.tag(), limit)
+                inner.reduce_scatter(check, send, recv, op, turn.tag(), limit)
             }
             Op::AllGatherInPlace { buf } => {
                 let buf = buf.host_only("all_gather", BACKEND)?;
                 let turn = inner.seq.enter();
-                inner.all_gather_in_place(buf, turn.tag(), limit)
+                inner.all_gather_in_place(check, buf, turn.tag(), limit)
             }
             Op::ReduceScatterInPlace { buf, op } => {
                 let buf = buf.host_only("reduce_scatter", BACKEND)?;
                 let turn = inner.seq.enter();
-                inner.reduce_scatter_in_place(buf, op, turn.tag(), limit)
+                inner.reduce_scatter_in_place(check, buf, op, turn.tag(), limit)
             }
             Op::AllToAll { send, recv } => {
                 const OP: &str = "all_to_all";
                 let (send, recv) = (send.host_only(OP, BACKEND)?, recv.host_only(OP, BACKEND)?);
                 let turn = inner.seq.enter();
-                inner.all_to_all(send, recv, turn.tag(), limit)
+                inner.all_to_all(check, send, recv, turn.tag(), limit)
             }
             Op::Barrier => {
                 let turn = inner.seq.enter();
-                inner.barrier(turn.tag(), limit)
+                inner.barrier(check, turn.tag(), limit)
             }
             Op::Send { buf, peer, tag } => {
                 let data = buf.host_only("send", BACKEND)?;
@@ -1223,6 +1320,7 @@ impl Backend for GlooBackend {
                 const OP: &str = "all_to_all_v";
                 let (send, recv) = (send.host_only(OP, BACKEND)?, recv.host_only(OP, BACKEND)?);
                 let turn = inner.seq.enter();
+                inner.check_only(check, turn.tag(), limit)?;
                 inner.all_to_all_v(send, send_counts, recv, recv_counts, turn.tag(), limit)
             }
             Op::AllGatherV {
@@ -1233,6 +1331,7 @@ impl Backend for GlooBackend {
                 const OP: &str = "all_gather_v";
                 let (send, recv) = (send.host_only(OP, BACKEND)?, recv.host_only(OP, BACKEND)?);
                 let turn = inner.seq.enter();
+                inner.check_only(check, turn.tag(), limit)?;
                 inner.all_gather_v(send, recv, recv_counts, turn.tag(), limit)
             }
             Op::ReduceScatterV {
@@ -1244,6 +1343,7 @@ impl Backend for GlooBackend {
                 const OP: &str = "reduce_scatter_v";
                 let (send, recv) = (send.host_only(OP, BACKEND)?, recv.host_only(OP, BACKEND)?);
                 let turn = inner.seq.enter();
+                inner.check_only(check, turn.tag(), limit)?;
                 inner.reduce_scatter_v(send, send_counts, recv, op, turn.tag(), limit)
             }
             Op::Reduce {
@@ -1256,6 +1356,7 @@ impl Backend for GlooBackend {
                 let send = send.host_only(OP, BACKEND)?;
                 let recv = recv.map(|r| r.host_only(OP, BACKEND)).transpose()?;
                 let turn = inner.seq.enter();
+                inner.check_only(check, turn.tag(), limit)?;
                 inner.reduce(send, recv, op, root, turn.tag(), limit)
             }
             Op::Gather { send, recv, root } => {
@@ -1263,6 +1364,7 @@ impl Backend for GlooBackend {
                 let send = send.host_only(OP, BACKEND)?;
                 let recv = recv.map(|r| r.host_only(OP, BACKEND)).transpose()?;
                 let turn = inner.seq.enter();
+                inner.check_only(check, turn.tag(), limit)?;
                 inner.gather(send, recv, root, turn.tag(), limit)
             }
             Op::Scatter { send, recv, root } => {
@@ -1270,6 +1372,7 @@ impl Backend for GlooBackend {
                 let send = send.map(|s| s.host_only(OP, BACKEND)).transpose()?;
                 let recv = recv.host_only(OP, BACKEND)?;
                 let turn = inner.seq.enter();
+                inner.check_only(check, turn.tag(), limit)?;
                 inner.scatter(send, recv, root, turn.tag(), limit)
             }
         }

@@ -847,6 +847,7 @@ fn raw_op_of(
         mismatch: 0,
         other_dtype: -1,
         other_count: 0,
+        keep_prefix: 0,
     }
 }
 
@@ -1490,6 +1491,9 @@ impl RawContext {
 
     /// [`RawContext::exchange`] on the slots of `channel`: the mismatch check of the collective
     /// with tag `tag` uses [`Channel::Check`], so its messages never meet the collective's.
+    /// On [`Channel::Check`] a receive whose message has the same element type but another
+    /// count still gets the message's first elements (as many as the block holds; the mismatch
+    /// is reported as usual): every check message begins with its sender's fingerprint.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn exchange_on(
         &self,
@@ -1534,14 +1538,10 @@ impl RawContext {
             // The pointer is only formed here (wrapping_add: no unsafe); the shim dereferences
             // it for the block's bytes, which lie inside `recv` (checked above).
             let p = rp.wrapping_add(b.offset * rd.size_bytes());
-            raw.push(raw_op_of(
-                true,
-                self.check_peer(b.peer)?,
-                tag,
-                rd,
-                b.count,
-                p.cast(),
-            ));
+            let mut op = raw_op_of(true, self.check_peer(b.peer)?, tag, rd, b.count, p.cast());
+            // The shim writes at most the block's bytes either way.
+            op.keep_prefix = i32::from(channel == Channel::Check);
+            raw.push(op);
         }
         for b in sends {
             let p = sp.wrapping_add(b.offset * sd.size_bytes());

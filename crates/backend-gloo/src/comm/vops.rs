@@ -106,7 +106,7 @@ impl Inner {
 
     /// The error of a block whose two sides disagreed (possible only with the mismatch check
     /// off): [`Error::Library`] of class [`MESSAGE_MISMATCH`]. The communicator stays usable.
-    fn block_mismatch(&self, op: &'static str, m: &P2pMismatch) -> Error {
+    pub(super) fn block_mismatch(&self, op: &'static str, m: &P2pMismatch) -> Error {
         let world = self.global_ranks.get(m.peer).copied().unwrap_or(m.peer);
         let peer = m.peer;
         tracing::warn!(communicator = %self.name, op, peer, posted = ?m.posted, sent = ?m.sent, is_recv = m.is_recv, "the ranks disagreed on a block of a collective");

@@ -508,13 +508,23 @@ impl<B: Backend> Comm<B> {
     }
 
     /// The check for a blocking operation, after validation and before the backend runs it.
-    pub(super) fn agree_op(&self, op: &Op<'_>, seq: u64, limit: TimeLimit) -> Result<()> {
+    ///
+    /// On a backend that runs checks in its own order ([`Backend::checks_when_run`]) nothing is
+    /// exchanged here: the check is returned, to travel with the operation
+    /// ([`Validated::check`]); the backend runs it right before the collective, or sends the
+    /// fingerprints with the collective's own data (Gloo's small collectives).
+    pub(super) fn agree_op(
+        &self,
+        op: &Op<'_>,
+        seq: u64,
+        limit: TimeLimit,
+    ) -> Result<Option<DeferredCheck>> {
         if self.mismatch_check() == MismatchCheck::Off {
-            return Ok(()); // nothing to count or compare: one relaxed load per operation
+            return Ok(None); // nothing to count or compare: one relaxed load per operation
         }
         match Fingerprint::of_op(op, self.inner().size()) {
             Some((f, bytes)) => self.agree(op.name(), f, bytes, seq, limit, false),
-            None => Ok(()),
+            None => Ok(None),
         }
     }
 
@@ -537,9 +547,7 @@ impl<B: Backend> Comm<B> {
             return Ok(None);
         };
         if !self.inner().checks_when_run() {
-            return self
-                .agree(r.name(), pending, bytes, seq, limit, true)
-                .map(|()| None);
+            return self.agree(r.name(), pending, bytes, seq, limit, true);
         }
         let n = self.count_collective();
         let size = self.inner().size();
@@ -589,7 +597,7 @@ impl<B: Backend> Comm<B> {
         seq: u64,
         limit: TimeLimit,
         nonblocking: bool,
-    ) -> Result<()> {
+    ) -> Result<Option<DeferredCheck>> {
         let n = self.count_collective();
         let size = self.inner().size();
         let check = match self.mismatch_check() {
@@ -599,40 +607,46 @@ impl<B: Backend> Comm<B> {
             MismatchCheck::Off => false,
         };
         if size < 2 || !check {
-            return Ok(());
+            return Ok(None);
         }
-        self.check_of(op, pending, n, seq, size).verify(
-            &mut |both| {
-                self.inner().run_check(Validated::new(
-                    Op::AllReduceInPlace {
-                        buf: BufMut::from(both),
-                        op: ReduceOp::Max,
-                    },
-                    seq,
-                    limit,
-                ))
-            },
-            &mut |mine, all| {
-                self.inner().run_check(Validated::new(
-                    Op::AllGather {
-                        send: BufRef::from(mine),
-                        recv: BufMut::from(all),
-                    },
-                    seq,
-                    limit,
-                ))
-            },
-            &mut |mine, theirs| {
-                self.inner().run_check(Validated::new(
-                    Op::AllToAll {
-                        send: BufRef::from(mine),
-                        recv: BufMut::from(theirs),
-                    },
-                    seq,
-                    limit,
-                ))
-            },
-        )
+        let deferred = self.check_of(op, pending, n, seq, size);
+        if self.inner().checks_when_run() {
+            return Ok(Some(deferred)); // a blocking operation's check, run by the backend
+        }
+        deferred
+            .verify(
+                &mut |both| {
+                    self.inner().run_check(Validated::new(
+                        Op::AllReduceInPlace {
+                            buf: BufMut::from(both),
+                            op: ReduceOp::Max,
+                        },
+                        seq,
+                        limit,
+                    ))
+                },
+                &mut |mine, all| {
+                    self.inner().run_check(Validated::new(
+                        Op::AllGather {
+                            send: BufRef::from(mine),
+                            recv: BufMut::from(all),
+                        },
+                        seq,
+                        limit,
+                    ))
+                },
+                &mut |mine, theirs| {
+                    self.inner().run_check(Validated::new(
+                        Op::AllToAll {
+                            send: BufRef::from(mine),
+                            recv: BufMut::from(theirs),
+                        },
+                        seq,
+                        limit,
+                    ))
+                },
+            )
+            .map(|()| None)
     }
 }
 
@@ -725,6 +739,57 @@ impl DeferredCheck {
             field,
             values,
         })
+    }
+
+    /// Number of integers in a fingerprint ([`DeferredCheck::fingerprint`]).
+    pub const FINGERPRINT_LEN: usize = FIELDS;
+
+    /// The checked operation's name (a failure of the check's exchanges is a failure of it).
+    pub fn op(&self) -> &'static str {
+        self.op
+    }
+
+    /// This rank's fingerprint: the integers that describe the collective (operation,
+    /// collective number, element type, counts, root, reduction), which a backend running the
+    /// check its own way sends to every rank ([`DeferredCheck::verify_gathered`]).
+    pub fn fingerprint(&self) -> &[i64] {
+        &self.fingerprint
+    }
+
+    /// True when the fingerprints alone decide the check: every collective but all-to-all-v,
+    /// whose per-peer counts need a second exchange ([`DeferredCheck::verify`]).
+    pub fn fingerprints_suffice(&self) -> bool {
+        self.exchange.is_none()
+    }
+
+    /// The check from every rank's fingerprint, gathered by the backend (`all`: rank `r`'s
+    /// [`DeferredCheck::fingerprint`] at `r · FINGERPRINT_LEN`): `Ok` when they are all equal,
+    /// otherwise the same [`Error::CollectiveMismatch`] as [`DeferredCheck::verify`] returns,
+    /// naming the first field that differs and every rank's value. Only for checks whose
+    /// fingerprints suffice ([`DeferredCheck::fingerprints_suffice`]); `all` of another length
+    /// is an error naming both lengths.
+    pub fn verify_gathered(&self, all: &[i64]) -> Result<()> {
+        let (op, seq) = (self.op, self.seq);
+        if !self.fingerprints_suffice() || all.len() != FIELDS * self.size {
+            return Err(Error::Invalid(format!(
+                "{op} #{seq} on communicator '{}': the mismatch check got {} gathered integers, expected {} ({} ranks of {FIELDS}){}",
+                self.comm,
+                all.len(),
+                FIELDS * self.size,
+                self.size,
+                if self.fingerprints_suffice() { "" } else { "; an all_to_all_v's check needs DeferredCheck::verify" }
+            )));
+        }
+        match Fingerprint::first_difference(all) {
+            None => Ok(()),
+            Some((field, values)) => Err(Error::CollectiveMismatch {
+                op,
+                comm: self.comm.clone(),
+                seq,
+                field,
+                values,
+            }),
+        }
     }
 
     /// The second stage of an all-to-all-v's check (see [`DeferredCheck::verify`]).

@@ -52,7 +52,8 @@ pub trait Backend: Send + Sync + 'static {
         let _ = op;
         Ok(())
     }
-    /// Executes one validated blocking operation.
+    /// Executes one validated blocking operation (and its mismatch check,
+    /// [`Validated::check`], on a backend that [`Backend::checks_when_run`]).
     fn run(&self, op: Validated<Op<'_>>) -> Result<()>;
     /// Executes one exchange of the mismatch check ([`MismatchCheck`]): an `i64` all-reduce or
     /// all-gather of a few integers that the front end built before a collective, under that
@@ -66,13 +67,17 @@ pub trait Backend: Send + Sync + 'static {
     }
     /// Starts one validated nonblocking operation on owned buffers.
     fn start(&self, op: Validated<Request>) -> Result<Box<dyn Work>>;
-    /// True when this backend runs the mismatch check of a nonblocking collective itself,
-    /// right before the collective executes in the communicator's order
-    /// ([`Validated::check`], [`super::DeferredCheck::verify`]); the front end then does not
-    /// exchange anything when the collective is started, so `start` never blocks on the
-    /// other ranks. A disagreement then fails the operation's [`Work`]. False by default: the
-    /// front end checks at the start, which blocks until every member started it (so only
-    /// [`MismatchCheck::All`] checks nonblocking collectives there).
+    /// True when this backend runs the mismatch check of a collective itself, right before
+    /// the collective executes in the communicator's order, or with it
+    /// ([`Validated::check`], [`super::DeferredCheck::verify`],
+    /// [`super::DeferredCheck::verify_gathered`]): the front end then exchanges nothing and
+    /// hands the check to [`Backend::run`] or [`Backend::start`] with the operation, which must
+    /// run it before any of the operation's data reaches the caller's memory. A nonblocking
+    /// start then never blocks on the other ranks, and a disagreement fails the operation's
+    /// [`Work`]. False by default: the front end checks a blocking collective before
+    /// [`Backend::run`] ([`Backend::run_check`]) and a nonblocking one at the start, which
+    /// blocks until every member started it (so only [`MismatchCheck::All`] checks
+    /// nonblocking collectives there).
     fn checks_when_run(&self) -> bool {
         false
     }

@@ -207,6 +207,19 @@ macro_rules! dtypes {
             pub fn as_ptr(&self) -> *const u8 { match self { $( HostSlice::$variant(s) => s.as_ptr() as *const u8, )* } }
             /// An owned copy.
             pub fn to_owned_buffer(&self) -> HostBuffer { match self { $( HostSlice::$variant(s) => HostBuffer::$variant(s.to_vec()), )* } }
+            /// Writes the elements as little-endian bytes into `out`, which must hold exactly
+            /// `len · dtype size` bytes (an error naming both lengths otherwise; nothing
+            /// written). Messages that mix element types travel as bytes this way.
+            pub fn write_le_bytes(&self, out: &mut [u8]) -> Result<()> {
+                match self { $( HostSlice::$variant(s) => {
+                    const W: usize = std::mem::size_of::<$t>();
+                    if out.len() != s.len() * W {
+                        return Err(Error::Invalid(format!("{} {} elements are {} bytes, not {}", s.len(), DType::$variant, s.len() * W, out.len())));
+                    }
+                    for (o, x) in out.chunks_exact_mut(W).zip(s.iter()) { o.copy_from_slice(&x.to_le_bytes()); }
+                    Ok(())
+                } )* }
+            }
         }
         impl<'a> HostSliceMut<'a> {
             /// Element type.
@@ -244,6 +257,23 @@ macro_rules! dtypes {
             /// A shared view.
             #[inline]
             pub fn as_slice(&self) -> HostSlice<'_> { match self { $( HostSliceMut::$variant(s) => HostSlice::$variant(&s[..]), )* } }
+            /// Reads the elements from little-endian `bytes` ([`HostSlice::write_le_bytes`]),
+            /// which must hold exactly `len · dtype size` bytes (an error naming both lengths
+            /// otherwise; nothing read).
+            pub fn read_le_bytes(&mut self, bytes: &[u8]) -> Result<()> {
+                match self { $( HostSliceMut::$variant(s) => {
+                    const W: usize = std::mem::size_of::<$t>();
+                    if bytes.len() != s.len() * W {
+                        return Err(Error::Invalid(format!("{} {} elements are {} bytes, not {}", s.len(), DType::$variant, s.len() * W, bytes.len())));
+                    }
+                    for (x, b) in s.iter_mut().zip(bytes.chunks_exact(W)) {
+                        let mut a = [0u8; W];
+                        a.copy_from_slice(b);
+                        *x = <$t>::from_le_bytes(a);
+                    }
+                    Ok(())
+                } )* }
+            }
             /// Copies `src` (same dtype and length) into this slice.
             pub fn copy_from(&mut self, src: HostSlice<'_>) -> Result<()> {
                 match (self, src) {

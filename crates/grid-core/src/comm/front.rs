@@ -721,7 +721,10 @@ impl<B: Backend> Comm<B> {
         let _g = span.enter();
         let result = self
             .agree_op(&op, seq, limit)
-            .and_then(|()| self.backend.run(Validated::new(op, seq, limit)))
+            .and_then(|check| {
+                self.backend
+                    .run(Validated::new(op, seq, limit).with_check(check))
+            })
             .map_err(|e| op_failed(&self.life, &self.ident, name, seq, e));
         if let (Some(log), Some(h)) = (&self.log, handle) {
             ended(log, self.recorder, name, h, &result);

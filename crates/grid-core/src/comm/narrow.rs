@@ -46,6 +46,16 @@ impl Bool {
     pub const fn get(self) -> bool {
         self.0 != 0
     }
+    /// The stored byte as an array (as the integer types' `to_le_bytes`).
+    #[inline]
+    pub const fn to_le_bytes(self) -> [u8; 1] {
+        [self.0]
+    }
+    /// The value whose stored byte is `b[0]` (as the integer types' `from_le_bytes`).
+    #[inline]
+    pub const fn from_le_bytes(b: [u8; 1]) -> Bool {
+        Bool(b[0])
+    }
 }
 
 impl From<bool> for Bool {
@@ -234,6 +244,16 @@ macro_rules! fp8 {
             #[inline]
             pub const fn to_bits(self) -> u8 {
                 self.0
+            }
+            /// The bit pattern as an array (as the integer types' `to_le_bytes`).
+            #[inline]
+            pub const fn to_le_bytes(self) -> [u8; 1] {
+                [self.0]
+            }
+            /// The value with the bit pattern `b[0]` (as the integer types' `from_le_bytes`).
+            #[inline]
+            pub const fn from_le_bytes(b: [u8; 1]) -> $name {
+                $name(b[0])
             }
             /// The value, exactly, as an `f32`.
             pub fn to_f32(self) -> f32 {

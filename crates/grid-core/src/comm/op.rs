@@ -547,11 +547,16 @@ impl<T> Validated<T> {
         self.check = check;
         self
     }
-    /// The mismatch check to run right before this nonblocking collective executes, when the
-    /// backend runs checks in its own order ([`super::Backend::checks_when_run`]) and the
-    /// communicator's mode checks it; `None` otherwise.
+    /// The mismatch check to run right before this collective executes, when the backend runs
+    /// checks in its own order ([`super::Backend::checks_when_run`]) and the communicator's mode
+    /// checks it; `None` otherwise.
     pub fn check(&self) -> Option<&DeferredCheck> {
         self.check.as_ref()
+    }
+    /// Takes the check out (see [`Validated::check`]), leaving `None`: a backend that runs it
+    /// itself keeps it beside the operation without a copy.
+    pub fn take_check(&mut self) -> Option<DeferredCheck> {
+        self.check.take()
     }
     /// How long the operation may wait for its peers (the communicator's default or the
     /// caller's override, [`super::CommunicatorExt::with_time_limit`]): past it the backend

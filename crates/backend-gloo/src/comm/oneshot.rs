@@ -1,0 +1,468 @@
+//! Small collectives in one round of messages that carry their own mismatch check.
+//!
+//! A checked collective used to cost two exchanges in sequence: the check's round of messages
+//! (`check.rs`), then libgloo's algorithm (a ring: `2(n - 1)` dependent steps for an
+//! all-reduce). On a loaded machine each dependent message is a chance for a receiving thread
+//! to wait for a scheduler time slice (4 ms on these machines), and a collective that follows
+//! another one right away loses such a slice far more often than one that follows a barrier
+//! (docs/performance.md, "Where this project is behind").
+//!
+//! Here a collective whose every message fits the shim's inline limit ([`ONE_SHOT_MAX`] bytes
+//! of payload) on a communicator of at most [`DIRECT_MAX`] ranks is **one** round: every rank
+//! sends every other rank one message, `[fingerprint | payload]`, and computes its result
+//! locally from what arrives:
+//! * all-reduce: its whole input to every rank; each rank reduces the `n` inputs in rank order
+//!   with grid-core's kernels ([`kernels::reduce`]), so every rank holds the same bits (those
+//!   of the host kernels, `Avg` included);
+//! * all-gather: its block to every rank; reduce-scatter: block `j` of its input to rank `j`,
+//!   which reduces the `n` blocks in rank order; all-to-all: block `j` to rank `j`;
+//! * broadcast: the root's buffer to every rank (the others send their fingerprint alone);
+//! * barrier: fingerprints alone (a rank leaves once every rank has arrived).
+//!
+//! The fingerprint is the check ([`DeferredCheck::fingerprint`]): every rank receives every
+//! rank's, so a disagreement is the same [`Error::CollectiveMismatch`] on every rank
+//! ([`DeferredCheck::verify_gathered`]) and no payload reaches the caller's memory before the
+//! fingerprints agree. Ranks that disagree may disagree on the message lengths too: the
+//! messages travel on the check's slots ([`Channel::Check`]), whose receives keep the first
+//! bytes of a message of another length, so the fingerprint arrives whatever follows it. A
+//! collective too large for one round sends its fingerprint alone the same way (one round),
+//! then runs libgloo's algorithm; so a rank that runs one form and a rank that runs the other
+//! still exchange fingerprints and both report the mismatch.
+//!
+//! With the check off (`GRID_DEBUG=off`, [`grid_core::MismatchCheck::Off`]) the same round
+//! carries the payloads alone on the collective's slots; ranks that disagree on a length then
+//! get the length protocol's error naming the peer and both counts.
+//!
+//! Volume: an all-reduce sends its input `n - 1` times (a ring sends about twice the input in
+//! all), which at most 64 KiB per message and 16 ranks is at most 1 MiB per rank per call:
+//! latency, not bandwidth, decides at these sizes.
+
+use super::check::DIRECT_MAX;
+use super::Inner;
+use crate::ffi::{Channel, P2pMismatch, RawBlock, P2P_INLINE_MAX};
+use grid_core::{
+    kernels, DType, DeferredCheck, Error, HostBuffer, HostSlice, HostSliceMut, ReduceOp, Result,
+};
+use std::time::Duration;
+
+/// Bytes of a fingerprint at the start of a checked message (little-endian `i64`s).
+const FP_BYTES: usize = DeferredCheck::FINGERPRINT_LEN * 8;
+
+/// Largest payload (bytes) of one message of a one-round collective: the shim's inline limit
+/// less the fingerprint, so that every message is one Gloo message.
+pub(crate) const ONE_SHOT_MAX: usize = P2P_INLINE_MAX - FP_BYTES;
+
+/// A collective that can run as one round of messages, on host memory whose lengths the front
+/// end validated.
+pub(super) enum Small<'a> {
+    /// `send = None`: in place on `recv`.
+    AllReduce {
+        send: Option<HostSlice<'a>>,
+        recv: HostSliceMut<'a>,
+        op: ReduceOp,
+    },
+    Broadcast {
+        buf: HostSliceMut<'a>,
+        root: usize,
+    },
+    /// `send = None`: in place, this rank's block at `rank · k` of `recv`.
+    AllGather {
+        send: Option<HostSlice<'a>>,
+        recv: HostSliceMut<'a>,
+    },
+    /// `send = None`: in place, `recv` is the whole input and this rank's block lands at
+    /// `rank · k` of it.
+    ReduceScatter {
+        send: Option<HostSlice<'a>>,
+        recv: HostSliceMut<'a>,
+        op: ReduceOp,
+    },
+    AllToAll {
+        send: HostSlice<'a>,
+        recv: HostSliceMut<'a>,
+    },
+    Barrier,
+}
+
+impl Small<'_> {
+    fn name(&self) -> &'static str {
+        match self {
+            Small::AllReduce { .. } => "all_reduce",
+            Small::Broadcast { .. } => "broadcast",
+            Small::AllGather { .. } => "all_gather",
+            Small::ReduceScatter { .. } => "reduce_scatter",
+            Small::AllToAll { .. } => "all_to_all",
+            Small::Barrier => "barrier",
+        }
+    }
+
+    /// Element type of the payloads (bytes for a barrier, which has none).
+    fn dtype(&self) -> DType {
+        match self {
+            Small::AllReduce { recv, .. }
+            | Small::AllGather { recv, .. }
+            | Small::ReduceScatter { recv, .. }
+            | Small::AllToAll { recv, .. } => recv.dtype(),
+            Small::Broadcast { buf, .. } => buf.dtype(),
+            Small::Barrier => DType::U8,
+        }
+    }
+
+    /// Element size of the payloads.
+    fn width(&self) -> usize {
+        self.dtype().size_bytes()
+    }
+
+    /// `k`: the elements of one rank's block (all-gather, reduce-scatter, all-to-all).
+    fn block(&self, n: usize) -> usize {
+        match self {
+            Small::AllGather { recv, .. } => recv.len() / n,
+            Small::ReduceScatter {
+                send: Some(_),
+                recv,
+                ..
+            } => recv.len(),
+            Small::ReduceScatter {
+                send: None, recv, ..
+            } => recv.len() / n,
+            Small::AllToAll { send, .. } => send.len() / n,
+            _ => 0,
+        }
+    }
+
+    /// Elements this rank expects from rank `j` (not itself).
+    fn incoming(&self, j: usize, n: usize) -> usize {
+        match self {
+            Small::AllReduce { recv, .. } => recv.len(),
+            Small::Broadcast { buf, root } => {
+                if j == *root {
+                    buf.len()
+                } else {
+                    0
+                }
+            }
+            Small::Barrier => 0,
+            _ => self.block(n),
+        }
+    }
+
+    /// Whether this rank sends the same payload to every rank (else block `j` to rank `j`).
+    fn same_to_all(&self) -> bool {
+        !matches!(self, Small::ReduceScatter { .. } | Small::AllToAll { .. })
+    }
+
+    /// The payload this rank sends to rank `j` (`me`: this rank of `n`); out-of-range blocks
+    /// (ruled out by the front end's validation) are an error.
+    fn outgoing(&self, j: usize, me: usize, n: usize) -> Result<Option<HostSlice<'_>>> {
+        let (k, op) = (self.block(n), self.name());
+        Ok(match self {
+            Small::AllReduce { send, recv, .. } => Some(send.unwrap_or(recv.as_slice())),
+            Small::Broadcast { buf, root } => (me == *root).then(|| buf.as_slice()),
+            Small::AllGather { send: Some(s), .. } => Some(*s),
+            Small::AllGather { send: None, recv } => {
+                Some(block_of(op, recv.as_slice(), me * k, k)?)
+            }
+            Small::ReduceScatter { send: Some(s), .. } => Some(block_of(op, *s, j * k, k)?),
+            Small::ReduceScatter {
+                send: None, recv, ..
+            } => Some(block_of(op, recv.as_slice(), j * k, k)?),
+            Small::AllToAll { send, .. } => Some(block_of(op, *send, j * k, k)?),
+            Small::Barrier => None,
+        })
+    }
+
+    /// The largest payload of any message of this rank (bytes), sent or expected.
+    fn largest_message(&self, me: usize, n: usize) -> usize {
+        let w = self.width();
+        (0..n)
+            .filter(|&j| j != me)
+            .map(|j| {
+                let out = self
+                    .outgoing(j, me, n)
+                    .ok()
+                    .flatten()
+                    .map_or(0, |s| s.len());
+                out.max(self.incoming(j, n)) * w
+            })
+            .max()
+            .unwrap_or(0)
+    }
+}
+
+impl Inner {
+    /// Runs `c` as one round of messages when it fits ([`ONE_SHOT_MAX`], [`DIRECT_MAX`]),
+    /// checked by `check` when there is one: `Ok(true)` when `c` has run. Otherwise runs the
+    /// check alone (`Ok(false)`: the caller then runs `c` its usual way).
+    pub(super) fn one_shot(
+        &self,
+        check: Option<&DeferredCheck>,
+        c: Small<'_>,
+        tag: u32,
+        limit: Duration,
+    ) -> Result<bool> {
+        let (me, n) = (self.rank(), self.size());
+        let op = c.name();
+        self.alive(op)?;
+        let direct = n <= DIRECT_MAX && check.is_none_or(|c| c.fingerprints_suffice());
+        let channel = if check.is_some() {
+            Channel::Check
+        } else {
+            Channel::Collective
+        };
+        if n >= 2 && direct && c.largest_message(me, n) <= ONE_SHOT_MAX {
+            self.round(channel, check, c, tag, limit)?;
+            return Ok(true);
+        }
+        self.check_only(check, tag, limit)?;
+        Ok(false)
+    }
+
+    /// The checks of collectives that never run as one round (the rooted and uneven ones):
+    /// the fingerprints in one round where they suffice, else the check's exchanges.
+    pub(super) fn check_only(
+        &self,
+        check: Option<&DeferredCheck>,
+        tag: u32,
+        limit: Duration,
+    ) -> Result<()> {
+        let Some(ch) = check else { return Ok(()) };
+        if self.size() <= DIRECT_MAX && ch.fingerprints_suffice() {
+            self.round(Channel::Check, Some(ch), Small::Barrier, tag, limit)
+        } else {
+            self.verify(ch, tag, limit)
+        }
+    }
+
+    /// The round itself (see the module docs) on the slots of `channel` (the check's when
+    /// `check` is given; a check's own exchanges, [`Inner::verify`], use them too); `c` fits.
+    pub(super) fn round(
+        &self,
+        channel: Channel,
+        check: Option<&DeferredCheck>,
+        mut c: Small<'_>,
+        tag: u32,
+        limit: Duration,
+    ) -> Result<()> {
+        let (me, n) = (self.rank(), self.size());
+        // Failures are the checked operation's (the check alone runs as a barrier's round).
+        let op = check.map_or(c.name(), |ch| ch.op());
+        let w = c.width();
+        let head = if check.is_some() { FP_BYTES } else { 0 };
+        let peers: Vec<usize> = (0..n).filter(|&j| j != me).collect();
+
+        // Outgoing messages: one shared by every peer, or one per peer.
+        let mut send = Vec::new();
+        let mut sends = Vec::with_capacity(peers.len());
+        for (i, &j) in peers.iter().enumerate() {
+            if c.same_to_all() && i > 0 {
+                sends.push(RawBlock {
+                    peer: j,
+                    ..sends[0]
+                });
+                continue;
+            }
+            let payload = c.outgoing(j, me, n)?;
+            let len = head + payload.map_or(0, |p| p.len() * w);
+            let at = send.len();
+            send.resize(at + len, 0u8);
+            if let Some(ch) = check {
+                for (o, v) in send[at..at + FP_BYTES]
+                    .chunks_exact_mut(8)
+                    .zip(ch.fingerprint())
+                {
+                    o.copy_from_slice(&v.to_le_bytes());
+                }
+            }
+            if let Some(p) = payload {
+                p.write_le_bytes(&mut send[at + head..at + len])?;
+            }
+            sends.push(RawBlock {
+                peer: j,
+                offset: at,
+                count: len,
+            });
+        }
+
+        // Incoming: one slot per peer, of the length an agreeing peer sends.
+        let mut recvs = Vec::with_capacity(peers.len());
+        let mut at = 0usize;
+        for &j in &peers {
+            let len = head + c.incoming(j, n) * w;
+            recvs.push(RawBlock {
+                peer: j,
+                offset: at,
+                count: len,
+            });
+            at += len;
+        }
+        let mut recv = vec![0u8; at];
+        let mismatches = self
+            .ctx
+            .exchange_on(
+                channel,
+                HostSlice::U8(&send),
+                &sends,
+                HostSliceMut::U8(&mut recv),
+                &recvs,
+                tag,
+                limit,
+            )
+            .map_err(|e| self.fail_after(op, e, limit))?;
+
+        if let Some(ch) = check {
+            // Every rank's fingerprint, in rank order; a peer whose message was too short to
+            // hold one (another version of this library) is the mismatch reported below.
+            let fp = DeferredCheck::FINGERPRINT_LEN;
+            let mut all = vec![0i64; n * fp];
+            all[me * fp..(me + 1) * fp].copy_from_slice(ch.fingerprint());
+            for (b, &j) in recvs.iter().zip(&peers) {
+                let bytes = &recv[b.offset..b.offset + FP_BYTES];
+                for (v, x) in all[j * fp..(j + 1) * fp]
+                    .iter_mut()
+                    .zip(bytes.chunks_exact(8))
+                {
+                    let mut a = [0u8; 8];
+                    a.copy_from_slice(x);
+                    *v = i64::from_le_bytes(a);
+                }
+            }
+            ch.verify_gathered(&all)?;
+        }
+        // The fingerprints agree (or there are none): a message of another length is a peer
+        // that disagrees anyway (check off) or runs another version of this library.
+        if let Some(m) = mismatches.first() {
+            // In the collective's elements (the message is bytes after the fingerprint).
+            let elements = |bytes: u64| bytes.saturating_sub(head as u64) / w as u64;
+            let m = P2pMismatch {
+                posted: (c.dtype(), elements(m.posted.1)),
+                sent: (c.dtype(), elements(m.sent.1)),
+                ..*m
+            };
+            return Err(self.block_mismatch(op, &m));
+        }
+
+        let payload = |i: usize| {
+            let b = &recvs[i];
+            &recv[b.offset + head..b.offset + b.count]
+        };
+        let decode = |i: usize, dtype| -> Result<HostBuffer> {
+            let bytes = payload(i);
+            let mut buf = HostBuffer::zeros(dtype, bytes.len() / w);
+            buf.as_mut_slice().read_le_bytes(bytes)?;
+            Ok(buf)
+        };
+        let k = c.block(n);
+        match &mut c {
+            Small::Barrier => Ok(()),
+            Small::Broadcast { buf, root } => match peers.iter().position(|j| j == root) {
+                Some(i) => buf.read_le_bytes(payload(i)),
+                None => Ok(()), // this rank is the root
+            },
+            Small::AllToAll { send, recv } => {
+                self.place(op, recv, me * k, &block_of(op, *send, me * k, k)?)?;
+                for (i, &j) in peers.iter().enumerate() {
+                    read_at(op, recv, j * k, k, payload(i))?;
+                }
+                Ok(())
+            }
+            Small::AllGather { send, recv } => {
+                if let Some(s) = send {
+                    self.place(op, recv, me * k, s)?;
+                }
+                for (i, &j) in peers.iter().enumerate() {
+                    read_at(op, recv, j * k, k, payload(i))?;
+                }
+                Ok(())
+            }
+            Small::AllReduce { send, recv, op: r } => {
+                let dtype = recv.dtype();
+                let others: Vec<HostBuffer> = (0..peers.len())
+                    .map(|i| decode(i, dtype))
+                    .collect::<Result<_>>()?;
+                // In place, this rank's input is the output: reduce from a copy.
+                let own_copy;
+                let own = match send {
+                    Some(s) => *s,
+                    None => {
+                        own_copy = recv.as_slice().to_owned_buffer();
+                        own_copy.as_slice()
+                    }
+                };
+                let inputs = in_rank_order(me, own, &others);
+                kernels::reduce(&inputs, recv.reborrow(), *r)
+            }
+            Small::ReduceScatter { send, recv, op: r } => {
+                let dtype = recv.dtype();
+                let others: Vec<HostBuffer> = (0..peers.len())
+                    .map(|i| decode(i, dtype))
+                    .collect::<Result<_>>()?;
+                let own_block = match send {
+                    Some(s) => block_of(op, *s, me * k, k)?.to_owned_buffer(),
+                    None => block_of(op, recv.as_slice(), me * k, k)?.to_owned_buffer(),
+                };
+                let inputs = in_rank_order(me, own_block.as_slice(), &others);
+                match send {
+                    Some(_) => kernels::reduce(&inputs, recv.reborrow(), *r),
+                    None => {
+                        let len = recv.len();
+                        let out = recv
+                            .sub_mut(me * k, k)
+                            .ok_or_else(|| outside(op, me * k, k, len))?;
+                        kernels::reduce(&inputs, out, *r)
+                    }
+                }
+            }
+        }
+    }
+
+    /// Copies `src` into `dst` at element `at`.
+    fn place(
+        &self,
+        op: &'static str,
+        dst: &mut HostSliceMut<'_>,
+        at: usize,
+        src: &HostSlice<'_>,
+    ) -> Result<()> {
+        let len = dst.len();
+        dst.sub_mut(at, src.len())
+            .ok_or_else(|| outside(op, at, src.len(), len))?
+            .copy_from(*src)
+    }
+}
+
+/// The inputs of a reduction in rank order: this rank's at `me`, the others' around it.
+fn in_rank_order<'a>(
+    me: usize,
+    own: HostSlice<'a>,
+    others: &'a [HostBuffer],
+) -> Vec<HostSlice<'a>> {
+    let mut inputs: Vec<HostSlice<'a>> = others.iter().map(|b| b.as_slice()).collect();
+    inputs.insert(me, own);
+    inputs
+}
+
+/// Elements `at..at + k` of `s` (a block of one rank).
+fn block_of<'a>(op: &'static str, s: HostSlice<'a>, at: usize, k: usize) -> Result<HostSlice<'a>> {
+    s.sub(at, k).ok_or_else(|| outside(op, at, k, s.len()))
+}
+
+/// Reads `k` elements from `bytes` into `dst` at element `at`.
+fn read_at(
+    op: &'static str,
+    dst: &mut HostSliceMut<'_>,
+    at: usize,
+    k: usize,
+    bytes: &[u8],
+) -> Result<()> {
+    let len = dst.len();
+    dst.sub_mut(at, k)
+        .ok_or_else(|| outside(op, at, k, len))?
+        .read_le_bytes(bytes)
+}
+
+fn outside(op: &'static str, at: usize, k: usize, len: usize) -> Error {
+    Error::Invalid(format!(
+        "{op}: elements {at}..{} do not lie inside a buffer of {len} elements",
+        at.saturating_add(k)
+    ))
+}
