@@ -475,6 +475,10 @@ impl Inner {
         if self.one_shot(check, small, tag, limit)? {
             return Ok(());
         }
+        if self.reduce_scatter == ReduceScatterAlgorithm::Direct {
+            let counts = vec![recv.len(); self.size()];
+            return self.reduce_scatter_blocks(OP, send, &counts, recv, op, tag, limit);
+        }
         self.alive(OP)?;
         if let Some(wide) = widened_average(send, op) {
             // As in all_reduce: an i32 or u8 average sums in i64.
@@ -533,10 +537,11 @@ impl Inner {
     }
 
     /// Reduce-scatter in place: this rank's block lands at `rank · k` of `buf`. With the
-    /// default algorithm ([`ReduceScatterAlgorithm::Allreduce`]) the whole buffer is
-    /// all-reduced in place (no scratch buffer, no copy; the other blocks then hold the other
-    /// ranks' results); the ring writes the block straight into `buf`; halving-doubling stages
-    /// a copy as it always does. i32 and u8 averages are summed in i64 (the conversion is the
+    /// default algorithm ([`ReduceScatterAlgorithm::Direct`], which would need scratch memory
+    /// for `n - 1` blocks here) and with [`ReduceScatterAlgorithm::Allreduce`] the whole buffer
+    /// is all-reduced in place (no scratch buffer, no copy: what in place is for; the other
+    /// blocks then hold the other ranks' results); the ring writes the block straight into
+    /// `buf`; halving-doubling stages a copy as it always does. i32 and u8 averages are summed in i64 (the conversion is the
     /// staging) and the block narrowed back.
     fn reduce_scatter_in_place(
         &self,
@@ -601,10 +606,9 @@ impl Inner {
     ) -> Result<()> {
         const OP: &str = "reduce_scatter";
         let r = match self.reduce_scatter {
-            ReduceScatterAlgorithm::Allreduce => {
-                self.ctx
-                    .allreduce_in_place(buf, op, self.allreduce, tag, limit)
-            }
+            ReduceScatterAlgorithm::Allreduce | ReduceScatterAlgorithm::Direct => self
+                .ctx
+                .allreduce_in_place(buf, op, self.allreduce, tag, limit),
             algorithm => self.ctx.reduce_scatter_in_place_with(
                 buf,
                 op,

@@ -241,11 +241,12 @@ pub struct GlooConfig {
     pub timeout: Duration,
     /// Address of this host the TCP device listens on (default `127.0.0.1`: single host).
     pub hostname: String,
-    /// Algorithm of `all_reduce` (and of the all-reduce inside reduce-scatter's default
-    /// algorithm). [`AllreduceAlgorithm::Auto`] (the default) picks by rank count and message
+    /// Algorithm of `all_reduce` (and of the all-reduce inside
+    /// [`ReduceScatterAlgorithm::Allreduce`]; all-reduces of at most 64 KiB less 64 B on at
+    /// most 16 ranks run as one round of messages instead). [`AllreduceAlgorithm::Auto`] (the default) picks by rank count and message
     /// size ([`crate::ALLREDUCE_TABLE`]), or takes [`crate::ALLREDUCE_ENV`] when that is set.
     pub allreduce: AllreduceAlgorithm,
-    /// Algorithm of `reduce_scatter`.
+    /// Algorithm of `reduce_scatter` ([`ReduceScatterAlgorithm::Direct`] unless set).
     pub reduce_scatter: ReduceScatterAlgorithm,
 }
 
@@ -287,7 +288,7 @@ impl GlooConfig {
             timeout: Duration::from_secs(30),
             hostname: "127.0.0.1".into(),
             allreduce: AllreduceAlgorithm::Auto,
-            reduce_scatter: ReduceScatterAlgorithm::Allreduce,
+            reduce_scatter: ReduceScatterAlgorithm::Direct,
         }
     }
 

@@ -242,13 +242,25 @@ impl RawOp {
 ///
 /// ```
 /// use backend_gloo::ReduceScatterAlgorithm;
-/// assert_eq!(ReduceScatterAlgorithm::default(), ReduceScatterAlgorithm::Allreduce);
+/// assert_eq!(ReduceScatterAlgorithm::default(), ReduceScatterAlgorithm::Direct);
 /// ```
+///
+/// Reduce-scatters small enough for one round of messages (at most 64 KiB less 64 B per
+/// block, on at most 16 ranks) run as that round whatever the algorithm (`comm/oneshot.rs`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum ReduceScatterAlgorithm {
-    /// `gloo::allreduce` (ring) then a copy of this rank's block: twice the traffic of a
-    /// true reduce-scatter, always exact. The default.
+    /// Every rank sends block `j` of its input to rank `j`, all at once (the length protocol's
+    /// exchange, receives posted before sends), and reduces the `n` blocks of its own in rank
+    /// order with grid-core's kernels: the traffic of a true reduce-scatter (`n - 1` blocks out
+    /// and in per rank) in one round instead of dependent steps, the same bits on every rank,
+    /// scratch memory of `n - 1` blocks. The default: in one sitting of `cargo xtask bench
+    /// peers` (docs/performance.md) it took reduce-scatters of 8–64 MiB from 0.9–1.1× torch's
+    /// Gloo to 1.4–3.1× at 2 and 4 ranks. In place, where it would need that scratch memory,
+    /// the all-reduce form runs instead (no copy).
     #[default]
+    Direct,
+    /// `gloo::allreduce` (ring) then a copy of this rank's block: twice the traffic of a
+    /// true reduce-scatter, always exact (the default before `Direct`).
     Allreduce,
     /// The shim's ring reduce-scatter over Gloo's unbound buffers: `n - 1` steps, each rank sends
     /// `n - 1` blocks (half the traffic of [`ReduceScatterAlgorithm::Allreduce`]) and stages two
@@ -1200,7 +1212,11 @@ impl RawContext {
         let k = self.block_of(&buf)?;
         let algo = match algorithm {
             ReduceScatterAlgorithm::HalvingDoubling => sys::GLOO_SHIM_RS_HALVING_DOUBLING,
-            ReduceScatterAlgorithm::Allreduce => sys::GLOO_SHIM_RS_ALLREDUCE,
+            // Direct runs as messages in backend-gloo and never reaches the shim; were it passed
+            // here, the all-reduce form computes the same blocks.
+            ReduceScatterAlgorithm::Allreduce | ReduceScatterAlgorithm::Direct => {
+                sys::GLOO_SHIM_RS_ALLREDUCE
+            }
             ReduceScatterAlgorithm::Ring => sys::GLOO_SHIM_RS_RING,
         } as i32;
         let (ar_algo, segment) = self.allreduce_codes(allreduce, bytes_of(&buf.as_slice()));
@@ -1296,7 +1312,11 @@ impl RawContext {
         }
         let algo = match algorithm {
             ReduceScatterAlgorithm::HalvingDoubling => sys::GLOO_SHIM_RS_HALVING_DOUBLING,
-            ReduceScatterAlgorithm::Allreduce => sys::GLOO_SHIM_RS_ALLREDUCE,
+            // Direct runs as messages in backend-gloo and never reaches the shim; were it passed
+            // here, the all-reduce form computes the same blocks.
+            ReduceScatterAlgorithm::Allreduce | ReduceScatterAlgorithm::Direct => {
+                sys::GLOO_SHIM_RS_ALLREDUCE
+            }
             ReduceScatterAlgorithm::Ring => sys::GLOO_SHIM_RS_RING,
         } as i32;
         let (ar_algo, segment) = self.allreduce_codes(allreduce, bytes_of(&send));

@@ -5,8 +5,9 @@
 use std::fmt;
 use std::str::FromStr;
 
-/// Which Gloo all-reduce runs (also inside reduce-scatter's default algorithm,
-/// [`crate::ReduceScatterAlgorithm::Allreduce`]).
+/// Which Gloo all-reduce runs (also inside reduce-scatter's
+/// [`crate::ReduceScatterAlgorithm::Allreduce`]; small all-reduces run as one round of
+/// messages whatever this says: `comm/oneshot.rs`).
 ///
 /// [`AllreduceAlgorithm::Auto`] (the default) picks per call from [`ALLREDUCE_TABLE`]; the other
 /// variants force one algorithm. The text forms (`auto`, `ring`, `ring:<bytes>`, `bcube`) are

@@ -128,14 +128,16 @@ fn reduce_scatter_ring() {
     reduce_scatter_repeated(ReduceScatterAlgorithm::Ring);
 }
 
-/// The in-place reduce-scatter on every algorithm that runs reliably (the default all-reduce,
-/// the ring, whose last step reduces this rank's input block into itself), at 1, 2, 3 and 5
+/// The in-place reduce-scatter on every algorithm that runs reliably (the default direct
+/// exchange, the all-reduce, the ring, whose last step reduces this rank's input block into
+/// itself), at 1, 2, 3 and 5
 /// ranks, with odd block sizes: this rank's block at rank · k, blocking and nonblocking, for a
 /// native sum, a float average and an i32 average (summed in i64).
 #[test]
 fn reduce_scatter_in_place_every_algorithm() {
     use grid_core::{Communicator, CommunicatorExt, ReduceOp};
     for algorithm in [
+        ReduceScatterAlgorithm::Direct,
         ReduceScatterAlgorithm::Allreduce,
         ReduceScatterAlgorithm::Ring,
     ] {

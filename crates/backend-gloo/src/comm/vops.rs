@@ -236,8 +236,23 @@ impl Inner {
         tag: u32,
         limit: Duration,
     ) -> Result<()> {
-        const OP: &str = "reduce_scatter_v";
-        self.alive(OP)?;
+        self.reduce_scatter_blocks("reduce_scatter_v", send, send_counts, recv, op, tag, limit)
+    }
+
+    /// [`Inner::reduce_scatter_v`] as collective `OP` (also the even reduce-scatter's
+    /// [`crate::ReduceScatterAlgorithm::Direct`]).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn reduce_scatter_blocks(
+        &self,
+        name: &'static str,
+        send: HostSlice<'_>,
+        send_counts: &[usize],
+        recv: HostSliceMut<'_>,
+        op: ReduceOp,
+        tag: u32,
+        limit: Duration,
+    ) -> Result<()> {
+        self.alive(name)?;
         let (me, size, n) = (self.rank(), self.size(), recv.len());
         let so = offsets(send_counts);
         let sends: Vec<RawBlock> = (0..size)
@@ -248,12 +263,12 @@ impl Inner {
                 count: send_counts[j],
             })
             .collect();
-        let others = self.receive_every_other(OP, send, &sends, n, tag, limit)?;
+        let others = self.receive_every_other(name, send, &sends, n, tag, limit)?;
         if send_counts[me] != n {
-            return Err(self.self_mismatch(OP, send_counts[me], n));
+            return Err(self.self_mismatch(name, send_counts[me], n));
         }
-        let own = part(OP, send, so[me], n)?;
-        self.reduce_in_rank_order(OP, own, others.as_slice(), recv, op)
+        let own = part(name, send, so[me], n)?;
+        self.reduce_in_rank_order(name, own, others.as_slice(), recv, op)
     }
 
     /// Rooted reduce: `recv` on `root` (None elsewhere) = the reduction of every rank's `send`.
@@ -435,6 +450,7 @@ fn valid_counts(op: &str) -> &'static str {
         "reduce_scatter_v" => {
             "the same send_counts on every rank, with recv.len() == send_counts[rank]"
         }
+        "reduce_scatter" => "recv.len() equal on every rank and send.len() == size * recv.len()",
         "scatter" => {
             "recv.len() equal on every rank, and the root's send holding size blocks of it"
         }
