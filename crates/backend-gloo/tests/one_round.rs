@@ -224,7 +224,7 @@ fn narrow_types_and_averages_follow_the_kernels() {
 
 /// With the check off, ranks that disagree on a small all-reduce's count get an error naming
 /// the peer and both counts (the length protocol), not a result: the buffer is unchanged when
-/// no peer's block arrived, and the communicator still works.
+/// no peer's block arrived, and the communicator still works (broadcast and barrier included).
 #[test]
 fn unchecked_length_disagreement_is_an_error_on_every_rank() {
     let out = run_ranks(3, &cfg("one-round-unchecked"), |_f, w| {
@@ -238,6 +238,11 @@ fn unchecked_length_disagreement_is_an_error_on_every_rank() {
         let mut ok = vec![me as i64; 3];
         w.all_reduce_in_place(&mut ok, ReduceOp::Sum)?;
         assert_eq!(ok, vec![3; 3]);
+        // An unchecked broadcast sends the root's messages alone; barriers still meet.
+        let mut b = vec![me as u32; 5];
+        w.broadcast_into(&mut b, 1)?;
+        assert_eq!(b, vec![1u32; 5], "rank {me}: unchecked broadcast");
+        w.barrier()?;
         Ok(e)
     })
     .unwrap();

@@ -296,14 +296,22 @@ impl Inner {
             at += len;
         }
         let mut recv = vec![0u8; at];
+        // An unchecked broadcast's other ranks have nothing to say: only the root's messages
+        // travel (every rank knows the root; ranks that disagree on it wait until the time
+        // limit). Every other form sends every message, empty or not (a barrier's are all
+        // empty: they are the barrier).
+        let root_only = check.is_none() && matches!(c, Small::Broadcast { .. });
+        let travels = |b: &&RawBlock| !root_only || b.count > 0;
+        let sent: Vec<RawBlock> = sends.iter().filter(travels).copied().collect();
+        let received: Vec<RawBlock> = recvs.iter().filter(travels).copied().collect();
         let mismatches = self
             .ctx
             .exchange_on(
                 channel,
                 HostSlice::U8(&send),
-                &sends,
+                &sent,
                 HostSliceMut::U8(&mut recv),
-                &recvs,
+                &received,
                 tag,
                 limit,
             )
