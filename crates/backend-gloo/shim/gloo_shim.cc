@@ -741,6 +741,10 @@ void run_reduce_scatter_ring(
 // "GRDP": the first four bytes of every point-to-point header.
 constexpr uint32_t kP2pMagic = 0x50445247u;
 constexpr size_t kInlineMax = GLOO_SHIM_P2P_INLINE_MAX;
+// The mismatch check's messages carry a fingerprint before up to kInlineMax bytes of payload
+// (backend-gloo's one-round collectives), so that a 64 KiB collective still travels in one
+// message.
+constexpr size_t kCheckInlineMax = GLOO_SHIM_P2P_INLINE_MAX + GLOO_SHIM_CHECK_INLINE_EXTRA;
 constexpr size_t kChunk = GLOO_SHIM_P2P_CHUNK;
 // The largest chunk size a receiver accepts from a header (a sanity bound, far above kChunk).
 constexpr uint64_t kMaxChunk = uint64_t(1) << 30;
@@ -1352,19 +1356,22 @@ class P2pTransfer {
   P2pTransfer(
       gloo::Context& ctx, std::atomic<uint64_t>& seq, std::shared_ptr<P2pWaits> waits,
       gloo_shim_p2p_op& op, uint8_t prefix = kP2pSlotPrefix)
-      : ctx_(ctx), waits_(std::move(waits)), op_(op) {
+      : ctx_(ctx),
+        waits_(std::move(waits)),
+        op_(op),
+        inline_max_(prefix == kCheckSlotPrefix ? kCheckInlineMax : kInlineMax) {
     check_op(ctx, op);
     op_.mismatch = 0;
     op_.other_dtype = -1;
     op_.other_count = 0;
     if (op_.is_recv) {
-      staging_.reset(new char[kHeader + kInlineMax]);
-      head_ = ctx_.createUnboundBuffer(staging_.get(), kHeader + kInlineMax);
-      head_->recv(op_.peer, header_slot(prefix, op_.tag), 0, kHeader + kInlineMax);
+      staging_.reset(new char[kHeader + inline_max_]);
+      head_ = ctx_.createUnboundBuffer(staging_.get(), kHeader + inline_max_);
+      head_->recv(op_.peer, header_slot(prefix, op_.tag), 0, kHeader + inline_max_);
       return;
     }
     P2pHeader h{kP2pMagic, op_.dtype, op_.count, op_.bytes, 0, 0};
-    if (op_.bytes <= kInlineMax) {
+    if (op_.bytes <= inline_max_) {
       staging_.reset(new char[kHeader + op_.bytes]);
       std::memcpy(staging_.get(), &h, kHeader);
       if (op_.bytes > 0) {
@@ -1412,7 +1419,7 @@ class P2pTransfer {
       op_.other_count = h.count;
     }
     if (h.chunk == 0) {
-      if (h.bytes > kInlineMax) {
+      if (h.bytes > inline_max_) {
         protocol_error(op_, "an inline payload larger than the inline limit");
       }
       if (match && h.bytes > 0) {
@@ -1427,7 +1434,7 @@ class P2pTransfer {
       }
       return;
     }
-    if (h.chunk > kMaxChunk || h.bytes <= kInlineMax) {
+    if (h.chunk > kMaxChunk || h.bytes <= inline_max_) {
       protocol_error(op_, "a chunked payload of an impossible size");
     }
     const uint64_t slot = payload_slot(h.seq);
@@ -1499,6 +1506,8 @@ class P2pTransfer {
   gloo::Context& ctx_;
   std::shared_ptr<P2pWaits> waits_;
   gloo_shim_p2p_op& op_;
+  // Largest payload that travels with its header (kCheckInlineMax on the check's slots).
+  const size_t inline_max_;
   // Declared before the unbound buffers that point into them, so they are freed after them.
   std::unique_ptr<char[]> staging_;
   P2pReply reply_msg_{};

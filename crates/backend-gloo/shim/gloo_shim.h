@@ -134,7 +134,8 @@ typedef struct gloo_shim_p2p_op {
   int32_t other_dtype;
   uint64_t other_count;
   /* Input, receives only (0 for sends): when 1 and an inline message (at most
-   * GLOO_SHIM_P2P_INLINE_MAX bytes) of the same element type but another count arrives, its
+   * GLOO_SHIM_P2P_INLINE_MAX bytes, + GLOO_SHIM_CHECK_INLINE_EXTRA on the check's slots) of the
+   * same element type but another count arrives, its
    * first min(sent, posted) elements are still copied into ptr (mismatch = 1 and other_count
    * report the whole message). The mismatch check's messages all begin with the sender's
    * fingerprint, which a receiver then reads whatever the rest of the message is. */
@@ -272,6 +273,9 @@ int32_t gloo_shim_barrier(
 
 /* Largest payload sent inline with its header (bytes). */
 #define GLOO_SHIM_P2P_INLINE_MAX (64u * 1024u)
+/* gloo_shim_check_exchange's messages may be this much longer inline: a fingerprint of 8
+ * integers before a payload of up to GLOO_SHIM_P2P_INLINE_MAX bytes. */
+#define GLOO_SHIM_CHECK_INLINE_EXTRA 64u
 /* Largest chunk of a large payload (bytes). */
 #define GLOO_SHIM_P2P_CHUNK (4u * 1024u * 1024u)
 

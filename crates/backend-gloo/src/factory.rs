@@ -242,7 +242,7 @@ pub struct GlooConfig {
     /// Address of this host the TCP device listens on (default `127.0.0.1`: single host).
     pub hostname: String,
     /// Algorithm of `all_reduce` (and of the all-reduce inside
-    /// [`ReduceScatterAlgorithm::Allreduce`]; all-reduces of at most 64 KiB less 64 B on at
+    /// [`ReduceScatterAlgorithm::Allreduce`]; all-reduces of at most 64 KiB on at
     /// most 16 ranks run as one round of messages instead). [`AllreduceAlgorithm::Auto`] (the default) picks by rank count and message
     /// size ([`crate::ALLREDUCE_TABLE`]), or takes [`crate::ALLREDUCE_ENV`] when that is set.
     pub allreduce: AllreduceAlgorithm,

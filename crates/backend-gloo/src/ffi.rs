@@ -245,7 +245,7 @@ impl RawOp {
 /// assert_eq!(ReduceScatterAlgorithm::default(), ReduceScatterAlgorithm::Direct);
 /// ```
 ///
-/// Reduce-scatters small enough for one round of messages (at most 64 KiB less 64 B per
+/// Reduce-scatters small enough for one round of messages (at most 64 KiB per
 /// block, on at most 16 ranks) run as that round whatever the algorithm (`comm/oneshot.rs`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum ReduceScatterAlgorithm {
@@ -822,6 +822,10 @@ pub struct P2pMismatch {
 /// assert_eq!(backend_gloo::P2P_INLINE_MAX, 64 << 10);
 /// ```
 pub const P2P_INLINE_MAX: usize = sys::GLOO_SHIM_P2P_INLINE_MAX as usize;
+
+/// How much longer than [`P2P_INLINE_MAX`] a message of the mismatch check's slots may be and
+/// still travel inline (a fingerprint before a payload of up to the inline limit).
+pub(crate) const CHECK_INLINE_EXTRA: usize = sys::GLOO_SHIM_CHECK_INLINE_EXTRA as usize;
 
 /// Payload bytes this process has copied through staging or scratch memory for point-to-point
 /// messages so far: both sides of messages of up to 64 KiB (sent inline with their header) and

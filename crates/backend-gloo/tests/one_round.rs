@@ -10,9 +10,9 @@ use grid_core::{
 use half::f16;
 use std::time::Duration;
 
-/// Payload bytes of the largest one-round message (the inline limit less the 8-integer
-/// fingerprint; `oneshot::ONE_SHOT_MAX`).
-const LIMIT: usize = P2P_INLINE_MAX - 64;
+/// Payload bytes of the largest one-round message (the inline limit: the check's messages
+/// carry their 8-integer fingerprint beyond it; `oneshot::ONE_SHOT_MAX`).
+const LIMIT: usize = P2P_INLINE_MAX;
 
 fn cfg(name: &str) -> GlooConfig {
     GlooConfig::new(name).with_timeout(Duration::from_secs(60))

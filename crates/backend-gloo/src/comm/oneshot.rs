@@ -49,8 +49,12 @@ use std::time::Duration;
 const FP_BYTES: usize = DeferredCheck::FINGERPRINT_LEN * 8;
 
 /// Largest payload (bytes) of one message of a one-round collective: the shim's inline limit
-/// less the fingerprint, so that every message is one Gloo message.
-pub(crate) const ONE_SHOT_MAX: usize = P2P_INLINE_MAX - FP_BYTES;
+/// (64 KiB; the check's slots carry a fingerprint more inline), so that every message is one
+/// Gloo message.
+pub(crate) const ONE_SHOT_MAX: usize = P2P_INLINE_MAX;
+
+// The check's slots carry a fingerprint more than the inline limit in one message.
+const _: () = assert!(crate::ffi::CHECK_INLINE_EXTRA == FP_BYTES);
 
 /// A collective that can run as one round of messages, on host memory whose lengths the front
 /// end validated.
