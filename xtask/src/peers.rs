@@ -829,6 +829,12 @@ fn measure(
         Ok(j) => j,
         Err(e) => return Err(e.clone()),
     };
+    // Every job starts on a settled machine: the job measured just before may still have
+    // threads finishing their work for a few milliseconds (seen after torch's Gloo: the next
+    // job's 128 KiB all-reduce took 3.7-4.1 ms where it took 0.3 ms after a job of this
+    // project), and the order of jobs flips from cell to cell, so without a pause each job
+    // pays for its predecessor in every other cell.
+    std::thread::sleep(SETTLE);
     match job.run(op, bytes, warmup, iters) {
         Ok(per_rank) => slowest_median(&per_rank)
             .ok_or_else(|| format!("{}: no complete set of timings", job.name)),
@@ -839,6 +845,9 @@ fn measure(
         }
     }
 }
+
+/// The pause before each job's cell ([`measure`]).
+const SETTLE: std::time::Duration = std::time::Duration::from_millis(30);
 
 /// (row backend, our job kind, peer name, peer job kind) at every rank count.
 const PAIRS: &[(&str, &str, &str, &str)] = &[

@@ -669,7 +669,7 @@ impl Inner {
                     send,
                     recv: HostSliceMut::I64(all),
                 };
-                self.round(on_check, None, c, tag, limit)
+                self.round(on_check, None, "all_gather", c, tag, limit)
             },
             &mut |mine, theirs| {
                 let send = HostSlice::I64(mine);
@@ -677,7 +677,7 @@ impl Inner {
                     send,
                     recv: HostSliceMut::I64(theirs),
                 };
-                self.round(on_check, None, c, tag, limit)
+                self.round(on_check, None, "all_to_all", c, tag, limit)
             },
         )
     }

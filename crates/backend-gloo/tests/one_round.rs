@@ -45,9 +45,10 @@ fn bits(v: &[f32]) -> Vec<u32> {
 }
 
 /// All-reduce and reduce-scatter of f32 at the one-round limit (the kernels' bits, the same on
-/// every rank) and one element above it (all-reduce: libgloo's algorithm, the same bits on every
+/// every rank), one element above it (all-reduce: libgloo's algorithm, the same bits on every
 /// rank, the sum within rounding; reduce-scatter out of place: the direct exchange, the kernels'
-/// bits again), in place and out of place; all-gather, all-to-all and broadcast of integers
+/// bits again) and at `n` times the limit (all-reduce in two rounds: the kernels' bits), in
+/// place and out of place; all-gather, all-to-all and broadcast of integers
 /// exactly, at 2, 3 and 4 ranks.
 #[test]
 fn results_on_both_sides_of_the_limit_at_2_to_4_ranks() {
@@ -55,15 +56,18 @@ fn results_on_both_sides_of_the_limit_at_2_to_4_ranks() {
         let out = run_ranks(n, &cfg(&format!("one-round-{n}")), |_f, w| {
             let me = w.rank();
             let mut seen = Vec::new();
-            for len in [1, LIMIT / 4, LIMIT / 4 + 1] {
+            // One round; the largest one round; libgloo (not a multiple of n); two rounds
+            // (n blocks of one message each).
+            for len in [1, LIMIT / 4, LIMIT / 4 + 1, n * (LIMIT / 4)] {
                 let one_round = len * 4 <= LIMIT;
+                let two_rounds = len % n == 0 && len / n * 4 <= LIMIT;
                 let want = kernel_sum(n, len);
                 let mut into = vec![0.0f32; len];
                 w.all_reduce_into(&values(me, len), &mut into, ReduceOp::Sum)?;
                 let mut inplace = values(me, len);
                 w.all_reduce_in_place(&mut inplace, ReduceOp::Sum)?;
                 for got in [&into, &inplace] {
-                    if one_round {
+                    if one_round || two_rounds {
                         assert_eq!(bits(got), bits(&want), "rank {me}, {len} elements");
                     } else {
                         for (g, k) in got.iter().zip(&want) {

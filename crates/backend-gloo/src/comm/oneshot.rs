@@ -214,11 +214,53 @@ impl Inner {
             Channel::Collective
         };
         if n >= 2 && direct && c.largest_message(me, n) <= ONE_SHOT_MAX {
-            self.round(channel, check, c, tag, limit)?;
+            self.round(channel, check, op, c, tag, limit)?;
             return Ok(true);
+        }
+        if let Small::AllReduce { send, recv, op: r } = c {
+            let (len, w) = (recv.len(), recv.dtype().size_bytes());
+            if n >= 2 && direct && len % n == 0 && len / n * w <= ONE_SHOT_MAX {
+                self.all_reduce_two_rounds(check, send, recv, r, tag, limit)?;
+                return Ok(true);
+            }
         }
         self.check_only(check, tag, limit)?;
         Ok(false)
+    }
+
+    /// An all-reduce whose `n` blocks each fit one message: a one-round reduce-scatter that
+    /// carries the check (block `j` to rank `j`, each rank reducing its block in rank order),
+    /// then a one-round all-gather of the reduced blocks. Two message latencies where
+    /// libgloo's ring takes `2 (n - 1)` dependent steps after the check's round; every rank
+    /// holds the same bits (each block reduced once, by its owner, with the kernels).
+    fn all_reduce_two_rounds(
+        &self,
+        check: Option<&DeferredCheck>,
+        send: Option<HostSlice<'_>>,
+        mut recv: HostSliceMut<'_>,
+        r: ReduceOp,
+        tag: u32,
+        limit: Duration,
+    ) -> Result<()> {
+        const OP: &str = "all_reduce";
+        let k = recv.len() / self.size();
+        let mut mine = HostBuffer::zeros(recv.dtype(), k);
+        let channel = if check.is_some() {
+            Channel::Check
+        } else {
+            Channel::Collective
+        };
+        let scatter = Small::ReduceScatter {
+            send: Some(send.unwrap_or(recv.as_slice())),
+            recv: mine.as_mut_slice(),
+            op: r,
+        };
+        self.round(channel, check, OP, scatter, tag, limit)?;
+        let gather = Small::AllGather {
+            send: Some(mine.as_slice()),
+            recv: recv.reborrow(),
+        };
+        self.round(Channel::Collective, None, OP, gather, tag, limit)
     }
 
     /// The checks of collectives that never run as one round (the rooted and uneven ones):
@@ -231,7 +273,14 @@ impl Inner {
     ) -> Result<()> {
         let Some(ch) = check else { return Ok(()) };
         if self.size() <= DIRECT_MAX && ch.fingerprints_suffice() {
-            self.round(Channel::Check, Some(ch), Small::Barrier, tag, limit)
+            self.round(
+                Channel::Check,
+                Some(ch),
+                ch.op(),
+                Small::Barrier,
+                tag,
+                limit,
+            )
         } else {
             self.verify(ch, tag, limit)
         }
@@ -239,17 +288,18 @@ impl Inner {
 
     /// The round itself (see the module docs) on the slots of `channel` (the check's when
     /// `check` is given; a check's own exchanges, [`Inner::verify`], use them too); `c` fits.
+    /// Failures are those of operation `op` (the checked one: the check alone runs as a
+    /// barrier's round, a two-round all-reduce as a reduce-scatter's and an all-gather's).
     pub(super) fn round(
         &self,
         channel: Channel,
         check: Option<&DeferredCheck>,
+        op: &'static str,
         mut c: Small<'_>,
         tag: u32,
         limit: Duration,
     ) -> Result<()> {
         let (me, n) = (self.rank(), self.size());
-        // Failures are the checked operation's (the check alone runs as a barrier's round).
-        let op = check.map_or(c.name(), |ch| ch.op());
         let w = c.width();
         let head = if check.is_some() { FP_BYTES } else { 0 };
         let peers: Vec<usize> = (0..n).filter(|&j| j != me).collect();
