@@ -253,10 +253,11 @@ pub enum ReduceScatterAlgorithm {
     /// exchange, receives posted before sends), and reduces the `n` blocks of its own in rank
     /// order with grid-core's kernels: the traffic of a true reduce-scatter (`n - 1` blocks out
     /// and in per rank) in one round instead of dependent steps, the same bits on every rank,
-    /// scratch memory of `n - 1` blocks. The default: in one sitting of `cargo xtask bench
-    /// peers` (docs/performance.md) it took reduce-scatters of 8–64 MiB from 0.9–1.1× torch's
-    /// Gloo to 1.3–3.1× at 2 and 4 ranks (runs at 01:36, 01:56 and 01:58 UTC). In place, where it would need that scratch memory,
-    /// the all-reduce form runs instead (no copy).
+    /// scratch memory of `n - 1` blocks. The default: in `cargo xtask bench peers`
+    /// (docs/performance.md) it took reduce-scatters of 8–64 MiB from 0.9–1.1× torch's Gloo
+    /// to 1.3–3.1× at 2 and 4 ranks (runs at 01:36, 01:56 and 01:58 UTC, 2026-11-25). In
+    /// place, where it would need that scratch memory, the all-reduce form runs instead (no
+    /// copy).
     #[default]
     Direct,
     /// `gloo::allreduce` (ring) then a copy of this rank's block: twice the traffic of a
