@@ -218,7 +218,7 @@ fn store_error(kind: &str, e: ShimError) -> Error {
 /// let cfg = GlooConfig::new("train-42")
 ///     .with_timeout(Duration::from_secs(10))
 ///     .with_reduce_scatter(ReduceScatterAlgorithm::Allreduce);
-/// assert_eq!(cfg.reduce_scatter, ReduceScatterAlgorithm::default());
+/// assert_ne!(cfg.reduce_scatter, ReduceScatterAlgorithm::default()); // Direct
 /// assert_eq!(cfg.job_id, "train-42");
 /// assert_eq!(cfg.hostname, "127.0.0.1");
 /// ```

@@ -239,7 +239,7 @@ impl Inner {
         self.reduce_scatter_blocks("reduce_scatter_v", send, send_counts, recv, op, tag, limit)
     }
 
-    /// [`Inner::reduce_scatter_v`] as collective `OP` (also the even reduce-scatter's
+    /// [`Inner::reduce_scatter_v`] as collective `name` (also the even reduce-scatter's
     /// [`crate::ReduceScatterAlgorithm::Direct`]).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn reduce_scatter_blocks(
