@@ -22,6 +22,7 @@ mod oneshot;
 mod vops;
 
 use oneshot::Small;
+pub use oneshot::{ONE_ROUND_ENV, ONE_ROUND_MAX};
 
 const BACKEND: &str = "gloo";
 /// The failure recorded by [`GlooBackend::abort`].
@@ -128,6 +129,8 @@ pub(crate) struct Inner {
     timeout: Duration,
     allreduce: AllreduceAlgorithm,
     reduce_scatter: ReduceScatterAlgorithm,
+    /// Largest payload of a one-round collective's message (`comm/oneshot.rs`).
+    one_round_max: usize,
     seq: Sequencer,
     failure: Mutex<Option<String>>,
     splits: AtomicU64,
@@ -939,6 +942,7 @@ impl GlooBackend {
         timeout: Duration,
         allreduce: AllreduceAlgorithm,
         reduce_scatter: ReduceScatterAlgorithm,
+        one_round_max: usize,
     ) -> GlooBackend {
         GlooBackend {
             inner: Arc::new(Inner {
@@ -948,6 +952,7 @@ impl GlooBackend {
                 timeout,
                 allreduce,
                 reduce_scatter,
+                one_round_max,
                 seq: Sequencer::default(),
                 failure: Mutex::new(None),
                 splits: AtomicU64::new(0),

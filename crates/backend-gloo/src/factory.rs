@@ -248,6 +248,14 @@ pub struct GlooConfig {
     pub allreduce: AllreduceAlgorithm,
     /// Algorithm of `reduce_scatter` ([`ReduceScatterAlgorithm::Direct`] unless set).
     pub reduce_scatter: ReduceScatterAlgorithm,
+    /// Largest payload (bytes) of one message of the collectives that run as one round of
+    /// messages (on at most 16 ranks: all-reduce, all-gather, reduce-scatter, all-to-all,
+    /// broadcast; all-reduces of up to `n` such blocks as two rounds). At most and by default
+    /// [`crate::ONE_ROUND_MAX`] (64 KiB); 0 sends every collective with data through libgloo's
+    /// algorithms (the mismatch check is then a round of its own). [`crate::ONE_ROUND_ENV`]
+    /// sets it when the program leaves the default. Every rank must use the same value: ranks
+    /// that differ get an error naming both message lengths.
+    pub one_round_max: usize,
 }
 
 impl GlooConfig {
@@ -289,6 +297,7 @@ impl GlooConfig {
             hostname: "127.0.0.1".into(),
             allreduce: AllreduceAlgorithm::Auto,
             reduce_scatter: ReduceScatterAlgorithm::Direct,
+            one_round_max: crate::ONE_ROUND_MAX,
         }
     }
 
@@ -338,12 +347,36 @@ impl GlooConfig {
         self
     }
 
-    /// `self` with [`crate::ALLREDUCE_ENV`] applied: an `Auto` all-reduce takes the
-    /// algorithm the variable names; an algorithm set explicitly stays.
+    /// Sets the largest payload of a one-round collective's message ([`GlooConfig::one_round_max`]).
+    ///
+    /// ```
+    /// use backend_gloo::{GlooConfig, ONE_ROUND_MAX};
+    /// assert_eq!(GlooConfig::new("j").one_round_max, ONE_ROUND_MAX);
+    /// assert_eq!(GlooConfig::new("j").with_one_round_max(0).one_round_max, 0);
+    /// ```
+    pub fn with_one_round_max(mut self, bytes: usize) -> GlooConfig {
+        self.one_round_max = bytes;
+        self
+    }
+
+    /// `self` with [`crate::ALLREDUCE_ENV`] and [`crate::ONE_ROUND_ENV`] applied: an `Auto`
+    /// all-reduce takes the algorithm the variable names, a default one-round limit the
+    /// variable's bytes; values set explicitly stay.
     fn with_env_allreduce(mut self) -> Result<GlooConfig> {
         if self.allreduce == AllreduceAlgorithm::Auto {
             if let Some(a) = AllreduceAlgorithm::from_env().map_err(Error::Invalid)? {
                 self.allreduce = a;
+            }
+        }
+        if self.one_round_max == crate::ONE_ROUND_MAX {
+            if let Ok(v) = std::env::var(crate::ONE_ROUND_ENV) {
+                self.one_round_max = v.trim().parse().map_err(|_| {
+                    Error::Invalid(format!(
+                        "{}={v:?} is not a number of bytes from 0 to {}",
+                        crate::ONE_ROUND_ENV,
+                        crate::ONE_ROUND_MAX
+                    ))
+                })?;
             }
         }
         Ok(self)
@@ -364,6 +397,14 @@ impl GlooConfig {
         }
         if self.timeout.is_zero() {
             return Err(Error::Invalid("the Gloo timeout must be positive".into()));
+        }
+        if self.one_round_max > crate::ONE_ROUND_MAX {
+            return Err(Error::Invalid(format!(
+                "one_round_max of {} bytes is larger than a one-round message can carry: use 0 to {} ({})",
+                self.one_round_max,
+                crate::ONE_ROUND_MAX,
+                crate::ONE_ROUND_ENV
+            )));
         }
         Ok(())
     }
@@ -561,6 +602,7 @@ impl GlooFactory {
             timeout,
             self.config.allreduce,
             self.config.reduce_scatter,
+            self.config.one_round_max,
         )
         .with_store_name(name.to_string());
         if let Some(b) = blame {

@@ -57,7 +57,7 @@ mod ffi;
 pub mod testing;
 mod tuning;
 
-pub use comm::{GlooBackend, GlooCommunicator};
+pub use comm::{GlooBackend, GlooCommunicator, ONE_ROUND_ENV, ONE_ROUND_MAX};
 pub use factory::{
     env, init_from_env, run_ranks, run_ranks_with, GlooConfig, GlooFactory, InProcessStore,
     Rendezvous,

@@ -3,7 +3,7 @@
 //! kernels' results (f16 and averages included), and, with the check off, a length disagreement
 //! that is an error on every rank instead of wrong data.
 
-use backend_gloo::{run_ranks, GlooConfig, P2P_INLINE_MAX};
+use backend_gloo::{run_ranks, GlooConfig, ONE_ROUND_MAX};
 use grid_core::{
     kernels, Communicator, CommunicatorExt, Error, HostSlice, HostSliceMut, MismatchCheck, ReduceOp,
 };
@@ -11,8 +11,8 @@ use half::f16;
 use std::time::Duration;
 
 /// Payload bytes of the largest one-round message (the inline limit: the check's messages
-/// carry their 8-integer fingerprint beyond it; `oneshot::ONE_SHOT_MAX`).
-const LIMIT: usize = P2P_INLINE_MAX;
+/// carry their 8-integer fingerprint beyond it).
+const LIMIT: usize = ONE_ROUND_MAX;
 
 fn cfg(name: &str) -> GlooConfig {
     GlooConfig::new(name).with_timeout(Duration::from_secs(60))
@@ -262,4 +262,48 @@ fn unchecked_length_disagreement_is_an_error_on_every_rank() {
             "rank {r}: names both counts: {text}"
         );
     }
+}
+
+/// `one_round_max = 0` sends every collective with data through libgloo's algorithms: results
+/// within rounding of the kernels' (f32) or exact (integers), the same bits on every rank, and
+/// a disagreement still the same `CollectiveMismatch` everywhere (the check as a round of its
+/// own). A limit above what one message can carry is refused before any rendezvous.
+#[test]
+fn one_round_max_zero_uses_libgloo_and_still_checks() {
+    let n = 3;
+    let config = cfg("one-round-off").with_one_round_max(0);
+    let out = run_ranks(n, &config, |_f, w| {
+        let me = w.rank();
+        let mut v = values(me, 1000);
+        w.all_reduce_in_place(&mut v, ReduceOp::Sum)?;
+        let mut b = vec![me as i64; 7];
+        w.broadcast_into(&mut b, 2)?;
+        assert_eq!(b, vec![2; 7], "rank {me}");
+        let count = if me == 1 { 9 } else { 8 };
+        let e = w
+            .all_reduce_in_place(&mut vec![1i32; count], ReduceOp::Sum)
+            .unwrap_err();
+        assert!(
+            matches!(&e, Error::CollectiveMismatch { field: "count", .. }),
+            "rank {me}: {e}"
+        );
+        Ok(bits(&v))
+    })
+    .unwrap();
+    let want = kernel_sum(n, 1000);
+    let first = out[0].as_ref().unwrap().clone();
+    for (r, o) in out.into_iter().enumerate() {
+        let got = o.unwrap();
+        assert_eq!(got, first, "rank {r}: other bits than rank 0");
+        for (g, k) in got.iter().zip(&want) {
+            let g = f32::from_bits(*g);
+            assert!(
+                (g - k).abs() <= 1e-3 * (1.0 + k.abs()),
+                "rank {r}: {g} vs {k}"
+            );
+        }
+    }
+    let too_big = cfg("one-round-too-big").with_one_round_max(ONE_ROUND_MAX + 1);
+    let e = run_ranks(2, &too_big, |_f, _w| Ok(())).unwrap_err();
+    assert!(e.to_string().contains("one_round_max"), "{e}");
 }

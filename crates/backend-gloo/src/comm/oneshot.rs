@@ -7,7 +7,7 @@
 //! another one right away loses such a slice far more often than one that follows a barrier
 //! (docs/performance.md, "Where this project is behind").
 //!
-//! Here a collective whose every message fits the shim's inline limit ([`ONE_SHOT_MAX`] bytes
+//! Here a collective whose every message fits the shim's inline limit ([`ONE_ROUND_MAX`] bytes
 //! of payload) on a communicator of at most [`DIRECT_MAX`] ranks is **one** round: every rank
 //! sends every other rank one message, `[fingerprint | payload]`, and computes its result
 //! locally from what arrives:
@@ -50,8 +50,12 @@ const FP_BYTES: usize = DeferredCheck::FINGERPRINT_LEN * 8;
 
 /// Largest payload (bytes) of one message of a one-round collective: the shim's inline limit
 /// (64 KiB; the check's slots carry a fingerprint more inline), so that every message is one
-/// Gloo message.
-pub(crate) const ONE_SHOT_MAX: usize = P2P_INLINE_MAX;
+/// Gloo message. The default and the largest value of [`crate::GlooConfig::one_round_max`].
+pub const ONE_ROUND_MAX: usize = P2P_INLINE_MAX;
+
+/// Environment variable that sets [`crate::GlooConfig::one_round_max`] (bytes, 0 to
+/// [`ONE_ROUND_MAX`]) when the program leaves it at its default; the same on every rank.
+pub const ONE_ROUND_ENV: &str = "GRID_GLOO_ONE_ROUND_MAX";
 
 // The check's slots carry a fingerprint more than the inline limit in one message.
 const _: () = assert!(crate::ffi::CHECK_INLINE_EXTRA == FP_BYTES);
@@ -194,7 +198,7 @@ impl Small<'_> {
 }
 
 impl Inner {
-    /// Runs `c` as one round of messages when it fits ([`ONE_SHOT_MAX`], [`DIRECT_MAX`]),
+    /// Runs `c` as one round of messages when it fits ([`ONE_ROUND_MAX`], [`DIRECT_MAX`]),
     /// checked by `check` when there is one: `Ok(true)` when `c` has run. Otherwise runs the
     /// check alone (`Ok(false)`: the caller then runs `c` its usual way).
     pub(super) fn one_shot(
@@ -213,13 +217,14 @@ impl Inner {
         } else {
             Channel::Collective
         };
-        if n >= 2 && direct && c.largest_message(me, n) <= ONE_SHOT_MAX {
+        let most = self.one_round_max;
+        if n >= 2 && direct && c.largest_message(me, n) <= most {
             self.round(channel, check, op, c, tag, limit)?;
             return Ok(true);
         }
         if let Small::AllReduce { send, recv, op: r } = c {
             let (len, w) = (recv.len(), recv.dtype().size_bytes());
-            if n >= 2 && direct && len % n == 0 && len / n * w <= ONE_SHOT_MAX {
+            if n >= 2 && direct && len % n == 0 && len / n * w <= most {
                 self.all_reduce_two_rounds(check, send, recv, r, tag, limit)?;
                 return Ok(true);
             }
