@@ -29,9 +29,17 @@
 //! then runs libgloo's algorithm; so a rank that runs one form and a rank that runs the other
 //! still exchange fingerprints and both report the mismatch.
 //!
-//! With the check off (`GRID_DEBUG=off`, [`grid_core::MismatchCheck::Off`]) the same round
-//! carries the payloads alone on the collective's slots; ranks that disagree on a length then
-//! get the length protocol's error naming the peer and both counts.
+//! An all-reduce too large for one round whose `n` blocks each fit a message runs as two: a
+//! one-round reduce-scatter that carries the check, then a one-round all-gather of the reduced
+//! blocks (each block reduced once, by its owner: the same bits everywhere).
+//!
+//! With the check off (`GRID_DEBUG=off`, [`grid_core::MismatchCheck::Off`]) the same rounds
+//! carry the payloads alone on the collective's slots; ranks that disagree on a length then
+//! get the length protocol's error naming the peer and both counts. An unchecked broadcast's
+//! other ranks send nothing.
+//!
+//! [`crate::GlooConfig::one_round_max`] (or [`ONE_ROUND_ENV`]) lowers the limit; 0 sends every
+//! collective with data through libgloo's algorithms.
 //!
 //! Volume: an all-reduce sends its input `n - 1` times (a ring sends about twice the input in
 //! all), which at most 64 KiB per message and 16 ranks is at most 1 MiB per rank per call:
