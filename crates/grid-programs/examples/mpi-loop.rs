@@ -52,7 +52,7 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let rt = match start_mpi_rank(&options) {
+    let rt = match start_mpi_rank("mpi-loop", &options) {
         Ok(rt) => rt,
         Err(status) => return status,
     };

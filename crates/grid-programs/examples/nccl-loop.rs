@@ -48,7 +48,7 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let rt = match start_mpi_rank(&options) {
+    let rt = match start_mpi_rank("nccl-loop", &options) {
         Ok(rt) => rt,
         Err(status) => return status,
     };

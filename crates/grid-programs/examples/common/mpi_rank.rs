@@ -12,7 +12,10 @@ use std::process::ExitCode;
 /// names the dump file), then MPI. When either fails the rank has printed its one line, with
 /// the launcher's rank (`OMPI_COMM_WORLD_RANK`, `PMI_RANK`; MPI gives none), and `Err` is the
 /// status to exit with.
-pub fn start_mpi_rank(options: &LoopOptions) -> std::result::Result<MpiRuntime, ExitCode> {
+pub fn start_mpi_rank(
+    program: &str,
+    options: &LoopOptions,
+) -> std::result::Result<MpiRuntime, ExitCode> {
     let started = match &options.trace_dir {
         Some(dir) => install_trace_dir(dir, None),
         None => Ok(()),
@@ -28,7 +31,7 @@ pub fn start_mpi_rank(options: &LoopOptions) -> std::result::Result<MpiRuntime, 
             completed: 0,
             error: Some(e),
         };
-        println!("{}", outcome.json_line());
+        print_line(program, rank, outcome);
         ExitCode::FAILURE
     })
 }
@@ -44,8 +47,7 @@ pub fn end_mpi_rank(program: &str, rank: usize, completed: u64, result: Result<(
         completed,
         error: result.as_ref().err().map(Error::to_string),
     };
-    println!("{}", outcome.json_line());
-    let _ = std::io::stdout().flush();
+    print_line(program, rank, outcome);
     let Err(e) = result else {
         return ExitCode::SUCCESS;
     };
@@ -55,4 +57,42 @@ pub fn end_mpi_rank(program: &str, rank: usize, completed: u64, result: Result<(
     let _ = std::io::stdout().flush();
     let _ = std::io::stderr().flush();
     std::process::exit(1)
+}
+
+/// The longest line a rank prints whole. Open MPI forwards a rank's output in reads of at most
+/// 4096 bytes, so a longer line can arrive cut, with another rank's line in between (seen with
+/// nccl-loop's error naming every directory the loader searched for libcuda).
+const LINE_MAX: usize = 4000;
+
+/// Prints the rank's one line in a single write. An error too long for [`LINE_MAX`] goes
+/// whole to standard error (after `program: rank R: `) and shortened into the line, which says
+/// so.
+fn print_line(program: &str, rank: usize, mut outcome: Outcome) {
+    let mut line = outcome.json_line();
+    if line.len() > LINE_MAX {
+        if let Some(full) = outcome.error.take() {
+            eprintln!("{program}: rank {rank}: {full}");
+            let mut keep = full.len().min(LINE_MAX);
+            loop {
+                while !full.is_char_boundary(keep) {
+                    keep -= 1;
+                }
+                outcome.error = Some(format!(
+                    "{} ... (cut: {} of {} bytes here, the whole error is on standard error)",
+                    &full[..keep],
+                    keep,
+                    full.len()
+                ));
+                line = outcome.json_line();
+                if line.len() <= LINE_MAX || keep == 0 {
+                    break;
+                }
+                keep = keep.saturating_sub(line.len() - LINE_MAX + 16);
+            }
+        }
+    }
+    line.push('\n');
+    let mut out = std::io::stdout().lock();
+    let _ = out.write_all(line.as_bytes());
+    let _ = out.flush();
 }
