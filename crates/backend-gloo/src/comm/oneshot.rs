@@ -46,10 +46,11 @@
 //! latency, not bandwidth, decides at these sizes.
 
 use super::check::DIRECT_MAX;
+use super::vops::{copy_into, outside, part};
 use super::Inner;
 use crate::ffi::{Channel, P2pMismatch, RawBlock, P2P_INLINE_MAX};
 use grid_core::{
-    kernels, DType, DeferredCheck, Error, HostBuffer, HostSlice, HostSliceMut, ReduceOp, Result,
+    kernels, DType, DeferredCheck, HostBuffer, HostSlice, HostSliceMut, ReduceOp, Result,
 };
 use std::time::Duration;
 
@@ -175,14 +176,12 @@ impl Small<'_> {
             Small::AllReduce { send, recv, .. } => Some(send.unwrap_or(recv.as_slice())),
             Small::Broadcast { buf, root } => (me == *root).then(|| buf.as_slice()),
             Small::AllGather { send: Some(s), .. } => Some(*s),
-            Small::AllGather { send: None, recv } => {
-                Some(block_of(op, recv.as_slice(), me * k, k)?)
-            }
-            Small::ReduceScatter { send: Some(s), .. } => Some(block_of(op, *s, j * k, k)?),
+            Small::AllGather { send: None, recv } => Some(part(op, recv.as_slice(), me * k, k)?),
+            Small::ReduceScatter { send: Some(s), .. } => Some(part(op, *s, j * k, k)?),
             Small::ReduceScatter {
                 send: None, recv, ..
-            } => Some(block_of(op, recv.as_slice(), j * k, k)?),
-            Small::AllToAll { send, .. } => Some(block_of(op, *send, j * k, k)?),
+            } => Some(part(op, recv.as_slice(), j * k, k)?),
+            Small::AllToAll { send, .. } => Some(part(op, *send, j * k, k)?),
             Small::Barrier => None,
         })
     }
@@ -220,14 +219,9 @@ impl Inner {
         let op = c.name();
         self.alive(op)?;
         let direct = n <= DIRECT_MAX && check.is_none_or(|c| c.fingerprints_suffice());
-        let channel = if check.is_some() {
-            Channel::Check
-        } else {
-            Channel::Collective
-        };
         let most = self.one_round_max;
         if n >= 2 && direct && c.largest_message(me, n) <= most {
-            self.round(channel, check, op, c, tag, limit)?;
+            self.round(channel_of(check), check, op, c, tag, limit)?;
             return Ok(true);
         }
         if let Small::AllReduce { send, recv, op: r } = c {
@@ -258,17 +252,12 @@ impl Inner {
         const OP: &str = "all_reduce";
         let k = recv.len() / self.size();
         let mut mine = HostBuffer::zeros(recv.dtype(), k);
-        let channel = if check.is_some() {
-            Channel::Check
-        } else {
-            Channel::Collective
-        };
         let scatter = Small::ReduceScatter {
             send: Some(send.unwrap_or(recv.as_slice())),
             recv: mine.as_mut_slice(),
             op: r,
         };
-        self.round(channel, check, OP, scatter, tag, limit)?;
+        self.round(channel_of(check), check, OP, scatter, tag, limit)?;
         let gather = Small::AllGather {
             send: Some(mine.as_slice()),
             recv: recv.reborrow(),
@@ -333,12 +322,7 @@ impl Inner {
             let at = send.len();
             send.resize(at + len, 0u8);
             if let Some(ch) = check {
-                for (o, v) in send[at..at + FP_BYTES]
-                    .chunks_exact_mut(8)
-                    .zip(ch.fingerprint())
-                {
-                    o.copy_from_slice(&v.to_le_bytes());
-                }
+                HostSlice::I64(ch.fingerprint()).write_le_bytes(&mut send[at..at + FP_BYTES])?;
             }
             if let Some(p) = payload {
                 p.write_le_bytes(&mut send[at + head..at + len])?;
@@ -391,15 +375,8 @@ impl Inner {
             let mut all = vec![0i64; n * fp];
             all[me * fp..(me + 1) * fp].copy_from_slice(ch.fingerprint());
             for (b, &j) in recvs.iter().zip(&peers) {
-                let bytes = &recv[b.offset..b.offset + FP_BYTES];
-                for (v, x) in all[j * fp..(j + 1) * fp]
-                    .iter_mut()
-                    .zip(bytes.chunks_exact(8))
-                {
-                    let mut a = [0u8; 8];
-                    a.copy_from_slice(x);
-                    *v = i64::from_le_bytes(a);
-                }
+                HostSliceMut::I64(&mut all[j * fp..(j + 1) * fp])
+                    .read_le_bytes(&recv[b.offset..b.offset + FP_BYTES])?;
             }
             ch.verify_gathered(&all)?;
         }
@@ -434,7 +411,7 @@ impl Inner {
                 None => Ok(()), // this rank is the root
             },
             Small::AllToAll { send, recv } => {
-                self.place(op, recv, me * k, &block_of(op, *send, me * k, k)?)?;
+                copy_into(op, recv, me * k, part(op, *send, me * k, k)?)?;
                 for (i, &j) in peers.iter().enumerate() {
                     read_at(op, recv, j * k, k, payload(i))?;
                 }
@@ -442,7 +419,7 @@ impl Inner {
             }
             Small::AllGather { send, recv } => {
                 if let Some(s) = send {
-                    self.place(op, recv, me * k, s)?;
+                    copy_into(op, recv, me * k, *s)?;
                 }
                 for (i, &j) in peers.iter().enumerate() {
                     read_at(op, recv, j * k, k, payload(i))?;
@@ -472,8 +449,8 @@ impl Inner {
                     .map(|i| decode(i, dtype))
                     .collect::<Result<_>>()?;
                 let own_block = match send {
-                    Some(s) => block_of(op, *s, me * k, k)?.to_owned_buffer(),
-                    None => block_of(op, recv.as_slice(), me * k, k)?.to_owned_buffer(),
+                    Some(s) => part(op, *s, me * k, k)?.to_owned_buffer(),
+                    None => part(op, recv.as_slice(), me * k, k)?.to_owned_buffer(),
                 };
                 let inputs = in_rank_order(me, own_block.as_slice(), &others);
                 match send {
@@ -489,19 +466,14 @@ impl Inner {
             }
         }
     }
+}
 
-    /// Copies `src` into `dst` at element `at`.
-    fn place(
-        &self,
-        op: &'static str,
-        dst: &mut HostSliceMut<'_>,
-        at: usize,
-        src: &HostSlice<'_>,
-    ) -> Result<()> {
-        let len = dst.len();
-        dst.sub_mut(at, src.len())
-            .ok_or_else(|| outside(op, at, src.len(), len))?
-            .copy_from(*src)
+/// The slots a round travels on: the check's when it carries the check's fingerprints (so
+/// that it meets every other form of the same check), the collective's otherwise.
+fn channel_of(check: Option<&DeferredCheck>) -> Channel {
+    match check {
+        Some(_) => Channel::Check,
+        None => Channel::Collective,
     }
 }
 
@@ -516,11 +488,6 @@ fn in_rank_order<'a>(
     inputs
 }
 
-/// Elements `at..at + k` of `s` (a block of one rank).
-fn block_of<'a>(op: &'static str, s: HostSlice<'a>, at: usize, k: usize) -> Result<HostSlice<'a>> {
-    s.sub(at, k).ok_or_else(|| outside(op, at, k, s.len()))
-}
-
 /// Reads `k` elements from `bytes` into `dst` at element `at`.
 fn read_at(
     op: &'static str,
@@ -533,11 +500,4 @@ fn read_at(
     dst.sub_mut(at, k)
         .ok_or_else(|| outside(op, at, k, len))?
         .read_le_bytes(bytes)
-}
-
-fn outside(op: &'static str, at: usize, k: usize, len: usize) -> Error {
-    Error::Invalid(format!(
-        "{op}: elements {at}..{} do not lie inside a buffer of {len} elements",
-        at.saturating_add(k)
-    ))
 }

@@ -41,14 +41,23 @@ fn offsets(counts: &[usize]) -> Vec<usize> {
 
 /// A sub-slice that must exist (the front end checked the lengths; an unchecked disagreement
 /// between ranks is reported, not a panic).
-fn part<'a>(op: &'static str, s: HostSlice<'a>, start: usize, len: usize) -> Result<HostSlice<'a>> {
-    s.sub(start, len).ok_or_else(|| {
-        Error::Invalid(format!(
-            "{op}: elements {start}..{} do not lie inside a buffer of {} elements",
-            start.saturating_add(len),
-            s.len()
-        ))
-    })
+pub(super) fn part<'a>(
+    op: &'static str,
+    s: HostSlice<'a>,
+    start: usize,
+    len: usize,
+) -> Result<HostSlice<'a>> {
+    s.sub(start, len)
+        .ok_or_else(|| outside(op, start, len, s.len()))
+}
+
+/// The error of elements `at..at + len` outside a buffer of `of` elements (ruled out by the
+/// front end's validation: an unchecked disagreement between ranks, reported, never a panic).
+pub(super) fn outside(op: &'static str, at: usize, len: usize, of: usize) -> Error {
+    Error::Invalid(format!(
+        "{op}: elements {at}..{} do not lie inside a buffer of {of} elements",
+        at.saturating_add(len)
+    ))
 }
 
 impl Inner {
@@ -422,7 +431,7 @@ impl Inner {
 }
 
 /// Copies `src` into `dst` at element `at`.
-fn copy_into(
+pub(super) fn copy_into(
     op: &'static str,
     dst: &mut HostSliceMut<'_>,
     at: usize,
