@@ -31,8 +31,8 @@
 //! `mpirun` then ends the job.
 
 use grid_core::{Communicator, TimeLimit};
-use grid_programs::smoke::{run_loop, LoopOptions, Waits};
-use mpi_rank::{end_mpi_rank, start_mpi_rank};
+use grid_programs::smoke::{run_loop, Waits};
+use mpi_rank::{end_mpi_rank, parse_loop_options, start_mpi_rank};
 
 #[path = "common/mpi_rank.rs"]
 mod mpi_rank;
@@ -40,17 +40,10 @@ use std::process::ExitCode;
 
 const USAGE: &str = "usage: mpirun -np N mpi-loop [--bytes B] [--iters K | --seconds S] [--timeout-ms T] [--trace-dir D] [--fault RANK:KIND@ITER (a testing aid; KIND: kill, skip, count, dtype, op, root, long-send, abort)]";
 
-fn parse_args() -> Result<LoopOptions, String> {
-    LoopOptions::parse(std::env::args().skip(1), USAGE)
-}
-
 fn main() -> ExitCode {
-    let options = match parse_args() {
+    let options = match parse_loop_options("mpi-loop", USAGE) {
         Ok(o) => o,
-        Err(e) => {
-            eprintln!("mpi-loop: {e}");
-            return ExitCode::from(2);
-        }
+        Err(status) => return status,
     };
     let rt = match start_mpi_rank("mpi-loop", &options) {
         Ok(rt) => rt,

@@ -7,6 +7,18 @@ use grid_programs::smoke::{dump_after_error, install_trace_dir, LoopOptions, Out
 use std::io::Write;
 use std::process::ExitCode;
 
+/// The options of a loop under `mpirun` from the command line; invalid ones print one line
+/// (`program: ...`, with `usage`) on standard error and give status 2, before MPI starts.
+pub fn parse_loop_options(
+    program: &str,
+    usage: &str,
+) -> std::result::Result<LoopOptions, ExitCode> {
+    LoopOptions::parse(std::env::args().skip(1), usage).map_err(|e| {
+        eprintln!("{program}: {e}");
+        ExitCode::from(2)
+    })
+}
+
 /// The start of a rank of a loop under `mpirun` (`mpi-loop`, `nccl-loop`): the recorder of
 /// `--trace-dir` first (initialising MPI creates the world communicator, whose world rank then
 /// names the dump file), then MPI. When either fails the rank has printed its one line, with
