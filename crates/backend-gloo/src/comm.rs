@@ -694,9 +694,6 @@ impl Inner {
         limit: Duration,
     ) -> Result<Tensor> {
         let op = request.name();
-        if !one_round_form(&request) {
-            self.check_only(check, tag, limit)?;
-        }
         // Host memory: the front end accepted nothing else, so this cannot fail.
         fn h<'t>(op: &'static str, t: &'t mut Tensor) -> Result<HostSliceMut<'t>> {
             t.as_mut().host_only(op, BACKEND)
@@ -783,6 +780,7 @@ impl Inner {
                 recv_counts,
             } => {
                 self.all_to_all_v(
+                    check,
                     h(op, &mut send)?.as_slice(),
                     &send_counts,
                     h(op, &mut recv)?,
@@ -798,6 +796,7 @@ impl Inner {
                 recv_counts,
             } => {
                 self.all_gather_v(
+                    check,
                     h(op, &mut send)?.as_slice(),
                     h(op, &mut recv)?,
                     &recv_counts,
@@ -813,6 +812,7 @@ impl Inner {
                 op: r,
             } => {
                 self.reduce_scatter_v(
+                    check,
                     h(op, &mut send)?.as_slice(),
                     &send_counts,
                     h(op, &mut recv)?,
@@ -831,11 +831,27 @@ impl Inner {
             } => match recv.filter(|_| self.rank() == root) {
                 Some(mut recv) => {
                     let out = h(op, &mut recv)?;
-                    self.reduce(h(op, &mut send)?.as_slice(), Some(out), r, root, tag, limit)?;
+                    self.reduce(
+                        check,
+                        h(op, &mut send)?.as_slice(),
+                        Some(out),
+                        r,
+                        root,
+                        tag,
+                        limit,
+                    )?;
                     Ok(recv)
                 }
                 None => {
-                    self.reduce(h(op, &mut send)?.as_slice(), None, r, root, tag, limit)?;
+                    self.reduce(
+                        check,
+                        h(op, &mut send)?.as_slice(),
+                        None,
+                        r,
+                        root,
+                        tag,
+                        limit,
+                    )?;
                     Ok(send)
                 }
             },
@@ -846,11 +862,18 @@ impl Inner {
             } => match recv.filter(|_| self.rank() == root) {
                 Some(mut recv) => {
                     let out = h(op, &mut recv)?;
-                    self.gather(h(op, &mut send)?.as_slice(), Some(out), root, tag, limit)?;
+                    self.gather(
+                        check,
+                        h(op, &mut send)?.as_slice(),
+                        Some(out),
+                        root,
+                        tag,
+                        limit,
+                    )?;
                     Ok(recv)
                 }
                 None => {
-                    self.gather(h(op, &mut send)?.as_slice(), None, root, tag, limit)?;
+                    self.gather(check, h(op, &mut send)?.as_slice(), None, root, tag, limit)?;
                     Ok(send)
                 }
             },
@@ -865,6 +888,7 @@ impl Inner {
                     None => None,
                 };
                 self.scatter(
+                    check,
                     src.as_ref().map(|s| s.as_slice()),
                     h(op, &mut recv)?,
                     root,
@@ -895,23 +919,6 @@ impl Inner {
         tracing::warn!(communicator = %self.name, op, peer = m.peer, tag = m.tag, posted = ?m.posted, sent = ?m.sent, is_recv = m.is_recv, "the two sides of a message disagreed on its element type or count");
         message_mismatch(op, m, batch, &self.name, &self.global_ranks)
     }
-}
-
-/// Whether a nonblocking collective runs its own check (one round with its data, or the check
-/// first: `Inner::one_shot`); the others get theirs from `Inner::check_only`.
-fn one_round_form(r: &Request) -> bool {
-    matches!(
-        r,
-        Request::AllReduce { .. }
-            | Request::AllReduceInto { .. }
-            | Request::Broadcast { .. }
-            | Request::AllGather { .. }
-            | Request::ReduceScatter { .. }
-            | Request::AllToAll { .. }
-            | Request::AllGatherInPlace { .. }
-            | Request::ReduceScatterInPlace { .. }
-            | Request::Barrier
-    )
 }
 
 fn worker_loop(inner: Arc<Inner>, rx: Receiver<Job>) {
@@ -1329,8 +1336,15 @@ impl Backend for GlooBackend {
                 const OP: &str = "all_to_all_v";
                 let (send, recv) = (send.host_only(OP, BACKEND)?, recv.host_only(OP, BACKEND)?);
                 let turn = inner.seq.enter();
-                inner.check_only(check, turn.tag(), limit)?;
-                inner.all_to_all_v(send, send_counts, recv, recv_counts, turn.tag(), limit)
+                inner.all_to_all_v(
+                    check,
+                    send,
+                    send_counts,
+                    recv,
+                    recv_counts,
+                    turn.tag(),
+                    limit,
+                )
             }
             Op::AllGatherV {
                 send,
@@ -1340,8 +1354,7 @@ impl Backend for GlooBackend {
                 const OP: &str = "all_gather_v";
                 let (send, recv) = (send.host_only(OP, BACKEND)?, recv.host_only(OP, BACKEND)?);
                 let turn = inner.seq.enter();
-                inner.check_only(check, turn.tag(), limit)?;
-                inner.all_gather_v(send, recv, recv_counts, turn.tag(), limit)
+                inner.all_gather_v(check, send, recv, recv_counts, turn.tag(), limit)
             }
             Op::ReduceScatterV {
                 send,
@@ -1352,8 +1365,7 @@ impl Backend for GlooBackend {
                 const OP: &str = "reduce_scatter_v";
                 let (send, recv) = (send.host_only(OP, BACKEND)?, recv.host_only(OP, BACKEND)?);
                 let turn = inner.seq.enter();
-                inner.check_only(check, turn.tag(), limit)?;
-                inner.reduce_scatter_v(send, send_counts, recv, op, turn.tag(), limit)
+                inner.reduce_scatter_v(check, send, send_counts, recv, op, turn.tag(), limit)
             }
             Op::Reduce {
                 send,
@@ -1365,24 +1377,21 @@ impl Backend for GlooBackend {
                 let send = send.host_only(OP, BACKEND)?;
                 let recv = recv.map(|r| r.host_only(OP, BACKEND)).transpose()?;
                 let turn = inner.seq.enter();
-                inner.check_only(check, turn.tag(), limit)?;
-                inner.reduce(send, recv, op, root, turn.tag(), limit)
+                inner.reduce(check, send, recv, op, root, turn.tag(), limit)
             }
             Op::Gather { send, recv, root } => {
                 const OP: &str = "gather";
                 let send = send.host_only(OP, BACKEND)?;
                 let recv = recv.map(|r| r.host_only(OP, BACKEND)).transpose()?;
                 let turn = inner.seq.enter();
-                inner.check_only(check, turn.tag(), limit)?;
-                inner.gather(send, recv, root, turn.tag(), limit)
+                inner.gather(check, send, recv, root, turn.tag(), limit)
             }
             Op::Scatter { send, recv, root } => {
                 const OP: &str = "scatter";
                 let send = send.map(|s| s.host_only(OP, BACKEND)).transpose()?;
                 let recv = recv.host_only(OP, BACKEND)?;
                 let turn = inner.seq.enter();
-                inner.check_only(check, turn.tag(), limit)?;
-                inner.scatter(send, recv, root, turn.tag(), limit)
+                inner.scatter(check, send, recv, root, turn.tag(), limit)
             }
         }
     }

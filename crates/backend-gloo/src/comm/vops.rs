@@ -22,7 +22,8 @@
 use super::{Inner, BACKEND, MESSAGE_MISMATCH};
 use crate::ffi::{Channel, P2pMismatch, RawBlock};
 use grid_core::{
-    kernels, Error, HostBuffer, HostSlice, HostSliceMut, LibraryError, ReduceOp, Result,
+    kernels, DeferredCheck, Error, HostBuffer, HostSlice, HostSliceMut, LibraryError, ReduceOp,
+    Result,
 };
 use std::time::Duration;
 
@@ -151,8 +152,10 @@ impl Inner {
 
     /// Uneven all-to-all: `send_counts[j]` elements (consecutive, in peer order) to rank `j`,
     /// `recv_counts[j]` from rank `j` into `recv` in peer order.
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn all_to_all_v(
         &self,
+        check: Option<&DeferredCheck>,
         send: HostSlice<'_>,
         send_counts: &[usize],
         mut recv: HostSliceMut<'_>,
@@ -160,6 +163,7 @@ impl Inner {
         tag: u32,
         limit: Duration,
     ) -> Result<()> {
+        self.check_only(check, tag, limit)?;
         const OP: &str = "all_to_all_v";
         self.alive(OP)?;
         let me = self.rank();
@@ -195,12 +199,14 @@ impl Inner {
     /// All-gather with per-rank counts: rank `j` contributes `recv_counts[j]` elements.
     pub(super) fn all_gather_v(
         &self,
+        check: Option<&DeferredCheck>,
         send: HostSlice<'_>,
         mut recv: HostSliceMut<'_>,
         recv_counts: &[usize],
         tag: u32,
         limit: Duration,
     ) -> Result<()> {
+        self.check_only(check, tag, limit)?;
         const OP: &str = "all_gather_v";
         self.alive(OP)?;
         let me = self.rank();
@@ -238,6 +244,7 @@ impl Inner {
     #[allow(clippy::too_many_arguments)]
     pub(super) fn reduce_scatter_v(
         &self,
+        check: Option<&DeferredCheck>,
         send: HostSlice<'_>,
         send_counts: &[usize],
         recv: HostSliceMut<'_>,
@@ -245,6 +252,7 @@ impl Inner {
         tag: u32,
         limit: Duration,
     ) -> Result<()> {
+        self.check_only(check, tag, limit)?;
         self.reduce_scatter_blocks("reduce_scatter_v", send, send_counts, recv, op, tag, limit)
     }
 
@@ -281,8 +289,10 @@ impl Inner {
     }
 
     /// Rooted reduce: `recv` on `root` (None elsewhere) = the reduction of every rank's `send`.
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn reduce(
         &self,
+        check: Option<&DeferredCheck>,
         send: HostSlice<'_>,
         recv: Option<HostSliceMut<'_>>,
         op: ReduceOp,
@@ -290,6 +300,7 @@ impl Inner {
         tag: u32,
         limit: Duration,
     ) -> Result<()> {
+        self.check_only(check, tag, limit)?;
         const OP: &str = "reduce";
         self.alive(OP)?;
         let (me, n) = (self.rank(), send.len());
@@ -303,12 +314,14 @@ impl Inner {
     /// Rooted gather: `recv` on `root` = every rank's `send` in rank order.
     pub(super) fn gather(
         &self,
+        check: Option<&DeferredCheck>,
         send: HostSlice<'_>,
         recv: Option<HostSliceMut<'_>>,
         root: usize,
         tag: u32,
         limit: Duration,
     ) -> Result<()> {
+        self.check_only(check, tag, limit)?;
         const OP: &str = "gather";
         self.alive(OP)?;
         let (me, size, n) = (self.rank(), self.size(), send.len());
@@ -331,12 +344,14 @@ impl Inner {
     /// Rooted scatter: block `j` of `send` on `root` (`recv.len()` elements) to rank `j`.
     pub(super) fn scatter(
         &self,
+        check: Option<&DeferredCheck>,
         send: Option<HostSlice<'_>>,
         mut recv: HostSliceMut<'_>,
         root: usize,
         tag: u32,
         limit: Duration,
     ) -> Result<()> {
+        self.check_only(check, tag, limit)?;
         const OP: &str = "scatter";
         self.alive(OP)?;
         let (me, size, n) = (self.rank(), self.size(), recv.len());
@@ -500,6 +515,7 @@ mod tests {
                     .collect();
                 let mut recv = vec![-1i64; rc.iter().sum()];
                 c.all_to_all_v(
+                    None,
                     HostSlice::I64(&send),
                     &sc,
                     HostSliceMut::I64(&mut recv),
@@ -516,6 +532,7 @@ mod tests {
                 let mine: Vec<i64> = (0..=me).map(|i| v(me, 0, i)).collect();
                 let mut recv = vec![0i64; counts.iter().sum()];
                 c.all_gather_v(
+                    None,
                     HostSlice::I64(&mine),
                     HostSliceMut::I64(&mut recv),
                     &counts,
@@ -531,6 +548,7 @@ mod tests {
                 let send: Vec<i64> = (0..total).map(|i| v(me, 1, i)).collect();
                 let mut recv = vec![0i64; me + 1];
                 c.reduce_scatter_v(
+                    None,
                     HostSlice::I64(&send),
                     &counts,
                     HostSliceMut::I64(&mut recv),
@@ -549,7 +567,7 @@ mod tests {
                     let send: Vec<i64> = (0..4).map(|i| v(me, root, i)).collect();
                     let mut out = vec![0i64; 4];
                     let o = (me == root).then_some(HostSliceMut::I64(&mut out));
-                    c.reduce(HostSlice::I64(&send), o, ReduceOp::Max, root, tag, T)?;
+                    c.reduce(None, HostSlice::I64(&send), o, ReduceOp::Max, root, tag, T)?;
                     if me == root {
                         assert_eq!(
                             out,
@@ -559,7 +577,7 @@ mod tests {
                     }
                     let mut all = vec![0i64; 4 * n];
                     let o = (me == root).then_some(HostSliceMut::I64(&mut all));
-                    c.gather(HostSlice::I64(&send), o, root, tag + 1, T)?;
+                    c.gather(None, HostSlice::I64(&send), o, root, tag + 1, T)?;
                     if me == root {
                         let want: Vec<i64> = (0..n)
                             .flat_map(|j| (0..4).map(move |i| v(j, root, i)))
@@ -571,7 +589,7 @@ mod tests {
                         .collect();
                     let mut got = vec![0i64; 4];
                     let s = (me == root).then_some(HostSlice::I64(&blocks));
-                    c.scatter(s, HostSliceMut::I64(&mut got), root, tag + 2, T)?;
+                    c.scatter(None, s, HostSliceMut::I64(&mut got), root, tag + 2, T)?;
                     assert_eq!(
                         got,
                         (0..4).map(|i| v(root, me, i)).collect::<Vec<_>>(),
@@ -597,6 +615,7 @@ mod tests {
             let send = vec![7i32; sc.iter().sum()];
             let mut recv = vec![-1i32; 2 * n];
             let r = c.all_to_all_v(
+                None,
                 HostSlice::I32(&send),
                 &sc,
                 HostSliceMut::I32(&mut recv),
@@ -613,14 +632,14 @@ mod tests {
             let mut all = vec![0.0f32; 12];
             let o = (me == 0).then_some(HostSliceMut::F32(&mut all));
             errs.push(
-                c.gather(HostSlice::F32(&send), o, 0, 2, T)
+                c.gather(None, HostSlice::F32(&send), o, 0, 2, T)
                     .err()
                     .map(|e| e.to_string()),
             );
             // The communicator works on.
             let mut all = vec![0u8; 3];
             let o = (me == 1).then_some(HostSliceMut::U8(&mut all));
-            c.gather(HostSlice::U8(&[me as u8]), o, 1, 3, T)?;
+            c.gather(None, HostSlice::U8(&[me as u8]), o, 1, 3, T)?;
             if me == 1 {
                 assert_eq!(all, [0, 1, 2]);
             }
