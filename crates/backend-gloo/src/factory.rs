@@ -362,7 +362,7 @@ impl GlooConfig {
     /// `self` with [`crate::ALLREDUCE_ENV`] and [`crate::ONE_ROUND_ENV`] applied: an `Auto`
     /// all-reduce takes the algorithm the variable names, a default one-round limit the
     /// variable's bytes; values set explicitly stay.
-    fn with_env_allreduce(mut self) -> Result<GlooConfig> {
+    fn with_env_overrides(mut self) -> Result<GlooConfig> {
         if self.allreduce == AllreduceAlgorithm::Auto {
             if let Some(a) = AllreduceAlgorithm::from_env().map_err(Error::Invalid)? {
                 self.allreduce = a;
@@ -468,7 +468,7 @@ impl GlooFactory {
     /// ```
     pub fn new(rendezvous: &Rendezvous, config: GlooConfig) -> Result<GlooFactory> {
         config.validate()?;
-        let config = config.with_env_allreduce()?;
+        let config = config.with_env_overrides()?;
         let store = rendezvous.open()?;
         let device = RawDevice::tcp(&config.hostname).map_err(|e| {
             LibraryError::new(
@@ -910,7 +910,7 @@ where
     }
     config.validate()?;
     // A bad GRID_GLOO_ALLREDUCE fails here once, not on every rank.
-    config.clone().with_env_allreduce()?;
+    config.clone().with_env_overrides()?;
     let f = &f;
     let results = std::thread::scope(|s| {
         let handles: Vec<_> = (0..world_size)
