@@ -20,7 +20,9 @@
 //! * it timed out (or the chain ends at a rank that timed out): in a collective, every member
 //!   is in the same operation, so it blames the member that wrote no record while the others
 //!   did (a stopped rank writes nothing). A timeout of a point-to-point operation blames
-//!   nobody this way: the other members are not waiting with it.
+//!   nobody this way: the other members are not waiting with it. An operation that ran to its
+//!   own time limit and only then found a connection closed (by a peer that timed out a moment
+//!   earlier) is reported as the timeout it is, blaming the silent member.
 //!
 //! A record can lag behind the broken connection it explains by a few milliseconds (Gloo closes
 //! every connection of a rank that times out before the rank can write), so a rank without a
@@ -130,6 +132,9 @@ pub(crate) struct Verdict {
     pub(crate) blamed: usize,
     /// One sentence: who failed first and how that is known.
     pub(crate) why: String,
+    /// Blamed for its silence in a collective (it wrote no record while every other member
+    /// did: it never arrived or stopped), not for a connection that broke.
+    pub(crate) silent: bool,
 }
 
 /// The store handle that failure records go through: one per factory, shared by its
@@ -354,12 +359,17 @@ impl Blame {
                                 chain.join(", then ")
                             )
                         };
-                        return Ok(Step::Suspect(Verdict { blamed: cur, why }));
+                        return Ok(Step::Suspect(Verdict {
+                            blamed: cur,
+                            why,
+                            silent: false,
+                        }));
                     }
                     Some(rec) => match rec.saw {
                         Saw::Own => {
                             return Ok(Step::Done(Some(Verdict {
                                 blamed: cur,
+                                silent: false,
                                 why: format!(
                                     "{} failed first, on its own: {}: {}",
                                     self.named(cur),
@@ -395,6 +405,7 @@ impl Blame {
             [] => Ok(Step::Done(None)),
             [one] => Ok(Step::Suspect(Verdict {
                 blamed: *one,
+                silent: true,
                 why: format!(
                     "{} failed first: every other member reported a failure of this collective and it reported none (it died or was stopped)",
                     self.named(*one)
@@ -402,6 +413,7 @@ impl Blame {
             })),
             [first, ..] => Ok(Step::Several(Verdict {
                 blamed: *first,
+                silent: true,
                 why: format!(
                     "{} ranks reported no failure of this collective while the others did ({}); the first is named",
                     silent.len(),
@@ -419,11 +431,16 @@ impl Blame {
     /// `err` (the error Gloo's report maps to) with the rank that failed first: the blamed peer
     /// of [`Error::PeerFailed`] (its message then says what this rank saw and who failed
     /// first) and of [`Error::Timeout`].
+    ///
+    /// An operation that ran to its own time limit `limit` and then found a connection broken
+    /// is a [`Error::Timeout`] when the blame falls on a silent member: the broken connection
+    /// was a peer that timed out a moment earlier and closed its connections, not the cause.
     pub(crate) fn apply(
         &self,
         op: &'static str,
         e: &ShimError,
         mut err: Error,
+        limit: Duration,
         close: impl FnOnce() + Send,
         stop: &(dyn Fn() -> bool + Sync),
     ) -> Error {
@@ -433,6 +450,16 @@ impl Blame {
         let Some(v) = self.assign(op, e, close, stop) else {
             return err;
         };
+        if e.code == ShimCode::Timeout && v.silent {
+            if let Error::PeerFailed { op, at, .. } = err {
+                return Error::Timeout {
+                    op,
+                    millis: u64::try_from(limit.as_millis()).unwrap_or(u64::MAX),
+                    peer: Some(v.blamed),
+                    at,
+                };
+            }
+        }
         match &mut err {
             Error::PeerFailed { peer, message, .. } => {
                 *peer = v.blamed;
@@ -559,5 +586,91 @@ mod tests {
         assert_eq!(b.assign("recv", &timeout, || {}, &|| false), None);
         // The verdict is computed once per communicator.
         assert_eq!(b.assign("recv", &lost(1), || {}, &|| false), None);
+    }
+
+    /// Rank 2 never joins; rank 1 times out and closes its connections a moment before rank 0
+    /// reaches its own limit and finds the connection to rank 1 broken. Rank 0's error is a
+    /// timeout blaming rank 2, as rank 1's is, not a lost connection; a connection that broke
+    /// before this rank's own limit stays a peer failure (blamed on rank 2 as well).
+    #[test]
+    fn a_timeout_that_finds_a_timed_out_peer_closed_is_a_timeout() {
+        let store: SharedStore = Arc::new(Mutex::new(RawStore::hash().unwrap()));
+        let blame = |prefix: &str, rank: usize| {
+            let mut b = Blame::new(store.clone(), prefix.into(), rank, vec![0, 1, 2]);
+            b.grace = Duration::from_millis(100);
+            b
+        };
+        let limit = Duration::from_millis(800);
+        let lost_1 = |op| Error::PeerFailed {
+            op,
+            peer: 1,
+            message: "lost the connection to rank 1".into(),
+            at: None,
+        };
+        for (prefix, code, timeout) in [("t", ShimCode::Timeout, true), ("u", ShimCode::Io, false)]
+        {
+            let timed_out = ShimError {
+                code: ShimCode::Timeout,
+                peer: None,
+                message: "Timed out".into(),
+            };
+            let found_closed = ShimError {
+                code,
+                peer: Some(1),
+                message: "Connection closed by peer".into(),
+            };
+            // Both fail at about the same time, each waiting for the other's record.
+            let (e0, e1) = std::thread::scope(|s| {
+                let r1 = s.spawn(|| {
+                    let err = Error::Timeout {
+                        op: "all_to_all_v",
+                        millis: 800,
+                        peer: None,
+                        at: None,
+                    };
+                    blame(prefix, 1).apply("all_to_all_v", &timed_out, err, limit, || {}, &|| false)
+                });
+                let e0 = blame(prefix, 0).apply(
+                    "all_to_all_v",
+                    &found_closed,
+                    lost_1("all_to_all_v"),
+                    limit,
+                    || {},
+                    &|| false,
+                );
+                (e0, r1.join().unwrap())
+            });
+            assert!(
+                matches!(
+                    e1,
+                    Error::Timeout {
+                        peer: Some(2),
+                        millis: 800,
+                        ..
+                    }
+                ),
+                "{e1}"
+            );
+            if timeout {
+                assert!(
+                    matches!(
+                        e0,
+                        Error::Timeout {
+                            op: "all_to_all_v",
+                            peer: Some(2),
+                            millis: 800,
+                            ..
+                        }
+                    ),
+                    "{e0}"
+                );
+            } else {
+                assert!(
+                    matches!(&e0, Error::PeerFailed { peer: 2, message, .. }
+                        if message.contains("rank 2 (world rank 2) failed first")),
+                    "{e0}"
+                );
+            }
+        }
     }
 }

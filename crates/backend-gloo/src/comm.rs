@@ -354,7 +354,9 @@ impl Inner {
             // The rank that failed first, found through the failure records in the store.
             Some(b) => {
                 let err = to_error(op, e.clone(), &self.name, &self.global_ranks, limit);
-                b.apply(op, &e, err, || self.ctx.close(), &|| self.was_aborted())
+                b.apply(op, &e, err, limit, || self.ctx.close(), &|| {
+                    self.was_aborted()
+                })
             }
             None => to_error(op, e, &self.name, &self.global_ranks, limit),
         }
