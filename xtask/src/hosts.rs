@@ -945,6 +945,9 @@ fn mpi_env(tb: &Testbed) -> Vec<(String, String)> {
         // The hostfile gives 8 slots, so Open MPI does not know that the 8 ranks share 2 cores:
         // without this, every rank spins while it waits.
         ("OMPI_MCA_mpi_yield_when_idle", "1".to_string()),
+        // Session directories in the run's directory, removed with it: a scenario that cuts
+        // a host leaves mpirun's and the daemons' directories behind (8 MB each in /tmp).
+        ("OMPI_MCA_orte_tmpdir_base", tb.dir.display().to_string()),
     ]
     .into_iter()
     .map(|(k, v)| (k.to_string(), v))

@@ -41,6 +41,14 @@ pub fn main(args: &[String]) -> i32 {
         }
     }
 
+    // No incremental compilation caches for the builds of this run and of the processes it
+    // starts (tests that bring binaries up to date): the run builds about 60 test and example
+    // binaries once, and their caches took 1.3 GB of the 4.7 GB a first run wrote. A value the
+    // caller set is kept. (Set before any thread or child process exists.)
+    if std::env::var_os("CARGO_INCREMENTAL").is_none() {
+        std::env::set_var("CARGO_INCREMENTAL", "0");
+    }
+
     // (1) System packages: a failure here stops everything (nothing else can build).
     let (pk, t) = timed(|| ensure_packages("test"));
     if let Err(code) = pk {
@@ -53,6 +61,12 @@ pub fn main(args: &[String]) -> i32 {
         note: DEBIAN_PACKAGES.join(" "),
     }];
     let mut counts = Counts::default();
+
+    // (1b) Disk space: a full disk fails the build halfway with "No space left on device" in
+    // some step's output; say up front when that is likely, and which directory it concerns.
+    let disk = disk_space_step();
+    let disk_free_before = free_bytes(&util::target_dir());
+    steps.push(disk);
 
     // (2) Formatting.
     let (ok, t) = timed(|| run(cargo().args(["fmt", "--all", "--check"])));
@@ -165,7 +179,81 @@ pub fn main(args: &[String]) -> i32 {
         steps.push(gpu_suite(&mut counts));
     }
 
+    if steps.iter().any(|s| !s.ok) {
+        if let Some(free) = free_bytes(&util::target_dir()).filter(|&f| f < DISK_LOW) {
+            eprintln!(
+                "xtask: the disk of {} is full or nearly ({} free, {} at the start): the failures \
+                 above may be 'No space left on device'; free space or set CARGO_TARGET_DIR to a \
+                 directory on a larger disk",
+                util::target_dir().display(),
+                gib(free),
+                disk_free_before
+                    .map(gib)
+                    .unwrap_or_else(|| "unknown".into())
+            );
+        }
+    }
     summary(&steps, &counts)
+}
+
+/// What a first `cargo xtask test` writes under the target directory, measured on a fresh
+/// clone (3.4 GB: debug builds with line tables only, see the workspace's Cargo.toml, and no
+/// incremental caches), with a margin.
+const DISK_NEEDED: u64 = 4 << 30;
+
+/// Free space under which a failed run is reported as a probable full disk.
+const DISK_LOW: u64 = 256 << 20;
+
+/// Free space on the target directory's filesystem, against what a first run needs. Never
+/// fails: a target directory built before needs far less, so this only warns.
+fn disk_space_step() -> Step {
+    let target = util::target_dir();
+    let (note, t) = timed(|| match free_bytes(&target) {
+        Some(free) if free < DISK_NEEDED => {
+            let note = format!(
+                "WARNING: {} free for {}; a first run writes about {} there",
+                gib(free),
+                target.display(),
+                gib(DISK_NEEDED)
+            );
+            eprintln!(
+                "xtask: {note}: free space or set CARGO_TARGET_DIR to a directory on a larger disk \
+                 if the build fails with 'No space left on device'"
+            );
+            note
+        }
+        Some(free) => format!("{} free for {}", gib(free), target.display()),
+        None => format!("cannot read the free space of {}", target.display()),
+    });
+    Step {
+        name: "disk space".into(),
+        ok: true,
+        time: t,
+        note,
+    }
+}
+
+/// Bytes free to this user on the filesystem of `path` (or of its nearest existing parent),
+/// as `df -Pk` reports them; `None` when `df` cannot tell.
+fn free_bytes(path: &Path) -> Option<u64> {
+    let dir = path.ancestors().find(|p| p.exists())?;
+    let out = Command::new("df").arg("-Pk").arg(dir).output().ok()?;
+    if !out.status.success() {
+        return None;
+    }
+    parse_df_available(&String::from_utf8_lossy(&out.stdout))
+}
+
+/// The "Available" column (KiB) of `df -Pk`'s one data line, in bytes.
+fn parse_df_available(text: &str) -> Option<u64> {
+    let line = text.lines().nth(1)?;
+    let kib: u64 = line.split_whitespace().nth(3)?.parse().ok()?;
+    Some(kib.saturating_mul(1024))
+}
+
+/// `7.4 GiB`.
+fn gib(bytes: u64) -> String {
+    format!("{:.1} GiB", bytes as f64 / f64::from(1u32 << 30))
 }
 
 /// Builds every example and binary of the workspace (before the tests).
@@ -487,6 +575,16 @@ fn summary(steps: &[Step], counts: &Counts) -> i32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn reads_df_available() {
+        let df = "Filesystem     1024-blocks     Used Available Capacity Mounted on\n\
+                  /dev/vda         263174212 88080384   7759872      92% /\n";
+        assert_eq!(parse_df_available(df), Some(7_759_872 * 1024));
+        assert_eq!(parse_df_available("Filesystem\n"), None);
+        assert_eq!(gib(7_759_872 * 1024), "7.4 GiB");
+        assert!(free_bytes(Path::new("/definitely/not/here/target")).is_some());
+    }
 
     #[test]
     fn parses_nextest_summary() {
