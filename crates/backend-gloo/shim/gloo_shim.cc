@@ -859,12 +859,15 @@ Millis remaining(std::chrono::steady_clock::time_point deadline) {
 // socket each) before it knows whether the other ranks exist, and it cannot say who is missing.
 // This rendezvous does the same work with Gloo's public transport interface, in phases that
 // all share one deadline:
-//   A. arrival: set a<rank> (this host's name), wait for a<i> of every rank. Nothing that grows
-//      with the world size is created before every rank has arrived, so a mistyped, far too
-//      large world size fails at the deadline, listing the ranks that never arrived.
-//   B. pairs: create one pair per peer and set <rank> = every pair's address (Gloo's layout).
-//   C. wait for <i> of every peer, then connect every pair on which this rank is the client
-//      (the side Gloo picks by comparing addresses): quick, or refused at once by a dead peer.
+//   A. arrival (a world only): set a<rank> (this host's name), wait for a<i> of every rank.
+//      Nothing that grows with the world size is created before every rank has arrived, so a
+//      mistyped, far too large world size fails at the deadline, listing the ranks that never
+//      arrived. A group of a connected communicator has no size to doubt and skips it.
+//   B. pairs: create one pair per peer and set <rank> = this host's name and every pair's
+//      address (Gloo's layout).
+//   C. wait for <i> of every peer (the host names give this rank's local rank), then connect
+//      every pair on which this rank is the client (the side Gloo picks by comparing
+//      addresses): quick, or refused at once by a dead peer.
 //   D. set c<rank>, wait for c<j> of every peer that connects to this rank, then complete those
 //      pairs (their connections are already made: no wait of 5 x the timeout on a dead peer).
 //   E. a barrier over the new context (every member completed its connections).
@@ -1157,26 +1160,32 @@ bool is_client(const std::vector<char>& self, const std::vector<char>& peer) {
   return rv > 0;
 }
 
-// The whole rendezvous (phases A-E above); returns the connected context.
+// The whole rendezvous (phases A-E above); returns the connected context. A group of a
+// connected communicator (`group`) skips phase A: its members and their number come from a
+// communicator that is already connected, so there is no world size to doubt, and every member
+// is known to exist (a missing one is blamed by name).
 std::shared_ptr<gloo::rendezvous::Context> connect_mesh(
     gloo_shim_store* store, const std::string& prefix, gloo_shim_device* device, int rank,
-    int size, Millis timeout, std::vector<std::string>* keys_set) {
+    int size, Millis timeout, bool group, std::vector<std::string>* keys_set) {
   Rendezvous rdv(store, prefix, rank, size, timeout);
   std::vector<int> others;
   auto record_keys = [&] { *keys_set = rdv.keys(); };
 
-  // A. arrival
   char host[256] = {};
   if (gethostname(host, sizeof(host) - 1) != 0) {
     std::snprintf(host, sizeof(host), "unknown");
   }
-  rdv.set(rdv.key("a", rank), std::string(host));
-  record_keys();
-  RankSet everyone;
-  everyone.lo = 0;
-  everyone.hi = size;
-  everyone.skip = rank;
-  rdv.wait_all(everyone, "a", "never arrived", false);
+  const std::string hostname(host);
+  // A. arrival
+  if (!group) {
+    rdv.set(rdv.key("a", rank), hostname);
+    record_keys();
+    RankSet everyone;
+    everyone.lo = 0;
+    everyone.hi = size;
+    everyone.skip = rank;
+    rdv.wait_all(everyone, "a", "never arrived", false);
+  }
   for (int i = 0; i < size; i++) {
     if (i != rank) {
       others.push_back(i);
@@ -1189,44 +1198,58 @@ std::shared_ptr<gloo::rendezvous::Context> connect_mesh(
   // below) before its connections close, so a peer that sees them close finds the cause.
   std::shared_ptr<gloo::transport::Context> tc;
   try {
-    // B. pairs, and this rank's addresses
-    int local_rank = 0;
-    for (int i = 0; i < rank; i++) {
-      auto v = rdv.get(rdv.key("a", i));
-      if (std::string(v.begin(), v.end()) == host) {
-        local_rank++;
-      }
-    }
+    // B. pairs, and this rank's key: its host name (4-byte length, then the name), then every
+    // pair's address (Gloo's layout)
     tc = device->device->createContext(rank, size);
     tc->setTimeout(timeout);
     std::vector<std::vector<char>> mine(static_cast<size_t>(size));
     std::vector<char> all;
+    const uint32_t host_len = static_cast<uint32_t>(hostname.size());
+    all.resize(sizeof(host_len));
+    std::memcpy(all.data(), &host_len, sizeof(host_len));
+    all.insert(all.end(), hostname.begin(), hostname.end());
     for (int i : others) {
       auto& pair = tc->createPair(i);
-      pair->setLocalRank(local_rank);
       mine[i] = pair->address().bytes();
       all.insert(all.end(), mine[i].begin(), mine[i].end());
     }
     rdv.set(rdv.key("", rank), all);
     record_keys();
 
-    // C. every peer's addresses; connect where this rank is the client
+    // C. every peer's key; connect where this rank is the client
     RankSet peers;
     peers.list = &others;
-    rdv.wait_all(peers, "", "arrived but never published their addresses", true);
+    rdv.wait_all(
+        peers, "", group ? "never arrived" : "arrived but never published their addresses", true);
     std::vector<std::vector<char>> theirs(static_cast<size_t>(size));
     std::vector<int> listening;
+    // This rank's position among the members on its host (those before it with its host name).
+    int local_rank = 0;
     for (int i : others) {
       auto v = rdv.get(rdv.key("", i));
-      size_t per = v.size() / static_cast<size_t>(size - 1);
-      size_t at = static_cast<size_t>(rank > i ? rank - 1 : rank) * per;
-      if (per == 0 || v.size() % static_cast<size_t>(size - 1) != 0) {
+      uint32_t len = 0;
+      if (v.size() >= sizeof(len)) {
+        std::memcpy(&len, v.data(), sizeof(len));
+      }
+      const size_t head = sizeof(len) + static_cast<size_t>(len);
+      const size_t rest = v.size() >= head ? v.size() - head : 0;
+      size_t per = rest / static_cast<size_t>(size - 1);
+      if (v.size() < head || per == 0 || rest % static_cast<size_t>(size - 1) != 0) {
         throw RdvError(
             GLOO_SHIM_OTHER, i,
             "rank " + std::to_string(i) + " published addresses for a different world size (" +
                 std::to_string(v.size()) + " bytes)");
       }
+      if (i < rank && std::string(v.begin() + sizeof(len), v.begin() + head) == hostname) {
+        local_rank++;
+      }
+      size_t at = head + static_cast<size_t>(rank > i ? rank - 1 : rank) * per;
       theirs[i].assign(v.begin() + at, v.begin() + at + per);
+    }
+    for (int i : others) {
+      tc->getPair(i)->setLocalRank(local_rank);
+    }
+    for (int i : others) {
       if (!is_client(mine[i], theirs[i])) {
         listening.push_back(i);
         continue;
@@ -1685,7 +1708,7 @@ void gloo_shim_device_free(gloo_shim_device* device) {
 
 int32_t gloo_shim_context_connect(
     gloo_shim_store* store, const char* prefix, gloo_shim_device* device, int32_t rank,
-    int32_t size, int64_t timeout_ms, int32_t remove_keys, gloo_shim_context** out,
+    int32_t size, int64_t timeout_ms, int32_t group, gloo_shim_context** out,
     gloo_shim_status* st) {
   *out = nullptr;
   // A failure of the rendezvous itself keeps its code and the rank it blames.
@@ -1702,7 +1725,8 @@ int32_t gloo_shim_context_connect(
     std::vector<std::string> keys_set;
     std::shared_ptr<gloo::rendezvous::Context> ctx;
     try {
-      ctx = connect_mesh(store, prefix, device, rank, size, to_millis(timeout_ms), &keys_set);
+      ctx = connect_mesh(
+          store, prefix, device, rank, size, to_millis(timeout_ms), group != 0, &keys_set);
     } catch (const RdvError& e) {
       rdv_failed = true;
       rdv_code = e.code;
@@ -1713,7 +1737,7 @@ int32_t gloo_shim_context_connect(
     // The closing barrier returned, so every member has finished its connections and read
     // every key it needs: nobody reads this group's keys again. Each rank removes the keys it
     // set itself (best effort: a key left behind costs space, not correctness).
-    if (remove_keys != 0 && store->erase) {
+    if (group != 0 && store->erase) {
       for (const auto& key : keys_set) {
         try {
           store->erase(key);

@@ -190,11 +190,14 @@ void gloo_shim_device_free(gloo_shim_device* device);
  * that never arrived or never connected, and st->peer is the rank blamed when exactly one is
  * known. A rank that fails after every rank arrived announces it in the store, and the ranks
  * still waiting fail at once with its cause.
- * remove_keys != 0: once the rendezvous completed on every member (after the closing barrier),
- * the keys this rank set are removed from the store. */
+ * group != 0: a group of a communicator that is already connected (its members and their number
+ * come from it). Its rendezvous skips the arrival phase (one store synchronisation fewer; a
+ * member that never comes is blamed by name), and once it completed on every member (after
+ * the closing barrier) the keys this rank set are removed from the store. group == 0 (a world):
+ * the keys stay, marking the job id as used. */
 int32_t gloo_shim_context_connect(
     gloo_shim_store* store, const char* prefix, gloo_shim_device* device, int32_t rank,
-    int32_t size, int64_t timeout_ms, int32_t remove_keys, gloo_shim_context** out,
+    int32_t size, int64_t timeout_ms, int32_t group, gloo_shim_context** out,
     gloo_shim_status* st);
 void gloo_shim_context_free(gloo_shim_context* ctx);
 /* Closes every connection of the context at once (a hard close: the peers see their

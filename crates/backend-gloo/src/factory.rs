@@ -537,7 +537,7 @@ impl GlooFactory {
             });
         }
         let name = format!("w{}", self.worlds.fetch_add(1, Ordering::Relaxed));
-        self.connect(&name, rank, (0..size).collect(), Keys::Keep)
+        self.connect(&name, rank, (0..size).collect(), Meeting::World)
     }
 
     fn prefix(&self, name: &str) -> String {
@@ -551,9 +551,9 @@ impl GlooFactory {
         name: &str,
         rank: usize,
         global_ranks: Vec<usize>,
-        keys: Keys,
+        meeting: Meeting,
     ) -> Result<GlooCommunicator> {
-        self.connect_with(name, rank, global_ranks, keys, &Link::default())
+        self.connect_with(name, rank, global_ranks, meeting, &Link::default())
     }
 
     /// [`GlooFactory::connect`] with a group's own name, timeout and device.
@@ -562,7 +562,7 @@ impl GlooFactory {
         name: &str,
         rank: usize,
         global_ranks: Vec<usize>,
-        keys: Keys,
+        meeting: Meeting,
         link: &Link<'_>,
     ) -> Result<GlooCommunicator> {
         let device = link.device.unwrap_or(&self.device);
@@ -580,7 +580,7 @@ impl GlooFactory {
                 rank,
                 size,
                 timeout,
-                keys == Keys::Remove,
+                meeting == Meeting::Group,
             )
         }
         .map_err(|e| self.rendezvous_error(name, rank, size, e))?;
@@ -671,15 +671,19 @@ fn rendezvous_peer_failed(peer: usize, message: String) -> Error {
     }
 }
 
-/// What becomes of a communicator's rendezvous keys once every member has connected.
+/// Whose rendezvous it is: what its members can take for granted, and what becomes of its keys
+/// once every member has connected.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Keys {
-    /// Kept for the life of the store: a world's keys mark its job id as used, so that a
-    /// second run under the same id fails at once instead of mixing with the first.
-    Keep,
-    /// Removed (each rank removes the keys it set): sub-groups, so that creating and dropping
-    /// groups does not grow the store.
-    Remove,
+enum Meeting {
+    /// A world: every rank first announces its arrival (the world size is the caller's word,
+    /// and a wrong one must fail listing the ranks that never came), and the keys are kept for
+    /// the life of the store: they mark the job id as used, so that a second run under the
+    /// same id fails at once instead of mixing with the first.
+    World,
+    /// A group of a connected communicator: its members are known, so there is no arrival
+    /// phase, and the keys are removed (each rank removes the keys it set), so that creating
+    /// and dropping groups does not grow the store.
+    Group,
 }
 
 impl GroupFactory for GlooFactory {
@@ -768,7 +772,7 @@ impl GroupFactory for GlooFactory {
             timeout: gloo.and_then(|g| g.timeout),
             device: device.as_ref(),
         };
-        let comm = self.connect_with(&name, rank, global, Keys::Remove, &link)?;
+        let comm = self.connect_with(&name, rank, global, Meeting::Group, &link)?;
         if let Some(t) = options.timeout {
             comm.set_time_limit(t);
         }
@@ -843,7 +847,7 @@ impl GlooFactory {
             )
         })?;
         let name = format!("{}/s{seq}/c{color}", parent.inner().store_name());
-        self.connect_with(&name, members.rank, members.members, Keys::Remove, link)
+        self.connect_with(&name, members.rank, members.members, Meeting::Group, link)
             .map(Some)
     }
 }

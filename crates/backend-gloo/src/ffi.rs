@@ -929,9 +929,11 @@ fn bytes_of(s: &HostSlice<'_>) -> usize {
 
 impl RawContext {
     /// Rendezvous of `size` ranks under `prefix` in `store` and full-mesh connection on `device`.
-    /// Every wait and, later, every operation is bounded by `timeout`. With `remove_keys`, the
-    /// keys this rank set are removed from the store once the rendezvous completed on every
-    /// member (the shim's closing barrier returned: nobody reads them again).
+    /// Every wait and, later, every operation is bounded by `timeout`. A `group` of a
+    /// communicator that is already connected skips the arrival phase (its members and their
+    /// number are known), and the keys this rank set are removed from the store once the
+    /// rendezvous completed on every member (the shim's closing barrier returned: nobody reads
+    /// them again); a world's keys stay, marking its job id as used.
     pub fn connect(
         store: &mut RawStore,
         prefix: &str,
@@ -939,7 +941,7 @@ impl RawContext {
         rank: usize,
         size: usize,
         timeout: Duration,
-        remove_keys: bool,
+        group: bool,
     ) -> ShimResult<RawContext> {
         let p = cstring("store prefix", prefix)?;
         let r = i32::try_from(rank)
@@ -958,7 +960,7 @@ impl RawContext {
                 r,
                 s,
                 millis(timeout),
-                i32::from(remove_keys),
+                i32::from(group),
                 &mut out,
                 &mut st,
             )

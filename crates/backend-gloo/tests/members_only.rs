@@ -22,8 +22,9 @@ use grid_conformance::members_only::{
     distinct_families, family_orders, sum_check, torch_deadlock_plan, within,
 };
 use grid_core::{
-    build_collection, build_collection_with, CollectionOptions, Communicator, CommunicatorExt,
-    Creation, Error, GroupFactory, GroupOptions, PgEntry, ReduceOp,
+    build_collection, build_collection_with, BackendOptions, CollectionOptions, Communicator,
+    CommunicatorExt, Creation, Error, GlooGroupOptions, GroupFactory, GroupOptions, PgEntry,
+    ReduceOp,
 };
 use std::time::Duration;
 
@@ -192,6 +193,48 @@ fn members_only_non_members_make_no_call_on_gloo() {
         assert!(out[0][0].starts_with("group/0-1n2-"), "{:?}", out[0]);
         assert_eq!(out[0], out[1]);
         assert!(out[2].is_empty());
+    });
+}
+
+/// A member that never comes to its group's rendezvous (a group's rendezvous has no arrival
+/// phase: its members come from the parent): the members that came fail within the time limit
+/// with an error that names it, and the parent stays usable.
+#[test]
+fn members_only_missing_member_is_named_on_gloo() {
+    within(Duration::from_secs(120), || {
+        let limit = Duration::from_millis(700);
+        let cfg = GlooConfig::new("members-only-missing").with_timeout(Duration::from_secs(20));
+        let out = run_ranks(3, &cfg, |f, world| {
+            let opts = GroupOptions::new().with_backend(BackendOptions::Gloo(GlooGroupOptions {
+                timeout: Some(limit),
+                hostname: None,
+            }));
+            let mut got = None;
+            if world.rank() != 2 {
+                let t = std::time::Instant::now();
+                // Rank 2 is a member but never calls.
+                let e = f
+                    .create_group_as(&world, &[0, 1, 2], &opts, Creation::MembersOnly)
+                    .err()
+                    .ok_or_else(|| Error::Invalid("created without rank 2".into()))?;
+                got = Some((e, t.elapsed()));
+            }
+            world.barrier()?;
+            Ok(got)
+        })
+        .unwrap();
+        for (r, o) in out.into_iter().enumerate().take(2) {
+            let (e, took) = o.unwrap().unwrap();
+            assert!(
+                matches!(&e, Error::PeerFailed { op: "rendezvous", peer: 2, message, .. }
+                    if message.contains("1 rank of 2 never arrived: rank 2")),
+                "rank {r}: {e}"
+            );
+            assert!(
+                took >= limit.mul_f64(0.9) && took < limit + Duration::from_millis(2000),
+                "rank {r}: {took:?}"
+            );
+        }
     });
 }
 
