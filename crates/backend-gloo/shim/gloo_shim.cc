@@ -1901,6 +1901,8 @@ void gloo_shim_context_close(gloo_shim_context* ctx) {
   if (ctx == nullptr || !ctx->ctx) {
     return;
   }
+  // A pair leaves the loop as it closes (a tick each, see Waker).
+  Spin spin(ctx->waker.get());
   for (int i = 0; i < ctx->ctx->size; i++) {
     if (i == ctx->ctx->rank) {
       continue;

@@ -246,8 +246,9 @@ impl Blame {
         let verdict = match saw {
             Saw::Own => None,
             _ if written.is_err() => None,
-            // Closing waits for the transport's event loop once per connection (up to 10 ms
-            // each): it runs beside the lookups, which take the grace period anyway.
+            // Closing waits for a tick of the transport's event loop once per connection
+            // (tens of microseconds while the shim keeps the loop ticking, up to 10 ms when it
+            // cannot): it runs beside the lookups, which take the grace period anyway.
             _ => std::thread::scope(|s| {
                 let closing = std::thread::Builder::new()
                     .name("gloo-close".into())
