@@ -1381,6 +1381,16 @@ std::shared_ptr<gloo::rendezvous::Context> connect_mesh(
     for (int i : others) {
       tc->getPair(i)->setLocalRank(local_rank);
     }
+    // Connects the pair with rank i; `failure` begins the message when that fails.
+    auto connect_pair = [&](int i, const std::string& failure) {
+      try {
+        tc->getPair(i)->connect(theirs[i]);
+      } catch (const std::exception& e) {
+        // A peer that failed first (and announced it) closes its sockets: relay its cause.
+        rdv.check_failed();
+        throw RdvError(GLOO_SHIM_IO, i, failure + e.what());
+      }
+    };
     {
       // A client's connect drops its listening socket: a loop tick (see Waker).
       Spin spin(device->waker.get());
@@ -1389,16 +1399,9 @@ std::shared_ptr<gloo::rendezvous::Context> connect_mesh(
           listening.push_back(i);
           continue;
         }
-        try {
-          tc->getPair(i)->connect(theirs[i]);
-        } catch (const std::exception& e) {
-          // A peer that failed first (and announced it) closes its sockets: relay its cause.
-          rdv.check_failed();
-          throw RdvError(
-              GLOO_SHIM_IO, i,
-              "cannot connect to rank " + std::to_string(i) +
-                  " (it published its address, then died or closed it): " + e.what());
-        }
+        connect_pair(
+            i, "cannot connect to rank " + std::to_string(i) +
+                " (it published its address, then died or closed it): ");
       }
     }
 
@@ -1413,14 +1416,7 @@ std::shared_ptr<gloo::rendezvous::Context> connect_mesh(
     {
       Spin spin(device->waker.get());
       for (int i : listening) {
-        try {
-          tc->getPair(i)->connect(theirs[i]);
-        } catch (const std::exception& e) {
-          rdv.check_failed();
-          throw RdvError(
-              GLOO_SHIM_IO, i,
-              "the connection from rank " + std::to_string(i) + " failed: " + e.what());
-        }
+        connect_pair(i, "the connection from rank " + std::to_string(i) + " failed: ");
       }
     }
     ctx->adopt(device->device, std::move(tc));
