@@ -372,7 +372,7 @@ class Spin {
 struct gloo_shim_device {
   std::shared_ptr<gloo::transport::Device> device;
   // Null when it could not be made (see Waker).
-  std::shared_ptr<Waker> waker;
+  std::shared_ptr<Waker> waker = nullptr;
 };
 
 namespace {
@@ -423,7 +423,7 @@ struct gloo_shim_context {
   // Point-to-point waits in progress, for gloo_shim_context_abort_waits.
   std::shared_ptr<P2pWaits> waits = std::make_shared<P2pWaits>();
   // The device's Waker (may be null): the context's pairs are destroyed under a Spin.
-  std::shared_ptr<Waker> waker;
+  std::shared_ptr<Waker> waker = nullptr;
 };
 
 namespace {
