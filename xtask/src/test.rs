@@ -64,8 +64,7 @@ pub fn main(args: &[String]) -> i32 {
 
     // (1b) Disk space: a full disk fails the build halfway with "No space left on device" in
     // some step's output; say up front when that is likely, and which directory it concerns.
-    let disk = disk_space_step();
-    let disk_free_before = free_bytes(&util::target_dir());
+    let (disk, disk_free_before) = disk_space_step();
     steps.push(disk);
 
     // (2) Formatting.
@@ -204,11 +203,13 @@ const DISK_NEEDED: u64 = 4 << 30;
 /// Free space under which a failed run is reported as a probable full disk.
 const DISK_LOW: u64 = 256 << 20;
 
-/// Free space on the target directory's filesystem, against what a first run needs. Never
-/// fails: a target directory built before needs far less, so this only warns.
-fn disk_space_step() -> Step {
+/// Free space on the target directory's filesystem, against what a first run needs, and the
+/// free bytes it read. Never fails: a target directory built before needs far less, so this
+/// only warns.
+fn disk_space_step() -> (Step, Option<u64>) {
     let target = util::target_dir();
-    let (note, t) = timed(|| match free_bytes(&target) {
+    let (free, t) = timed(|| free_bytes(&target));
+    let note = match free {
         Some(free) if free < DISK_NEEDED => {
             let note = format!(
                 "WARNING: {} free for {}; a first run writes about {} there",
@@ -224,13 +225,14 @@ fn disk_space_step() -> Step {
         }
         Some(free) => format!("{} free for {}", gib(free), target.display()),
         None => format!("cannot read the free space of {}", target.display()),
-    });
-    Step {
+    };
+    let step = Step {
         name: "disk space".into(),
         ok: true,
         time: t,
         note,
-    }
+    };
+    (step, free)
 }
 
 /// Bytes free to this user on the filesystem of `path` (or of its nearest existing parent),
