@@ -830,55 +830,36 @@ impl Inner {
                 recv,
                 op: r,
                 root,
-            } => match recv.filter(|_| self.rank() == root) {
-                Some(mut recv) => {
-                    let out = h(op, &mut recv)?;
-                    self.reduce(
-                        check,
-                        h(op, &mut send)?.as_slice(),
-                        Some(out),
-                        r,
-                        root,
-                        tag,
-                        limit,
-                    )?;
-                    Ok(recv)
-                }
-                None => {
-                    self.reduce(
-                        check,
-                        h(op, &mut send)?.as_slice(),
-                        None,
-                        r,
-                        root,
-                        tag,
-                        limit,
-                    )?;
-                    Ok(send)
-                }
-            },
+            } => {
+                let mut recv = recv.filter(|_| self.rank() == root);
+                let out = match recv.as_mut() {
+                    Some(t) => Some(h(op, t)?),
+                    None => None,
+                };
+                self.reduce(
+                    check,
+                    h(op, &mut send)?.as_slice(),
+                    out,
+                    r,
+                    root,
+                    tag,
+                    limit,
+                )?;
+                Ok(recv.unwrap_or(send))
+            }
             Request::Gather {
                 mut send,
                 recv,
                 root,
-            } => match recv.filter(|_| self.rank() == root) {
-                Some(mut recv) => {
-                    let out = h(op, &mut recv)?;
-                    self.gather(
-                        check,
-                        h(op, &mut send)?.as_slice(),
-                        Some(out),
-                        root,
-                        tag,
-                        limit,
-                    )?;
-                    Ok(recv)
-                }
-                None => {
-                    self.gather(check, h(op, &mut send)?.as_slice(), None, root, tag, limit)?;
-                    Ok(send)
-                }
-            },
+            } => {
+                let mut recv = recv.filter(|_| self.rank() == root);
+                let out = match recv.as_mut() {
+                    Some(t) => Some(h(op, t)?),
+                    None => None,
+                };
+                self.gather(check, h(op, &mut send)?.as_slice(), out, root, tag, limit)?;
+                Ok(recv.unwrap_or(send))
+            }
             Request::Scatter {
                 send,
                 mut recv,
