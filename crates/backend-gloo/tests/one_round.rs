@@ -44,6 +44,17 @@ fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()
 }
 
+/// Every element of `got` within rounding (1e-3 relative, plus 1e-3) of `want`; `rank` names
+/// the rank in the message.
+fn assert_close(got: impl IntoIterator<Item = f32>, want: &[f32], rank: usize) {
+    for (g, k) in got.into_iter().zip(want) {
+        assert!(
+            (g - k).abs() <= 1e-3 * (1.0 + k.abs()),
+            "rank {rank}: {g} vs {k}"
+        );
+    }
+}
+
 /// All-reduce and reduce-scatter of f32 at the one-round limit (the kernels' bits, the same on
 /// every rank), one element above it (all-reduce: libgloo's algorithm, the same bits on every
 /// rank, the sum within rounding; reduce-scatter out of place: the direct exchange, the kernels'
@@ -70,12 +81,7 @@ fn results_on_both_sides_of_the_limit_at_2_to_4_ranks() {
                     if one_round || two_rounds {
                         assert_eq!(bits(got), bits(&want), "rank {me}, {len} elements");
                     } else {
-                        for (g, k) in got.iter().zip(&want) {
-                            assert!(
-                                (g - k).abs() <= 1e-3 * (1.0 + k.abs()),
-                                "rank {me}: {g} vs {k}"
-                            );
-                        }
+                        assert_close(got.iter().copied(), &want, me);
                     }
                 }
                 assert_eq!(bits(&into), bits(&inplace), "rank {me}, {len} elements");
@@ -100,12 +106,7 @@ fn results_on_both_sides_of_the_limit_at_2_to_4_ranks() {
                 if one_round {
                     assert_eq!(bits(mine), bits(&want), "rank {me}, in place, {len}");
                 } else {
-                    for (g, k) in mine.iter().zip(&want) {
-                        assert!(
-                            (g - k).abs() <= 1e-3 * (1.0 + k.abs()),
-                            "rank {me}: {g} vs {k}"
-                        );
-                    }
+                    assert_close(mine.iter().copied(), &want, me);
                 }
 
                 // Exact moves of integers.
@@ -295,13 +296,7 @@ fn one_round_max_zero_uses_libgloo_and_still_checks() {
     for (r, o) in out.into_iter().enumerate() {
         let got = o.unwrap();
         assert_eq!(got, first, "rank {r}: other bits than rank 0");
-        for (g, k) in got.iter().zip(&want) {
-            let g = f32::from_bits(*g);
-            assert!(
-                (g - k).abs() <= 1e-3 * (1.0 + k.abs()),
-                "rank {r}: {g} vs {k}"
-            );
-        }
+        assert_close(got.iter().map(|g| f32::from_bits(*g)), &want, r);
     }
     let too_big = cfg("one-round-too-big").with_one_round_max(ONE_ROUND_MAX + 1);
     let e = run_ranks(2, &too_big, |_f, _w| Ok(())).unwrap_err();
