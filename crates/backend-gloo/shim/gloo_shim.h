@@ -200,6 +200,14 @@ int32_t gloo_shim_context_connect(
     int32_t size, int64_t timeout_ms, int32_t group, gloo_shim_context** out,
     gloo_shim_status* st);
 void gloo_shim_context_free(gloo_shim_context* ctx);
+/* on != 0 (the default): while one of libgloo's collectives runs on this context, the TCP
+ * device's loop thread polls, giving its core away between polls (sched_yield), instead of
+ * sleeping in epoll_wait. libgloo's loop only try-locks a pair that a user thread holds, and
+ * spins while it fails: if its wake-up took the core from that thread, the lock comes back at
+ * the scheduler's next tick (4 ms here). Polling costs the loop thread's share of a core for
+ * the collective's duration. The shim's point-to-point posts always yield this way (for
+ * microseconds). Thread-safe. */
+void gloo_shim_context_set_busy_poll(gloo_shim_context* ctx, int32_t on);
 /* Closes every connection of the context at once (a hard close: the peers see their
  * connections reset). For a context that failed: the peers blocked on this rank wake up now
  * instead of at their timeout. Operations on the context fail afterwards. */

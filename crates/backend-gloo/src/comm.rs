@@ -1027,6 +1027,19 @@ impl GlooBackend {
         self.inner.allreduce
     }
 
+    /// Whether Gloo's transport thread polls while libgloo's collectives run on this
+    /// communicator ([`crate::GlooConfig::busy_poll`]).
+    ///
+    /// ```
+    /// use backend_gloo::{run_ranks, GlooConfig};
+    /// let cfg = GlooConfig::new("doc-busy-poll").with_busy_poll(false);
+    /// let r = run_ranks(1, &cfg, |_f, w| Ok(w.busy_poll())).unwrap();
+    /// assert!(!*r[0].as_ref().unwrap());
+    /// ```
+    pub fn busy_poll(&self) -> bool {
+        self.inner.ctx.busy_poll()
+    }
+
     /// The backend's part of [`grid_core::Communicator::abort`] (call that one: it also marks
     /// the front end, so every later call returns [`Error::Aborted`]): marks the Gloo context
     /// aborted on this rank. Local, like `ncclCommAbort`: the peers see nothing until their

@@ -59,7 +59,7 @@ mod tuning;
 
 pub use comm::{GlooBackend, GlooCommunicator, ONE_ROUND_ENV, ONE_ROUND_MAX};
 pub use factory::{
-    env, init_from_env, run_ranks, run_ranks_with, GlooConfig, GlooFactory, InProcessStore,
+    env, init_from_env, run_ranks, run_ranks_with, GlooConfig, BUSY_POLL_ENV, GlooFactory, InProcessStore,
     Rendezvous,
 };
 pub use ffi::{
