@@ -298,11 +298,22 @@ class Waker final : public gloo::transport::tcp::Handler {
     ::close(fd_);
   }
 
-  // The loop's call while the count is positive (the Spins own the count): a pause of 20 us,
-  // after 2 ms of spinning a quarter of the time spun, at most 1 ms.
+  // The loop's call while the count is positive (the Spins and Yielding windows own the
+  // count). In a Yielding window: give the core away, after 2 ms pause 20 us. Otherwise (a
+  // Spin): a pause of 20 us, after 2 ms of spinning a quarter of the time spun, at most 1 ms.
   void handleEvents(int /*events*/) override {
     if (yielding_.load(std::memory_order_relaxed) > 0) {
-      sched_yield();
+      // A rank that waits long inside a collective (its peers are late) should not keep a
+      // core: after 2 ms of one window, 20 us pauses (measured: a 3 s wait in a broadcast
+      // took 3.0 s of CPU yielding only, 0.6 s so; an 8 MiB broadcast at 4 ranks 5.3 ms
+      // either way, 6.1 ms pausing from the start).
+      constexpr int64_t kYieldOnly = 2000000;
+      constexpr int64_t kPause = 20000;
+      if (now_ns() - yield_since_ns_.load(std::memory_order_relaxed) <= kYieldOnly) {
+        sched_yield();
+      } else {
+        std::this_thread::sleep_for(std::chrono::nanoseconds(kPause));
+      }
       return;
     }
     if (active_.load(std::memory_order_relaxed) == 0) {
@@ -330,7 +341,9 @@ class Waker final : public gloo::transport::tcp::Handler {
 
   // A Yielding window begins and ends.
   void yield_up() {
-    yielding_.fetch_add(1, std::memory_order_relaxed);
+    if (yielding_.fetch_add(1, std::memory_order_relaxed) == 0) {
+      yield_since_ns_.store(now_ns(), std::memory_order_relaxed);
+    }
     post();
   }
 
@@ -373,8 +386,9 @@ class Waker final : public gloo::transport::tcp::Handler {
   // Spins alive, and when the first of them began (for the handler's pause).
   std::atomic<int> active_{0};
   std::atomic<int64_t> since_ns_{0};
-  // Yielding windows open (see Yielding).
+  // Yielding windows open (see Yielding), and when the first of them opened.
   std::atomic<int> yielding_{0};
+  std::atomic<int64_t> yield_since_ns_{0};
 };
 
 // Keeps the loop ticking while alive (nothing when there is no Waker).
@@ -398,15 +412,16 @@ class Spin {
 };
 
 // While alive, the loop gives its core away (sched_yield) on every tick instead of sleeping in
-// epoll_wait (nothing when there is no Waker). Held by a user thread around the calls that take
-// a pair's lock (posting Gloo sends and receives), which the loop's handler for that pair only
-// try-locks (tcp::Pair::handleEvents): when data arrives on a pair whose lock a user thread
-// holds, the loop returns at once and, with the event still pending, epoll_wait returns at
-// once too, so the loop spins. If the loop's wake-up took the core from that user thread, the
-// lock is not released before the scheduler's next tick (4 ms on these machines). Yielding
-// gives the core back to the holder. Measured, 4 ranks as threads on 2 cores, 8 B broadcast
-// and all-reduce of one round of messages: 10.9 million epoll_wait calls in a run whose median
-// call took 4.0 ms without, 22 thousand and 0.26-0.31 ms with.
+// epoll_wait, and after 2 ms pauses 20 us per tick (nothing when there is no Waker). Held by a user
+// thread around the calls that take a pair's lock: posting Gloo sends and receives, and, unless
+// busy polling is off, each of libgloo's collectives. The loop's handler for a pair only try-locks
+// it (tcp::Pair::handleEvents): when data arrives on a pair whose lock a user thread holds, the
+// handler returns at once and, with the event still pending, so does epoll_wait: the loop spins. If
+// the loop's wake-up took the core from that user thread, the lock is not released before the
+// scheduler's next tick (4 ms on these machines). Yielding gives the core back to the holder.
+// Measured, 4 ranks as threads on 2 cores, 8 B broadcast and all-reduce of one round of messages:
+// 10.9 million epoll_wait calls in a run whose median call took 4.0 ms without, 22 thousand and
+// 0.26-0.31 ms with.
 class Yielding {
  public:
   explicit Yielding(Waker* w) : w_(w) {
