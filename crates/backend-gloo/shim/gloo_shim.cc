@@ -952,6 +952,7 @@ constexpr size_t kInlineMax = GLOO_SHIM_P2P_INLINE_MAX;
 // message.
 constexpr size_t kCheckInlineMax = GLOO_SHIM_P2P_INLINE_MAX + GLOO_SHIM_CHECK_INLINE_EXTRA;
 constexpr size_t kChunk = GLOO_SHIM_P2P_CHUNK;
+constexpr size_t kFrameMax = GLOO_SHIM_FRAME_HEAD_MAX;
 // The largest chunk size a receiver accepts from a header (a sanity bound, far above kChunk).
 constexpr uint64_t kMaxChunk = uint64_t(1) << 30;
 
@@ -967,8 +968,10 @@ struct P2pHeader {
   // chunks of this many bytes (the last one shorter) on payload slot `seq`.
   uint64_t chunk;
   uint64_t seq;
+  // Bytes of the caller's header (a framed message) right after this one; 0: none.
+  uint64_t frame;
 };
-static_assert(sizeof(P2pHeader) == 40, "the header is 40 bytes on every rank");
+static_assert(sizeof(P2pHeader) == 48, "the header is 48 bytes on every rank");
 constexpr size_t kHeader = sizeof(P2pHeader);
 
 // The receiver's answer to a chunked message: whether it matched, and what the receive posted.
@@ -976,7 +979,8 @@ struct P2pReply {
   uint32_t magic;
   int32_t mismatch;
   int32_t dtype;
-  uint32_t reserved;
+  // The header length the receive posted (framed messages; 0: a plain receive).
+  uint32_t head;
   uint64_t count;
 };
 static_assert(sizeof(P2pReply) == 24, "the answer is 24 bytes on every rank");
@@ -1040,6 +1044,14 @@ void check_op(const gloo::Context& ctx, const gloo_shim_p2p_op& op) {
   }
   if (op.bytes > 0 && op.ptr == nullptr) {
     throw std::invalid_argument("null buffer of " + std::to_string(op.bytes) + " bytes");
+  }
+  if (op.head_bytes > kFrameMax) {
+    throw std::invalid_argument(
+        "a framed message's header of " + std::to_string(op.head_bytes) +
+        " bytes is longer than " + std::to_string(kFrameMax) + " bytes");
+  }
+  if (op.head_bytes > 0 && op.head == nullptr) {
+    throw std::invalid_argument("null header of " + std::to_string(op.head_bytes) + " bytes");
   }
 }
 
@@ -1497,6 +1509,7 @@ std::shared_ptr<gloo::rendezvous::Context> connect_mesh(
 
     // E. every member has completed its connections
     try {
+      Yielding whole(device->waker.get());
       gloo::BarrierOptions opts(ctx);
       opts.setTag(kConnectBarrierTag);
       opts.setTimeout(std::max(rdv.left(), Millis(1)));
@@ -1599,22 +1612,34 @@ class P2pTransfer {
     op_.mismatch = 0;
     op_.other_dtype = -1;
     op_.other_count = 0;
+    op_.other_head = 0;
+    const size_t frame = op_.head_bytes;
     if (op_.is_recv) {
-      staging_.reset(new char[kHeader + inline_max_]);
-      head_ = ctx_.createUnboundBuffer(staging_.get(), kHeader + inline_max_);
-      head_->recv(op_.peer, header_slot(prefix, op_.tag), 0, kHeader + inline_max_);
+      // Room for the longest first message any sender makes, whatever this receive's frame.
+      const size_t room = kHeader + kFrameMax + inline_max_;
+      staging_.reset(new char[room]);
+      head_ = ctx_.createUnboundBuffer(staging_.get(), room);
+      head_->recv(op_.peer, header_slot(prefix, op_.tag), 0, room);
       return;
     }
-    P2pHeader h{kP2pMagic, op_.dtype, op_.count, op_.bytes, 0, 0};
-    if (op_.bytes <= inline_max_) {
-      staging_.reset(new char[kHeader + op_.bytes]);
+    P2pHeader h{kP2pMagic, op_.dtype, op_.count, op_.bytes, 0, 0, frame};
+    // The protocol's header and the caller's, then (inline) the payload: one message.
+    auto stage = [&](size_t payload) {
+      staging_.reset(new char[kHeader + frame + payload]);
       std::memcpy(staging_.get(), &h, kHeader);
+      if (frame > 0) {
+        std::memcpy(staging_.get() + kHeader, op_.head, frame);
+      }
+      return kHeader + frame + payload;
+    };
+    if (op_.bytes <= inline_max_) {
+      const size_t len = stage(op_.bytes);
       if (op_.bytes > 0) {
-        std::memcpy(staging_.get() + kHeader, op_.ptr, op_.bytes);
+        std::memcpy(staging_.get() + kHeader + frame, op_.ptr, op_.bytes);
         g_p2p_copied.fetch_add(op_.bytes, std::memory_order_relaxed);
       }
-      head_ = ctx_.createUnboundBuffer(staging_.get(), kHeader + op_.bytes);
-      head_->send(op_.peer, header_slot(prefix, op_.tag), 0, kHeader + op_.bytes);
+      head_ = ctx_.createUnboundBuffer(staging_.get(), len);
+      head_->send(op_.peer, header_slot(prefix, op_.tag), 0, len);
       return;
     }
     h.chunk = kChunk;
@@ -1623,10 +1648,9 @@ class P2pTransfer {
     // header does and the answer never waits.
     reply_ = ctx_.createUnboundBuffer(&reply_msg_, sizeof(reply_msg_));
     reply_->recv(op_.peer, reply_slot(h.seq), 0, sizeof(reply_msg_));
-    staging_.reset(new char[kHeader]);
-    std::memcpy(staging_.get(), &h, kHeader);
-    head_ = ctx_.createUnboundBuffer(staging_.get(), kHeader);
-    head_->send(op_.peer, header_slot(prefix, op_.tag), 0, kHeader);
+    const size_t len = stage(0);
+    head_ = ctx_.createUnboundBuffer(staging_.get(), len);
+    head_->send(op_.peer, header_slot(prefix, op_.tag), 0, len);
     body_ = ctx_.createUnboundBuffer(op_.ptr, op_.bytes);
     for (size_t off = 0; off < op_.bytes; off += kChunk) {
       body_->send(op_.peer, payload_slot(h.seq), off, std::min(kChunk, op_.bytes - off));
@@ -1647,23 +1671,33 @@ class P2pTransfer {
         h.count * width != h.bytes) {
       protocol_error(op_, "malformed header");
     }
-    const bool match = h.dtype == op_.dtype && h.count == op_.count;
+    if (h.frame > kFrameMax) {
+      protocol_error(op_, "a framed message's header longer than the limit");
+    }
+    // Both sides must frame alike: a framed message for a plain receive (or the reverse), or
+    // headers of two lengths, are a mismatch like another count.
+    const bool same_frame = h.frame == op_.head_bytes;
+    const bool match = same_frame && h.dtype == op_.dtype && h.count == op_.count;
     if (!match) {
       op_.mismatch = 1;
       op_.other_dtype = h.dtype;
       op_.other_count = h.count;
+      op_.other_head = h.frame;
+    } else if (h.frame > 0) {
+      std::memcpy(op_.head, staging_.get() + kHeader, h.frame);
     }
     if (h.chunk == 0) {
       if (h.bytes > inline_max_) {
         protocol_error(op_, "an inline payload larger than the inline limit");
       }
+      const char* payload = staging_.get() + kHeader + h.frame;
       if (match && h.bytes > 0) {
-        std::memcpy(op_.ptr, staging_.get() + kHeader, h.bytes);
+        std::memcpy(op_.ptr, payload, h.bytes);
         g_p2p_copied.fetch_add(h.bytes, std::memory_order_relaxed);
-      } else if (!match && op_.keep_prefix != 0 && h.dtype == op_.dtype) {
+      } else if (!match && same_frame && op_.keep_prefix != 0 && h.dtype == op_.dtype) {
         const size_t prefix = std::min<size_t>(static_cast<size_t>(h.bytes), op_.bytes);
         if (prefix > 0) {
-          std::memcpy(op_.ptr, staging_.get() + kHeader, prefix);
+          std::memcpy(op_.ptr, payload, prefix);
           g_p2p_copied.fetch_add(prefix, std::memory_order_relaxed);
         }
       }
@@ -1673,7 +1707,8 @@ class P2pTransfer {
       protocol_error(op_, "a chunked payload of an impossible size");
     }
     const uint64_t slot = payload_slot(h.seq);
-    reply_msg_ = P2pReply{kP2pMagic, match ? 0 : 1, op_.dtype, 0, op_.count};
+    reply_msg_ = P2pReply{
+        kP2pMagic, match ? 0 : 1, op_.dtype, static_cast<uint32_t>(op_.head_bytes), op_.count};
     if (match) {
       Yielding posting(waker_.get());
       // Straight into the caller's memory: no copy. The payload's receives go before the
@@ -1734,6 +1769,7 @@ class P2pTransfer {
           op_.mismatch = 1;
           op_.other_dtype = r.dtype;
           op_.other_count = r.count;
+          op_.other_head = r.head;
         }
       }
       reply_done_ = true;

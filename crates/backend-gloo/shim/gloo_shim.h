@@ -140,6 +140,16 @@ typedef struct gloo_shim_p2p_op {
    * report the whole message). The mismatch check's messages all begin with the sender's
    * fingerprint, which a receiver then reads whatever the rest of the message is. */
   int32_t keep_prefix;
+  /* Framed messages (grid-core's P2pOp::SendFramed / RecvFramed): head_bytes bytes at head (at
+   * most GLOO_SHIM_FRAME_HEAD_MAX) travel in front of the payload in the same message (in the
+   * header message of a chunked payload), so a small fixed-size header costs no message of its
+   * own. 0: a plain message. A receive posts the header length it expects and gets the sender's
+   * header copied to head. When the two header lengths differ, mismatch = 1 and other_head
+   * gives the other side's (a receive: what the sender framed; a chunked send: what the
+   * receiver posted); nothing is written, as for another count. */
+  void* head;
+  size_t head_bytes;
+  uint64_t other_head;
 } gloo_shim_p2p_op;
 
 /* ---- stores ---------------------------------------------------------------------------------- */
@@ -269,8 +279,11 @@ int32_t gloo_shim_barrier(
  *    caller's memory (no copy) in chunks of at most GLOO_SHIM_P2P_CHUNK bytes on a payload slot
  *    that the header names (unique per message of the sending context, so messages of one
  *    pair and tag can never take each other's payload).
- * A receive always posts a staging buffer of GLOO_SHIM_P2P_INLINE_MAX + header bytes for the
- * first message (the largest a sender can make it), reads the header, then copies the inline
+ * A framed message carries up to GLOO_SHIM_FRAME_HEAD_MAX bytes of the caller's own header
+ * between the protocol's header and the payload (inline or not).
+ * A receive always posts a staging buffer of GLOO_SHIM_P2P_INLINE_MAX + GLOO_SHIM_FRAME_HEAD_MAX
+ * + header bytes for the first message (the largest a sender can make it), reads the header,
+ * then copies the inline
  * payload, or receives the chunks straight into the caller's memory; if the element type or
  * count differs from the receive's, it drains the payload (inline: nothing to do; chunks:
  * through one chunk of scratch memory), leaves the caller's memory untouched and reports the
@@ -287,6 +300,8 @@ int32_t gloo_shim_barrier(
 /* gloo_shim_check_exchange's messages may be this much longer inline: a fingerprint of 8
  * integers before a payload of up to GLOO_SHIM_P2P_INLINE_MAX bytes. */
 #define GLOO_SHIM_CHECK_INLINE_EXTRA 64u
+/* Largest header of a framed message (bytes). */
+#define GLOO_SHIM_FRAME_HEAD_MAX 64u
 /* Largest chunk of a large payload (bytes). */
 #define GLOO_SHIM_P2P_CHUNK (4u * 1024u * 1024u)
 

@@ -225,7 +225,26 @@ fn message_mismatch(
             format!("this {what}")
         }
     };
-    let message = if m.is_recv {
+    let framing = |h: u64| {
+        if h == 0 {
+            "a plain message (no header)".to_string()
+        } else {
+            format!("a framed message with a header of {h} bytes")
+        }
+    };
+    let message = if m.heads.0 != m.heads.1 {
+        let (mine, theirs) = if m.is_recv {
+            (m.heads.0, m.heads.1)
+        } else {
+            (m.heads.1, m.heads.0)
+        };
+        format!(
+            "rank {peer} (world rank {world}) and {} disagree on the form of the message with tag {tag}: this rank's is {}, rank {peer}'s is {}; both sides must frame a message alike (a framed send for a framed receive with the same header length, a plain send for a plain receive); the message was discarded, no buffer was written and the communicator remains usable",
+            which(if m.is_recv { "receive" } else { "send" }),
+            framing(mine),
+            framing(theirs),
+        )
+    } else if m.is_recv {
         // A sender of more than P2P_INLINE_MAX bytes gets this rank's answer and fails too.
         let bytes = sent.1.saturating_mul(sent.0.size_bytes() as u64);
         let sender = if bytes > P2P_INLINE_MAX as u64 {
@@ -1146,14 +1165,15 @@ impl GlooBackend {
         const OP: &str = "batch_p2p";
         let me = self.inner.rank();
         let mut remote = Vec::with_capacity(ops.len());
-        let mut self_sends: Vec<(u32, HostSlice<'_>, bool)> = Vec::new();
-        let mut self_recvs: Vec<(u32, HostSliceMut<'_>)> = Vec::new();
+        // (tag, header of a framed message, data, used)
+        let mut self_sends: Vec<(u32, Option<&[u8]>, HostSlice<'_>, bool)> = Vec::new();
+        let mut self_recvs: Vec<(u32, Option<&mut [u8]>, HostSliceMut<'_>)> = Vec::new();
         for op in ops {
             match op {
                 P2pOp::Send { buf, peer, tag } => {
                     let data = buf.host_only(OP, BACKEND)?;
                     if peer == me {
-                        self_sends.push((tag, data, false));
+                        self_sends.push((tag, None, data, false));
                     } else {
                         remote.push(RawP2p::Send { data, peer, tag });
                     }
@@ -1161,33 +1181,85 @@ impl GlooBackend {
                 P2pOp::Recv { buf, peer, tag } => {
                     let data = buf.host_only(OP, BACKEND)?;
                     if peer == me {
-                        self_recvs.push((tag, data));
+                        self_recvs.push((tag, None, data));
                     } else {
                         remote.push(RawP2p::Recv { data, peer, tag });
+                    }
+                }
+                P2pOp::SendFramed {
+                    head,
+                    buf,
+                    peer,
+                    tag,
+                } => {
+                    let data = buf.host_only(OP, BACKEND)?;
+                    if peer == me {
+                        self_sends.push((tag, Some(head), data, false));
+                    } else {
+                        remote.push(RawP2p::SendFramed {
+                            head,
+                            data,
+                            peer,
+                            tag,
+                        });
+                    }
+                }
+                P2pOp::RecvFramed {
+                    head,
+                    buf,
+                    peer,
+                    tag,
+                } => {
+                    let data = buf.host_only(OP, BACKEND)?;
+                    if peer == me {
+                        self_recvs.push((tag, Some(head), data));
+                    } else {
+                        remote.push(RawP2p::RecvFramed {
+                            head,
+                            data,
+                            peer,
+                            tag,
+                        });
                     }
                 }
             }
         }
         // Pairing the messages to itself is this backend's own matching: each receive takes
-        // the first unused send of its tag, which must have its dtype and length.
+        // the first unused send of its tag, which must have its dtype and length, and be
+        // framed with a header of the same length if the receive is framed (plain if not).
         let mut pairs = Vec::with_capacity(self_recvs.len());
-        for (tag, dst) in self_recvs {
-            let src = self_sends.iter_mut().find(|(t, _, used)| *t == tag && !*used).ok_or_else(|| {
+        for (tag, head, dst) in self_recvs {
+            let src = self_sends.iter_mut().find(|(t, .., used)| *t == tag && !*used).ok_or_else(|| {
                 Error::Invalid(format!(
                     "{OP}: a receive from this rank ({me}) with tag {tag} has no matching send to itself in the batch"
                 ))
             })?;
-            src.2 = true;
-            grid_core::comm::check::same_dtype(OP, src.1.dtype(), dst.dtype())?;
-            grid_core::comm::check::len(OP, "receive from this rank", src.1.len(), dst.len())?;
-            pairs.push((src.1, dst));
+            src.3 = true;
+            let framing = |h: Option<usize>| match h {
+                Some(n) => format!("framed with a header of {n} bytes"),
+                None => "plain".to_string(),
+            };
+            let (sent, posted) = (src.1.map(<[u8]>::len), head.as_deref().map(<[u8]>::len));
+            if sent != posted {
+                return Err(Error::Invalid(format!(
+                    "{OP}: a send to this rank ({me}) with tag {tag} is {} but its receive is {}: frame both alike",
+                    framing(sent),
+                    framing(posted)
+                )));
+            }
+            grid_core::comm::check::same_dtype(OP, src.2.dtype(), dst.dtype())?;
+            grid_core::comm::check::len(OP, "receive from this rank", src.2.len(), dst.len())?;
+            pairs.push((src.1, src.2, head, dst));
         }
-        if let Some((tag, ..)) = self_sends.iter().find(|(_, _, used)| !*used) {
+        if let Some((tag, ..)) = self_sends.iter().find(|(.., used)| !*used) {
             return Err(Error::Invalid(format!(
                 "{OP}: a send to this rank ({me}) with tag {tag} has no matching receive from itself in the batch"
             )));
         }
-        for (src, mut dst) in pairs {
+        for (src_head, src, dst_head, mut dst) in pairs {
+            if let (Some(from), Some(to)) = (src_head, dst_head) {
+                to.copy_from_slice(from);
+            }
             dst.copy_from(src)?;
         }
         if remote.is_empty() {
@@ -1221,6 +1293,13 @@ impl Backend for GlooBackend {
     fn supports(&self, dtype: DType, op: Option<ReduceOp>) -> bool {
         // Every dtype moves; reductions run on the host through grid-core's kernels.
         grid_core::kernels::runs(dtype, op)
+    }
+
+    /// A framed message is one message of the length protocol: the caller's header rides
+    /// between the protocol's header and the payload (inline), or in the protocol's header
+    /// message (a chunked payload).
+    fn sends_framed(&self) -> bool {
+        true
     }
 
     /// Every collective is checked by default ([`MismatchCheck::All`]): a count or element size

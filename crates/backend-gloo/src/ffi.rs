@@ -741,6 +741,29 @@ pub enum RawP2p<'a> {
         /// Tag.
         tag: u32,
     },
+    /// Send `head` (at most [`grid_core::FRAME_HEAD_MAX`] bytes) and `data` as one message
+    /// (grid-core's `P2pOp::SendFramed`).
+    SendFramed {
+        /// The caller's header.
+        head: &'a [u8],
+        /// Data.
+        data: HostSlice<'a>,
+        /// Destination.
+        peer: usize,
+        /// Tag.
+        tag: u32,
+    },
+    /// Receive a framed message: exactly `head.len()` header bytes and `data.len()` elements.
+    RecvFramed {
+        /// The header's memory.
+        head: &'a mut [u8],
+        /// Destination memory.
+        data: HostSliceMut<'a>,
+        /// Source.
+        peer: usize,
+        /// Tag.
+        tag: u32,
+    },
 }
 
 /// Which slots an exchange's messages travel on ([`RawContext::exchange`]): a collective's own,
@@ -814,6 +837,9 @@ pub struct P2pMismatch {
     pub posted: (DType, u64),
     /// What the sender sent: element type and count.
     pub sent: (DType, u64),
+    /// Header bytes of a framed message (0: a plain message): what the receive posted and what
+    /// the sender framed. Both sides must frame alike.
+    pub heads: (u64, u64),
 }
 
 /// The largest point-to-point payload (bytes) that travels in one Gloo message with its header
@@ -866,6 +892,9 @@ fn raw_op_of(
         other_dtype: -1,
         other_count: 0,
         keep_prefix: 0,
+        head: std::ptr::null_mut(),
+        head_bytes: 0,
+        other_head: 0,
     }
 }
 
@@ -892,6 +921,7 @@ fn mismatch_of(index: usize, op: &sys::gloo_shim_p2p_op) -> ShimResult<Option<P2
     } else {
         (other, mine)
     };
+    let (my_head, other_head) = (op.head_bytes as u64, op.other_head);
     Ok(Some(P2pMismatch {
         index,
         is_recv,
@@ -899,6 +929,11 @@ fn mismatch_of(index: usize, op: &sys::gloo_shim_p2p_op) -> ShimResult<Option<P2
         tag: op.tag,
         posted,
         sent,
+        heads: if is_recv {
+            (my_head, other_head)
+        } else {
+            (other_head, my_head)
+        },
     }))
 }
 
@@ -1459,12 +1494,50 @@ impl RawContext {
                         data.as_mut_ptr().cast(),
                     )
                 }
+                RawP2p::SendFramed {
+                    head,
+                    data,
+                    peer,
+                    tag,
+                } => sys::gloo_shim_p2p_op {
+                    head: head.as_ptr() as *mut c_void,
+                    head_bytes: head.len(),
+                    ..raw_op_of(
+                        false,
+                        self.check_peer(*peer)?,
+                        *tag,
+                        data.dtype(),
+                        data.len(),
+                        data.as_ptr() as *mut c_void,
+                    )
+                },
+                RawP2p::RecvFramed {
+                    head,
+                    data,
+                    peer,
+                    tag,
+                } => {
+                    let (dtype, len) = (data.dtype(), data.len());
+                    sys::gloo_shim_p2p_op {
+                        head: head.as_mut_ptr().cast(),
+                        head_bytes: head.len(),
+                        ..raw_op_of(
+                            true,
+                            self.check_peer(*peer)?,
+                            *tag,
+                            dtype,
+                            len,
+                            data.as_mut_ptr().cast(),
+                        )
+                    }
+                }
             });
         }
         let mut st = new_status();
         // SAFETY: live context; every op's memory is borrowed from `ops` for the whole call
         // (sends readable, receives writable, each for `bytes` = count · element size of its
-        // dtype, as raw_op_of computes); the shim waits for or cancels every operation before
+        // dtype, as raw_op_of computes, and a framed op's header for `head_bytes`, its slice's
+        // length); the shim waits for or cancels every operation before
         // returning, so nothing is touched afterwards. Send buffers are passed as *mut only
         // because the C struct is shared; Gloo never writes to them. The shim writes only the
         // output fields of the op structs, which live in `raw`.

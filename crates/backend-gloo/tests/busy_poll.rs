@@ -25,7 +25,10 @@ fn run(config: &GlooConfig) -> grid_core::Result<Vec<(bool, bool)>> {
         let mut g = vec![0i32; K * n];
         w.all_gather_into(&vec![me as i32; K], &mut g)?;
         for (j, block) in g.chunks_exact(K).enumerate() {
-            assert!(block.iter().all(|&x| x == j as i32), "rank {me}: all-gather block {j}");
+            assert!(
+                block.iter().all(|&x| x == j as i32),
+                "rank {me}: all-gather block {j}"
+            );
         }
         let mut rs = vec![0i64; K];
         w.reduce_scatter_into(&vec![me as i64 + 1; K * n], &mut rs, ReduceOp::Sum)?;
@@ -33,7 +36,10 @@ fn run(config: &GlooConfig) -> grid_core::Result<Vec<(bool, bool)>> {
         let mut a = vec![0u8; 4 * K * n];
         w.all_to_all_into(&vec![me as u8; 4 * K * n], &mut a)?;
         for (j, block) in a.chunks_exact(4 * K).enumerate() {
-            assert!(block.iter().all(|&x| x == j as u8), "rank {me}: all-to-all block {j}");
+            assert!(
+                block.iter().all(|&x| x == j as u8),
+                "rank {me}: all-to-all block {j}"
+            );
         }
         w.barrier()?;
         // Ranks 0 and 2 in a group of their own (rank 1 alone in another).

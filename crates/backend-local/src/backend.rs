@@ -506,6 +506,9 @@ impl Backend for LocalBackend {
                             let t = self.group.reserve(peer, self.rank, tag);
                             recvs.push((t, host_mut(OP, buf)?));
                         }
+                        P2pOp::SendFramed { .. } | P2pOp::RecvFramed { .. } => {
+                            return Err(P2pOp::not_lowered(BACKEND));
+                        }
                     }
                 }
                 let until = self.until(limit);

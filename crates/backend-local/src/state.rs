@@ -46,6 +46,8 @@ pub struct P2pRecord {
     pub dst: usize,
     /// Elements carried.
     pub len: usize,
+    /// Their element type.
+    pub dtype: DType,
 }
 
 /// What a world's ranks did, for tests that check traffic: every point-to-point message and
@@ -439,7 +441,7 @@ impl Group {
 
     /// Posts a message from `src` to `dst` (communicator ranks); never blocks.
     pub(crate) fn post(&self, src: usize, dst: usize, tag: u32, data: HostBuffer) -> Ticket {
-        let len = data.len();
+        let (len, dtype) = (data.len(), data.dtype());
         let lane = (src, dst, tag);
         let idx = {
             let mut st = lock(&self.state);
@@ -454,6 +456,7 @@ impl Group {
             src: self.global[src],
             dst: self.global[dst],
             len,
+            dtype,
         });
         (lane, idx)
     }

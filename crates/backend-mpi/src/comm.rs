@@ -449,6 +449,9 @@ impl MpiBackend {
                         P2pOp::Recv { buf, peer, tag } => {
                             recvs.push((host_mut(OP, buf)?, peer, tag))
                         }
+                        P2pOp::SendFramed { .. } | P2pOp::RecvFramed { .. } => {
+                            return Err(P2pOp::not_lowered(BACKEND));
+                        }
                     }
                 }
                 let mut raw_ops: Vec<P2p<'_, '_>> = Vec::with_capacity(sends.len() + recvs.len());

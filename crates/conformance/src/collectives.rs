@@ -276,4 +276,102 @@ fn typed<T: Num>(ctx: &mut Ctx, label: &str, c: &dyn Communicator) {
             .collect();
         ctx.eq(name, &want, &ins);
     }
+    // Framed: to every other rank a 5-byte header [me, j, 0xAB, 0xCD, dtype size] with a
+    // payload of 70,000 elements (past Gloo's 64 KiB inline limit for every dtype), and a plain
+    // message of 3 elements in the same batch on another tag.
+    let name = format!("{p}/batch_p2p_framed");
+    const LEN: usize = 70_000;
+    let heads: Vec<[u8; 5]> = (0..n)
+        .map(|j| {
+            [
+                me as u8,
+                j as u8,
+                0xAB,
+                0xCD,
+                std::mem::size_of::<T>() as u8,
+            ]
+        })
+        .collect();
+    let datas: Vec<Vec<T>> = (0..n)
+        .map(|j| (0..LEN).map(|x| T::tag(me * 7 + j * 3 + x)).collect())
+        .collect();
+    let plains: Vec<[T; 3]> = (0..n)
+        .map(|j| [T::tag(me), T::tag(j), T::tag(me + j)])
+        .collect();
+    let mut in_heads = vec![[0u8; 5]; n];
+    let mut in_datas: Vec<Vec<T>> = vec![vec![T::of(0); LEN]; n];
+    let mut in_plains: Vec<[T; 3]> = vec![[T::of(0); 3]; n];
+    let mut ops: Vec<P2pOp<'_>> = Vec::new();
+    for (j, ((ih, id), ip)) in in_heads
+        .iter_mut()
+        .zip(in_datas.iter_mut())
+        .zip(in_plains.iter_mut())
+        .enumerate()
+    {
+        if j == me {
+            continue;
+        }
+        ops.push(P2pOp::SendFramed {
+            head: &heads[j][..],
+            buf: BufRef::from(&datas[j][..]),
+            peer: j,
+            tag: 20,
+        });
+        ops.push(P2pOp::Send {
+            buf: BufRef::from(&plains[j][..]),
+            peer: j,
+            tag: 22,
+        });
+        ops.push(P2pOp::RecvFramed {
+            head: &mut ih[..],
+            buf: BufMut::from(&mut id[..]),
+            peer: j,
+            tag: 20,
+        });
+        ops.push(P2pOp::Recv {
+            buf: BufMut::from(&mut ip[..]),
+            peer: j,
+            tag: 22,
+        });
+    }
+    if ctx.ok(&name, c.batch_p2p(ops)).is_some() {
+        let others = (0..n).filter(|&j| j != me);
+        let want_heads: Vec<[u8; 5]> = others
+            .clone()
+            .map(|j| {
+                [
+                    j as u8,
+                    me as u8,
+                    0xAB,
+                    0xCD,
+                    std::mem::size_of::<T>() as u8,
+                ]
+            })
+            .collect();
+        let got_heads: Vec<[u8; 5]> = others.clone().map(|j| in_heads[j]).collect();
+        let want_datas: Vec<Vec<T>> = others
+            .clone()
+            .map(|j| (0..LEN).map(|x| T::tag(j * 7 + me * 3 + x)).collect())
+            .collect();
+        let got_datas: Vec<&Vec<T>> = others.clone().map(|j| &in_datas[j]).collect();
+        let want_plains: Vec<[T; 3]> = others
+            .clone()
+            .map(|j| [T::tag(j), T::tag(me), T::tag(me + j)])
+            .collect();
+        let got_plains: Vec<[T; 3]> = others.map(|j| in_plains[j]).collect();
+        if want_heads != got_heads {
+            ctx.fail(
+                &name,
+                format!("headers {got_heads:?}, expected {want_heads:?}"),
+            );
+        } else if want_plains != got_plains {
+            ctx.fail(
+                &name,
+                "the plain messages beside the framed ones differ".into(),
+            );
+        } else {
+            let want: Vec<&Vec<T>> = want_datas.iter().collect();
+            ctx.eq(name, &want, &got_datas);
+        }
+    }
 }

@@ -69,7 +69,7 @@ pub use comm::{
     Communicator, CommunicatorExt, DType, DeferredCheck, DeviceBuffer, Element, Failure,
     GroupFactory, HostBuffer, HostSlice, HostSliceMut, Limited, Memory, MismatchCheck, Op, OpSite,
     OwnedOp, P2pOp, ReduceOp, Request, SplitEntry, SplitMembers, Tensor, TimeLimit, TypedWork,
-    Validated, Work, F8E4M3, F8E5M2,
+    Validated, Work, F8E4M3, F8E5M2, FRAME_HEAD_MAX,
 };
 pub use error::{Error, LibraryError, Result};
 pub use grid::{GridSpec, GroupList, HyperGrid};

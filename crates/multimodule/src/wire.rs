@@ -16,8 +16,9 @@
 //! * **shape expected**, once a channel's (one peer's and message kind's) history has set the
 //!   expectation on both ends (static and learned shapes: after its first message; variable
 //!   shapes: once the same shape came twice in a row): header and payload travel in the
-//!   **same** `batch_p2p`, the payload straight into a buffer of the expected size; the header
-//!   is checked afterwards. If the sender's tensor no longer has the expected shape, it sends
+//!   **same** `batch_p2p`, as one framed message ([`P2pOp::SendFramed`]: one message on Gloo,
+//!   no message of its own for the header), the payload straight into a buffer of the
+//!   expected size; the header is checked afterwards. If the sender's tensor no longer has the expected shape, it sends
 //!   status `RESEND` and a placeholder, and the real payload follows (in the receiver's second
 //!   round; only that message pays it).
 //!
@@ -259,7 +260,8 @@ impl OutData<'_> {
     }
 }
 
-/// One outgoing message: world rank of the peer, header tag (the payload uses `tag + 1`), and
+/// One outgoing message: world rank of the peer, header tag (a payload sent apart from its
+/// header uses `tag + 1`, as does one framed with it on a backend that sends two messages), and
 /// what the receiver expects if it knows the shape in advance (then the payload travels in the
 /// header's round; see the module docs).
 pub(crate) struct Out<'a> {
@@ -334,6 +336,27 @@ enum Pay {
     Now,
     /// A placeholder of the expected size in the header's round (failure or changed shape).
     Placeholder,
+}
+
+/// Bytes of a header sent framed with its payload (little-endian `i64`s).
+const HDR_BYTES: usize = HDR * 8;
+
+fn header_bytes(h: &[i64; HDR]) -> [u8; HDR_BYTES] {
+    let mut b = [0u8; HDR_BYTES];
+    for (chunk, v) in b.chunks_exact_mut(8).zip(h) {
+        chunk.copy_from_slice(&v.to_le_bytes());
+    }
+    b
+}
+
+fn header_of_bytes(b: &[u8; HDR_BYTES]) -> [i64; HDR] {
+    let mut h = [0i64; HDR];
+    for (v, chunk) in h.iter_mut().zip(b.chunks_exact(8)) {
+        let mut word = [0u8; 8];
+        word.copy_from_slice(chunk);
+        *v = i64::from_le_bytes(word);
+    }
+    h
 }
 
 fn failed_header() -> [i64; HDR] {
@@ -527,7 +550,14 @@ impl<C: Communicator + ?Sized> Wire<'_, C> {
         // for backends that match by order alone); a pure sender's late payloads after all of
         // them, as its receivers post those in their second round (a resend's placeholder
         // before its real payload).
+        // A header with a payload travels framed: one message where the backend can
+        // (`P2pOp::SendFramed`; elsewhere the header on `tag` and the payload on `tag + 1`, as
+        // plain messages do). Both ends frame a message alike: a sender sends a payload in this
+        // round exactly when its receiver expects one (the same expected shape on both ends).
+        let out_bytes: Vec<[u8; HDR_BYTES]> = out_hdr.iter().map(header_bytes).collect();
         let mut in_hdr: Vec<[i64; HDR]> = vec![[0; HDR]; n];
+        let mut in_bytes: Vec<[u8; HDR_BYTES]> = vec![[0; HDR_BYTES]; n];
+        let mut framed_in: Vec<bool> = vec![false; n];
         {
             let mut ops = Vec::new();
             let mut eager_ops = Vec::new();
@@ -536,22 +566,23 @@ impl<C: Communicator + ?Sized> Wire<'_, C> {
                     continue;
                 }
                 let peer = self.prank(o.peer)?;
-                ops.push(P2pOp::Send {
-                    buf: BufRef::from(&out_hdr[k][..]),
-                    peer,
-                    tag: o.tag,
-                });
                 let payload = match first[k] {
                     Pay::Now => o.data.payload(),
                     Pay::Placeholder => placeholders[k].as_ref().map(HostBuffer::as_slice),
                     Pay::No => None,
                 };
-                if let Some(p) = payload.filter(|p| !p.is_empty()) {
-                    ops.push(P2pOp::Send {
+                match payload.filter(|p| !p.is_empty()) {
+                    Some(p) => ops.push(P2pOp::SendFramed {
+                        head: &out_bytes[k][..],
                         buf: BufRef::Host(p),
                         peer,
-                        tag: o.tag + 1,
-                    });
+                        tag: o.tag,
+                    }),
+                    None => ops.push(P2pOp::Send {
+                        buf: BufRef::from(&out_hdr[k][..]),
+                        peer,
+                        tag: o.tag,
+                    }),
                 }
                 // A payload its receiver takes in its round 2 (its shape was unknown there, or
                 // a placeholder went first).
@@ -580,40 +611,55 @@ impl<C: Communicator + ?Sized> Wire<'_, C> {
                     None => Vec::new(),
                 })
                 .collect();
-            for (k, (i, (h, d))) in ins
+            for (k, (i, ((h, hb), d))) in ins
                 .iter()
-                .zip(in_hdr.iter_mut().zip(dest.iter_mut()))
+                .zip(
+                    in_hdr
+                        .iter_mut()
+                        .zip(in_bytes.iter_mut())
+                        .zip(dest.iter_mut()),
+                )
                 .enumerate()
             {
                 if i.peer == me {
                     continue;
                 }
                 let peer = self.prank(i.peer)?;
-                ops.push(P2pOp::Recv {
-                    buf: BufMut::from(&mut h[..]),
-                    peer,
-                    tag: i.tag,
-                });
-                if i.expect.is_none() {
-                    continue;
-                }
-                let target = match join_of[k] {
-                    Some(j) if jround[j] == 1 => slots[j]
+                let target = match (&i.expect, join_of[k]) {
+                    (None, _) => None,
+                    (Some(_), Some(j)) if jround[j] == 1 => slots[j]
                         .get_mut(k - joins[j].ins.start)
                         .and_then(Option::take),
-                    _ => d.as_mut().map(HostBuffer::as_mut_slice),
+                    (Some(_), _) => d.as_mut().map(HostBuffer::as_mut_slice),
                 };
-                if let Some(t) = target.filter(|t| !t.is_empty()) {
-                    ops.push(P2pOp::Recv {
-                        buf: BufMut::Host(t),
+                match target.filter(|t| !t.is_empty()) {
+                    Some(t) => {
+                        framed_in[k] = true;
+                        ops.push(P2pOp::RecvFramed {
+                            head: &mut hb[..],
+                            buf: BufMut::Host(t),
+                            peer,
+                            tag: i.tag,
+                        });
+                    }
+                    None => ops.push(P2pOp::Recv {
+                        buf: BufMut::from(&mut h[..]),
                         peer,
-                        tag: i.tag + 1,
-                    });
+                        tag: i.tag,
+                    }),
                 }
             }
             if !ops.is_empty() {
                 self.comm.batch_p2p(ops)?;
             }
+        }
+        for ((h, hb), _) in in_hdr
+            .iter_mut()
+            .zip(&in_bytes)
+            .zip(&framed_in)
+            .filter(|(_, &framed)| framed)
+        {
+            *h = header_of_bytes(hb);
         }
         for b in placeholders.into_iter().flatten() {
             self.give_back(b);

@@ -522,11 +522,15 @@ impl NcclBackend {
     /// NCCL group on the communicator itself, or, when it has point-to-point lanes, one group
     /// per lane ([`crate::p2p::split_batch`]), every group posted before any is waited for.
     fn p2p(&self, op: &'static str, ops: Vec<P2pOp<'_>>, limit: TimeLimit) -> Result<()> {
+        // NCCL sends a framed message as two (the front end lowers them): none comes here.
+        if ops.iter().any(P2pOp::is_framed) {
+            return Err(P2pOp::not_lowered(crate::error::BACKEND));
+        }
         let ops: Vec<P2pOp<'_>> = ops
             .into_iter()
             .filter(|o| match o {
-                P2pOp::Send { buf, .. } => !buf.is_empty(),
-                P2pOp::Recv { buf, .. } => !buf.is_empty(),
+                P2pOp::Send { buf, .. } | P2pOp::SendFramed { buf, .. } => !buf.is_empty(),
+                P2pOp::Recv { buf, .. } | P2pOp::RecvFramed { buf, .. } => !buf.is_empty(),
             })
             .collect();
         if ops.is_empty() {
@@ -540,8 +544,8 @@ impl NcclBackend {
         let mut groups: [Vec<P2pOp<'_>>; 2] = [Vec::new(), Vec::new()];
         for o in ops {
             let (send, peer) = match &o {
-                P2pOp::Send { peer, .. } => (true, *peer),
-                P2pOp::Recv { peer, .. } => (false, *peer),
+                P2pOp::Send { peer, .. } | P2pOp::SendFramed { peer, .. } => (true, *peer),
+                P2pOp::Recv { peer, .. } | P2pOp::RecvFramed { peer, .. } => (false, *peer),
             };
             groups[crate::p2p::lane(me, peer, send).index()].push(o);
         }
@@ -573,8 +577,13 @@ impl NcclBackend {
         let mut slots: Vec<Slot<'_>> = ops
             .into_iter()
             .map(|o| match o {
-                P2pOp::Send { buf, peer, .. } => Slot::Send(buf, None, peer),
-                P2pOp::Recv { buf, peer, .. } => Slot::Recv(buf, None, peer),
+                // Framed operations never get here (`p2p` refuses them).
+                P2pOp::Send { buf, peer, .. } | P2pOp::SendFramed { buf, peer, .. } => {
+                    Slot::Send(buf, None, peer)
+                }
+                P2pOp::Recv { buf, peer, .. } | P2pOp::RecvFramed { buf, peer, .. } => {
+                    Slot::Recv(buf, None, peer)
+                }
             })
             .collect();
         sh.bind(op)?;

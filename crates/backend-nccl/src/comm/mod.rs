@@ -487,6 +487,15 @@ fn op_memory(op: &Op<'_>) -> (bool, Vec<Arc<CudaStream>>) {
                 match o {
                     grid_core::P2pOp::Send { buf, .. } => u.r(buf),
                     grid_core::P2pOp::Recv { buf, .. } => u.m(buf),
+                    // A framed message's header is host memory.
+                    grid_core::P2pOp::SendFramed { buf, .. } => {
+                        u.host = true;
+                        u.r(buf)
+                    }
+                    grid_core::P2pOp::RecvFramed { buf, .. } => {
+                        u.host = true;
+                        u.m(buf)
+                    }
                 }
             }
         }

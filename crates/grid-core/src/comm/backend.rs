@@ -46,6 +46,13 @@ pub trait Backend: Send + Sync + 'static {
     fn max_tag(&self) -> u32 {
         u32::MAX
     }
+    /// Whether [`Backend::run`] takes framed point-to-point operations
+    /// ([`super::P2pOp::SendFramed`], [`super::P2pOp::RecvFramed`]) in a batch and sends each as
+    /// one message. `false` (the default): the front end hands it the lowered form instead
+    /// ([`super::P2pOp::lower_framed`]), and it never sees a framed operation.
+    fn sends_framed(&self) -> bool {
+        false
+    }
     /// `Err(Error::Finalized)` once the communicator can no longer be used (finished,
     /// aborted, library finalized); called before every operation.
     fn check_live(&self, op: &'static str) -> Result<()> {

@@ -5,7 +5,7 @@ use super::backend::Backend;
 use super::buffer::{BufMut, BufRef, Memory, Tensor};
 use super::dtype::{DType, ReduceOp};
 use super::lifecycle::{blamed, fails_communicator, Failure, Lifecycle, OpSite, TimeLimit};
-use super::op::{Op, P2pOp, Request, Validated};
+use super::op::{Op, P2pOp, Request, Validated, FRAME_HEAD_MAX};
 use super::{Communicator, Work};
 use crate::error::{Error, Result};
 use crate::oplog::{OpDesc, OpHandle, OpLog, Recorder};
@@ -298,6 +298,27 @@ impl<B: Backend> Comm<B> {
         Ok(())
     }
 
+    /// A framed operation's header length, peer and tags (its own and, where the backend sends
+    /// two messages, the next: refused at the backend's largest tag whatever the backend, so a
+    /// program behaves the same on every backend).
+    fn framed(&self, op: &'static str, head: usize, peer: usize, tag: u32) -> Result<()> {
+        if head > FRAME_HEAD_MAX {
+            return Err(Error::Invalid(format!(
+                "{op}: a framed message's header of {head} bytes is longer than {FRAME_HEAD_MAX} bytes, the most a header can hold; send a longer one as a message of its own"
+            )));
+        }
+        self.peer(op, peer, tag, true)?;
+        let max = self.backend.max_tag();
+        if tag >= max {
+            return Err(Error::Invalid(format!(
+                "{op}: a framed message with tag {tag} also takes tag {tag} + 1, above the largest tag of {} ({max}); use a tag of at most {}",
+                self.backend.name(),
+                max.saturating_sub(1)
+            )));
+        }
+        Ok(())
+    }
+
     /// Dtype and length rules of the two-buffer collectives.
     fn shapes(
         &self,
@@ -459,6 +480,24 @@ impl<B: Backend> Comm<B> {
                         P2pOp::Recv { buf, peer, tag } => {
                             self.output(name, buf)?;
                             self.peer(name, *peer, *tag, true)?;
+                        }
+                        P2pOp::SendFramed {
+                            head,
+                            buf,
+                            peer,
+                            tag,
+                        } => {
+                            self.input(name, buf)?;
+                            self.framed(name, head.len(), *peer, *tag)?;
+                        }
+                        P2pOp::RecvFramed {
+                            head,
+                            buf,
+                            peer,
+                            tag,
+                        } => {
+                            self.output(name, buf)?;
+                            self.framed(name, head.len(), *peer, *tag)?;
                         }
                     }
                 }
@@ -714,6 +753,12 @@ impl<B: Backend> Comm<B> {
         self.backend.check_live(name)?;
         let op = only_at_root(op, self.backend.rank());
         self.validate(&op)?;
+        let op = match op {
+            Op::Batch(ops) if !self.backend.sends_framed() && ops.iter().any(P2pOp::is_framed) => {
+                Op::Batch(P2pOp::lower_framed(ops))
+            }
+            op => op,
+        };
         let limit = limit.unwrap_or_else(|| self.life.time_limit());
         let size = self.backend.size();
         let (seq, handle) = self.number(|| describe_op(&op, size), true);
@@ -1082,8 +1127,8 @@ fn describe_op(op: &Op<'_>, size: usize) -> OpDesc {
         Op::Batch(ops) => {
             let (send, recv) = op.sizes();
             let first = ops.first().map(|o| match o {
-                P2pOp::Send { buf, .. } => buf.dtype(),
-                P2pOp::Recv { buf, .. } => buf.dtype(),
+                P2pOp::Send { buf, .. } | P2pOp::SendFramed { buf, .. } => buf.dtype(),
+                P2pOp::Recv { buf, .. } | P2pOp::RecvFramed { buf, .. } => buf.dtype(),
             });
             let d = d.count(send + recv);
             match first {
@@ -1337,6 +1382,65 @@ mod tests {
             TimeLimit::from_millis(100)
         }
         fn abort(&self) {}
+    }
+
+    /// Framed operations are validated on every backend (header length, both tags) and reach a
+    /// backend that does not send them as the two plain operations each stands for.
+    #[test]
+    fn framed_operations_are_validated_then_lowered() {
+        let c = Comm::new(
+            Recorder {
+                ranks: vec![5, 7],
+                seen: Mutex::new(Vec::new()),
+            },
+            "pp",
+        );
+        let data = [1.0f32; 2];
+        let framed = |head: &'static [u8], tag: u32| {
+            vec![P2pOp::SendFramed {
+                head,
+                buf: BufRef::from(&data[..]),
+                peer: 1,
+                tag,
+            }]
+        };
+        static LONG: [u8; FRAME_HEAD_MAX + 1] = [0; FRAME_HEAD_MAX + 1];
+        let e = c.batch_p2p(framed(&LONG, 3)).unwrap_err();
+        assert!(
+            matches!(&e, Error::Invalid(m) if m.contains("65 bytes is longer than 64 bytes")),
+            "{e}"
+        );
+        // Tag 100 is this backend's largest: the payload would need 101.
+        let e = c.batch_p2p(framed(&[1, 2], 100)).unwrap_err();
+        assert!(
+            matches!(&e, Error::Invalid(m) if m.contains("tag 100 also takes tag 100 + 1") && m.contains("at most 99")),
+            "{e}"
+        );
+        assert!(matches!(
+            c.batch_p2p(framed(&[1, 2], 101)),
+            Err(Error::TagOutOfRange { tag: 101, .. })
+        ));
+        // None of those reached the backend; a valid one does, lowered.
+        assert!(c.inner().seen.lock().unwrap().is_empty());
+        c.batch_p2p(framed(&[1, 2], 99)).unwrap();
+        assert_eq!(c.inner().seen.lock().unwrap().len(), 1);
+        let mut ops = P2pOp::lower_framed(framed(&[1, 2], 99));
+        assert!(matches!(
+            &ops[..],
+            [P2pOp::Send { buf: h, peer: 1, tag: 99 }, P2pOp::Send { buf: d, peer: 1, tag: 100 }]
+                if h.len() == 2 && h.dtype() == DType::U8 && d.len() == 2
+        ));
+        let (mut head, mut got) = ([0u8; 2], [0f32; 2]);
+        ops = P2pOp::lower_framed(vec![P2pOp::RecvFramed {
+            head: &mut head,
+            buf: BufMut::from(&mut got[..]),
+            peer: 1,
+            tag: 4,
+        }]);
+        assert!(matches!(
+            &ops[..],
+            [P2pOp::Recv { tag: 4, .. }, P2pOp::Recv { tag: 5, .. }]
+        ));
     }
 
     #[test]

@@ -66,7 +66,7 @@ pub use dtype::{DType, Element, HostBuffer, HostSlice, HostSliceMut, ReduceOp};
 pub use front::Comm;
 pub use lifecycle::{compact_ranks, Failure, OpSite, TimeLimit};
 pub use narrow::{Bool, F8E4M3, F8E5M2};
-pub use op::{Op, OwnedOp, P2pOp, Request, Validated};
+pub use op::{Op, OwnedOp, P2pOp, Request, Validated, FRAME_HEAD_MAX};
 pub use split::{color_key_for, split_members, SplitEntry, SplitMembers};
 
 use crate::error::{Error, Result};

@@ -5,6 +5,9 @@ use super::buffer::{BufMut, BufRef, Tensor};
 use super::dtype::ReduceOp;
 use super::lifecycle::TimeLimit;
 
+/// Largest header of a framed message ([`P2pOp::SendFramed`], [`P2pOp::RecvFramed`]), in bytes.
+pub const FRAME_HEAD_MAX: usize = 64;
+
 /// One operation of a batched point-to-point exchange ([`super::Communicator::batch_p2p`]).
 #[derive(Debug)]
 pub enum P2pOp<'a> {
@@ -26,6 +29,114 @@ pub enum P2pOp<'a> {
         /// Message tag.
         tag: u32,
     },
+    /// Send a small fixed-size header `head` (at most [`FRAME_HEAD_MAX`] bytes, host memory:
+    /// a status, a shape) together with `buf` to `peer`, for a [`P2pOp::RecvFramed`] of the same
+    /// tag and header length: one message where the backend can carry both
+    /// ([`super::Backend::sends_framed`]; Gloo), with no extra message for the header. Other
+    /// backends send two: `head` (as `u8`) with `tag` and `buf` with `tag + 1`
+    /// ([`P2pOp::lower_framed`]), so `tag + 1` must be a valid tag too and no other message
+    /// between the same two ranks in the batch may use it.
+    SendFramed {
+        /// The header.
+        head: &'a [u8],
+        /// The payload.
+        buf: BufRef<'a>,
+        /// Destination (communicator rank).
+        peer: usize,
+        /// Message tag (`tag + 1` too where the backend sends two messages).
+        tag: u32,
+    },
+    /// Receive a framed message ([`P2pOp::SendFramed`]): its header into `head` (exactly as
+    /// long as the sender's) and its payload into `buf`.
+    RecvFramed {
+        /// The header's memory.
+        head: &'a mut [u8],
+        /// The payload's memory.
+        buf: BufMut<'a>,
+        /// Source (communicator rank).
+        peer: usize,
+        /// Message tag (`tag + 1` too where the backend receives two messages).
+        tag: u32,
+    },
+}
+
+impl<'a> P2pOp<'a> {
+    /// The same exchange without framed operations, for backends that cannot send a header and
+    /// a payload as one message: each framed operation becomes two, the header (as `u8`) with
+    /// its tag and the payload with the tag + 1, in that order; plain operations stay as they
+    /// are. The tag + 1 must exist (the front end refuses a framed operation at the backend's
+    /// largest tag).
+    ///
+    /// ```
+    /// use grid_core::{BufRef, P2pOp};
+    /// let (head, data) = ([1u8, 2], [3.0f32; 4]);
+    /// let ops = vec![P2pOp::SendFramed { head: &head, buf: BufRef::from(&data[..]), peer: 1, tag: 7 }];
+    /// let lowered = P2pOp::lower_framed(ops);
+    /// assert!(matches!(lowered[..], [
+    ///     P2pOp::Send { ref buf, peer: 1, tag: 7 },
+    ///     P2pOp::Send { peer: 1, tag: 8, .. },
+    /// ] if buf.len() == 2));
+    /// ```
+    pub fn lower_framed(ops: Vec<P2pOp<'a>>) -> Vec<P2pOp<'a>> {
+        let mut out = Vec::with_capacity(ops.len() * 2);
+        for op in ops {
+            match op {
+                P2pOp::SendFramed {
+                    head,
+                    buf,
+                    peer,
+                    tag,
+                } => {
+                    out.push(P2pOp::Send {
+                        buf: BufRef::from(head),
+                        peer,
+                        tag,
+                    });
+                    out.push(P2pOp::Send {
+                        buf,
+                        peer,
+                        tag: tag.wrapping_add(1),
+                    });
+                }
+                P2pOp::RecvFramed {
+                    head,
+                    buf,
+                    peer,
+                    tag,
+                } => {
+                    out.push(P2pOp::Recv {
+                        buf: BufMut::from(head),
+                        peer,
+                        tag,
+                    });
+                    out.push(P2pOp::Recv {
+                        buf,
+                        peer,
+                        tag: tag.wrapping_add(1),
+                    });
+                }
+                plain => out.push(plain),
+            }
+        }
+        out
+    }
+
+    /// Whether this is a framed operation.
+    pub fn is_framed(&self) -> bool {
+        matches!(self, P2pOp::SendFramed { .. } | P2pOp::RecvFramed { .. })
+    }
+
+    /// The error of a backend that does not send framed messages
+    /// ([`super::Backend::sends_framed`] false) and was handed one anyway: the front end lowers
+    /// them first ([`P2pOp::lower_framed`]), so only a caller of [`super::Backend::run`] that
+    /// bypassed it gets this.
+    pub fn not_lowered(backend: &'static str) -> crate::Error {
+        crate::Error::Unsupported {
+            op: "batch_p2p",
+            backend,
+            what: "a framed message handed to the backend directly (this backend sends them as two messages: call batch_p2p through the front end, grid_core::Comm, which lowers them)".into(),
+        }
+    }
 }
 
 /// A nonblocking operation to start ([`super::Communicator::start`]). Buffers are owned and come back
@@ -494,8 +605,8 @@ impl Op<'_> {
             Op::Send { buf, .. } => (buf.len(), buf.len()),
             Op::Barrier => (0, 0),
             Op::Batch(ops) => ops.iter().fold((0, 0), |(s, r), o| match o {
-                P2pOp::Send { buf, .. } => (s + buf.len(), r),
-                P2pOp::Recv { buf, .. } => (s, r + buf.len()),
+                P2pOp::Send { buf, .. } | P2pOp::SendFramed { buf, .. } => (s + buf.len(), r),
+                P2pOp::Recv { buf, .. } | P2pOp::RecvFramed { buf, .. } => (s, r + buf.len()),
             }),
         }
     }

@@ -6,7 +6,7 @@
 #![allow(dead_code)]
 
 use backend_local::{LocalComm, LocalConfig, LocalFactory, LocalStats, LocalWorld};
-use grid_core::{GroupFactory, Result};
+use grid_core::{DType, GroupFactory, Result};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -19,13 +19,15 @@ pub struct Hub {
 }
 
 impl Hub {
-    /// (world src, world dst, elements) of every payload-sized point-to-point message (more
-    /// than 6 elements; shorter ones are control messages).
+    /// (world src, world dst, elements) of every payload-sized point-to-point message: more
+    /// than 6 elements, and not the 48 bytes of a header framed with its payload, which this
+    /// backend sends as a message of its own (shorter ones are control messages: headers of
+    /// six `i64`).
     pub fn log(&self) -> Vec<(usize, usize, usize)> {
         self.stats
             .messages()
             .into_iter()
-            .filter(|m| m.len > 6)
+            .filter(|m| m.len > 6 && !(m.dtype == DType::U8 && m.len == 48))
             .map(|m| (m.src, m.dst, m.len))
             .collect()
     }
