@@ -391,55 +391,42 @@ class Waker final : public gloo::transport::tcp::Handler {
   std::atomic<int64_t> yield_since_ns_{0};
 };
 
-// Keeps the loop ticking while alive (nothing when there is no Waker).
-class Spin {
+// Holds a Waker in one of its two modes while alive (Begin on construction, End on
+// destruction); nothing when there is no Waker.
+template <void (Waker::*Begin)(), void (Waker::*End)()>
+class WakerWindow {
  public:
-  explicit Spin(Waker* w) : w_(w) {
+  explicit WakerWindow(Waker* w) : w_(w) {
     if (w_ != nullptr) {
-      w_->up();
+      (w_->*Begin)();
     }
   }
-  ~Spin() {
+  ~WakerWindow() {
     if (w_ != nullptr) {
-      w_->down();
+      (w_->*End)();
     }
   }
-  Spin(const Spin&) = delete;
-  Spin& operator=(const Spin&) = delete;
+  WakerWindow(const WakerWindow&) = delete;
+  WakerWindow& operator=(const WakerWindow&) = delete;
 
  private:
   Waker* w_;
 };
+
+// Keeps the loop ticking while alive.
+using Spin = WakerWindow<&Waker::up, &Waker::down>;
 
 // While alive, the loop gives its core away (sched_yield) on every tick instead of sleeping in
-// epoll_wait, and after 2 ms pauses 20 us per tick (nothing when there is no Waker). Held by a user
-// thread around the calls that take a pair's lock: posting Gloo sends and receives, and, unless
-// busy polling is off, each of libgloo's collectives. The loop's handler for a pair only try-locks
-// it (tcp::Pair::handleEvents): when data arrives on a pair whose lock a user thread holds, the
-// handler returns at once and, with the event still pending, so does epoll_wait: the loop spins. If
-// the loop's wake-up took the core from that user thread, the lock is not released before the
-// scheduler's next tick (4 ms on these machines). Yielding gives the core back to the holder.
-// Measured, 4 ranks as threads on 2 cores, 8 B broadcast and all-reduce of one round of messages:
-// 10.9 million epoll_wait calls in a run whose median call took 4.0 ms without, 22 thousand and
-// 0.26-0.31 ms with.
-class Yielding {
- public:
-  explicit Yielding(Waker* w) : w_(w) {
-    if (w_ != nullptr) {
-      w_->yield_up();
-    }
-  }
-  ~Yielding() {
-    if (w_ != nullptr) {
-      w_->yield_down();
-    }
-  }
-  Yielding(const Yielding&) = delete;
-  Yielding& operator=(const Yielding&) = delete;
-
- private:
-  Waker* w_;
-};
+// epoll_wait, and after 2 ms pauses 20 us per tick. Held by a user thread around the calls that
+// take a pair's lock: posting Gloo sends and receives, and, unless busy polling is off, each of
+// libgloo's collectives. The loop's handler for a pair only try-locks it (tcp::Pair::handleEvents):
+// when data arrives on a pair whose lock a user thread holds, the handler returns at once and, with
+// the event still pending, so does epoll_wait: the loop spins. If the loop's wake-up took the core
+// from that user thread, the lock is not released before the scheduler's next tick (4 ms on these
+// machines). Yielding gives the core back to the holder. Measured, 4 ranks as threads on 2 cores,
+// 8-byte broadcast and all-reduce of one round of messages: 10.9 million epoll_wait calls in a run
+// whose median call took 4.0 ms without, 22 thousand and 0.26-0.31 ms with.
+using Yielding = WakerWindow<&Waker::yield_up, &Waker::yield_down>;
 
 struct gloo_shim_device {
   std::shared_ptr<gloo::transport::Device> device;

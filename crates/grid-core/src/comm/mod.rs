@@ -265,7 +265,8 @@ pub trait Communicator: Send + Sync {
     /// Receives exactly `buf.len()` elements from communicator rank `peer`.
     fn recv(&self, buf: BufMut<'_>, peer: usize, tag: u32) -> Result<()>;
     /// Runs several sends and receives as one batch that cannot deadlock on ordering
-    /// (`batch_isend_irecv`; `ncclGroupStart/End` on NCCL). Returns when all completed.
+    /// (`batch_isend_irecv`; `ncclGroupStart/End` on NCCL). Returns when all completed. A
+    /// framed operation ([`P2pOp::SendFramed`]) carries a small header with its payload.
     fn batch_p2p(&self, ops: Vec<P2pOp<'_>>) -> Result<()>;
     /// Starts a nonblocking operation on owned buffers.
     fn start(&self, request: Request) -> Result<Box<dyn Work>>;
