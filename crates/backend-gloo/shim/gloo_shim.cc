@@ -1369,6 +1369,16 @@ bool is_client(const std::vector<char>& self, const std::vector<char>& peer) {
 // connected communicator (`group`) skips phase A: its members and their number come from a
 // communicator that is already connected, so there is no world size to doubt, and every member
 // is known to exist (a missing one is blamed by name).
+// A failed rendezvous's connections, closed at once under a Spin (each pair leaves the loop as
+// it is destroyed: a tick each otherwise, see Waker), after the failure was announced.
+void drop_pairs(
+    gloo_shim_device* device, std::shared_ptr<MeshContext>& ctx,
+    std::shared_ptr<gloo::transport::Context>& tc) {
+  Spin spin(device->waker.get());
+  ctx.reset();
+  tc.reset();
+}
+
 std::shared_ptr<gloo::rendezvous::Context> connect_mesh(
     gloo_shim_store* store, const std::string& prefix, gloo_shim_device* device, int rank,
     int size, Millis timeout, bool group, std::vector<std::string>* keys_set) {
@@ -1533,10 +1543,12 @@ std::shared_ptr<gloo::rendezvous::Context> connect_mesh(
       rdv.announce(e.peer, e.code, e.what());
     }
     record_keys();
+    drop_pairs(device, ctx, tc);
     throw;
   } catch (const std::exception& e) {
     rdv.announce(-1, classify(e.what(), GLOO_SHIM_OTHER), e.what());
     record_keys();
+    drop_pairs(device, ctx, tc);
     throw;
   }
   record_keys();
