@@ -1169,59 +1169,56 @@ impl GlooBackend {
         let mut self_sends: Vec<(u32, Option<&[u8]>, HostSlice<'_>, bool)> = Vec::new();
         let mut self_recvs: Vec<(u32, Option<&mut [u8]>, HostSliceMut<'_>)> = Vec::new();
         for op in ops {
-            match op {
-                P2pOp::Send { buf, peer, tag } => {
-                    let data = buf.host_only(OP, BACKEND)?;
-                    if peer == me {
-                        self_sends.push((tag, None, data, false));
-                    } else {
-                        remote.push(RawP2p::Send { data, peer, tag });
-                    }
-                }
-                P2pOp::Recv { buf, peer, tag } => {
-                    let data = buf.host_only(OP, BACKEND)?;
-                    if peer == me {
-                        self_recvs.push((tag, None, data));
-                    } else {
-                        remote.push(RawP2p::Recv { data, peer, tag });
-                    }
-                }
+            let raw = match op {
+                P2pOp::Send { buf, peer, tag } => RawP2p::Send {
+                    data: buf.host_only(OP, BACKEND)?,
+                    peer,
+                    tag,
+                    head: None,
+                },
                 P2pOp::SendFramed {
                     head,
                     buf,
                     peer,
                     tag,
-                } => {
-                    let data = buf.host_only(OP, BACKEND)?;
-                    if peer == me {
-                        self_sends.push((tag, Some(head), data, false));
-                    } else {
-                        remote.push(RawP2p::SendFramed {
-                            head,
-                            data,
-                            peer,
-                            tag,
-                        });
-                    }
-                }
+                } => RawP2p::Send {
+                    data: buf.host_only(OP, BACKEND)?,
+                    peer,
+                    tag,
+                    head: Some(head),
+                },
+                P2pOp::Recv { buf, peer, tag } => RawP2p::Recv {
+                    data: buf.host_only(OP, BACKEND)?,
+                    peer,
+                    tag,
+                    head: None,
+                },
                 P2pOp::RecvFramed {
                     head,
                     buf,
                     peer,
                     tag,
-                } => {
-                    let data = buf.host_only(OP, BACKEND)?;
-                    if peer == me {
-                        self_recvs.push((tag, Some(head), data));
-                    } else {
-                        remote.push(RawP2p::RecvFramed {
-                            head,
-                            data,
-                            peer,
-                            tag,
-                        });
-                    }
-                }
+                } => RawP2p::Recv {
+                    data: buf.host_only(OP, BACKEND)?,
+                    peer,
+                    tag,
+                    head: Some(head),
+                },
+            };
+            match raw {
+                RawP2p::Send {
+                    data,
+                    peer,
+                    tag,
+                    head,
+                } if peer == me => self_sends.push((tag, head, data, false)),
+                RawP2p::Recv {
+                    data,
+                    peer,
+                    tag,
+                    head,
+                } if peer == me => self_recvs.push((tag, head, data)),
+                other => remote.push(other),
             }
         }
         // Pairing the messages to itself is this backend's own matching: each receive takes
@@ -1395,11 +1392,29 @@ impl Backend for GlooBackend {
             }
             Op::Send { buf, peer, tag } => {
                 let data = buf.host_only("send", BACKEND)?;
-                inner.p2p("send", &mut [RawP2p::Send { data, peer, tag }], limit)
+                inner.p2p(
+                    "send",
+                    &mut [RawP2p::Send {
+                        data,
+                        peer,
+                        tag,
+                        head: None,
+                    }],
+                    limit,
+                )
             }
             Op::Recv { buf, peer, tag } => {
                 let data = buf.host_only("recv", BACKEND)?;
-                inner.p2p("recv", &mut [RawP2p::Recv { data, peer, tag }], limit)
+                inner.p2p(
+                    "recv",
+                    &mut [RawP2p::Recv {
+                        data,
+                        peer,
+                        tag,
+                        head: None,
+                    }],
+                    limit,
+                )
             }
             Op::Batch(ops) => self.batch(ops, limit),
             Op::AllToAllV {

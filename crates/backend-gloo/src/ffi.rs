@@ -713,8 +713,8 @@ impl Drop for RawDevice {
 ///     let mine = [w.rank() as i32; 2];
 ///     let mut theirs = [0i32; 2];
 ///     let mut ops = [
-///         RawP2p::Recv { data: HostSliceMut::I32(&mut theirs), peer, tag: 3 },
-///         RawP2p::Send { data: HostSlice::I32(&mine), peer, tag: 3 },
+///         RawP2p::Recv { data: HostSliceMut::I32(&mut theirs), peer, tag: 3, head: None },
+///         RawP2p::Send { data: HostSlice::I32(&mine), peer, tag: 3, head: None },
 ///     ];
 ///     w.raw().p2p(&mut ops, Duration::from_secs(10)).map_err(|e| grid_core::Error::Invalid(e.to_string()))?;
 ///     Ok(theirs)
@@ -731,6 +731,9 @@ pub enum RawP2p<'a> {
         peer: usize,
         /// Tag.
         tag: u32,
+        /// A framed message's own header (at most [`grid_core::FRAME_HEAD_MAX`] bytes), sent
+        /// with `data` as one message (grid-core's `P2pOp::SendFramed`); `None`: a plain message.
+        head: Option<&'a [u8]>,
     },
     /// Receive exactly `data.len()` elements from context rank `peer`.
     Recv {
@@ -740,29 +743,9 @@ pub enum RawP2p<'a> {
         peer: usize,
         /// Tag.
         tag: u32,
-    },
-    /// Send `head` (at most [`grid_core::FRAME_HEAD_MAX`] bytes) and `data` as one message
-    /// (grid-core's `P2pOp::SendFramed`).
-    SendFramed {
-        /// The caller's header.
-        head: &'a [u8],
-        /// Data.
-        data: HostSlice<'a>,
-        /// Destination.
-        peer: usize,
-        /// Tag.
-        tag: u32,
-    },
-    /// Receive a framed message: exactly `head.len()` header bytes and `data.len()` elements.
-    RecvFramed {
-        /// The header's memory.
-        head: &'a mut [u8],
-        /// Destination memory.
-        data: HostSliceMut<'a>,
-        /// Source.
-        peer: usize,
-        /// Tag.
-        tag: u32,
+        /// A framed message's header memory: exactly as long as the sender's header; `None`:
+        /// a plain message.
+        head: Option<&'a mut [u8]>,
     },
 }
 
@@ -807,12 +790,12 @@ pub struct RawBlock {
 ///     let t = Duration::from_secs(10);
 ///     let err = |e: backend_gloo::ShimError| grid_core::Error::Invalid(e.to_string());
 ///     if w.rank() == 0 {
-///         let mut ops = [RawP2p::Send { data: HostSlice::F32(&[1.0; 4]), peer: 1, tag: 0 }];
+///         let mut ops = [RawP2p::Send { data: HostSlice::F32(&[1.0; 4]), peer: 1, tag: 0, head: None }];
 ///         w.raw().p2p(&mut ops, t).map_err(err)?;
 ///         Ok(None)
 ///     } else {
 ///         let mut buf = [0.0f32; 8];
-///         let mut ops = [RawP2p::Recv { data: HostSliceMut::F32(&mut buf), peer: 0, tag: 0 }];
+///         let mut ops = [RawP2p::Recv { data: HostSliceMut::F32(&mut buf), peer: 0, tag: 0, head: None }];
 ///         let m = w.raw().p2p(&mut ops, t).map_err(err)?;
 ///         assert_eq!(buf, [0.0; 8]); // untouched
 ///         Ok(m.into_iter().next())
@@ -1475,52 +1458,42 @@ impl RawContext {
         let mut raw = Vec::with_capacity(ops.len());
         for op in ops.iter_mut() {
             raw.push(match op {
-                RawP2p::Send { data, peer, tag } => raw_op_of(
-                    false,
-                    self.check_peer(*peer)?,
-                    *tag,
-                    data.dtype(),
-                    data.len(),
-                    data.as_ptr() as *mut c_void,
-                ),
-                RawP2p::Recv { data, peer, tag } => {
-                    let (dtype, len) = (data.dtype(), data.len());
-                    raw_op_of(
-                        true,
-                        self.check_peer(*peer)?,
-                        *tag,
-                        dtype,
-                        len,
-                        data.as_mut_ptr().cast(),
-                    )
+                RawP2p::Send {
+                    data,
+                    peer,
+                    tag,
+                    head,
+                } => {
+                    let (ptr, bytes) = head.map_or((std::ptr::null_mut(), 0), |h| {
+                        (h.as_ptr() as *mut c_void, h.len())
+                    });
+                    sys::gloo_shim_p2p_op {
+                        head: ptr,
+                        head_bytes: bytes,
+                        ..raw_op_of(
+                            false,
+                            self.check_peer(*peer)?,
+                            *tag,
+                            data.dtype(),
+                            data.len(),
+                            data.as_ptr() as *mut c_void,
+                        )
+                    }
                 }
-                RawP2p::SendFramed {
-                    head,
+                RawP2p::Recv {
                     data,
                     peer,
                     tag,
-                } => sys::gloo_shim_p2p_op {
-                    head: head.as_ptr() as *mut c_void,
-                    head_bytes: head.len(),
-                    ..raw_op_of(
-                        false,
-                        self.check_peer(*peer)?,
-                        *tag,
-                        data.dtype(),
-                        data.len(),
-                        data.as_ptr() as *mut c_void,
-                    )
-                },
-                RawP2p::RecvFramed {
                     head,
-                    data,
-                    peer,
-                    tag,
                 } => {
                     let (dtype, len) = (data.dtype(), data.len());
+                    let (ptr, bytes) = match head {
+                        Some(h) => (h.as_mut_ptr().cast(), h.len()),
+                        None => (std::ptr::null_mut(), 0),
+                    };
                     sys::gloo_shim_p2p_op {
-                        head: head.as_mut_ptr().cast(),
-                        head_bytes: head.len(),
+                        head: ptr,
+                        head_bytes: bytes,
                         ..raw_op_of(
                             true,
                             self.check_peer(*peer)?,

@@ -210,6 +210,7 @@ fn user_messages_never_match_collective_blocks() {
                         data: HostSlice::I32(&[100, 101]),
                         peer: 1,
                         tag,
+                        head: None,
                     }];
                     w.raw().p2p(&mut ops, T).map_err(shim)
                 });
@@ -259,6 +260,7 @@ fn user_messages_never_match_collective_blocks() {
                 data: HostSliceMut::I32(&mut user),
                 peer: 0,
                 tag,
+                head: None,
             }];
             w.raw().p2p(&mut ops, T).map_err(shim)?;
             Ok((coll, user))
