@@ -851,10 +851,7 @@ impl Inner {
                 root,
             } => {
                 let mut recv = recv.filter(|_| self.rank() == root);
-                let out = match recv.as_mut() {
-                    Some(t) => Some(h(op, t)?),
-                    None => None,
-                };
+                let out = recv.as_mut().map(|t| h(op, t)).transpose()?;
                 self.reduce(
                     check,
                     h(op, &mut send)?.as_slice(),
@@ -872,10 +869,7 @@ impl Inner {
                 root,
             } => {
                 let mut recv = recv.filter(|_| self.rank() == root);
-                let out = match recv.as_mut() {
-                    Some(t) => Some(h(op, t)?),
-                    None => None,
-                };
+                let out = recv.as_mut().map(|t| h(op, t)).transpose()?;
                 self.gather(check, h(op, &mut send)?.as_slice(), out, root, tag, limit)?;
                 Ok(recv.unwrap_or(send))
             }
@@ -885,10 +879,7 @@ impl Inner {
                 root,
             } => {
                 let mut send = send.filter(|_| self.rank() == root);
-                let src = match send.as_mut() {
-                    Some(t) => Some(h(op, t)?),
-                    None => None,
-                };
+                let src = send.as_mut().map(|t| h(op, t)).transpose()?;
                 self.scatter(
                     check,
                     src.as_ref().map(|s| s.as_slice()),
