@@ -104,5 +104,5 @@ mod watch;
 pub use comm::{MpiBackend, MpiCommunicator, CHECK_THRESHOLD};
 pub use config::{MpiConfig, SIGTERM_REPORT_ENV, TIMEOUT_ENV};
 pub use factory::{FactoryCalls, MpiFactory};
-pub use runtime::{MpiRuntime, SINGLE_COPY_VAR};
+pub use runtime::{MpiRuntime, FRAGMENT_SIZE, FRAGMENT_SIZE_VAR, SINGLE_COPY_VAR};
 pub use watch::{EXIT_ABORTED, EXIT_TIMEOUT, MESSAGE_GRACE, TICK};
