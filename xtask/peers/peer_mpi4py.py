@@ -6,7 +6,8 @@ Reduce_scatter_block; all_gather_in_place: Allgather(MPI.IN_PLACE, buf) on one b
 size · block elements whose own block holds this rank's values; reduce_scatter_in_place:
 Reduce_scatter_block(MPI.IN_PLACE, buf), buf refilled before every call (outside the timing),
 the result at the start of buf (MPI's convention); broadcast: Bcast from rank 0. numpy float32
-buffers (the buffer protocol: no copies in mpi4py).
+buffers (the buffer protocol: no copies in mpi4py), with numpy's default memory: huge pages
+advised from 4 MiB, which peer-bench's MPI side copies (docs/performance.md).
 """
 
 import numpy as np

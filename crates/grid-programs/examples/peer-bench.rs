@@ -194,7 +194,7 @@ fn serve_main(a: &Args) -> Result<(), String> {
     match backend {
         "mpi" => {
             let rt = MpiRuntime::init().map_err(e)?;
-            serve(&MpiFactory::new(), rt.world(), &connect)
+            serve(&MpiFactory::new(), rt.world(), &connect, PeerMemory::Numpy)
         }
         "gloo" => {
             let (Some(rank), Some(n), Some(store)) = (a.rank, a.world_size, a.store.clone()) else {
@@ -211,7 +211,7 @@ fn serve_main(a: &Args) -> Result<(), String> {
             let cfg = GlooConfig::new("peer-bench").with_timeout(GLOO_TIMEOUT);
             let factory = GlooFactory::new(&Rendezvous::File(store), cfg).map_err(e)?;
             let world = factory.world(rank, n).map_err(e)?;
-            serve(&factory, &world, &connect)
+            serve(&factory, &world, &connect, PeerMemory::Torch)
         }
         _ => {
             let n = a
@@ -219,7 +219,7 @@ fn serve_main(a: &Args) -> Result<(), String> {
                 .ok_or_else(|| format!("--backend gloo-threads needs --world-size\n{USAGE}"))?;
             let cfg = GlooConfig::new("peer-bench-threads").with_timeout(GLOO_TIMEOUT);
             let results = run_ranks(n, &cfg, |f, world| {
-                serve(f, &world, &connect).map_err(grid_core::Error::Invalid)
+                serve(f, &world, &connect, PeerMemory::Torch).map_err(grid_core::Error::Invalid)
             })
             .map_err(e)?;
             for (rank, r) in results.into_iter().enumerate() {
@@ -231,7 +231,12 @@ fn serve_main(a: &Args) -> Result<(), String> {
 }
 
 /// Connects to the driver and answers its commands until `quit` (or the driver goes away).
-fn serve<F>(factory: &F, world: &F::Comm, connect: &PathBuf) -> Result<(), String>
+fn serve<F>(
+    factory: &F,
+    world: &F::Comm,
+    connect: &PathBuf,
+    memory: PeerMemory,
+) -> Result<(), String>
 where
     F: GroupFactory,
     F::Comm: Communicator,
@@ -250,7 +255,7 @@ where
         let answer = match words.as_slice() {
             ["quit"] => return Ok(()),
             ["run", op, bytes, warmup, iters] => match command(bytes, warmup, iters) {
-                Ok((bytes, warmup, iters)) => run(factory, world, op, bytes, warmup, iters),
+                Ok((bytes, warmup, iters)) => run(factory, world, op, bytes, warmup, iters, memory),
                 Err(e) => Err(e),
             },
             _ => Err(format!(
@@ -299,6 +304,7 @@ fn run<F>(
     bytes: usize,
     warmup: usize,
     iters: usize,
+    memory: PeerMemory,
 ) -> Result<Vec<f64>, String>
 where
     F: GroupFactory,
@@ -348,19 +354,19 @@ where
         Op::AllGather => rank as f32,
         _ => rank as f32 + 1.0,
     };
-    let send = vec![value; send_len];
-    let mut recv = vec![0f32; recv_len];
+    let send = memory.filled(send_len, value);
+    let mut recv = memory.filled(recv_len, 0.0);
     // The in-place all-gather and reduce-scatter work on one buffer of size · block elements:
     // this rank's block of the gather (the others' slots zero), the whole input of the scatter.
     let block = send_len.min(recv_len);
-    let mut whole = vec![
-        0f32;
+    let mut whole = memory.filled(
         if in_place && kind != Op::AllReduce {
             send_len.max(recv_len)
         } else {
             0
-        }
-    ];
+        },
+        0.0,
+    );
     for it in 0..warmup + iters {
         if in_place || kind == Op::Broadcast {
             match kind {
@@ -396,6 +402,67 @@ where
     }
     check(kind, &send, &recv, n).map_err(|m| format!("{op} of {bytes} bytes on {n} ranks: {m}"))?;
     Ok(times)
+}
+
+/// The memory this side's buffers live in: the same as the peer's, so that a row compares the
+/// libraries and not the allocators.
+///
+/// numpy (the buffers of mpi4py's side) advises transparent huge pages
+/// (`madvise(MADV_HUGEPAGE)`) for every array of 4 MiB or more on Linux, from the first page
+/// boundary after the array's start (`indicate_hugepages` in numpy's `alloc.c`; `strace` of
+/// numpy 2.4.6 here: `np.full` of 2^20 f32 makes one such call, of 2^20 - 1 none). With this
+/// kernel's THP mode `madvise`, those arrays get 2 MiB pages, and Open MPI copies them faster:
+/// measured, the 32 and 64 MiB all-gather and broadcast rows were behind mpi4py with plain
+/// buffers here and ahead once numpy's advice was turned off (`NUMPY_MADVISE_HUGEPAGE=0`),
+/// docs/performance.md. torch's CPU allocator advises nothing unless `THP_MEM_ALLOC_ENABLE=1`
+/// (`strace` of `torch.full` and `torch.zeros` of 16 MiB: no `madvise`), so the Gloo rows use
+/// plain allocations.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum PeerMemory {
+    /// As numpy's arrays: huge pages advised from 4 MiB.
+    Numpy,
+    /// As torch's tensors: plain heap memory.
+    Torch,
+}
+
+impl PeerMemory {
+    /// numpy's threshold: `size >= (1u << 22u)` bytes.
+    const NUMPY_HUGE_PAGES_FROM: usize = 1 << 22;
+
+    /// `len` elements of `value`, allocated as the peer allocates: the advice (if any) is given
+    /// before the first write, as numpy gives it before filling.
+    fn filled(self, len: usize, value: f32) -> Vec<f32> {
+        let mut v: Vec<f32> = Vec::with_capacity(len);
+        let bytes = len * std::mem::size_of::<f32>();
+        if self == PeerMemory::Numpy && bytes >= Self::NUMPY_HUGE_PAGES_FROM {
+            advise_huge_pages(v.as_ptr().cast(), bytes);
+        }
+        v.resize(len, value);
+        v
+    }
+}
+
+/// numpy's `indicate_hugepages`: `madvise(MADV_HUGEPAGE)` from the first page boundary after
+/// `start` (one whole page further when `start` is page-aligned, as numpy computes it) to
+/// `start + bytes`. Errors are ignored, as numpy ignores them (an older kernel, THP off): the
+/// advice only changes how fast the memory is, never what it holds.
+fn advise_huge_pages(start: *const u8, bytes: usize) {
+    const PAGE: usize = 4096;
+    let offset = PAGE - (start as usize % PAGE);
+    if bytes <= offset {
+        return;
+    }
+    // SAFETY: the range [start + offset, start + bytes) lies inside one live allocation of
+    // `bytes` bytes (offset < bytes), and starts on a page boundary as madvise requires.
+    // MADV_HUGEPAGE changes only how the kernel backs these pages (it may use 2 MiB pages);
+    // it neither reads, writes nor unmaps them, so no Rust reference is affected.
+    unsafe {
+        libc::madvise(
+            start.add(offset).cast_mut().cast(),
+            bytes - offset,
+            libc::MADV_HUGEPAGE,
+        );
+    }
 }
 
 /// The last call's result is the exact one.
