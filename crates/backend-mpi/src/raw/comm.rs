@@ -14,7 +14,7 @@ const CANCEL_GRACE: Duration = Duration::from_secs(1);
 
 use grid_core::{HostSlice, HostSliceMut};
 use mpi::ffi;
-use std::os::raw::c_int;
+use std::os::raw::{c_int, c_void};
 
 /// An owned MPI communicator handle (never a predefined one), freed on drop.
 #[derive(Debug)]
@@ -299,19 +299,40 @@ impl Comm {
         let (to, from) = (int("peer", to)?, int("peer", from)?);
         // SAFETY: `send` holds `ns` elements of `dt` (readable, shared borrow) and `recv` holds
         // `nr` elements of `dt` (writable, unique borrow, so it cannot overlap `send`); both
-        // stay borrowed for the whole blocking call; a message longer than `nr` is an MPI error
-        // (MPI_ERR_TRUNCATE), not a write past `recv`; the status is ignored.
+        // stay borrowed for the whole blocking call.
+        unsafe { self.sendrecv_raw((cptr(&send), ns, to), (mptr(&mut recv), nr, from), dt, tag) }
+    }
+
+    /// The one `MPI_Sendrecv` call of [`Comm::sendrecv`] and [`Comm::sendrecv_within`]:
+    /// `(pointer, count, peer)` of the send and of the receive, both of `dt`, both with `tag`.
+    /// A message longer than the receive's count is an MPI error (`MPI_ERR_TRUNCATE`), not a
+    /// write past it; the status is ignored.
+    ///
+    /// # Safety
+    ///
+    /// `send.0` points to `send.1` readable elements of `dt` and `recv.0` to `recv.1` writable
+    /// ones, the two ranges do not overlap, and both stay valid and unused by anything else
+    /// until this blocking call returns.
+    unsafe fn sendrecv_raw(
+        &self,
+        send: (*const c_void, c_int, c_int),
+        recv: (*mut c_void, c_int, c_int),
+        dt: ffi::MPI_Datatype,
+        tag: i32,
+    ) -> R<()> {
+        // SAFETY: the caller's contract (above) covers both buffers; `self.raw` is a live
+        // communicator for as long as `self` exists.
         unsafe {
             rc(ffi::MPI_Sendrecv(
-                cptr(&send),
-                ns,
+                send.0,
+                send.1,
                 dt,
-                to,
+                send.2,
                 tag,
-                mptr(&mut recv),
-                nr,
+                recv.0,
+                recv.1,
                 dt,
-                from,
+                recv.2,
                 tag,
                 self.raw,
                 ffi::RSMPI_STATUS_IGNORE,
@@ -357,23 +378,15 @@ impl Comm {
         // SAFETY: both blocks lie inside `buf` (checked: `at + len <= total`, so the byte
         // ranges `at · width .. (at + len) · width` are inside its allocation) and do not
         // overlap (checked), so MPI reads `ns` elements of `dt` at `sp` and writes at most `nr`
-        // at `rp` without touching the same bytes (a longer message is MPI_ERR_TRUNCATE); `buf`
-        // is uniquely borrowed for the whole blocking call.
+        // at `rp` without touching the same bytes; `buf` is uniquely borrowed for the whole
+        // blocking call.
         unsafe {
-            rc(ffi::MPI_Sendrecv(
-                sp.cast_const().cast(),
-                ns,
+            self.sendrecv_raw(
+                (sp.cast_const().cast(), ns, to),
+                (rp.cast(), nr, from),
                 dt,
-                to,
                 tag,
-                rp.cast(),
-                nr,
-                dt,
-                from,
-                tag,
-                self.raw,
-                ffi::RSMPI_STATUS_IGNORE,
-            ))
+            )
         }
     }
 
