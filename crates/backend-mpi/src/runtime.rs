@@ -103,6 +103,12 @@ impl MpiRuntime {
     /// Fails if MPI was already initialised in this process, or if the library cannot provide
     /// `MPI_THREAD_MULTIPLE` (the communicators are `Send + Sync`, which needs it).
     ///
+    /// Before `MPI_Init` it sets two Open MPI settings in this process's environment, each only
+    /// if the user has not (an `mpirun --mca` option or an exported variable wins): the
+    /// shared-memory transport copies through its own buffers ([`SINGLE_COPY_VAR`] = `none`:
+    /// with CMA a message longer than its receive corrupts the receiver's heap), and on that
+    /// copy path it moves large messages in [`FRAGMENT_SIZE`] fragments ([`FRAGMENT_SIZE_VAR`]).
+    ///
     /// ```no_run
     /// let rt = backend_mpi::MpiRuntime::init()?;
     /// # Ok::<(), grid_core::Error>(())
