@@ -1457,53 +1457,43 @@ impl RawContext {
     pub fn p2p(&self, ops: &mut [RawP2p<'_>], timeout: Duration) -> ShimResult<Vec<P2pMismatch>> {
         let mut raw = Vec::with_capacity(ops.len());
         for op in ops.iter_mut() {
-            raw.push(match op {
+            // (is_recv, peer, tag, dtype, count, data, the header's memory and length)
+            let (is_recv, peer, tag, dtype, len, ptr, head) = match op {
                 RawP2p::Send {
                     data,
                     peer,
                     tag,
                     head,
-                } => {
-                    let (ptr, bytes) = head.map_or((std::ptr::null_mut(), 0), |h| {
-                        (h.as_ptr() as *mut c_void, h.len())
-                    });
-                    sys::gloo_shim_p2p_op {
-                        head: ptr,
-                        head_bytes: bytes,
-                        ..raw_op_of(
-                            false,
-                            self.check_peer(*peer)?,
-                            *tag,
-                            data.dtype(),
-                            data.len(),
-                            data.as_ptr() as *mut c_void,
-                        )
-                    }
-                }
+                } => (
+                    false,
+                    *peer,
+                    *tag,
+                    data.dtype(),
+                    data.len(),
+                    data.as_ptr() as *mut c_void,
+                    head.map(|h| (h.as_ptr() as *mut c_void, h.len())),
+                ),
                 RawP2p::Recv {
                     data,
                     peer,
                     tag,
                     head,
-                } => {
-                    let (dtype, len) = (data.dtype(), data.len());
-                    let (ptr, bytes) = match head {
-                        Some(h) => (h.as_mut_ptr().cast(), h.len()),
-                        None => (std::ptr::null_mut(), 0),
-                    };
-                    sys::gloo_shim_p2p_op {
-                        head: ptr,
-                        head_bytes: bytes,
-                        ..raw_op_of(
-                            true,
-                            self.check_peer(*peer)?,
-                            *tag,
-                            dtype,
-                            len,
-                            data.as_mut_ptr().cast(),
-                        )
-                    }
-                }
+                } => (
+                    true,
+                    *peer,
+                    *tag,
+                    data.dtype(),
+                    data.len(),
+                    data.as_mut_ptr().cast(),
+                    head.as_deref_mut()
+                        .map(|h| (h.as_mut_ptr().cast(), h.len())),
+                ),
+            };
+            let (head, head_bytes) = head.unwrap_or((std::ptr::null_mut(), 0));
+            raw.push(sys::gloo_shim_p2p_op {
+                head,
+                head_bytes,
+                ..raw_op_of(is_recv, self.check_peer(peer)?, tag, dtype, len, ptr)
             });
         }
         let mut st = new_status();
