@@ -2143,6 +2143,10 @@ void gloo_shim_context_set_busy_poll(gloo_shim_context* c, int32_t on) {
   c->busy_poll.store(on != 0, std::memory_order_relaxed);
 }
 
+int32_t gloo_shim_context_busy_poll(const gloo_shim_context* c) {
+  return c->busy_poll.load(std::memory_order_relaxed) ? 1 : 0;
+}
+
 int32_t gloo_shim_allreduce(
     gloo_shim_context* c, const void* send, void* recv, size_t count, int32_t dtype, int32_t op,
     gloo_shim_reduce_fn reduce, int32_t algorithm, size_t max_segment_bytes, uint32_t tag,

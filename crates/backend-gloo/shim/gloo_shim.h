@@ -218,6 +218,9 @@ void gloo_shim_context_free(gloo_shim_context* ctx);
  * the collective's duration. The shim's point-to-point posts always yield this way (for
  * microseconds). Thread-safe. */
 void gloo_shim_context_set_busy_poll(gloo_shim_context* ctx, int32_t on);
+/* 1 if libgloo's collectives on this context run with the loop thread polling (see above), 0
+ * if not. Thread-safe. */
+int32_t gloo_shim_context_busy_poll(const gloo_shim_context* ctx);
 /* Closes every connection of the context at once (a hard close: the peers see their
  * connections reset). For a context that failed: the peers blocked on this rank wake up now
  * instead of at their timeout. Operations on the context fail afterwards. */

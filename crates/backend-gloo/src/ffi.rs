@@ -21,7 +21,6 @@ use std::cell::RefCell;
 use std::ffi::{c_void, CStr, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -932,8 +931,6 @@ pub struct RawContext {
     rank: usize,
     size: usize,
     collective: Mutex<()>,
-    // What the shim was last told by set_busy_poll (the shim starts with it on).
-    busy_poll: AtomicBool,
 }
 
 // SAFETY: Gloo contexts are used from several threads by design (PyTorch posts sends from the
@@ -994,21 +991,20 @@ impl RawContext {
             rank,
             size,
             collective: Mutex::new(()),
-            busy_poll: AtomicBool::new(true),
         })
     }
 
     /// Whether libgloo's collectives on this context run with the transport's loop thread
     /// polling ([`crate::GlooConfig::busy_poll`]; on when the context is made).
     pub fn set_busy_poll(&self, on: bool) {
-        self.busy_poll.store(on, Ordering::Relaxed);
         // SAFETY: `self.ptr` is a live context; the shim stores the flag in an atomic.
         unsafe { sys::gloo_shim_context_set_busy_poll(self.ptr.as_ptr(), i32::from(on)) }
     }
 
     /// Whether libgloo's collectives on this context run with the loop thread polling.
     pub fn busy_poll(&self) -> bool {
-        self.busy_poll.load(Ordering::Relaxed)
+        // SAFETY: `self.ptr` is a live context; the shim reads the flag from an atomic.
+        unsafe { sys::gloo_shim_context_busy_poll(self.ptr.as_ptr()) != 0 }
     }
 
     /// Wakes every point-to-point wait of this context, blocking or posted, and makes every
