@@ -21,7 +21,7 @@ mod check;
 mod oneshot;
 mod vops;
 
-use oneshot::Small;
+use grid_core::comm::round::RoundOp;
 pub use oneshot::{ONE_ROUND_ENV, ONE_ROUND_MAX};
 
 const BACKEND: &str = "gloo";
@@ -402,7 +402,7 @@ impl Inner {
         limit: Duration,
     ) -> Result<()> {
         const OP: &str = "all_reduce";
-        let small = Small::AllReduce {
+        let small = RoundOp::AllReduce {
             send,
             recv: recv.reborrow(),
             op,
@@ -446,7 +446,7 @@ impl Inner {
         limit: Duration,
     ) -> Result<()> {
         const OP: &str = "broadcast";
-        let small = Small::Broadcast {
+        let small = RoundOp::Broadcast {
             buf: buf.reborrow(),
             root,
         };
@@ -468,7 +468,7 @@ impl Inner {
         limit: Duration,
     ) -> Result<()> {
         const OP: &str = "all_gather";
-        let small = Small::AllGather {
+        let small = RoundOp::AllGather {
             send: Some(send),
             recv: recv.reborrow(),
         };
@@ -491,7 +491,7 @@ impl Inner {
         limit: Duration,
     ) -> Result<()> {
         const OP: &str = "reduce_scatter";
-        let small = Small::ReduceScatter {
+        let small = RoundOp::ReduceScatter {
             send: Some(send),
             recv: recv.reborrow(),
             op,
@@ -547,7 +547,7 @@ impl Inner {
         limit: Duration,
     ) -> Result<()> {
         const OP: &str = "all_gather";
-        let small = Small::AllGather {
+        let small = RoundOp::AllGather {
             send: None,
             recv: buf.reborrow(),
         };
@@ -576,7 +576,7 @@ impl Inner {
         limit: Duration,
     ) -> Result<()> {
         const OP: &str = "reduce_scatter";
-        let small = Small::ReduceScatter {
+        let small = RoundOp::ReduceScatter {
             send: None,
             recv: buf.reborrow(),
             op,
@@ -654,7 +654,7 @@ impl Inner {
         limit: Duration,
     ) -> Result<()> {
         const OP: &str = "all_to_all";
-        let small = Small::AllToAll {
+        let small = RoundOp::AllToAll {
             send,
             recv: recv.reborrow(),
         };
@@ -669,7 +669,7 @@ impl Inner {
 
     fn barrier(&self, check: Option<&DeferredCheck>, tag: u32, limit: Duration) -> Result<()> {
         const OP: &str = "barrier";
-        if self.one_shot(check, Small::Barrier, tag, limit)? {
+        if self.one_shot(check, RoundOp::Barrier, tag, limit)? {
             return Ok(());
         }
         self.alive(OP)?;
@@ -689,7 +689,7 @@ impl Inner {
             &mut |both| self.check_max(both, tag, limit),
             &mut |mine, all| {
                 let send = Some(HostSlice::I64(mine));
-                let c = Small::AllGather {
+                let c = RoundOp::AllGather {
                     send,
                     recv: HostSliceMut::I64(all),
                 };
@@ -697,7 +697,7 @@ impl Inner {
             },
             &mut |mine, theirs| {
                 let send = HostSlice::I64(mine);
-                let c = Small::AllToAll {
+                let c = RoundOp::AllToAll {
                     send,
                     recv: HostSliceMut::I64(theirs),
                 };

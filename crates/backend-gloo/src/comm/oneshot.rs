@@ -1,4 +1,4 @@
-//! Small collectives in one round of messages that carry their own mismatch check.
+//! RoundOp collectives in one round of messages that carry their own mismatch check.
 //!
 //! A checked collective used to cost two exchanges in sequence: the check's round of messages
 //! (`check.rs`), then libgloo's algorithm (a ring: `2(n - 1)` dependent steps for an
@@ -46,16 +46,11 @@
 //! latency, not bandwidth, decides at these sizes.
 
 use super::check::DIRECT_MAX;
-use super::vops::{copy_into, outside, part};
 use super::Inner;
 use crate::ffi::{Channel, P2pMismatch, RawBlock, P2P_INLINE_MAX};
-use grid_core::{
-    kernels, DType, DeferredCheck, HostBuffer, HostSlice, HostSliceMut, ReduceOp, Result,
-};
+use grid_core::comm::round::{self, RoundOp, FP_BYTES};
+use grid_core::{DeferredCheck, HostBuffer, HostSlice, HostSliceMut, ReduceOp, Result};
 use std::time::Duration;
-
-/// Bytes of a fingerprint at the start of a checked message (little-endian `i64`s).
-const FP_BYTES: usize = DeferredCheck::FINGERPRINT_LEN * 8;
 
 /// Largest payload (bytes) of one message of a one-round collective: the shim's inline limit
 /// (64 KiB; the check's slots carry a fingerprint more inline), so that every message is one
@@ -69,141 +64,6 @@ pub const ONE_ROUND_ENV: &str = "GRID_GLOO_ONE_ROUND_MAX";
 // The check's slots carry a fingerprint more than the inline limit in one message.
 const _: () = assert!(crate::ffi::CHECK_INLINE_EXTRA == FP_BYTES);
 
-/// A collective that can run as one round of messages, on host memory whose lengths the front
-/// end validated.
-pub(super) enum Small<'a> {
-    /// `send = None`: in place on `recv`.
-    AllReduce {
-        send: Option<HostSlice<'a>>,
-        recv: HostSliceMut<'a>,
-        op: ReduceOp,
-    },
-    Broadcast {
-        buf: HostSliceMut<'a>,
-        root: usize,
-    },
-    /// `send = None`: in place, this rank's block at `rank · k` of `recv`.
-    AllGather {
-        send: Option<HostSlice<'a>>,
-        recv: HostSliceMut<'a>,
-    },
-    /// `send = None`: in place, `recv` is the whole input and this rank's block lands at
-    /// `rank · k` of it.
-    ReduceScatter {
-        send: Option<HostSlice<'a>>,
-        recv: HostSliceMut<'a>,
-        op: ReduceOp,
-    },
-    AllToAll {
-        send: HostSlice<'a>,
-        recv: HostSliceMut<'a>,
-    },
-    Barrier,
-}
-
-impl Small<'_> {
-    fn name(&self) -> &'static str {
-        match self {
-            Small::AllReduce { .. } => "all_reduce",
-            Small::Broadcast { .. } => "broadcast",
-            Small::AllGather { .. } => "all_gather",
-            Small::ReduceScatter { .. } => "reduce_scatter",
-            Small::AllToAll { .. } => "all_to_all",
-            Small::Barrier => "barrier",
-        }
-    }
-
-    /// Element type of the payloads (bytes for a barrier, which has none).
-    fn dtype(&self) -> DType {
-        match self {
-            Small::AllReduce { recv, .. }
-            | Small::AllGather { recv, .. }
-            | Small::ReduceScatter { recv, .. }
-            | Small::AllToAll { recv, .. } => recv.dtype(),
-            Small::Broadcast { buf, .. } => buf.dtype(),
-            Small::Barrier => DType::U8,
-        }
-    }
-
-    /// Element size of the payloads.
-    fn width(&self) -> usize {
-        self.dtype().size_bytes()
-    }
-
-    /// `k`: the elements of one rank's block (all-gather, reduce-scatter, all-to-all).
-    fn block(&self, n: usize) -> usize {
-        match self {
-            Small::AllGather { recv, .. } => recv.len() / n,
-            Small::ReduceScatter {
-                send: Some(_),
-                recv,
-                ..
-            } => recv.len(),
-            Small::ReduceScatter {
-                send: None, recv, ..
-            } => recv.len() / n,
-            Small::AllToAll { send, .. } => send.len() / n,
-            _ => 0,
-        }
-    }
-
-    /// Elements this rank expects from rank `j` (not itself).
-    fn incoming(&self, j: usize, n: usize) -> usize {
-        match self {
-            Small::AllReduce { recv, .. } => recv.len(),
-            Small::Broadcast { buf, root } => {
-                if j == *root {
-                    buf.len()
-                } else {
-                    0
-                }
-            }
-            Small::Barrier => 0,
-            _ => self.block(n),
-        }
-    }
-
-    /// Whether this rank sends the same payload to every rank (else block `j` to rank `j`).
-    fn same_to_all(&self) -> bool {
-        !matches!(self, Small::ReduceScatter { .. } | Small::AllToAll { .. })
-    }
-
-    /// The payload this rank sends to rank `j` (`me`: this rank of `n`); out-of-range blocks
-    /// (ruled out by the front end's validation) are an error.
-    fn outgoing(&self, j: usize, me: usize, n: usize) -> Result<Option<HostSlice<'_>>> {
-        let (k, op) = (self.block(n), self.name());
-        Ok(match self {
-            Small::AllReduce { send, recv, .. } => Some(send.unwrap_or(recv.as_slice())),
-            Small::Broadcast { buf, root } => (me == *root).then(|| buf.as_slice()),
-            Small::AllGather { send: Some(s), .. } => Some(*s),
-            Small::AllGather { send: None, recv } => Some(part(op, recv.as_slice(), me * k, k)?),
-            Small::ReduceScatter { send: Some(s), .. } => Some(part(op, *s, j * k, k)?),
-            Small::ReduceScatter {
-                send: None, recv, ..
-            } => Some(part(op, recv.as_slice(), j * k, k)?),
-            Small::AllToAll { send, .. } => Some(part(op, *send, j * k, k)?),
-            Small::Barrier => None,
-        })
-    }
-
-    /// The largest payload of any message of this rank (bytes), sent or expected.
-    fn largest_message(&self, me: usize, n: usize) -> usize {
-        let w = self.width();
-        (0..n)
-            .filter(|&j| j != me)
-            .map(|j| {
-                let out = self
-                    .outgoing(j, me, n)
-                    .ok()
-                    .flatten()
-                    .map_or(0, |s| s.len());
-                out.max(self.incoming(j, n)) * w
-            })
-            .max()
-            .unwrap_or(0)
-    }
-}
-
 impl Inner {
     /// Runs `c` as one round of messages when it fits ([`ONE_ROUND_MAX`], [`DIRECT_MAX`]),
     /// checked by `check` when there is one: `Ok(true)` when `c` has run. Otherwise runs the
@@ -211,7 +71,7 @@ impl Inner {
     pub(super) fn one_shot(
         &self,
         check: Option<&DeferredCheck>,
-        c: Small<'_>,
+        c: RoundOp<'_>,
         tag: u32,
         limit: Duration,
     ) -> Result<bool> {
@@ -224,7 +84,7 @@ impl Inner {
             self.round(channel_of(check), check, op, c, tag, limit)?;
             return Ok(true);
         }
-        if let Small::AllReduce { send, recv, op: r } = c {
+        if let RoundOp::AllReduce { send, recv, op: r } = c {
             let (len, w) = (recv.len(), recv.dtype().size_bytes());
             if n >= 2 && direct && len % n == 0 && len / n * w <= most {
                 self.all_reduce_two_rounds(check, send, recv, r, tag, limit)?;
@@ -252,13 +112,13 @@ impl Inner {
         const OP: &str = "all_reduce";
         let k = recv.len() / self.size();
         let mut mine = HostBuffer::zeros(recv.dtype(), k);
-        let scatter = Small::ReduceScatter {
+        let scatter = RoundOp::ReduceScatter {
             send: Some(send.unwrap_or(recv.as_slice())),
             recv: mine.as_mut_slice(),
             op: r,
         };
         self.round(channel_of(check), check, OP, scatter, tag, limit)?;
-        let gather = Small::AllGather {
+        let gather = RoundOp::AllGather {
             send: Some(mine.as_slice()),
             recv: recv.reborrow(),
         };
@@ -279,7 +139,7 @@ impl Inner {
                 Channel::Check,
                 Some(ch),
                 ch.op(),
-                Small::Barrier,
+                RoundOp::Barrier,
                 tag,
                 limit,
             )
@@ -297,48 +157,29 @@ impl Inner {
         channel: Channel,
         check: Option<&DeferredCheck>,
         op: &'static str,
-        mut c: Small<'_>,
+        c: RoundOp<'_>,
         tag: u32,
         limit: Duration,
     ) -> Result<()> {
         let (me, n) = (self.rank(), self.size());
         let w = c.width();
         let head = if check.is_some() { FP_BYTES } else { 0 };
-        let peers: Vec<usize> = (0..n).filter(|&j| j != me).collect();
-
-        // Outgoing messages: one shared by every peer, or one per peer.
-        let mut send = Vec::new();
-        let mut sends = Vec::with_capacity(peers.len());
-        for (i, &j) in peers.iter().enumerate() {
-            if c.same_to_all() && i > 0 {
-                sends.push(RawBlock {
-                    peer: j,
-                    ..sends[0]
-                });
-                continue;
-            }
-            let payload = c.outgoing(j, me, n)?;
-            let len = head + payload.map_or(0, |p| p.len() * w);
-            let at = send.len();
-            send.resize(at + len, 0u8);
-            if let Some(ch) = check {
-                HostSlice::I64(ch.fingerprint()).write_le_bytes(&mut send[at..at + FP_BYTES])?;
-            }
-            if let Some(p) = payload {
-                p.write_le_bytes(&mut send[at + head..at + len])?;
-            }
-            sends.push(RawBlock {
-                peer: j,
-                offset: at,
-                count: len,
-            });
-        }
+        let out = c.outgoing_messages(check, me, n)?;
+        let sends: Vec<RawBlock> = out
+            .messages
+            .iter()
+            .map(|m| RawBlock {
+                peer: m.peer,
+                offset: m.offset,
+                count: m.len,
+            })
+            .collect();
 
         // Incoming: one slot per peer, of the length an agreeing peer sends.
-        let mut recvs = Vec::with_capacity(peers.len());
+        let mut recvs = Vec::with_capacity(n);
         let mut at = 0usize;
-        for &j in &peers {
-            let len = head + c.incoming(j, n) * w;
+        for j in (0..n).filter(|&j| j != me) {
+            let len = c.expected(j, n, head);
             recvs.push(RawBlock {
                 peer: j,
                 offset: at,
@@ -351,7 +192,7 @@ impl Inner {
         // travel (every rank knows the root; ranks that disagree on it wait until the time
         // limit). Every other form sends every message, empty or not (a barrier's are all
         // empty: they are the barrier).
-        let root_only = check.is_none() && matches!(c, Small::Broadcast { .. });
+        let root_only = check.is_none() && matches!(c, RoundOp::Broadcast { .. });
         let travels = |b: &&RawBlock| !root_only || b.count > 0;
         let sent: Vec<RawBlock> = sends.iter().filter(travels).copied().collect();
         let received: Vec<RawBlock> = recvs.iter().filter(travels).copied().collect();
@@ -359,7 +200,7 @@ impl Inner {
             .ctx
             .exchange_on(
                 channel,
-                HostSlice::U8(&send),
+                HostSlice::U8(&out.bytes),
                 &sent,
                 HostSliceMut::U8(&mut recv),
                 &received,
@@ -367,18 +208,15 @@ impl Inner {
                 limit,
             )
             .map_err(|e| self.fail_after(op, e, limit))?;
-
+        // Rank `j`'s slot (`j != me`).
+        let slot = |j: usize| {
+            let b = &recvs[if j < me { j } else { j - 1 }];
+            &recv[b.offset..b.offset + b.count]
+        };
         if let Some(ch) = check {
-            // Every rank's fingerprint, in rank order; a peer whose message was too short to
-            // hold one (another version of this library) is the mismatch reported below.
-            let fp = DeferredCheck::FINGERPRINT_LEN;
-            let mut all = vec![0i64; n * fp];
-            all[me * fp..(me + 1) * fp].copy_from_slice(ch.fingerprint());
-            for (b, &j) in recvs.iter().zip(&peers) {
-                HostSliceMut::I64(&mut all[j * fp..(j + 1) * fp])
-                    .read_le_bytes(&recv[b.offset..b.offset + FP_BYTES])?;
-            }
-            ch.verify_gathered(&all)?;
+            // A peer whose message was too short to hold a fingerprint (another version of
+            // this library) is a mismatch too.
+            round::verify_fingerprints(ch, me, n, &slot)?;
         }
         // The fingerprints agree (or there are none): a message of another length is a peer
         // that disagrees anyway (check off) or runs another version of this library.
@@ -392,79 +230,7 @@ impl Inner {
             };
             return Err(self.block_mismatch(op, &m));
         }
-
-        let payload = |i: usize| {
-            let b = &recvs[i];
-            &recv[b.offset + head..b.offset + b.count]
-        };
-        let decode = |i: usize, dtype| -> Result<HostBuffer> {
-            let bytes = payload(i);
-            let mut buf = HostBuffer::zeros(dtype, bytes.len() / w);
-            buf.as_mut_slice().read_le_bytes(bytes)?;
-            Ok(buf)
-        };
-        let k = c.block(n);
-        match &mut c {
-            Small::Barrier => Ok(()),
-            Small::Broadcast { buf, root } => match peers.iter().position(|j| j == root) {
-                Some(i) => buf.read_le_bytes(payload(i)),
-                None => Ok(()), // this rank is the root
-            },
-            Small::AllToAll { send, recv } => {
-                copy_into(op, recv, me * k, part(op, *send, me * k, k)?)?;
-                for (i, &j) in peers.iter().enumerate() {
-                    read_at(op, recv, j * k, k, payload(i))?;
-                }
-                Ok(())
-            }
-            Small::AllGather { send, recv } => {
-                if let Some(s) = send {
-                    copy_into(op, recv, me * k, *s)?;
-                }
-                for (i, &j) in peers.iter().enumerate() {
-                    read_at(op, recv, j * k, k, payload(i))?;
-                }
-                Ok(())
-            }
-            Small::AllReduce { send, recv, op: r } => {
-                let dtype = recv.dtype();
-                let others: Vec<HostBuffer> = (0..peers.len())
-                    .map(|i| decode(i, dtype))
-                    .collect::<Result<_>>()?;
-                // In place, this rank's input is the output: reduce from a copy.
-                let own_copy;
-                let own = match send {
-                    Some(s) => *s,
-                    None => {
-                        own_copy = recv.as_slice().to_owned_buffer();
-                        own_copy.as_slice()
-                    }
-                };
-                let inputs = in_rank_order(me, own, &others);
-                kernels::reduce(&inputs, recv.reborrow(), *r)
-            }
-            Small::ReduceScatter { send, recv, op: r } => {
-                let dtype = recv.dtype();
-                let others: Vec<HostBuffer> = (0..peers.len())
-                    .map(|i| decode(i, dtype))
-                    .collect::<Result<_>>()?;
-                let own_block = match send {
-                    Some(s) => part(op, *s, me * k, k)?.to_owned_buffer(),
-                    None => part(op, recv.as_slice(), me * k, k)?.to_owned_buffer(),
-                };
-                let inputs = in_rank_order(me, own_block.as_slice(), &others);
-                match send {
-                    Some(_) => kernels::reduce(&inputs, recv.reborrow(), *r),
-                    None => {
-                        let len = recv.len();
-                        let out = recv
-                            .sub_mut(me * k, k)
-                            .ok_or_else(|| outside(op, me * k, k, len))?;
-                        kernels::reduce(&inputs, out, *r)
-                    }
-                }
-            }
-        }
+        c.finish(me, n, &|j| &slot(j)[head..])
     }
 }
 
@@ -475,29 +241,4 @@ fn channel_of(check: Option<&DeferredCheck>) -> Channel {
         Some(_) => Channel::Check,
         None => Channel::Collective,
     }
-}
-
-/// The inputs of a reduction in rank order: this rank's at `me`, the others' around it.
-fn in_rank_order<'a>(
-    me: usize,
-    own: HostSlice<'a>,
-    others: &'a [HostBuffer],
-) -> Vec<HostSlice<'a>> {
-    let mut inputs: Vec<HostSlice<'a>> = others.iter().map(|b| b.as_slice()).collect();
-    inputs.insert(me, own);
-    inputs
-}
-
-/// Reads `k` elements from `bytes` into `dst` at element `at`.
-fn read_at(
-    op: &'static str,
-    dst: &mut HostSliceMut<'_>,
-    at: usize,
-    k: usize,
-    bytes: &[u8],
-) -> Result<()> {
-    let len = dst.len();
-    dst.sub_mut(at, k)
-        .ok_or_else(|| outside(op, at, k, len))?
-        .read_le_bytes(bytes)
 }

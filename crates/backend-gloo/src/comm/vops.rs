@@ -21,6 +21,7 @@
 
 use super::{Inner, BACKEND, MESSAGE_MISMATCH};
 use crate::ffi::{Channel, P2pMismatch, RawBlock};
+use grid_core::comm::round::{copy_into, part};
 use grid_core::{
     kernels, DeferredCheck, Error, HostBuffer, HostSlice, HostSliceMut, LibraryError, ReduceOp,
     Result,
@@ -38,27 +39,6 @@ fn offsets(counts: &[usize]) -> Vec<usize> {
             o
         })
         .collect()
-}
-
-/// A sub-slice that must exist (the front end checked the lengths; an unchecked disagreement
-/// between ranks is reported, not a panic).
-pub(super) fn part<'a>(
-    op: &'static str,
-    s: HostSlice<'a>,
-    start: usize,
-    len: usize,
-) -> Result<HostSlice<'a>> {
-    s.sub(start, len)
-        .ok_or_else(|| outside(op, start, len, s.len()))
-}
-
-/// The error of elements `at..at + len` outside a buffer of `of` elements (ruled out by the
-/// front end's validation: an unchecked disagreement between ranks, reported, never a panic).
-pub(super) fn outside(op: &'static str, at: usize, len: usize, of: usize) -> Error {
-    Error::Invalid(format!(
-        "{op}: elements {at}..{} do not lie inside a buffer of {of} elements",
-        at.saturating_add(len)
-    ))
 }
 
 impl Inner {
@@ -442,23 +422,6 @@ impl Inner {
         }];
         let mut none = HostBuffer::zeros(send.dtype(), 0);
         self.exchange(op, send, &to_root, none.as_mut_slice(), &[], tag, limit)
-    }
-}
-
-/// Copies `src` into `dst` at element `at`.
-pub(super) fn copy_into(
-    op: &'static str,
-    dst: &mut HostSliceMut<'_>,
-    at: usize,
-    src: HostSlice<'_>,
-) -> Result<()> {
-    let len = dst.len();
-    match dst.sub_mut(at, src.len()) {
-        Some(mut d) => d.copy_from(src),
-        None => Err(Error::Invalid(format!(
-            "{op}: elements {at}..{} do not lie inside the receive buffer of {len} elements",
-            at.saturating_add(src.len())
-        ))),
     }
 }
 

@@ -844,6 +844,22 @@ impl DeferredCheck {
 }
 
 #[cfg(test)]
+impl DeferredCheck {
+    /// The check of collective `op` #5 on communicator "world" of `size` ranks, with `count`
+    /// elements of `dtype` on this rank (tests of the backends' own forms of the check).
+    pub(crate) fn for_test(op: &'static str, dtype: DType, count: usize, size: usize) -> Self {
+        DeferredCheck {
+            op,
+            comm: "world".into(),
+            seq: 5,
+            size,
+            fingerprint: Fingerprint::new(op, Some(dtype), (count, count), None, None).0,
+            exchange: None,
+        }
+    }
+}
+
+#[cfg(test)]
 mod tests {
     use super::*;
 

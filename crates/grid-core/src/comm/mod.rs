@@ -56,6 +56,7 @@ pub mod kernels;
 mod lifecycle;
 mod narrow;
 mod op;
+pub mod round;
 mod split;
 
 pub(crate) use agree::describe_values;
