@@ -1306,7 +1306,7 @@ impl Backend for GlooBackend {
     /// before the collective, so `start` never blocks on the other ranks (a legal overlap, such
     /// as a rank that starts an all-reduce and then sends to a peer that starts it only after
     /// receiving, keeps working); a disagreement fails the operation's work on every rank.
-    fn checks_when_run(&self) -> bool {
+    fn checks_when_run(&self, _nonblocking: bool) -> bool {
         true
     }
 

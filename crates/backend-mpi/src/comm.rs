@@ -5,6 +5,8 @@ use crate::raw::{self, Immediate, P2p, Pending, RawError, Stop};
 use crate::ring;
 use crate::stage::{self, Plan};
 use crate::watch::{self, Ending, Site, Watch};
+use grid_core::comm::round::{self, RoundOp, FP_BYTES};
+use grid_core::DeferredCheck;
 use grid_core::{
     Backend, BufMut, BufRef, Comm, DType, Error, HostBuffer, HostSlice, HostSliceMut, LibraryError,
     Memory, MismatchCheck, Op, P2pOp, ReduceOp, Request, Result, Tensor, TimeLimit, Validated,
@@ -22,6 +24,23 @@ const BACKEND: &str = "mpi";
 /// Open MPI's shared-memory transport (`btl_vader_eager_limit`, 4 KiB), below which a count
 /// mismatch cannot crash a rank.
 pub const CHECK_THRESHOLD: usize = 2 << 10;
+
+/// Largest communicator whose mismatch checks travel as one round of messages (each rank sends
+/// every other rank its fingerprint, with the collective's data when it fits, [`ROUND_MAX`]):
+/// one message latency where the check's all-reduce takes `log2 n` steps, at `n - 1` messages
+/// per rank. Larger communicators check with the all-reduce ([`DeferredCheck::verify_with`]) on
+/// the duplicate communicator.
+pub const DIRECT_MAX: usize = 16;
+
+/// Largest payload (bytes) of one message of a checked collective that runs as one round
+/// (grid-core's `comm::round`: the fingerprint and the data in one message to every rank,
+/// received by its length), on a communicator of at most [`DIRECT_MAX`] ranks: 8 KiB. A checked
+/// collective with larger messages sends its fingerprint alone in the round, then runs the MPI
+/// call. Measured at 4 ranks (docs/performance.md, *The check inside the collective*).
+pub const ROUND_MAX: usize = 8 << 10;
+
+/// The tag of the rounds' messages on the duplicate communicator (the `ring` module uses 1).
+const ROUND_TAG: u32 = 2;
 
 /// An MPI failure as [`Error::Library`]: the operation, the communicator, MPI's error code and
 /// class and its message.
@@ -84,6 +103,10 @@ pub struct MpiBackend {
     /// The scratch blocks of the ring all-reduce and reduce-scatter (`ring` module), kept
     /// between calls.
     ring_scratch: ring::Scratch,
+    /// [`DIRECT_MAX`] or [`crate::DIRECT_MAX_ENV`].
+    direct_max: usize,
+    /// [`ROUND_MAX`] or [`crate::ROUND_MAX_ENV`].
+    round_max: usize,
 }
 
 impl MpiBackend {
@@ -98,6 +121,8 @@ impl MpiBackend {
         let rank = raw.rank().map_err(|e| backend_err(op, &name, e))?;
         let size = raw.size().map_err(|e| backend_err(op, &name, e))?;
         let global = raw.world_ranks().map_err(|e| backend_err(op, &name, e))?;
+        let direct_max = crate::config::env_usize(crate::DIRECT_MAX_ENV, DIRECT_MAX, 1 << 20)?;
+        let round_max = crate::config::env_usize(crate::ROUND_MAX_ENV, ROUND_MAX, 1 << 20)?;
         let check = raw.dup().map_err(|e| backend_err(op, &name, e))?;
         tracing::debug!(op, comm = %name, rank, size, ?global, "mpi communicator created");
         let watch = Watch::new(Site {
@@ -116,6 +141,8 @@ impl MpiBackend {
             timeout,
             watch,
             ring_scratch: std::sync::Mutex::new([None, None]),
+            direct_max,
+            round_max,
         };
         Ok(Comm::new(backend, name))
     }
@@ -275,6 +302,93 @@ impl MpiBackend {
         c.reduce_scatter(send.as_slice(), recv, r)
             .map_err(|e| self.err(OP, e))?;
         Ok(at)
+    }
+
+    /// Runs blocking collective `v` after its mismatch check `check`: as one round of messages
+    /// that carries both ([`ROUND_MAX`], [`DIRECT_MAX`]) where it fits, otherwise the check
+    /// alone ([`MpiBackend::check_alone`]) and then the MPI call.
+    fn run_checked(&self, check: &DeferredCheck, v: Validated<Op<'_>>) -> Result<()> {
+        let (seq, limit) = (v.seq(), v.time_limit());
+        let fits = self.size <= self.direct_max
+            && check.fingerprints_suffice()
+            && round_payload(v.op(), self.size).is_some_and(|b| b <= self.round_max);
+        if !fits {
+            self.check_alone(check, seq, limit)?;
+            return self.exec(&self.raw, false, v);
+        }
+        let c = round_form(v.into_op())?;
+        self.round(check, c, false, seq, limit)
+    }
+
+    /// The mismatch check of collective #`seq` by itself: its fingerprint in one round of
+    /// messages (up to [`DIRECT_MAX`] ranks; so that it meets the rounds of ranks whose
+    /// collective carries its data in the round), then, where fingerprints do not decide it
+    /// (an all-to-all-v's counts) or above [`DIRECT_MAX`] ranks, the check's exchanges on the
+    /// duplicate communicator.
+    fn check_alone(&self, check: &DeferredCheck, seq: u64, limit: TimeLimit) -> Result<()> {
+        if self.size <= self.direct_max {
+            self.round(check, RoundOp::Barrier, true, seq, limit)?;
+            if check.fingerprints_suffice() {
+                return Ok(());
+            }
+        }
+        check.verify_with(seq, limit, &mut |v| self.exec(&self.check, true, v))
+    }
+
+    /// One round of messages on the duplicate communicator (grid-core's `comm::round`), every
+    /// message `[fingerprint | payload]`: the same [`Error::CollectiveMismatch`] on every rank
+    /// when the fingerprints differ (nothing written to the caller's memory), otherwise `c`'s
+    /// result. Failures are those of the checked operation. The round is watched like a
+    /// blocking collective (`alone`: as the check's exchange before it), so its time limit and
+    /// a job's end name it the same way.
+    fn round(
+        &self,
+        check: &DeferredCheck,
+        c: RoundOp<'_>,
+        alone: bool,
+        seq: u64,
+        limit: TimeLimit,
+    ) -> Result<()> {
+        let op = check.op();
+        let _w = self.watch.enter(watch::op_index(op), seq, alone, limit);
+        let (me, n) = (self.rank, self.size);
+        let out = c.outgoing_messages(Some(check), me, n)?;
+        let sends: Vec<(usize, usize, usize)> = out
+            .messages
+            .iter()
+            .map(|m| (m.peer, m.offset, m.len))
+            .collect();
+        let from: Vec<usize> = (0..n).filter(|&j| j != me).collect();
+        let stuck = |why| self.stuck(op, seq, limit, why);
+        let got = self
+            .check
+            .round_within(
+                &out.bytes,
+                &sends,
+                &from,
+                ROUND_TAG,
+                None, // the watch ends the job at the limit, as for the MPI calls
+                &self.watch.aborted,
+                &stuck,
+            )
+            .map_err(|e| self.err(op, e))?
+            .map_err(|(why, peer)| self.stopped(op, limit, Some(peer), why))?;
+        let message = |j: usize| got[if j < me { j } else { j - 1 }].as_slice();
+        round::verify_fingerprints(check, me, n, &message)?;
+        // The fingerprints agree, so every message has the length this rank expects, unless
+        // the peer runs another version of this library.
+        for &j in &from {
+            let (want, sent) = (c.expected(j, n, FP_BYTES), message(j).len());
+            if sent != want {
+                return Err(Error::Invalid(format!(
+                    "{op}: rank {j} sent {sent} bytes where {want} were expected, although every \
+                     rank describes the same collective: rank {j} runs it in another form (a \
+                     nonblocking call where this rank makes a blocking one, or the reverse) or \
+                     runs another version of this library"
+                )));
+            }
+        }
+        c.finish(me, n, &|j| &message(j)[FP_BYTES..])
     }
 
     /// The error of an operation this rank gave up (a cancelled receive).
@@ -633,6 +747,76 @@ fn owned(op: &'static str, t: Tensor) -> Result<HostBuffer> {
     t.host_only(op, BACKEND)
 }
 
+/// The largest payload (bytes) of a message of `op`'s one-round form over `n` ranks, or `None`
+/// when it has none.
+fn round_payload(op: &Op<'_>, n: usize) -> Option<usize> {
+    let bytes = |len: usize, dtype: DType| len * dtype.size_bytes();
+    Some(match op {
+        Op::AllReduce { send, .. } => bytes(send.len(), send.dtype()),
+        Op::AllReduceInPlace { buf, .. } | Op::Broadcast { buf, .. } => {
+            bytes(buf.len(), buf.dtype())
+        }
+        Op::AllGather { send, .. } => bytes(send.len(), send.dtype()),
+        Op::ReduceScatter { recv, .. } => bytes(recv.len(), recv.dtype()),
+        Op::AllGatherInPlace { buf } | Op::ReduceScatterInPlace { buf, .. } => {
+            bytes(buf.len() / n.max(1), buf.dtype())
+        }
+        Op::AllToAll { send, .. } => bytes(send.len() / n.max(1), send.dtype()),
+        Op::Barrier => 0,
+        _ => return None,
+    })
+}
+
+/// `op` as its one-round form (only for operations [`round_payload`] accepts).
+fn round_form(op: Op<'_>) -> Result<RoundOp<'_>> {
+    let name = op.name();
+    Ok(match op {
+        Op::AllReduce { send, recv, op } => RoundOp::AllReduce {
+            send: Some(host(name, send)?),
+            recv: host_mut(name, recv)?,
+            op,
+        },
+        Op::AllReduceInPlace { buf, op } => RoundOp::AllReduce {
+            send: None,
+            recv: host_mut(name, buf)?,
+            op,
+        },
+        Op::Broadcast { buf, root } => RoundOp::Broadcast {
+            buf: host_mut(name, buf)?,
+            root,
+        },
+        Op::AllGather { send, recv } => RoundOp::AllGather {
+            send: Some(host(name, send)?),
+            recv: host_mut(name, recv)?,
+        },
+        Op::AllGatherInPlace { buf } => RoundOp::AllGather {
+            send: None,
+            recv: host_mut(name, buf)?,
+        },
+        Op::ReduceScatter { send, recv, op } => RoundOp::ReduceScatter {
+            send: Some(host(name, send)?),
+            recv: host_mut(name, recv)?,
+            op,
+        },
+        Op::ReduceScatterInPlace { buf, op } => RoundOp::ReduceScatter {
+            send: None,
+            recv: host_mut(name, buf)?,
+            op,
+        },
+        Op::AllToAll { send, recv } => RoundOp::AllToAll {
+            send: host(name, send)?,
+            recv: host_mut(name, recv)?,
+        },
+        Op::Barrier => RoundOp::Barrier,
+        other => {
+            return Err(Error::Invalid(format!(
+                "internal: {} has no one-round form",
+                other.name()
+            )))
+        }
+    })
+}
+
 impl Backend for MpiBackend {
     fn name(&self) -> &'static str {
         BACKEND
@@ -705,15 +889,26 @@ impl Backend for MpiBackend {
         Ok(())
     }
 
-    fn run(&self, op: Validated<Op<'_>>) -> Result<()> {
-        self.exec(&self.raw, false, op)
+    fn run(&self, mut op: Validated<Op<'_>>) -> Result<()> {
+        match op.take_check() {
+            None => self.exec(&self.raw, false, op),
+            Some(check) => self.run_checked(&check, op),
+        }
     }
 
-    /// On the duplicate communicator: a rank that checks never meets the real operation of a
+    /// Blocking collectives carry their check to [`Backend::run`], which sends the fingerprint
+    /// with the data in one round where it fits ([`ROUND_MAX`]); nonblocking ones are checked
+    /// by the front end at their start ([`Backend::run_check`]), only in the `All` mode.
+    fn checks_when_run(&self, nonblocking: bool) -> bool {
+        !nonblocking
+    }
+
+    /// On the duplicate communicator, the same way as a blocking collective's check
+    /// ([`MpiBackend`]'s `check_alone`): a rank that checks never meets the real operation of a
     /// rank that does not (ranks on both sides of the size threshold then wait for each other
-    /// until their time limit, instead of mixing the check's integers with the data).
-    fn run_check(&self, op: Validated<Op<'_>>) -> Result<()> {
-        self.exec(&self.check, true, op)
+    /// until their time limit, instead of mixing the check's messages with the data).
+    fn run_check(&self, check: &DeferredCheck, seq: u64, limit: TimeLimit) -> Result<()> {
+        self.check_alone(check, seq, limit)
     }
 
     fn start(&self, request: Validated<Request>) -> Result<Box<dyn Work>> {

@@ -11,6 +11,37 @@ pub const TIMEOUT_ENV: &str = "GRID_MPI_TIMEOUT_MS";
 /// [`MpiConfig::from_env`].
 pub const SIGTERM_REPORT_ENV: &str = "GRID_MPI_SIGTERM_REPORT";
 
+/// The environment variable that sets the largest payload (bytes) of one message of a checked
+/// collective that runs as one round of messages ([`crate::ROUND_MAX`] when unset; 0: rounds
+/// carry fingerprints alone). The same on every rank; read when a communicator is created.
+pub const ROUND_MAX_ENV: &str = "GRID_MPI_ROUND_MAX";
+
+/// The environment variable that sets the largest communicator whose mismatch checks travel as
+/// one round of messages ([`crate::DIRECT_MAX`] when unset; 0 or 1: every check is the
+/// all-reduce on the duplicate communicator). The same on every rank; read when a communicator
+/// is created.
+pub const DIRECT_MAX_ENV: &str = "GRID_MPI_DIRECT_MAX";
+
+/// An unsigned integer from environment variable `var` (`default` when unset), at most `most`;
+/// anything else is an error naming the variable, the value and what is valid.
+pub(crate) fn env_usize(var: &str, default: usize, most: usize) -> Result<usize> {
+    let v = match std::env::var(var) {
+        Ok(v) => v,
+        Err(std::env::VarError::NotPresent) => return Ok(default),
+        Err(std::env::VarError::NotUnicode(v)) => {
+            return Err(Error::Invalid(format!(
+                "{var}={v:?} is not valid text; expected a whole number from 0 to {most}"
+            )))
+        }
+    };
+    match v.trim().parse::<usize>() {
+        Ok(n) if n <= most => Ok(n),
+        _ => Err(Error::Invalid(format!(
+            "{var}={v:?}: expected a whole number from 0 to {most} (unset: {default})"
+        ))),
+    }
+}
+
 /// Settings of the MPI backend, given to [`crate::MpiRuntime::init_with`].
 ///
 /// ```

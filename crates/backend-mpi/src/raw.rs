@@ -1,4 +1,4 @@
-//! Every `unsafe` block of the crate lives in this module and its two submodules: thin,
+//! Every `unsafe` block of the crate lives in this module and its submodules: thin,
 //! `Result`-returning calls into the MPI C library (through `mpi::ffi`, rsmpi's raw bindings),
 //! and the owned handles that free what they own.
 //!
@@ -21,9 +21,11 @@ use std::os::raw::{c_char, c_int, c_void};
 use std::sync::atomic::{AtomicBool, Ordering};
 
 // Shared support (errors, conversions, pointers, the finalized flag) is here; the calls are in
-// `comm` (handles, blocking calls) and `pending` (nonblocking calls owning their buffers).
+// `comm` (handles, blocking calls), `pending` (nonblocking calls owning their buffers) and
+// `round` (one round of messages received by length).
 mod comm;
 mod pending;
+mod round;
 mod wait;
 
 pub(crate) use comm::{Comm, P2p};

@@ -71,6 +71,11 @@ pub(crate) const REDUCE: usize = 11;
 pub(crate) const GATHER: usize = 12;
 pub(crate) const SCATTER: usize = 13;
 
+/// The index in `OPS` of operation `name` (a collective's name as the front end gives it).
+pub(crate) fn op_index(name: &str) -> usize {
+    OPS.iter().position(|&o| o == name).unwrap_or(BARRIER)
+}
+
 /// What a token in flight is: an operation, the mismatch check's exchange before one, or the
 /// creation of a sub-communicator (which has no sequence number).
 const KIND_OP: u64 = 0;

@@ -10,7 +10,7 @@ use std::sync::atomic::AtomicBool;
 use std::time::Duration;
 
 /// How long a cancelled request may take to complete before it counts as not cancellable.
-const CANCEL_GRACE: Duration = Duration::from_secs(1);
+pub(super) const CANCEL_GRACE: Duration = Duration::from_secs(1);
 
 use grid_core::{HostSlice, HostSliceMut};
 use mpi::ffi;

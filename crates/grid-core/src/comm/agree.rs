@@ -546,7 +546,7 @@ impl<B: Backend> Comm<B> {
         let Some((pending, bytes)) = Fingerprint::of_request(r, self.inner().size()) else {
             return Ok(None);
         };
-        if !self.inner().checks_when_run() {
+        if !self.inner().checks_when_run(true) {
             return self.agree(r.name(), pending, bytes, seq, limit, true);
         }
         let n = self.count_collective();
@@ -610,43 +610,10 @@ impl<B: Backend> Comm<B> {
             return Ok(None);
         }
         let deferred = self.check_of(op, pending, n, seq, size);
-        if self.inner().checks_when_run() {
+        if self.inner().checks_when_run(nonblocking) {
             return Ok(Some(deferred)); // a blocking operation's check, run by the backend
         }
-        deferred
-            .verify(
-                &mut |both| {
-                    self.inner().run_check(Validated::new(
-                        Op::AllReduceInPlace {
-                            buf: BufMut::from(both),
-                            op: ReduceOp::Max,
-                        },
-                        seq,
-                        limit,
-                    ))
-                },
-                &mut |mine, all| {
-                    self.inner().run_check(Validated::new(
-                        Op::AllGather {
-                            send: BufRef::from(mine),
-                            recv: BufMut::from(all),
-                        },
-                        seq,
-                        limit,
-                    ))
-                },
-                &mut |mine, theirs| {
-                    self.inner().run_check(Validated::new(
-                        Op::AllToAll {
-                            send: BufRef::from(mine),
-                            recv: BufMut::from(theirs),
-                        },
-                        seq,
-                        limit,
-                    ))
-                },
-            )
-            .map(|()| None)
+        self.inner().run_check(&deferred, seq, limit).map(|()| None)
     }
 }
 
@@ -698,6 +665,53 @@ impl DeferredCheck {
             &mut |buf| max_in_place(buf).map_err(|e| e.in_op(op)),
             &mut |mine, all| all_gather(mine, all).map_err(|e| e.in_op(op)),
             &mut |mine, theirs| all_to_all(mine, theirs).map_err(|e| e.in_op(op)),
+        )
+    }
+
+    /// [`DeferredCheck::verify`] with its exchanges as the front end builds them for
+    /// collective #`seq` under `limit` (an in-place `i64` all-reduce with `Max`, then `i64`
+    /// all-gathers or an all-to-all), each handed to `run`: what [`Backend::run_check`] does by
+    /// default with [`Backend::run`], and what a backend that runs them on a channel of its
+    /// own passes there.
+    pub fn verify_with(
+        &self,
+        seq: u64,
+        limit: TimeLimit,
+        run: &mut dyn FnMut(Validated<Op<'_>>) -> Result<()>,
+    ) -> Result<()> {
+        // Three closures call `run`, one at a time.
+        let run = std::cell::RefCell::new(run);
+        self.verify(
+            &mut |both| {
+                (run.borrow_mut())(Validated::new(
+                    Op::AllReduceInPlace {
+                        buf: BufMut::from(both),
+                        op: ReduceOp::Max,
+                    },
+                    seq,
+                    limit,
+                ))
+            },
+            &mut |mine, all| {
+                (run.borrow_mut())(Validated::new(
+                    Op::AllGather {
+                        send: BufRef::from(mine),
+                        recv: BufMut::from(all),
+                    },
+                    seq,
+                    limit,
+                ))
+            },
+            &mut |mine, theirs| {
+                (run.borrow_mut())(Validated::new(
+                    Op::AllToAll {
+                        send: BufRef::from(mine),
+                        recv: BufMut::from(theirs),
+                    },
+                    seq,
+                    limit,
+                ))
+            },
         )
     }
 
@@ -769,15 +783,29 @@ impl DeferredCheck {
     /// fingerprints suffice ([`DeferredCheck::fingerprints_suffice`]); `all` of another length
     /// is an error naming both lengths.
     pub fn verify_gathered(&self, all: &[i64]) -> Result<()> {
-        let (op, seq) = (self.op, self.seq);
-        if !self.fingerprints_suffice() || all.len() != FIELDS * self.size {
+        if !self.fingerprints_suffice() {
             return Err(Error::Invalid(format!(
-                "{op} #{seq} on communicator '{}': the mismatch check got {} gathered integers, expected {} ({} ranks of {FIELDS}){}",
+                "{} #{} on communicator '{}': an all_to_all_v's check needs DeferredCheck::verify (its counts), not only the gathered fingerprints",
+                self.op, self.seq, self.comm
+            )));
+        }
+        self.compare_gathered(all)
+    }
+
+    /// The first stage of every check, from every rank's gathered fingerprint (as
+    /// [`DeferredCheck::verify_gathered`]): `Ok` when they are all equal, otherwise the same
+    /// [`Error::CollectiveMismatch`] on every rank. For an all-to-all-v, `Ok` says only that
+    /// every rank runs the same all-to-all-v: its counts still need [`DeferredCheck::verify`].
+    /// `all` of another length is an error naming both lengths.
+    pub fn compare_gathered(&self, all: &[i64]) -> Result<()> {
+        let (op, seq) = (self.op, self.seq);
+        if all.len() != FIELDS * self.size {
+            return Err(Error::Invalid(format!(
+                "{op} #{seq} on communicator '{}': the mismatch check got {} gathered integers, expected {} ({} ranks of {FIELDS})",
                 self.comm,
                 all.len(),
                 FIELDS * self.size,
                 self.size,
-                if self.fingerprints_suffice() { "" } else { "; an all_to_all_v's check needs DeferredCheck::verify" }
             )));
         }
         match Fingerprint::first_difference(all) {

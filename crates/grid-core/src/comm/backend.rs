@@ -1,6 +1,6 @@
 //! The execution trait a backend implements behind the front end ([`super::Comm`]).
 
-use super::agree::MismatchCheck;
+use super::agree::{DeferredCheck, MismatchCheck};
 use super::buffer::Memory;
 use super::dtype::{DType, ReduceOp};
 use super::lifecycle::TimeLimit;
@@ -62,15 +62,21 @@ pub trait Backend: Send + Sync + 'static {
     /// Executes one validated blocking operation (and its mismatch check,
     /// [`Validated::check`], on a backend that [`Backend::checks_when_run`]).
     fn run(&self, op: Validated<Op<'_>>) -> Result<()>;
-    /// Executes one exchange of the mismatch check ([`MismatchCheck`]): an `i64` all-reduce or
-    /// all-gather of a few integers that the front end built before a collective, under that
-    /// collective's sequence number and time limit. The default runs it as any operation
-    /// ([`Backend::run`]). A backend whose library matches collectives by their order alone may
-    /// run it on a channel of its own (MPI: a duplicate communicator), so that a rank that
-    /// checks never meets another rank's real operation when only some ranks check (ranks on
-    /// both sides of a [`MismatchCheck::Above`] threshold).
-    fn run_check(&self, op: Validated<Op<'_>>) -> Result<()> {
-        self.run(op)
+    /// Runs the mismatch check ([`MismatchCheck`]) of collective #`seq` that the front end
+    /// checks itself, before handing the collective over: a blocking one on a backend that
+    /// does not check it when run ([`Backend::checks_when_run`] `(false)`), a nonblocking one
+    /// at its start. `Ok` when every rank agrees; the same
+    /// [`crate::Error::CollectiveMismatch`] on every rank otherwise. The default runs the
+    /// check's exchanges ([`DeferredCheck::verify_with`]: an `i64` all-reduce, then, on a
+    /// disagreement, an all-gather) as operations of this communicator ([`Backend::run`]). A
+    /// backend whose library matches collectives by their order alone may run them on a
+    /// channel of its own (MPI: a duplicate communicator), so that a rank that checks never
+    /// meets another rank's real operation when only some ranks check (ranks on both sides of
+    /// a [`MismatchCheck::Above`] threshold), or exchange the fingerprints its own way
+    /// ([`DeferredCheck::verify_gathered`]); every rank must then run every check the same
+    /// way, whichever path brought it.
+    fn run_check(&self, check: &DeferredCheck, seq: u64, limit: TimeLimit) -> Result<()> {
+        check.verify_with(seq, limit, &mut |op| self.run(op))
     }
     /// Starts one validated nonblocking operation on owned buffers.
     fn start(&self, op: Validated<Request>) -> Result<Box<dyn Work>>;
@@ -78,14 +84,16 @@ pub trait Backend: Send + Sync + 'static {
     /// the collective executes in the communicator's order, or with it
     /// ([`Validated::check`], [`super::DeferredCheck::verify`],
     /// [`super::DeferredCheck::verify_gathered`]): the front end then exchanges nothing and
-    /// hands the check to [`Backend::run`] or [`Backend::start`] with the operation, which must
-    /// run it before any of the operation's data reaches the caller's memory. A nonblocking
-    /// start then never blocks on the other ranks, and a disagreement fails the operation's
+    /// hands the check to [`Backend::run`] (`nonblocking = false`) or [`Backend::start`]
+    /// (`nonblocking = true`) with the operation, which must run it before any of the
+    /// operation's data reaches the caller's memory. For nonblocking operations that means a
+    /// start that never blocks on the other ranks, and a disagreement fails the operation's
     /// [`Work`]. False by default: the front end checks a blocking collective before
     /// [`Backend::run`] ([`Backend::run_check`]) and a nonblocking one at the start, which
     /// blocks until every member started it (so only [`MismatchCheck::All`] checks
     /// nonblocking collectives there).
-    fn checks_when_run(&self) -> bool {
+    fn checks_when_run(&self, nonblocking: bool) -> bool {
+        let _ = nonblocking;
         false
     }
     /// The mismatch-checking mode a communicator of this backend starts with when

@@ -329,7 +329,8 @@ impl RoundOp<'_> {
 /// and rank `j`'s from the first [`FP_BYTES`] of `head(j)` (a message too short to hold one,
 /// from another version of this library, counts as a fingerprint of zeros, which differs).
 /// `Ok` when all agree, otherwise the same [`crate::Error::CollectiveMismatch`] on every rank
-/// ([`DeferredCheck::verify_gathered`]).
+/// ([`DeferredCheck::compare_gathered`]; an all-to-all-v's counts still need
+/// [`DeferredCheck::verify`]).
 pub fn verify_fingerprints<'h>(
     check: &DeferredCheck,
     me: usize,
@@ -344,7 +345,7 @@ pub fn verify_fingerprints<'h>(
             HostSliceMut::I64(&mut all[j * fp..(j + 1) * fp]).read_le_bytes(bytes)?;
         }
     }
-    check.verify_gathered(&all)
+    check.compare_gathered(&all)
 }
 
 /// The inputs of a reduction in rank order: this rank's at `me`, the others' around it.

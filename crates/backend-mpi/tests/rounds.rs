@@ -1,0 +1,193 @@
+//! Checked collectives that run as one round of messages (`ROUND_MAX`, `DIRECT_MAX`): the
+//! fingerprint and the data travel together, and ranks whose collectives take different forms
+//! (one round, or the fingerprint alone then the MPI call) still meet in the same round.
+//!
+//! * ranks that disagree on a count, where one rank's collective fits one round and the others'
+//!   does not: the same `Error::CollectiveMismatch` on every rank, nobody's buffer written, and
+//!   the communicator still in step afterwards, for every collective with a one-round form;
+//! * an all-to-all-v (whose check needs a second exchange) against an all-reduce that fits one
+//!   round: the mismatch on every rank;
+//! * the conformance suite with every collective checked (`GRID_DEBUG=detail`), so that every
+//!   small collective of every dtype and reduction runs in its one-round form.
+
+use backend_mpi::testing::{launch_with_env, under_launcher};
+use backend_mpi::{mpi_test, MpiCommunicator, MpiFactory, ROUND_MAX};
+use grid_conformance::{run_with, Options};
+use grid_core::{Communicator, CommunicatorExt, Error, ReduceOp};
+use std::time::Duration;
+
+/// The collectives with a one-round form.
+const FORMS: [&str; 8] = [
+    "all_reduce",
+    "all_reduce_in_place",
+    "all_gather",
+    "all_gather_in_place",
+    "reduce_scatter",
+    "reduce_scatter_in_place",
+    "broadcast",
+    "all_to_all",
+];
+
+/// Runs collective `form` whose per-rank block (the message of its one-round form) has `k`
+/// elements, on buffers filled with this rank's pattern; returns its result and whether every
+/// buffer still holds its pattern afterwards.
+fn run<C: Communicator>(c: &C, form: &str, k: usize) -> (grid_core::Result<()>, bool) {
+    let (me, n) = (c.rank(), c.size());
+    let pattern = |len: usize| -> Vec<f32> { (0..len).map(|i| (me * 1000 + i) as f32).collect() };
+    let (a, mut b) = match form {
+        "all_reduce" | "all_reduce_in_place" | "broadcast" => (pattern(k), pattern(k)),
+        "all_gather" => (pattern(k), pattern(k * n)),
+        "reduce_scatter" => (pattern(k * n), pattern(k)),
+        _ => (pattern(k * n), pattern(k * n)),
+    };
+    let (a0, b0) = (a.clone(), b.clone());
+    let r = match form {
+        "all_reduce" => c.all_reduce_into(&a[..], &mut b[..], ReduceOp::Sum),
+        "all_reduce_in_place" => c.all_reduce_in_place(&mut b[..], ReduceOp::Sum),
+        "all_gather" => c.all_gather_into(&a[..], &mut b[..]),
+        "all_gather_in_place" => c.all_gather_in_place(&mut b[..]),
+        "reduce_scatter" => c.reduce_scatter_into(&a[..], &mut b[..], ReduceOp::Sum),
+        "reduce_scatter_in_place" => c.reduce_scatter_in_place(&mut b[..], ReduceOp::Sum),
+        "broadcast" => c.broadcast_into(&mut b[..], 0),
+        "all_to_all" => c.all_to_all_into(&a[..], &mut b[..]),
+        other => Err(Error::Invalid(format!("unknown form {other}"))),
+    };
+    let untouched = a == a0 && b == b0;
+    (r, untouched)
+}
+
+/// A hash of `s` that every rank computes alike (FNV-1a), as two non-negative `i64`s' worth.
+fn hash(s: &str) -> i64 {
+    let h = s.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
+    });
+    (h >> 1) as i64
+}
+
+/// Whether every rank passed the same `v`.
+fn same_everywhere<C: Communicator>(c: &C, v: i64) -> Result<bool, String> {
+    let mut both = [v, -v];
+    c.all_reduce_in_place(&mut both[..], ReduceOp::Max)
+        .map_err(|e| e.to_string())?;
+    Ok(both[0] == -both[1])
+}
+
+// Rank 0's block fits one round (ROUND_MAX / 4 f32), the others' is four times larger: rank 0
+// sends its fingerprint with its data, the others their fingerprint alone. Every rank returns the
+// same CollectiveMismatch and no buffer changes.
+mpi_test!(
+    mpi_round_mismatch_between_forms_np4,
+    np = 4,
+    timeout = 120,
+    |rt| {
+        let c = rt.world().with_time_limit(Duration::from_secs(30));
+        let small = ROUND_MAX / 4;
+        let k = if c.rank() == 0 { small } else { 4 * small };
+        for form in FORMS {
+            let (r, untouched) = run(&c, form, k);
+            let text = match r {
+                Err(e @ Error::CollectiveMismatch { .. }) => e.to_string(),
+                other => return Err(format!("{form}: expected a mismatch, got {other:?}")),
+            };
+            if !untouched {
+                return Err(format!("{form}: a buffer changed although the call failed"));
+            }
+            if !text.contains("count") {
+                return Err(format!("{form}: the error does not name the count: {text}"));
+            }
+            if !same_everywhere(&c, hash(&text))? {
+                return Err(format!(
+                    "{form}: the ranks returned different errors; here: {text}"
+                ));
+            }
+        }
+        // Still in step: an agreeing all-reduce of each form's size.
+        for k in [small, 4 * small] {
+            let mut v = vec![1f32; k];
+            c.all_reduce_in_place(&mut v[..], ReduceOp::Sum)
+                .map_err(|e| e.to_string())?;
+            if v.iter().any(|&x| x != 4.0) {
+                return Err(format!("sum of {k} after the mismatches: {:?}", &v[..4]));
+            }
+        }
+        Ok(())
+    }
+);
+
+// An all-to-all-v (checked with its counts after the fingerprints) on rank 0 against an
+// all-reduce of one round on the others: every rank reports the operations that differ.
+mpi_test!(
+    mpi_round_all_to_all_v_against_a_round_np3,
+    np = 3,
+    timeout = 120,
+    |rt| {
+        let c = rt.world().with_time_limit(Duration::from_secs(30));
+        let n = c.size();
+        let r = if c.rank() == 0 {
+            c.all_to_all_v_into(
+                &vec![1i32; 600 * n],
+                &vec![600; n],
+                &mut vec![0i32; 600 * n],
+                &vec![600; n],
+            )
+        } else {
+            c.all_reduce_in_place(&mut vec![1i32; 1024][..], ReduceOp::Sum)
+        };
+        let text = match r {
+            Err(e @ Error::CollectiveMismatch { .. }) => e.to_string(),
+            other => return Err(format!("expected a mismatch, got {other:?}")),
+        };
+        if !text.contains("operation") || !text.contains("all_to_all_v") {
+            return Err(format!("the error does not name the operations: {text}"));
+        }
+        // Each rank's error names its own call first; what follows is the same everywhere.
+        let what = text.split_once(": ").map_or(text.as_str(), |(_, w)| w);
+        if !same_everywhere(&c, hash(what))? {
+            return Err(format!("the ranks returned different errors; here: {text}"));
+        }
+        Ok(())
+    }
+);
+
+fn self_exe() -> String {
+    std::env::current_exe()
+        .map(|p| p.to_string_lossy().into_owned())
+        .unwrap_or_default()
+}
+
+// The conformance suite's body, run only by the launcher test below (with every collective
+// checked); otherwise it passes at once (the plain suite runs in tests/conformance.rs).
+mpi_test!(
+    mpi_rounds_conformance_helper_np4,
+    np = 4,
+    timeout = 300,
+    |rt| {
+        if std::env::var("GRID_DEBUG").as_deref() != Ok("detail") {
+            return Ok(());
+        }
+        let opts = Options::<MpiCommunicator> {
+            finish: Some(Box::new(|c: &MpiCommunicator| c.finish())),
+            mismatch_check: Some(grid_conformance::comm_mismatch_check()),
+            ..Default::default()
+        };
+        let report = run_with(&MpiFactory::new(), rt.world(), &opts).map_err(|f| f.to_string())?;
+        println!("{report}");
+        Ok(())
+    }
+);
+
+#[test]
+fn mpi_conformance_with_every_collective_checked() {
+    if under_launcher() {
+        return;
+    }
+    let args = [
+        "--exact",
+        "mpi_rounds_conformance_helper_np4",
+        "--nocapture",
+        "--test-threads=1",
+    ];
+    let out = launch_with_env(4, 300, &self_exe(), &args, &[("GRID_DEBUG", "detail")]).unwrap();
+    assert_eq!(out.code, Some(0), "{}", out.output);
+    assert!(out.output.contains("passed"), "{}", out.output);
+}
