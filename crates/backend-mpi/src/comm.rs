@@ -107,6 +107,9 @@ pub struct MpiBackend {
     direct_max: usize,
     /// [`ROUND_MAX`] or [`crate::ROUND_MAX_ENV`].
     round_max: usize,
+    /// The receive memory of the rounds, kept between calls (a round that finds it in use, which
+    /// concurrent collectives on one communicator would be, allocates its own).
+    round_scratch: std::sync::Mutex<Vec<u8>>,
 }
 
 impl MpiBackend {
@@ -143,6 +146,7 @@ impl MpiBackend {
             ring_scratch: std::sync::Mutex::new([None, None]),
             direct_max,
             round_max,
+            round_scratch: std::sync::Mutex::new(Vec::new()),
         };
         Ok(Comm::new(backend, name))
     }
@@ -359,24 +363,37 @@ impl MpiBackend {
             .map(|m| (m.peer, m.offset, m.len))
             .collect();
         let from: Vec<usize> = (0..n).filter(|&j| j != me).collect();
+        // Room for the longest message any rank sends in a round (the same settings on every
+        // rank): a fingerprint and at most `round_max` bytes of data.
+        let capacity = FP_BYTES + self.round_max;
+        let mut cached = self.round_scratch.try_lock().ok();
+        let mut fresh = Vec::new();
+        let recv: &mut Vec<u8> = cached.as_deref_mut().unwrap_or(&mut fresh);
+        if recv.len() < capacity * from.len() {
+            recv.resize(capacity * from.len(), 0);
+        }
         let stuck = |why| self.stuck(op, seq, limit, why);
-        let got = self
+        let lens = self
             .check
             .round_within(
                 &out.bytes,
                 &sends,
+                recv,
+                capacity,
                 &from,
                 ROUND_TAG,
-                None, // the watch ends the job at the limit, as for the MPI calls
-                &self.watch.aborted,
+                &self.watch.aborted, // the watch ends the job at the limit, as for the MPI calls
                 &stuck,
             )
             .map_err(|e| self.err(op, e))?
             .map_err(|(why, peer)| self.stopped(op, limit, Some(peer), why))?;
-        let message = |j: usize| got[if j < me { j } else { j - 1 }].as_slice();
+        let message = |j: usize| {
+            let i = if j < me { j } else { j - 1 };
+            &recv[i * capacity..i * capacity + lens[i]]
+        };
         round::verify_fingerprints(check, me, n, &message)?;
         // The fingerprints agree, so every message has the length this rank expects, unless
-        // the peer runs another version of this library.
+        // the peer runs the collective in another form or another version of this library.
         for &j in &from {
             let (want, sent) = (c.expected(j, n, FP_BYTES), message(j).len());
             if sent != want {

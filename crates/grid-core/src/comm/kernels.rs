@@ -37,16 +37,16 @@ use crate::error::{Error, Result};
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 
-macro_rules! int_op {
-    ($t:ty, $op:expr) => {{
-        let f: fn($t, $t) -> $t = match $op {
-            ReduceOp::Sum | ReduceOp::Avg => <$t>::wrapping_add,
-            ReduceOp::Prod => <$t>::wrapping_mul,
-            ReduceOp::Min => std::cmp::min,
-            ReduceOp::Max => std::cmp::max,
-        };
-        f
-    }};
+/// An integer reduction other than `Avg` as [`fold_same`] with the operation inlined.
+macro_rules! int_same {
+    ($ins:expr, $o:expr, $t:ty, $op:expr) => {
+        match $op {
+            ReduceOp::Sum | ReduceOp::Avg => fold_same($ins, $o, <$t>::wrapping_add),
+            ReduceOp::Prod => fold_same($ins, $o, <$t>::wrapping_mul),
+            ReduceOp::Min => fold_same($ins, $o, |a: $t, b: $t| a.min(b)),
+            ReduceOp::Max => fold_same($ins, $o, |a: $t, b: $t| a.max(b)),
+        }
+    };
 }
 
 /// Whether these kernels compute `op` on `dtype` (`None`: the dtype is only moved, which every
@@ -129,8 +129,8 @@ pub fn reduce_range(
         };
     }
     match out {
-        HostSliceMut::F32(o) => float(&typed!(F32), o, op, |x| x, |x| x),
-        HostSliceMut::F64(o) => float(&typed!(F64), o, op, |x| x, |x| x),
+        HostSliceMut::F32(o) => float_same(&typed!(F32), o, op),
+        HostSliceMut::F64(o) => float_same(&typed!(F64), o, op),
         HostSliceMut::F16(o) => float(&typed!(F16), o, op, f16::to_f32, f16::from_f32),
         HostSliceMut::BF16(o) => float(&typed!(BF16), o, op, bf16::to_f32, bf16::from_f32),
         HostSliceMut::I32(o) => {
@@ -139,14 +139,14 @@ pub fn reduce_range(
                 ReduceOp::Avg => fold(&ins, o, i64::from, i64::wrapping_add, |a| {
                     (a / n as i64) as i32
                 }),
-                _ => fold(&ins, o, |x| x, int_op!(i32, op), |x| x),
+                _ => int_same!(&ins, o, i32, op),
             }
         }
         HostSliceMut::I64(o) => {
             let ins = typed!(I64);
             match op {
                 ReduceOp::Avg => fold(&ins, o, |x| x, i64::wrapping_add, |a| a / n as i64),
-                _ => fold(&ins, o, |x| x, int_op!(i64, op), |x| x),
+                _ => int_same!(&ins, o, i64, op),
             }
         }
         HostSliceMut::U8(o) => {
@@ -155,7 +155,7 @@ pub fn reduce_range(
                 ReduceOp::Avg => fold(&ins, o, i64::from, i64::wrapping_add, |a| {
                     (a / n as i64) as u8
                 }),
-                _ => fold(&ins, o, |x| x, int_op!(u8, op), |x| x),
+                _ => int_same!(&ins, o, u8, op),
             }
         }
         HostSliceMut::I8(o) => {
@@ -164,7 +164,7 @@ pub fn reduce_range(
                 ReduceOp::Avg => fold(&ins, o, i64::from, i64::wrapping_add, |a| {
                     (a / n as i64) as i8
                 }),
-                _ => fold(&ins, o, |x| x, int_op!(i8, op), |x| x),
+                _ => int_same!(&ins, o, i8, op),
             }
         }
         HostSliceMut::U32(o) => {
@@ -173,7 +173,7 @@ pub fn reduce_range(
                 ReduceOp::Avg => fold(&ins, o, i64::from, i64::wrapping_add, |a| {
                     (a / n as i64) as u32
                 }),
-                _ => fold(&ins, o, |x| x, int_op!(u32, op), |x| x),
+                _ => int_same!(&ins, o, u32, op),
             }
         }
         HostSliceMut::U64(o) => {
@@ -182,7 +182,7 @@ pub fn reduce_range(
                 ReduceOp::Avg => fold(&ins, o, u128::from, u128::wrapping_add, |a| {
                     (a / n as u128) as u64
                 }),
-                _ => fold(&ins, o, |x| x, int_op!(u64, op), |x| x),
+                _ => int_same!(&ins, o, u64, op),
             }
         }
         HostSliceMut::Bool(o) => {
@@ -446,6 +446,47 @@ impl FromCount for f64 {
     }
 }
 
+/// A reduction of floats that accumulate in their own type (f32, f64) as [`fold_same`]; `Avg`
+/// divides the sum by the count at the end, as [`float`] does.
+fn float_same<T>(ins: &[&[T]], out: &mut [T], op: ReduceOp)
+where
+    T: Copy
+        + std::ops::Add<Output = T>
+        + std::ops::Mul<Output = T>
+        + std::ops::Div<Output = T>
+        + PartialOrd
+        + FromCount,
+{
+    match op {
+        ReduceOp::Sum => fold_same(ins, out, |a, b| a + b),
+        ReduceOp::Avg => {
+            fold_same(ins, out, |a, b| a + b);
+            let n = T::from_count(ins.len());
+            out.iter_mut().for_each(|o| *o = *o / n);
+        }
+        ReduceOp::Prod => fold_same(ins, out, |a, b| a * b),
+        ReduceOp::Min => fold_same(ins, out, min_nan),
+        ReduceOp::Max => fold_same(ins, out, max_nan),
+    }
+}
+
+/// [`fold`] where the accumulator is the element type itself: the first input copied into
+/// `out`, then every other input combined into it in order, one input at a time (a loop the
+/// compiler vectorizes). Each element sees the same operations in the same order as in
+/// [`fold`], so the results are the same bits.
+fn fold_same<T: Copy>(ins: &[&[T]], out: &mut [T], f: impl Fn(T, T) -> T) {
+    let Some((first, rest)) = ins.split_first() else {
+        return;
+    };
+    let n = out.len();
+    out.copy_from_slice(&first[..n]);
+    for s in rest {
+        for (o, &x) in out.iter_mut().zip(&s[..n]) {
+            *o = f(*o, x);
+        }
+    }
+}
+
 fn fold<T: Copy, A: Copy>(
     ins: &[&[T]],
     out: &mut [T],
@@ -468,6 +509,58 @@ fn fold<T: Copy, A: Copy>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The input-at-a-time fold gives the bits of the element-at-a-time fold for every float
+    /// reduction (including NaN, infinities and signed zeros) and every integer one.
+    #[test]
+    fn fold_same_gives_the_bits_of_fold() {
+        let vals = [
+            1.5f32,
+            -0.0,
+            0.0,
+            f32::NAN,
+            f32::INFINITY,
+            -3.25,
+            1e30,
+            -1e-30,
+            7.0,
+        ];
+        let ins: Vec<Vec<f32>> = (0..4)
+            .map(|r| {
+                (0..vals.len() * 3)
+                    .map(|i| vals[(i * (r + 2) + r) % vals.len()] * (r as f32 + 0.5))
+                    .collect()
+            })
+            .collect();
+        let refs: Vec<&[f32]> = ins.iter().map(|v| v.as_slice()).collect();
+        for op in ReduceOp::ALL {
+            for k in 1..=refs.len() {
+                let mut slow = vec![0f32; refs[0].len()];
+                float(&refs[..k], &mut slow, op, |x| x, |x| x);
+                let mut fast = vec![0f32; refs[0].len()];
+                float_same(&refs[..k], &mut fast, op);
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&slow), bits(&fast), "{op} over {k} inputs");
+            }
+        }
+        let ints: Vec<Vec<i32>> = (0..3)
+            .map(|r| vec![i32::MAX - r, i32::MIN + r, 7 * r - 5])
+            .collect();
+        let refs: Vec<&[i32]> = ints.iter().map(|v| v.as_slice()).collect();
+        for op in [ReduceOp::Sum, ReduceOp::Prod, ReduceOp::Min, ReduceOp::Max] {
+            let f: fn(i32, i32) -> i32 = match op {
+                ReduceOp::Sum => i32::wrapping_add,
+                ReduceOp::Prod => i32::wrapping_mul,
+                ReduceOp::Min => std::cmp::min,
+                _ => std::cmp::max,
+            };
+            let mut slow = [0i32; 3];
+            fold(&refs, &mut slow, |x| x, f, |x| x);
+            let mut fast = [0i32; 3];
+            int_same!(&refs, &mut fast, i32, op);
+            assert_eq!(slow, fast, "{op}");
+        }
+    }
 
     #[test]
     fn every_dtype_and_op() {
