@@ -28,13 +28,14 @@ pub const CHECK_THRESHOLD: usize = 2 << 10;
 /// Largest communicator whose mismatch checks travel as one round of messages (each rank sends
 /// every other rank its fingerprint, with the collective's data when it fits, [`ROUND_MAX`]):
 /// one message latency where the check's all-reduce takes `log2 n` steps, at `n - 1` messages
-/// per rank. Larger communicators check with the all-reduce ([`DeferredCheck::verify_with`]) on
+/// per rank. Larger communicators, and those of 2 ranks (where the all-reduce is one exchange
+/// too, and measured cheaper), check with the all-reduce ([`DeferredCheck::verify_with`]) on
 /// the duplicate communicator.
 pub const DIRECT_MAX: usize = 16;
 
 /// Largest payload (bytes) of one message of a checked collective that runs as one round
-/// (grid-core's `comm::round`: the fingerprint and the data in one message to every rank,
-/// received by its length), on a communicator of at most [`DIRECT_MAX`] ranks: 8 KiB. A checked
+/// (grid-core's `comm::round`: the fingerprint and the data in one message to every rank), on
+/// a communicator of 3 to [`DIRECT_MAX`] ranks: 8 KiB. A checked
 /// collective with larger messages sends its fingerprint alone in the round, then runs the MPI
 /// call. Measured at 4 ranks (docs/performance.md, *The check inside the collective*).
 pub const ROUND_MAX: usize = 8 << 10;
@@ -308,12 +309,20 @@ impl MpiBackend {
         Ok(at)
     }
 
+    /// Whether this communicator's checks travel as rounds of messages: from 3 ranks up to
+    /// [`DIRECT_MAX`] ([`crate::DIRECT_MAX_ENV`]). At 2 ranks the check's all-reduce is a single
+    /// exchange, as a round is, and measured cheaper on shared memory (docs/performance.md, *The
+    /// check inside the collective*).
+    fn rounds(&self) -> bool {
+        self.size > 2 && self.size <= self.direct_max
+    }
+
     /// Runs blocking collective `v` after its mismatch check `check`: as one round of messages
     /// that carries both ([`ROUND_MAX`], [`DIRECT_MAX`]) where it fits, otherwise the check
     /// alone ([`MpiBackend::check_alone`]) and then the MPI call.
     fn run_checked(&self, check: &DeferredCheck, v: Validated<Op<'_>>) -> Result<()> {
         let (seq, limit) = (v.seq(), v.time_limit());
-        let fits = self.size <= self.direct_max
+        let fits = self.rounds()
             && check.fingerprints_suffice()
             && round_payload(v.op(), self.size).is_some_and(|b| b <= self.round_max);
         if !fits {
@@ -330,7 +339,7 @@ impl MpiBackend {
     /// (an all-to-all-v's counts) or above [`DIRECT_MAX`] ranks, the check's exchanges on the
     /// duplicate communicator.
     fn check_alone(&self, check: &DeferredCheck, seq: u64, limit: TimeLimit) -> Result<()> {
-        if self.size <= self.direct_max {
+        if self.rounds() {
             self.round(check, RoundOp::Barrier, true, seq, limit)?;
             if check.fingerprints_suffice() {
                 return Ok(());

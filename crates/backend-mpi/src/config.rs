@@ -17,8 +17,8 @@ pub const SIGTERM_REPORT_ENV: &str = "GRID_MPI_SIGTERM_REPORT";
 pub const ROUND_MAX_ENV: &str = "GRID_MPI_ROUND_MAX";
 
 /// The environment variable that sets the largest communicator whose mismatch checks travel as
-/// one round of messages ([`crate::DIRECT_MAX`] when unset; 0 or 1: every check is the
-/// all-reduce on the duplicate communicator). The same on every rank; read when a communicator
+/// one round of messages ([`crate::DIRECT_MAX`] when unset; 0 to 2: every check is the
+/// all-reduce on the duplicate communicator, as it always is at 2 ranks). The same on every rank; read when a communicator
 /// is created.
 pub const DIRECT_MAX_ENV: &str = "GRID_MPI_DIRECT_MAX";
 
