@@ -109,7 +109,5 @@ mod watch;
 pub use comm::{MpiBackend, MpiCommunicator, CHECK_THRESHOLD, DIRECT_MAX, ROUND_MAX};
 pub use config::{MpiConfig, DIRECT_MAX_ENV, ROUND_MAX_ENV, SIGTERM_REPORT_ENV, TIMEOUT_ENV};
 pub use factory::{FactoryCalls, MpiFactory};
-pub use runtime::{
-    MpiRuntime, EAGER_LIMIT, EAGER_LIMIT_VAR, FRAGMENT_SIZE, FRAGMENT_SIZE_VAR, SINGLE_COPY_VAR,
-};
+pub use runtime::{MpiRuntime, FRAGMENT_SIZE, FRAGMENT_SIZE_VAR, SINGLE_COPY_VAR};
 pub use watch::{EXIT_ABORTED, EXIT_TIMEOUT, MESSAGE_GRACE, TICK};

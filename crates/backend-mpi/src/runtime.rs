@@ -81,33 +81,11 @@ pub const FRAGMENT_SIZE: usize = 128 << 10;
 /// fragments are allocated.
 const SEGMENT_SIZE_VAR: &str = "OMPI_MCA_btl_vader_segment_size";
 
-/// The Open MPI setting for the largest message the shared-memory transport (vader) sends
-/// eagerly: in one fragment, without waiting for the receiver to match it first.
-pub const EAGER_LIMIT_VAR: &str = "OMPI_MCA_btl_vader_eager_limit";
-
-/// The eager limit ([`EAGER_LIMIT_VAR`]) this library sets with [`FRAGMENT_SIZE`] when the user
-/// chose neither: 64 KiB, against Open MPI's default of 4 KiB. A message up to it costs one
-/// transfer instead of a rendezvous (a request, its answer, then the data).
-///
-/// Measured on the 2-core build machine (Open MPI 4.1.4, copy path, 4 ranks, `mpi-bench
-/// collectives`, two rounds each against 4 and 16 KiB; docs/performance.md, *A larger eager
-/// limit*): the all-reduce of 8 KiB took 18–24 µs instead of 29, of 32 KiB 32–33 µs instead of
-/// 48–54, the all-gather and reduce-scatter of 32 KiB 13–20 µs instead of 23–30, the broadcast
-/// of 8 and 32 KiB 8.5 and 10.8 µs instead of 13.7 and 15.5–16.3; from 128 KiB nothing moved
-/// beyond the noise. It also keeps the one-round collectives' messages ([`crate::ROUND_MAX`]
-/// and a fingerprint) eager. The transport allocates its first 8 eager fragments in its 4 MiB
-/// segment (512 KiB of it, beside the 1 MiB of large fragments). A larger eager limit makes
-/// more messages eager, which only narrows what a count mismatch can do (see
-/// [`crate::CHECK_THRESHOLD`]).
-pub const EAGER_LIMIT: usize = 64 << 10;
-
 /// Copies large messages through [`FRAGMENT_SIZE`] fragments instead of Open MPI's 32 KiB,
-/// and sends messages up to [`EAGER_LIMIT`] eagerly instead of up to 4 KiB, only where the copy
-/// path is in use ([`SINGLE_COPY_VAR`] is `none`, as [`avoid_single_copy_overrun`] sets it)
-/// and the user set neither the fragment size nor the segment size (`mpirun --mca
-/// btl_vader_max_send_size ...` sets [`FRAGMENT_SIZE_VAR`]); the eager limit also only when the
-/// user set none ([`EAGER_LIMIT_VAR`]). Runs before `MPI_Init`, as
-/// [`avoid_single_copy_overrun`], after it.
+/// only where the copy path is in use ([`SINGLE_COPY_VAR`] is `none`, as
+/// [`avoid_single_copy_overrun`] sets it) and the user set neither the fragment size nor the
+/// segment size (`mpirun --mca btl_vader_max_send_size ...` sets [`FRAGMENT_SIZE_VAR`]).
+/// Runs before `MPI_Init`, as [`avoid_single_copy_overrun`], after it.
 fn larger_copy_fragments() {
     let copy_path = std::env::var_os(SINGLE_COPY_VAR).is_some_and(|v| v == "none");
     if copy_path
@@ -115,9 +93,6 @@ fn larger_copy_fragments() {
         && std::env::var_os(SEGMENT_SIZE_VAR).is_none()
     {
         std::env::set_var(FRAGMENT_SIZE_VAR, FRAGMENT_SIZE.to_string());
-        if std::env::var_os(EAGER_LIMIT_VAR).is_none() {
-            std::env::set_var(EAGER_LIMIT_VAR, EAGER_LIMIT.to_string());
-        }
     }
 }
 
@@ -132,8 +107,7 @@ impl MpiRuntime {
     /// if the user has not (an `mpirun --mca` option or an exported variable wins): the
     /// shared-memory transport copies through its own buffers ([`SINGLE_COPY_VAR`] = `none`:
     /// with CMA a message longer than its receive corrupts the receiver's heap), and on that
-    /// copy path it moves large messages in [`FRAGMENT_SIZE`] fragments ([`FRAGMENT_SIZE_VAR`])
-    /// and sends messages up to [`EAGER_LIMIT`] eagerly ([`EAGER_LIMIT_VAR`]).
+    /// copy path it moves large messages in [`FRAGMENT_SIZE`] fragments ([`FRAGMENT_SIZE_VAR`]).
     ///
     /// ```no_run
     /// let rt = backend_mpi::MpiRuntime::init()?;

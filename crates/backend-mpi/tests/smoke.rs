@@ -213,9 +213,8 @@ mpi_test!(
 );
 
 // The transport settings `MpiRuntime::init` chooses before MPI_Init (only when the launcher
-// test below asks, through BACKEND_MPI_EXPECT_FRAGMENTS and BACKEND_MPI_EXPECT_EAGER): the
-// copy-path fragment size and eager limit, or the user's own choices left alone; and a 1 MiB
-// message (eight fragments of 128 KiB) and a 60 KiB one (eager) arrive intact.
+// test below asks, through BACKEND_MPI_EXPECT_FRAGMENTS): the copy-path fragment size, or the
+// user's own choice left alone; and a 1 MiB message (eight fragments of 128 KiB) arrives intact.
 mpi_test!(
     mpi_helper_transport_settings_np2,
     np = 2,
@@ -224,27 +223,22 @@ mpi_test!(
         let Ok(want) = std::env::var("BACKEND_MPI_EXPECT_FRAGMENTS") else {
             return Ok(());
         };
-        let want_eager = std::env::var("BACKEND_MPI_EXPECT_EAGER").unwrap_or_default();
-        for (var, want) in [
-            (backend_mpi::FRAGMENT_SIZE_VAR, want),
-            (backend_mpi::EAGER_LIMIT_VAR, want_eager),
-        ] {
-            let got = std::env::var(var).unwrap_or_else(|_| "unset".into());
-            if got != want {
-                return Err(format!("{var}: {got}, expected {want}"));
-            }
+        let got = std::env::var(backend_mpi::FRAGMENT_SIZE_VAR).unwrap_or_else(|_| "unset".into());
+        if got != want {
+            return Err(format!(
+                "{}: {got}, expected {want}",
+                backend_mpi::FRAGMENT_SIZE_VAR
+            ));
         }
         let w = rt.world();
-        for len in [1usize << 18, 15 << 10] {
-            let sent: Vec<u32> = (0..len as u32).collect();
-            if w.rank() == 0 {
-                w.send_to(&sent[..], 1, 7).map_err(|e| e.to_string())?;
-            } else {
-                let mut got = vec![0u32; sent.len()];
-                w.recv_from(&mut got[..], 0, 7).map_err(|e| e.to_string())?;
-                if got != sent {
-                    return Err(format!("the message of {} bytes arrived changed", 4 * len));
-                }
+        let sent: Vec<u32> = (0..1u32 << 18).collect();
+        if w.rank() == 0 {
+            w.send_to(&sent[..], 1, 7).map_err(|e| e.to_string())?;
+        } else {
+            let mut got = vec![0u32; sent.len()];
+            w.recv_from(&mut got[..], 0, 7).map_err(|e| e.to_string())?;
+            if got != sent {
+                return Err("the 1 MiB message arrived changed".into());
             }
         }
         Ok(())
@@ -256,30 +250,24 @@ fn mpi_runtime_picks_copy_fragments_unless_the_user_chose() {
     if under_launcher() {
         return;
     }
-    use backend_mpi::{
-        EAGER_LIMIT, EAGER_LIMIT_VAR, FRAGMENT_SIZE, FRAGMENT_SIZE_VAR, SINGLE_COPY_VAR,
-    };
+    use backend_mpi::{FRAGMENT_SIZE, FRAGMENT_SIZE_VAR, SINGLE_COPY_VAR};
     let segment = "OMPI_MCA_btl_vader_segment_size";
     let inherited = |k: &str| std::env::var(k).ok();
-    // What the runtime should leave in FRAGMENT_SIZE_VAR and EAGER_LIMIT_VAR, given what this
-    // test passes on top of its own environment: both are set only on the copy path when the
-    // user chose neither the fragments nor the segment; the eager limit also only when the user
-    // chose none.
-    let expect = |fragments: Option<&str>, eager: Option<&str>, segment_set: bool| {
-        let fragments = fragments
+    // What the runtime should leave in FRAGMENT_SIZE_VAR, given what this test passes on top of
+    // its own environment.
+    let expect = |fragments: Option<&str>, segment_set: bool| -> String {
+        if let Some(f) = fragments
             .map(str::to_string)
-            .or_else(|| inherited(FRAGMENT_SIZE_VAR));
-        let eager = eager
-            .map(str::to_string)
-            .or_else(|| inherited(EAGER_LIMIT_VAR));
+            .or_else(|| inherited(FRAGMENT_SIZE_VAR))
+        {
+            return f;
+        }
         let copy_path = inherited(SINGLE_COPY_VAR).is_none_or(|v| v == "none");
-        let ours = fragments.is_none() && copy_path && !segment_set && inherited(segment).is_none();
-        let pick = |user: Option<String>, value: usize| match user {
-            Some(v) => v,
-            None if ours => value.to_string(),
-            None => "unset".into(),
-        };
-        (pick(fragments, FRAGMENT_SIZE), pick(eager, EAGER_LIMIT))
+        if copy_path && !segment_set && inherited(segment).is_none() {
+            FRAGMENT_SIZE.to_string()
+        } else {
+            "unset".into()
+        }
     };
     let args = [
         "--exact",
@@ -287,27 +275,21 @@ fn mpi_runtime_picks_copy_fragments_unless_the_user_chose() {
         "--nocapture",
         "--test-threads=1",
     ];
-    let check = |what: &str, env: &[(&str, &str)], (fragments, eager): (String, String)| {
+    let check = |what: &str, env: &[(&str, &str)], want: String| {
         let mut env = env.to_vec();
-        env.push(("BACKEND_MPI_EXPECT_FRAGMENTS", &fragments));
-        env.push(("BACKEND_MPI_EXPECT_EAGER", &eager));
+        env.push(("BACKEND_MPI_EXPECT_FRAGMENTS", &want));
         let out = launch_with_env(2, 60, &self_exe(), &args, &env).unwrap();
         assert_eq!(out.code, Some(0), "{what}: {}", out.output);
     };
-    check("nothing chosen", &[], expect(None, None, false));
+    check("nothing chosen", &[], expect(None, false));
     check(
         "the user's fragment size",
         &[(FRAGMENT_SIZE_VAR, "65536")],
-        expect(Some("65536"), None, false),
+        expect(Some("65536"), false),
     );
     check(
         "the user's segment size",
         &[(segment, "8388608")],
-        expect(None, None, true),
-    );
-    check(
-        "the user's eager limit",
-        &[(EAGER_LIMIT_VAR, "8192")],
-        expect(None, Some("8192"), false),
+        expect(None, true),
     );
 }
