@@ -531,6 +531,21 @@ impl MpiBackend {
                 let plan = stage::plan(buf.dtype(), op, self.size);
                 let _w = watch(watch::REDUCE_SCATTER);
                 match plan.wire {
+                    None if ring::applies(buf.dtype(), buf.len(), self.size) => {
+                        // The block ends where it lies: no copy.
+                        let me = (self.rank, self.size);
+                        ring::reduce_scatter_in_place(
+                            &self.check,
+                            buf.reborrow(),
+                            plan.op,
+                            me,
+                            &self.ring_scratch,
+                        )
+                        .map_err(|e| self.ring_err(OP, e))?;
+                        if let Some(n) = plan.divide {
+                            grid_core::kernels::divide(block_mut(OP, &mut buf, at, k)?, n);
+                        }
+                    }
                     None => {
                         let from = self.scatter_in_place(c, buf.reborrow(), plan.op)?;
                         if from != at {

@@ -25,8 +25,10 @@
 //!
 //! Used for blocking calls of f32, f64, i32 and i64 (`Sum`, `Prod`, `Min`, `Max`, and `Avg` as
 //! a sum divided afterwards, as around the MPI calls) from [`RING_MIN_BYTES`] (of the whole
-//! all-reduce buffer, or of the reduce-scatter's input); the in-place reduce-scatter and the
-//! nonblocking forms stay with MPI. The ring runs on the communicator's duplicate (the one the
+//! all-reduce buffer, or of the reduce-scatter's input, in place or not); the nonblocking forms
+//! stay with MPI. The in-place reduce-scatter ([`reduce_scatter_in_place`]) is the all-reduce's
+//! first half with the blocks shifted by one: each rank ends with its own block where it lies
+//! (no copy to move it there, as after `MPI_Reduce_scatter_block`). The ring runs on the communicator's duplicate (the one the
 //! mismatch check uses), so its messages never meet a user's point-to-point messages, and
 //! under the same watch as `MPI_Allreduce`: a rank that passes its time limit or is aborted
 //! inside it ends the job as a blocking collective does.
@@ -169,15 +171,48 @@ pub(crate) fn all_reduce(
 ) -> std::result::Result<(), RingError> {
     let op = kernel_op(r);
     let parts = blocks(buf.len(), n);
-    let longest = parts.iter().map(|p| p.1).max().unwrap_or(0);
     let mut guard = scratch.lock().unwrap_or_else(|p| p.into_inner());
-    let tmp = block(&mut guard[0], buf.dtype(), longest);
+    // Afterwards this rank holds the fully reduced block `rank + 1`.
+    reduce_in_place(c, buf.reborrow(), op, (rank, n), &parts, 0, &mut guard[0])?;
+    let right = (rank + 1) % n;
+    let left = (rank + n - 1) % n;
+    let at = |i: usize| parts[i % n];
+    // All-gather: block `rank + 1 - s` goes right, block `rank - s` comes from the left.
+    for s in 0..n - 1 {
+        let send = at(rank + 1 + n - s);
+        let recv = at(rank + n - s);
+        c.sendrecv_within(
+            buf.reborrow(),
+            (send.0, send.1, right),
+            (recv.0, recv.1, left),
+            TAG,
+        )
+        .map_err(RingError::Mpi)?;
+    }
+    Ok(())
+}
+
+/// The reduce-scatter phase of the ring, in place on `buf` cut into `parts`: in step `s`
+/// (`0..n-1`) rank `r` sends block `r - s - shift` right and receives block `r - s - shift - 1` from
+/// the left into the scratch block, which it reduces into its own copy of that block; afterwards
+/// rank `r` holds the fully reduced block `r + 1 - shift` where it lies (shift 0: the
+/// all-reduce's first half; shift 1: the in-place reduce-scatter, which ends on its own block).
+fn reduce_in_place(
+    c: &raw::Comm,
+    mut buf: HostSliceMut<'_>,
+    op: ReduceOp,
+    (rank, n): (usize, usize),
+    parts: &[(usize, usize)],
+    shift: usize,
+    slot: &mut Option<HostBuffer>,
+) -> std::result::Result<(), RingError> {
+    let longest = parts.iter().map(|p| p.1).max().unwrap_or(0);
+    let tmp = block(slot, buf.dtype(), longest);
     let (right, left) = ((rank + 1) % n, (rank + n - 1) % n);
     let at = |i: usize| parts[i % n];
-    // Reduce-scatter: block `rank - s` goes right, block `rank - s - 1` comes from the left.
     for s in 0..n - 1 {
-        let (send_at, send_len) = at(rank + n - s);
-        let (recv_at, recv_len) = at(rank + 2 * n - s - 1);
+        let (send_at, send_len) = at(rank + 2 * n - s - shift);
+        let (recv_at, recv_len) = at(rank + 2 * n - s - shift - 1);
         let mut whole_tmp = tmp.as_mut_slice();
         let mut into = whole_tmp
             .sub_mut(0, recv_len)
@@ -193,19 +228,36 @@ pub(crate) fn all_reduce(
             .ok_or_else(|| outside("block outside the buffer"))?;
         kernels::accumulate(mine, into.as_slice(), op).map_err(RingError::Other)?;
     }
-    // All-gather: block `rank + 1 - s` goes right, block `rank - s` comes from the left.
-    for s in 0..n - 1 {
-        let send = at(rank + 1 + n - s);
-        let recv = at(rank + n - s);
-        c.sendrecv_within(
-            buf.reborrow(),
-            (send.0, send.1, right),
-            (recv.0, recv.1, left),
-            TAG,
-        )
-        .map_err(RingError::Mpi)?;
-    }
     Ok(())
+}
+
+/// The ring reduce-scatter of `buf` (`n` blocks of `buf.len() / n` elements) in place on `c`
+/// with `r`: this rank's reduced block ends at `rank · k`, where it lies, with no copy (the
+/// other blocks hold partial results: unspecified, as the operation allows). The all-reduce's
+/// first half with the blocks shifted by one.
+pub(crate) fn reduce_scatter_in_place(
+    c: &raw::Comm,
+    mut buf: HostSliceMut<'_>,
+    r: raw::Reduce,
+    (rank, n): (usize, usize),
+    scratch: &Scratch,
+) -> std::result::Result<(), RingError> {
+    if !buf.len().is_multiple_of(n.max(1)) {
+        return Err(outside(
+            "an in-place reduce-scatter buffer that is not n equal blocks",
+        ));
+    }
+    let parts = blocks(buf.len(), n);
+    let mut guard = scratch.lock().unwrap_or_else(|p| p.into_inner());
+    reduce_in_place(
+        c,
+        buf.reborrow(),
+        kernel_op(r),
+        (rank, n),
+        &parts,
+        1,
+        &mut guard[0],
+    )
 }
 
 #[cfg(test)]

@@ -66,7 +66,8 @@ fn check<T: Element + PartialEq + Copy + std::fmt::Debug>(
     Ok(())
 }
 
-/// Reduce-scatter of `n` blocks of `k` elements (`n · k` elements above the threshold).
+/// Reduce-scatter of `n` blocks of `k` elements (`n · k` elements above the threshold), out of
+/// place and in place.
 fn check_scatter<T: Element + PartialEq + Copy + std::fmt::Debug>(
     c: &backend_mpi::MpiCommunicator,
     conv: fn(f64) -> T,
@@ -90,6 +91,17 @@ fn check_scatter<T: Element + PartialEq + Copy + std::fmt::Debug>(
         // The input is left as it was.
         if (0..n * k).any(|i| mine[i] != conv(value(me, i) as f64)) {
             return Err(format!("reduce_scatter {op:?} changed its input"));
+        }
+        // In place: this rank's block ends at me · k (the rest is unspecified).
+        let mut buf = mine.clone();
+        c.reduce_scatter_in_place(&mut buf[..], op)
+            .map_err(|e| format!("reduce_scatter_in_place {op:?}: {e}"))?;
+        if let Some(j) = (0..k).find(|&j| buf[me * k + j] != want(j)) {
+            return Err(format!(
+                "reduce_scatter_in_place {op:?}, blocks of {k}: element {j} of this rank's block is {:?}, expected {:?}",
+                buf[me * k + j],
+                want(j)
+            ));
         }
     }
     Ok(())
