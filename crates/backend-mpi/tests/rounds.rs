@@ -6,13 +6,13 @@
 //!   does not: the same `Error::CollectiveMismatch` on every rank, nobody's buffer written, and
 //!   the communicator still in step afterwards, for every collective with a one-round form;
 //! * an all-to-all-v (whose check needs a second exchange) against an all-reduce that fits one
-//!   round: the mismatch on every rank;
-//! * the conformance suite with every collective checked (`GRID_DEBUG=detail`), so that every
-//!   small collective of every dtype and reduction runs in its one-round form.
+//!   round: the mismatch on every rank.
+//!
+//! The conformance suite with every collective checked (`GRID_DEBUG=detail`), so that every
+//! small collective of every dtype and reduction runs in its one-round form, is in
+//! `tests/conformance.rs`.
 
-use backend_mpi::testing::{launch_with_env, under_launcher};
-use backend_mpi::{mpi_test, MpiCommunicator, MpiFactory, ROUND_MAX};
-use grid_conformance::{run_with, Options};
+use backend_mpi::{mpi_test, ROUND_MAX};
 use grid_core::{Communicator, CommunicatorExt, Error, ReduceOp};
 use std::time::Duration;
 
@@ -148,46 +148,3 @@ mpi_test!(
         Ok(())
     }
 );
-
-fn self_exe() -> String {
-    std::env::current_exe()
-        .map(|p| p.to_string_lossy().into_owned())
-        .unwrap_or_default()
-}
-
-// The conformance suite's body, run only by the launcher test below (with every collective
-// checked); otherwise it passes at once (the plain suite runs in tests/conformance.rs).
-mpi_test!(
-    mpi_rounds_conformance_helper_np4,
-    np = 4,
-    timeout = 300,
-    |rt| {
-        if std::env::var("GRID_DEBUG").as_deref() != Ok("detail") {
-            return Ok(());
-        }
-        let opts = Options::<MpiCommunicator> {
-            finish: Some(Box::new(|c: &MpiCommunicator| c.finish())),
-            mismatch_check: Some(grid_conformance::comm_mismatch_check()),
-            ..Default::default()
-        };
-        let report = run_with(&MpiFactory::new(), rt.world(), &opts).map_err(|f| f.to_string())?;
-        println!("{report}");
-        Ok(())
-    }
-);
-
-#[test]
-fn mpi_conformance_with_every_collective_checked() {
-    if under_launcher() {
-        return;
-    }
-    let args = [
-        "--exact",
-        "mpi_rounds_conformance_helper_np4",
-        "--nocapture",
-        "--test-threads=1",
-    ];
-    let out = launch_with_env(4, 300, &self_exe(), &args, &[("GRID_DEBUG", "detail")]).unwrap();
-    assert_eq!(out.code, Some(0), "{}", out.output);
-    assert!(out.output.contains("passed"), "{}", out.output);
-}
