@@ -366,14 +366,10 @@ impl MpiBackend {
         let _w = self.watch.enter(watch::op_index(op), seq, alone, limit);
         let (me, n) = (self.rank, self.size);
         let out = c.outgoing_messages(Some(check), me, n)?;
-        let sends: Vec<(usize, usize, usize)> = out
-            .messages
-            .iter()
-            .map(|m| (m.peer, m.offset, m.len))
-            .collect();
         let from: Vec<usize> = (0..n).filter(|&j| j != me).collect();
         // Room for the longest message any rank sends in a round (the same settings on every
-        // rank): a fingerprint and at most `round_max` bytes of data.
+        // rank): a fingerprint and at most `round_max` bytes of data, so that no well-formed
+        // message is truncated whatever counts the ranks pass.
         let capacity = FP_BYTES + self.round_max;
         let mut cached = self.round_scratch.try_lock().ok();
         let mut fresh = Vec::new();
@@ -381,21 +377,36 @@ impl MpiBackend {
         if recv.len() < capacity * from.len() {
             recv.resize(capacity * from.len(), 0);
         }
-        let stuck = |why| self.stuck(op, seq, limit, why);
-        let lens = self
-            .check
-            .round_within(
-                &out.bytes,
-                &sends,
-                recv,
-                capacity,
-                &from,
-                ROUND_TAG,
-                &self.watch.aborted, // the watch ends the job at the limit, as for the MPI calls
-                &stuck,
-            )
-            .map_err(|e| self.err(op, e))?
-            .map_err(|(why, peer)| self.stopped(op, limit, Some(peer), why))?;
+        // The received lengths, in the order of `from`.
+        let lens = {
+            let mut rooms: Vec<HostSliceMut<'_>> = recv
+                .chunks_exact_mut(capacity)
+                .map(HostSliceMut::U8)
+                .collect();
+            // Receives first: an eager message then lands in place, not in Open MPI's buffer of
+            // unexpected messages.
+            let mut ops: Vec<P2p<'_, '_>> = Vec::with_capacity(2 * from.len());
+            for (&peer, buf) in from.iter().zip(rooms.iter_mut()) {
+                ops.push(P2p::Recv {
+                    buf,
+                    peer,
+                    tag: ROUND_TAG,
+                });
+            }
+            for m in &out.messages {
+                ops.push(P2p::Send {
+                    buf: HostSlice::U8(&out.bytes[m.offset..m.offset + m.len]),
+                    peer: m.peer,
+                    tag: ROUND_TAG,
+                });
+            }
+            let stuck = |why| self.stuck(op, seq, limit, why);
+            // No limit here: the watch ends the job at the limit, as for the MPI calls.
+            self.check
+                .batch_within(&mut ops, None, &self.watch.aborted, &stuck)
+                .map_err(|e| self.err(op, e))?
+                .map_err(|why| self.stopped(op, limit, None, why))?
+        };
         let message = |j: usize| {
             let i = if j < me { j } else { j - 1 };
             &recv[i * capacity..i * capacity + lens[i]]
@@ -624,6 +635,7 @@ impl MpiBackend {
                 let stuck = |why| self.stuck(OP, seq, limit, why);
                 c.batch_within(&mut raw_ops, limit.duration(), abort, &stuck)
                     .map_err(|e| self.err(OP, e))?
+                    .map(drop)
                     .map_err(|why| self.stopped(OP, limit, None, why))
             }
             Op::AllToAllV {

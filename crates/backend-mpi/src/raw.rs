@@ -21,11 +21,9 @@ use std::os::raw::{c_char, c_int, c_void};
 use std::sync::atomic::{AtomicBool, Ordering};
 
 // Shared support (errors, conversions, pointers, the finalized flag) is here; the calls are in
-// `comm` (handles, blocking calls), `pending` (nonblocking calls owning their buffers) and
-// `round` (one round of messages received by length).
+// `comm` (handles, blocking calls) and `pending` (nonblocking calls owning their buffers).
 mod comm;
 mod pending;
-mod round;
 mod wait;
 
 pub(crate) use comm::{Comm, P2p};

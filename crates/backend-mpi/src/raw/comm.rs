@@ -10,7 +10,7 @@ use std::sync::atomic::AtomicBool;
 use std::time::Duration;
 
 /// How long a cancelled request may take to complete before it counts as not cancellable.
-pub(super) const CANCEL_GRACE: Duration = Duration::from_secs(1);
+const CANCEL_GRACE: Duration = Duration::from_secs(1);
 
 use grid_core::{HostSlice, HostSliceMut};
 use mpi::ffi;
@@ -878,7 +878,8 @@ impl Comm {
             .map_err(|_| RawError::msg(format!("MPI_Get_count returned {got}")))
     }
 
-    /// Posts every send and receive, then completes all of them under `limit` and `abort`.
+    /// Posts every send and receive, then completes all of them under `limit` and `abort`;
+    /// returns the number of elements each receive got, in the order of `ops`.
     /// Borrowed buffers are safe because this function returns only once no request is active:
     /// when the limit passes or the communicator is aborted, the receives are cancelled, and if
     /// a send (which Open MPI cannot cancel) or a receive is still active, it calls `stuck`.
@@ -890,7 +891,7 @@ impl Comm {
         limit: Option<Duration>,
         abort: &AtomicBool,
         stuck: &dyn Fn(Stop) -> std::convert::Infallible,
-    ) -> R<Result<(), Stop>> {
+    ) -> R<Result<Vec<usize>, Stop>> {
         let mut reqs: Vec<ffi::MPI_Request> = Vec::with_capacity(ops.len());
         let mut first_err = None;
         for op in ops.iter_mut() {
@@ -919,19 +920,36 @@ impl Comm {
             }
         }
         let mut st = statuses(reqs.len());
-        let why = match wait_all(&mut reqs, &mut st, limit, abort) {
-            // Every posted request completed; a post that failed is reported now.
-            Ok(Ok(())) => return first_err.map_or(Ok(Ok(())), Err),
-            Ok(Err(why)) => why,
-            Err(e) => {
-                // A request failed: the others may still be active. Cancel what can be.
-                let left = cancel_all(&mut reqs, &mut st, CANCEL_GRACE)?;
-                if left.iter().any(Option::is_none) {
-                    match stuck(Stop::Timeout) {}
+        let why =
+            match wait_all(&mut reqs, &mut st, limit, abort) {
+                // Every posted request completed; a post that failed is reported now.
+                Ok(Ok(())) => {
+                    if let Some(e) = first_err {
+                        return Err(e);
+                    }
+                    let mut got = Vec::new();
+                    for (op, st) in ops.iter().zip(&st) {
+                        if let P2p::Recv { buf, .. } = op {
+                            let mut n: c_int = 0;
+                            // SAFETY: `st` was written by the completing test.
+                            rc(unsafe { ffi::MPI_Get_count(st, datatype(buf.dtype()), &mut n) })?;
+                            got.push(usize::try_from(n).map_err(|_| {
+                                RawError::msg(format!("MPI_Get_count returned {n}"))
+                            })?);
+                        }
+                    }
+                    return Ok(Ok(got));
                 }
-                return Err(first_err.unwrap_or(e));
-            }
-        };
+                Ok(Err(why)) => why,
+                Err(e) => {
+                    // A request failed: the others may still be active. Cancel what can be.
+                    let left = cancel_all(&mut reqs, &mut st, CANCEL_GRACE)?;
+                    if left.iter().any(Option::is_none) {
+                        match stuck(Stop::Timeout) {}
+                    }
+                    return Err(first_err.unwrap_or(e));
+                }
+            };
         let left = cancel_all(&mut reqs, &mut st, CANCEL_GRACE)?;
         if left.iter().any(Option::is_none) {
             match stuck(why) {}

@@ -48,7 +48,8 @@ pub(crate) fn wait_all(
         )));
     }
     let n = super::count(reqs.len())?;
-    let mut pace = Pace::new(limit, abort);
+    let mut spins = 0u32;
+    let mut start: Option<Instant> = None;
     loop {
         let mut flag: c_int = 0;
         // SAFETY: `reqs` holds `n` request handles (active ones posted by this crate, or
@@ -69,43 +70,13 @@ pub(crate) fn wait_all(
         if flag != 0 {
             return Ok(Ok(()));
         }
-        if let Some(why) = pace.next()? {
-            return Ok(Err(why));
+        if abort.load(Ordering::Relaxed) {
+            return Ok(Err(Stop::Abort));
         }
-    }
-}
-
-/// The pace of a completion loop between two tests that found the operation unfinished:
-/// [`SPINS`] spins without a clock read, then yields of the core for [`YIELD_FOR`], then naps
-/// of [`NAP`]; it gives up when `abort` is set or `limit` passed (measured from the first clock
-/// read; `None`: no limit).
-pub(crate) struct Pace<'a> {
-    spins: u32,
-    start: Option<Instant>,
-    limit: Option<Duration>,
-    abort: &'a AtomicBool,
-}
-
-impl<'a> Pace<'a> {
-    pub(crate) fn new(limit: Option<Duration>, abort: &'a AtomicBool) -> Pace<'a> {
-        Pace {
-            spins: 0,
-            start: None,
-            limit,
-            abort,
-        }
-    }
-
-    /// Waits before the next test: `Ok(None)` to test again, `Ok(Some(why))` to give up, an
-    /// error once MPI was finalized.
-    pub(crate) fn next(&mut self) -> R<Option<Stop>> {
-        if self.abort.load(Ordering::Relaxed) {
-            return Ok(Some(Stop::Abort));
-        }
-        if self.spins < SPINS {
-            self.spins += 1;
+        if spins < SPINS {
+            spins += 1;
             std::hint::spin_loop();
-            return Ok(None);
+            continue;
         }
         if FINALIZED.load(Ordering::Acquire) {
             return Err(RawError::msg(
@@ -113,16 +84,15 @@ impl<'a> Pace<'a> {
             ));
         }
         let now = Instant::now();
-        let waited = now.duration_since(*self.start.get_or_insert(now));
-        if self.limit.is_some_and(|l| waited >= l) {
-            return Ok(Some(Stop::Timeout));
+        let waited = now.duration_since(*start.get_or_insert(now));
+        if limit.is_some_and(|l| waited >= l) {
+            return Ok(Err(Stop::Timeout));
         }
         if waited < YIELD_FOR {
             std::thread::yield_now();
         } else {
             std::thread::sleep(NAP);
         }
-        Ok(None)
     }
 }
 
