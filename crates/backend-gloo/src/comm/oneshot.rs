@@ -165,7 +165,13 @@ impl Inner {
         let w = c.width();
         let head = if check.is_some() { FP_BYTES } else { 0 };
         let out = c.outgoing_messages(check, me, n)?;
-        let sends: Vec<RawBlock> = out
+        // An unchecked broadcast's other ranks have nothing to say: only the root's messages
+        // travel (every rank knows the root; ranks that disagree on it wait until the time
+        // limit). Every other form sends every message, empty or not (a barrier's are all
+        // empty: they are the barrier).
+        let root_only = check.is_none() && matches!(c, RoundOp::Broadcast { .. });
+        let travels = |b: &RawBlock| !root_only || b.count > 0;
+        let sent: Vec<RawBlock> = out
             .messages
             .iter()
             .map(|m| RawBlock {
@@ -173,6 +179,7 @@ impl Inner {
                 offset: m.offset,
                 count: m.len,
             })
+            .filter(travels)
             .collect();
 
         // Incoming: one slot per peer, of the length an agreeing peer sends.
@@ -188,14 +195,7 @@ impl Inner {
             at += len;
         }
         let mut recv = vec![0u8; at];
-        // An unchecked broadcast's other ranks have nothing to say: only the root's messages
-        // travel (every rank knows the root; ranks that disagree on it wait until the time
-        // limit). Every other form sends every message, empty or not (a barrier's are all
-        // empty: they are the barrier).
-        let root_only = check.is_none() && matches!(c, RoundOp::Broadcast { .. });
-        let travels = |b: &&RawBlock| !root_only || b.count > 0;
-        let sent: Vec<RawBlock> = sends.iter().filter(travels).copied().collect();
-        let received: Vec<RawBlock> = recvs.iter().filter(travels).copied().collect();
+        let received: Vec<RawBlock> = recvs.iter().copied().filter(travels).collect();
         let mismatches = self
             .ctx
             .exchange_on(

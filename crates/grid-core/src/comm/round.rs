@@ -122,7 +122,7 @@ impl RoundOp<'_> {
     }
 
     /// `k`: the elements of one rank's block (all-gather, reduce-scatter, all-to-all).
-    pub fn block(&self, n: usize) -> usize {
+    fn block(&self, n: usize) -> usize {
         match self {
             RoundOp::AllGather { recv, .. } => recv.len() / n,
             RoundOp::ReduceScatter {
@@ -139,7 +139,7 @@ impl RoundOp<'_> {
     }
 
     /// Elements this rank expects from rank `j` (not itself).
-    pub fn incoming(&self, j: usize, n: usize) -> usize {
+    fn incoming(&self, j: usize, n: usize) -> usize {
         match self {
             RoundOp::AllReduce { recv, .. } => recv.len(),
             RoundOp::Broadcast { buf, root } => {
@@ -155,7 +155,7 @@ impl RoundOp<'_> {
     }
 
     /// Whether this rank sends the same payload to every rank (else block `j` to rank `j`).
-    pub fn same_to_all(&self) -> bool {
+    fn same_to_all(&self) -> bool {
         !matches!(
             self,
             RoundOp::ReduceScatter { .. } | RoundOp::AllToAll { .. }
@@ -164,7 +164,7 @@ impl RoundOp<'_> {
 
     /// The payload this rank sends to rank `j` (`me`: this rank of `n`); out-of-range blocks
     /// (ruled out by the front end's validation) are an error.
-    pub fn outgoing(&self, j: usize, me: usize, n: usize) -> Result<Option<HostSlice<'_>>> {
+    fn outgoing(&self, j: usize, me: usize, n: usize) -> Result<Option<HostSlice<'_>>> {
         let (k, op) = (self.block(n), self.name());
         Ok(match self {
             RoundOp::AllReduce { send, recv, .. } => Some(send.unwrap_or(recv.as_slice())),
@@ -373,7 +373,7 @@ pub fn part<'a>(
 
 /// The error of elements `at..at + len` outside a buffer of `of` elements (ruled out by the
 /// front end's validation: an unchecked disagreement between ranks, reported, never a panic).
-pub fn outside(op: &'static str, at: usize, len: usize, of: usize) -> Error {
+fn outside(op: &'static str, at: usize, len: usize, of: usize) -> Error {
     Error::Invalid(format!(
         "{op}: elements {at}..{} do not lie inside a buffer of {of} elements",
         at.saturating_add(len)
