@@ -71,10 +71,12 @@ pub fn end_mpi_rank(program: &str, rank: usize, completed: u64, result: Result<(
     std::process::exit(1)
 }
 
-/// The longest line a rank prints whole. Open MPI forwards a rank's output in reads of at most
-/// 4096 bytes, so a longer line can arrive cut, with another rank's line in between (seen with
-/// nccl-loop's error naming every directory the loader searched for libcuda).
-const LINE_MAX: usize = 4000;
+/// The longest line a rank prints whole. Open MPI forwards a rank's output in reads that can be
+/// shorter than the line, so a longer line can arrive cut, with another rank's line in between
+/// (seen with nccl-loop's error naming every directory the loader searched for libcuda: at 4096
+/// bytes, and again, on 2026-11-25, a line of about 2.5 KB cut after 2050 bytes, the size of a
+/// pseudo-terminal's read). 1024 bytes stays well under both.
+const LINE_MAX: usize = 1024;
 
 /// Prints the rank's one line in a single write. An error too long for [`LINE_MAX`] goes
 /// whole to standard error (after `program: rank R: `) and shortened into the line, which says
