@@ -1,6 +1,7 @@
 //! [`MpiBackend`]: the front end's [`Backend`] over one MPI communicator, and
 //! [`MpiCommunicator`], the communicator users hold (`Comm<MpiBackend>`).
 
+use crate::peer_read::{self, Outcome, Reads};
 use crate::raw::{self, Immediate, P2p, Pending, RawError, Stop};
 use crate::ring;
 use crate::stage::{self, Plan};
@@ -111,6 +112,18 @@ pub struct MpiBackend {
     /// The receive memory of the rounds, kept between calls (a round that finds it in use, which
     /// concurrent collectives on one communicator would be, allocates its own).
     round_scratch: std::sync::Mutex<Vec<u8>>,
+    /// [`crate::PEER_READ_MIN`] or [`crate::PEER_READ_MIN_ENV`] (0: never).
+    peer_read_min: usize,
+    /// Set on every rank alike once a copy between the ranks' memory failed (module
+    /// `peer_read`): the in-place all-gathers and broadcasts of this communicator keep to MPI's
+    /// calls from then on.
+    peer_read_off: AtomicBool,
+    /// Whether the last buffer that could be copied directly lies on huge pages (module
+    /// `peer_read`).
+    pages: peer_read::PageVerdicts,
+    /// How many collectives copied straight between the ranks' memory
+    /// ([`MpiBackend::peer_reads`]).
+    peer_reads: std::sync::atomic::AtomicU64,
 }
 
 impl MpiBackend {
@@ -127,6 +140,8 @@ impl MpiBackend {
         let global = raw.world_ranks().map_err(|e| backend_err(op, &name, e))?;
         let direct_max = crate::config::env_usize(crate::DIRECT_MAX_ENV, DIRECT_MAX, 1 << 20)?;
         let round_max = crate::config::env_usize(crate::ROUND_MAX_ENV, ROUND_MAX, 1 << 20)?;
+        let peer_read_min =
+            crate::config::env_usize(crate::PEER_READ_MIN_ENV, crate::PEER_READ_MIN, 1 << 40)?;
         let check = raw.dup().map_err(|e| backend_err(op, &name, e))?;
         tracing::debug!(op, comm = %name, rank, size, ?global, "mpi communicator created");
         let watch = Watch::new(Site {
@@ -148,6 +163,10 @@ impl MpiBackend {
             direct_max,
             round_max,
             round_scratch: std::sync::Mutex::new(Vec::new()),
+            peer_read_min,
+            peer_read_off: AtomicBool::new(false),
+            pages: peer_read::PageVerdicts::default(),
+            peer_reads: std::sync::atomic::AtomicU64::new(0),
         };
         Ok(Comm::new(backend, name))
     }
@@ -268,6 +287,65 @@ impl MpiBackend {
             ring::RingError::Mpi(e) => self.err(op, e),
             ring::RingError::Other(e) => e,
         }
+    }
+
+    /// How many blocking in-place all-gathers and broadcasts of this communicator copied
+    /// straight between the ranks' memory instead of calling `MPI_Allgather` or `MPI_Bcast`
+    /// (every rank on one node, every buffer of at least [`crate::PEER_READ_MIN`] bytes and
+    /// mostly on huge pages; see docs/backends.md). The same on every rank.
+    pub fn peer_reads(&self) -> u64 {
+        self.peer_reads.load(Ordering::Relaxed)
+    }
+
+    /// Whether this communicator still tries to copy straight between the ranks' memory in
+    /// in-place all-gathers and broadcasts ([`MpiBackend::peer_reads`]): false when
+    /// [`crate::PEER_READ_MIN_ENV`] is 0, on one rank, or after a copy failed (a kernel or
+    /// seccomp profile that forbids `process_vm_readv`), on every rank alike.
+    pub fn reads_peers_when_it_pays(&self) -> bool {
+        self.size > 1 && self.peer_read_min > 0 && !self.peer_read_off.load(Ordering::Relaxed)
+    }
+
+    /// Runs blocking collective `reads` on `buf` by copying straight between the ranks' memory
+    /// (module `peer_read`) when it pays: true when done, false when the caller runs the MPI
+    /// call (the source parts untouched). Whether to try is decided from what is the same on every
+    /// rank of a well-formed call (the mismatch check makes sure of it from 2 KiB on).
+    fn read_peers(&self, op: &'static str, reads: Reads, buf: HostSliceMut<'_>) -> Result<bool> {
+        let bytes = buf.len().saturating_mul(buf.dtype().size_bytes());
+        if bytes < self.peer_read_min || !self.reads_peers_when_it_pays() {
+            return Ok(false);
+        }
+        let me = (self.rank, self.size);
+        match peer_read::run(&self.check, me, reads, &self.pages, buf)
+            .map_err(|e| self.err(op, e))?
+        {
+            Outcome::Done => {
+                self.peer_reads.fetch_add(1, Ordering::Relaxed);
+                Ok(true)
+            }
+            Outcome::NotTaken => Ok(false),
+            Outcome::Failed(errno) => {
+                self.stop_reading_peers(errno);
+                Ok(false)
+            }
+        }
+    }
+
+    /// Stops the direct copies on this communicator after one failed (`errno`: the largest
+    /// error number any rank met); every rank calls it for the same collective.
+    #[cold]
+    fn stop_reading_peers(&self, errno: i32) {
+        self.peer_read_off.store(true, Ordering::Relaxed);
+        let why = match errno {
+            i32::MAX => "a copy moved nothing".to_string(),
+            e => std::io::Error::from_raw_os_error(e).to_string(),
+        };
+        tracing::warn!(
+            comm = %self.name,
+            errno,
+            %why,
+            "copying between the ranks' memory (process_vm_readv/writev) failed; in-place \
+             all-gathers and broadcasts of this communicator use MPI's calls from now on"
+        );
     }
 
     /// `MPI_IN_PLACE` all-gather of `buf` (`size · k` elements, this rank's block at
@@ -479,8 +557,11 @@ impl MpiBackend {
             }
             Op::Broadcast { buf, root } => {
                 const OP: &str = "broadcast";
-                let buf = host_mut(OP, buf)?;
+                let mut buf = host_mut(OP, buf)?;
                 let _w = watch(watch::BROADCAST);
+                if self.read_peers(OP, Reads::Broadcast { root }, buf.reborrow())? {
+                    return Ok(());
+                }
                 c.broadcast(buf, root).map_err(|e| self.err(OP, e))
             }
             Op::AllGather { send, recv } => {
@@ -528,8 +609,11 @@ impl MpiBackend {
                 Ok(())
             }
             Op::AllGatherInPlace { buf } => {
-                let buf = host_mut("all_gather", buf)?;
+                let mut buf = host_mut("all_gather", buf)?;
                 let _w = watch(watch::ALL_GATHER);
+                if self.read_peers("all_gather", Reads::AllGatherInPlace, buf.reborrow())? {
+                    return Ok(());
+                }
                 self.gather_in_place(c, buf)
             }
             Op::ReduceScatterInPlace { buf, op } => {

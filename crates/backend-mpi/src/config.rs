@@ -22,6 +22,12 @@ pub const ROUND_MAX_ENV: &str = "GRID_MPI_ROUND_MAX";
 /// is created.
 pub const DIRECT_MAX_ENV: &str = "GRID_MPI_DIRECT_MAX";
 
+/// The environment variable that sets the smallest buffer (bytes) of a blocking in-place
+/// all-gather or broadcast that copies straight between the ranks' memory when every rank is
+/// on one node and its buffer lies mostly on huge pages ([`crate::PEER_READ_MIN`] when unset;
+/// 0: never, always MPI's call). The same on every rank; read when a communicator is created.
+pub const PEER_READ_MIN_ENV: &str = "GRID_MPI_PEER_READ_MIN";
+
 /// An unsigned integer from environment variable `var` (`default` when unset), at most `most`;
 /// anything else is an error naming the variable, the value and what is valid.
 pub(crate) fn env_usize(var: &str, default: usize, most: usize) -> Result<usize> {

@@ -98,6 +98,7 @@
 mod comm;
 mod config;
 mod factory;
+mod peer_read;
 #[allow(unsafe_code)]
 mod raw;
 mod ring;
@@ -107,7 +108,10 @@ pub mod testing;
 mod watch;
 
 pub use comm::{MpiBackend, MpiCommunicator, CHECK_THRESHOLD, DIRECT_MAX, ROUND_MAX};
-pub use config::{MpiConfig, DIRECT_MAX_ENV, ROUND_MAX_ENV, SIGTERM_REPORT_ENV, TIMEOUT_ENV};
+pub use config::{
+    MpiConfig, DIRECT_MAX_ENV, PEER_READ_MIN_ENV, ROUND_MAX_ENV, SIGTERM_REPORT_ENV, TIMEOUT_ENV,
+};
 pub use factory::{FactoryCalls, MpiFactory};
+pub use peer_read::PEER_READ_MIN;
 pub use runtime::{MpiRuntime, FRAGMENT_SIZE, FRAGMENT_SIZE_VAR, SINGLE_COPY_VAR};
 pub use watch::{EXIT_ABORTED, EXIT_TIMEOUT, MESSAGE_GRACE, TICK};

@@ -23,6 +23,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 // Shared support (errors, conversions, pointers, the finalized flag) is here; the calls are in
 // `comm` (handles, blocking calls) and `pending` (nonblocking calls owning their buffers).
 mod comm;
+pub(crate) mod peer_read;
 mod pending;
 mod wait;
 

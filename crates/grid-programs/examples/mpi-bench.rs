@@ -19,12 +19,17 @@
 //!   on (`MismatchCheck::All`: one 14-integer all-reduce before each call), max, 8 B to 8 MiB,
 //!   alternating sample by sample; the cost of the check in µs and as a fraction of the call.
 //!
+//! * `mpi-bench peer-read`: the in-place all-gather and the broadcast (f32, 2 to 64 MiB) reading
+//!   the other ranks' memory (backend-mpi's default from `PEER_READ_MIN` on one node when the
+//!   buffers lie on huge pages) against `MPI_Allgather` / `MPI_Bcast` (a communicator created
+//!   with `GRID_MPI_PEER_READ_MIN=0`), on numpy-like buffers (huge pages advised) and on plain
+//!   ones (where both take MPI's call), alternating iteration by iteration.
 //! * `mpi-bench p2p`: on 2 ranks, a ping-pong of 8 B (`send_to` then `recv_from`, which run as
 //!   `MPI_Isend`/`MPI_Irecv` completed under the time limit) against rsmpi's blocking
 //!   `send`/`receive_into` in the same run, alternating sample by sample: time per round trip.
 //!
 //! Without a launcher, `mpi-bench` runs itself: `overhead` at 1 rank, `collectives` and
-//! `in-place` and `check-cost` at 2 and 4 ranks and `collection` at 8 ranks, and prints one markdown report. `--quick` uses fewer iterations.
+//! `in-place`, `check-cost` and `peer-read` at 2 and 4 ranks and `collection` at 8 ranks, and prints one markdown report. `--quick` uses fewer iterations.
 
 use backend_mpi::{testing, MpiFactory, MpiRuntime};
 use grid_core::{
@@ -40,6 +45,10 @@ use mpi::topology::Communicator as _;
 use std::process::ExitCode;
 use std::time::Instant;
 
+#[path = "common/peer_memory.rs"]
+mod peer_memory;
+use peer_memory::PeerMemory;
+
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let quick = args.iter().any(|a| a == "--quick");
@@ -54,9 +63,10 @@ fn main() -> ExitCode {
             Some("overhead") => overhead(quick),
             Some("in-place") => in_place(quick),
             Some("check-cost") => check_cost(quick),
+            Some("peer-read") => peer_read(quick),
             Some("p2p") => p2p(quick),
             Some(other) => Err(format!(
-                "unknown mode '{other}': use collectives, collection, overhead, in-place, check-cost or p2p"
+                "unknown mode '{other}': use collectives, collection, overhead, in-place, check-cost, peer-read or p2p"
             )),
         }
     } else {
@@ -69,6 +79,120 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// The in-place all-gather and the broadcast reading the peers' memory (the world, with
+/// backend-mpi's defaults) against `MPI_Allgather` / `MPI_Bcast` (a split of the world created
+/// with `GRID_MPI_PEER_READ_MIN=0`), on numpy-like and on plain buffers, alternating iteration
+/// by iteration.
+fn peer_read(quick: bool) -> Result<(), String> {
+    let rt = MpiRuntime::init().map_err(|e| e.to_string())?;
+    let reads = rt.world();
+    let e = |e: grid_core::Error| e.to_string();
+    let (me, n) = (reads.rank(), reads.size());
+    // Every rank sets the variable before the split and removes it after, so the new
+    // communicator (and only it) never reads its peers.
+    std::env::set_var(backend_mpi::PEER_READ_MIN_ENV, "0");
+    let mpi_only = MpiFactory::new().split(reads, Some(0), me);
+    std::env::remove_var(backend_mpi::PEER_READ_MIN_ENV);
+    let mpi_only = mpi_only
+        .map_err(e)?
+        .ok_or("every rank is a member of the split")?;
+    if me == 0 {
+        println!("## Reading the peers' memory against MPI's calls, {n} ranks (f32)\n");
+        println!("In-place all-gather and broadcast (from rank 0), both through this crate with the mismatch check on: the world (reads the other ranks' blocks, or the root's buffer, from their memory from {} MiB when every buffer lies mostly on huge pages) and a communicator created with `{}=0` (always `MPI_Allgather` / `MPI_Bcast`). numpy memory: huge pages advised from 4 MiB as numpy does; plain: no advice (both take MPI's call). Time: median over iterations of the slowest rank; the two alternate iteration by iteration.\n", backend_mpi::PEER_READ_MIN >> 20, backend_mpi::PEER_READ_MIN_ENV);
+        println!(
+            "{}",
+            header(&[
+                "op",
+                "memory",
+                ">bytes",
+                ">samples",
+                ">default µs",
+                ">MPI µs",
+                ">MPI / default",
+            ])
+        );
+    }
+    for op in ["all_gather (in place)", "broadcast"] {
+        for (memory, label) in [(PeerMemory::Numpy, "numpy"), (PeerMemory::Torch, "plain")] {
+            for bytes in [2usize << 20, 8 << 20, 16 << 20, 32 << 20, 64 << 20] {
+                let iters = match (quick, bytes > 8 << 20) {
+                    (true, _) => 5,
+                    (false, false) => 30,
+                    (false, true) => 15,
+                };
+                let block = bytes / 4 / n;
+                let gather = op != "broadcast";
+                let mut buf = memory.filled(block * n, 0.0);
+                // The gather's element i comes from rank i / block; the broadcast's from rank 0.
+                let want = |i: usize| {
+                    if gather {
+                        (i / block) as f32 + 1.0
+                    } else {
+                        (i % 1000) as f32
+                    }
+                };
+                let mut t_reads = Vec::with_capacity(iters);
+                let mut t_mpi = Vec::with_capacity(iters);
+                for it in 0..2 + iters {
+                    let mut one = |read: bool| -> Result<f64, String> {
+                        buf.fill(0.0);
+                        if gather {
+                            buf[me * block..(me + 1) * block].fill(me as f32 + 1.0);
+                        } else if me == 0 {
+                            buf.iter_mut().enumerate().for_each(|(i, x)| *x = want(i));
+                        }
+                        let c = if read { reads } else { &mpi_only };
+                        c.barrier().map_err(e)?;
+                        let t = Instant::now();
+                        if gather {
+                            c.all_gather_in_place(&mut buf[..])
+                        } else {
+                            c.broadcast_into(&mut buf[..], 0)
+                        }
+                        .map_err(e)?;
+                        let dt = t.elapsed().as_secs_f64();
+                        if let Some(i) = (0..buf.len()).find(|&i| buf[i] != want(i)) {
+                            return Err(format!(
+                                "{op} of {bytes} bytes: element {i} is {}, expected {}",
+                                buf[i],
+                                want(i)
+                            ));
+                        }
+                        Ok(dt)
+                    };
+                    let (mpi, read) = alternating(it, &mut one)?;
+                    if it >= 2 {
+                        t_reads.push(read);
+                        t_mpi.push(mpi);
+                    }
+                }
+                let mut m_reads = vec![0f64; iters];
+                let mut m_mpi = vec![0f64; iters];
+                reads
+                    .all_reduce_into(&t_reads[..], &mut m_reads[..], ReduceOp::Max)
+                    .map_err(e)?;
+                reads
+                    .all_reduce_into(&t_mpi[..], &mut m_mpi[..], ReduceOp::Max)
+                    .map_err(e)?;
+                let ratios: Vec<f64> = m_mpi.iter().zip(&m_reads).map(|(a, b)| a / b).collect();
+                if me == 0 {
+                    println!(
+                        "| {op} | {label} | {} | {iters} | {:.1} | {:.1} | {:.2} |",
+                        bytes_label(bytes),
+                        median(&m_reads).unwrap_or(0.0) * 1e6,
+                        median(&m_mpi).unwrap_or(0.0) * 1e6,
+                        median(&ratios).unwrap_or(0.0),
+                    );
+                }
+            }
+        }
+    }
+    if me == 0 {
+        println!();
+    }
+    Ok(())
 }
 
 /// All-reduce in place against out of place through this crate, same communicator, alternating
@@ -371,9 +495,11 @@ fn driver(quick: bool) -> Result<(), String> {
         (2, "collectives"),
         (2, "in-place"),
         (2, "check-cost"),
+        (2, "peer-read"),
         (4, "collectives"),
         (4, "in-place"),
         (4, "check-cost"),
+        (4, "peer-read"),
         (8, "collection"),
     ] {
         let mut a = vec![mode];
