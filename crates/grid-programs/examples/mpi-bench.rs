@@ -126,22 +126,31 @@ fn peer_read(quick: bool) -> Result<(), String> {
                 let gather = op != "broadcast";
                 let mut buf = memory.filled(block * n, 0.0);
                 // The gather's element i comes from rank i / block; the broadcast's from rank 0.
-                let want = |i: usize| {
+                // Call c's values: the gather's element i comes from rank i / block, the
+                // broadcast's from rank 0; odd and even calls differ, so a result left over
+                // from the call before never passes for this one.
+                let want = |i: usize, c: usize| {
+                    let base = (c % 2) as f32 * 1e6;
                     if gather {
-                        (i / block) as f32 + 1.0
+                        (i / block) as f32 + 1.0 + base
                     } else {
-                        (i % 1000) as f32
+                        (i % 1000) as f32 + base
                     }
                 };
                 let mut t_reads = Vec::with_capacity(iters);
                 let mut t_mpi = Vec::with_capacity(iters);
+                let mut calls = 0usize;
                 for it in 0..2 + iters {
                     let mut one = |read: bool| -> Result<f64, String> {
-                        buf.fill(0.0);
+                        // As the peer programs prepare: only what this rank contributes.
+                        calls += 1;
                         if gather {
-                            buf[me * block..(me + 1) * block].fill(me as f32 + 1.0);
+                            let mine = &mut buf[me * block..(me + 1) * block];
+                            mine.fill(want(me * block, calls));
                         } else if me == 0 {
-                            buf.iter_mut().enumerate().for_each(|(i, x)| *x = want(i));
+                            buf.iter_mut()
+                                .enumerate()
+                                .for_each(|(i, x)| *x = want(i, calls));
                         }
                         let c = if read { reads } else { &mpi_only };
                         c.barrier().map_err(e)?;
@@ -153,11 +162,11 @@ fn peer_read(quick: bool) -> Result<(), String> {
                         }
                         .map_err(e)?;
                         let dt = t.elapsed().as_secs_f64();
-                        if let Some(i) = (0..buf.len()).find(|&i| buf[i] != want(i)) {
+                        if let Some(i) = (0..buf.len()).find(|&i| buf[i] != want(i, calls)) {
                             return Err(format!(
                                 "{op} of {bytes} bytes: element {i} is {}, expected {}",
                                 buf[i],
-                                want(i)
+                                want(i, calls)
                             ));
                         }
                         Ok(dt)
