@@ -115,12 +115,9 @@ pub struct MpiBackend {
     /// [`crate::PEER_READ_MIN`] or [`crate::PEER_READ_MIN_ENV`] (0: never).
     peer_read_min: usize,
     /// Set on every rank alike once a copy between the ranks' memory failed (module
-    /// `peer_read`): the in-place all-gathers and broadcasts of this communicator keep to MPI's
-    /// calls from then on.
+    /// `peer_read`): the all-gathers and broadcasts of this communicator keep to MPI's calls
+    /// from then on.
     peer_read_off: AtomicBool,
-    /// Whether the last buffer that could be copied directly lies on huge pages (module
-    /// `peer_read`).
-    pages: peer_read::PageVerdicts,
     /// How many collectives copied straight between the ranks' memory
     /// ([`MpiBackend::peer_reads`]).
     peer_reads: std::sync::atomic::AtomicU64,
@@ -165,7 +162,6 @@ impl MpiBackend {
             round_scratch: std::sync::Mutex::new(Vec::new()),
             peer_read_min,
             peer_read_off: AtomicBool::new(false),
-            pages: peer_read::PageVerdicts::default(),
             peer_reads: std::sync::atomic::AtomicU64::new(0),
         };
         Ok(Comm::new(backend, name))
@@ -289,7 +285,7 @@ impl MpiBackend {
         }
     }
 
-    /// How many blocking in-place all-gathers and broadcasts of this communicator copied
+    /// How many blocking all-gathers (in place or not) and broadcasts of this communicator copied
     /// straight between the ranks' memory instead of calling `MPI_Allgather` or `MPI_Bcast`
     /// (every rank on one node, every buffer of at least [`crate::PEER_READ_MIN`] bytes and
     /// mostly on huge pages; see docs/backends.md). The same on every rank.
@@ -298,7 +294,7 @@ impl MpiBackend {
     }
 
     /// Whether this communicator still tries to copy straight between the ranks' memory in
-    /// in-place all-gathers and broadcasts ([`MpiBackend::peer_reads`]): false when
+    /// all-gathers and broadcasts ([`MpiBackend::peer_reads`]): false when
     /// [`crate::PEER_READ_MIN_ENV`] is 0, on one rank, or after a copy failed (a kernel or
     /// seccomp profile that forbids `process_vm_readv`), on every rank alike.
     pub fn reads_peers_when_it_pays(&self) -> bool {
@@ -309,15 +305,19 @@ impl MpiBackend {
     /// (module `peer_read`) when it pays: true when done, false when the caller runs the MPI
     /// call (the source parts untouched). Whether to try is decided from what is the same on every
     /// rank of a well-formed call (the mismatch check makes sure of it from 2 KiB on).
-    fn read_peers(&self, op: &'static str, reads: Reads, buf: HostSliceMut<'_>) -> Result<bool> {
+    fn read_peers(
+        &self,
+        op: &'static str,
+        reads: Reads,
+        send: Option<HostSlice<'_>>,
+        buf: HostSliceMut<'_>,
+    ) -> Result<bool> {
         let bytes = buf.len().saturating_mul(buf.dtype().size_bytes());
         if bytes < self.peer_read_min || !self.reads_peers_when_it_pays() {
             return Ok(false);
         }
         let me = (self.rank, self.size);
-        match peer_read::run(&self.check, me, reads, &self.pages, buf)
-            .map_err(|e| self.err(op, e))?
-        {
+        match peer_read::run(&self.check, me, reads, send, buf).map_err(|e| self.err(op, e))? {
             Outcome::Done => {
                 self.peer_reads.fetch_add(1, Ordering::Relaxed);
                 Ok(true)
@@ -343,8 +343,8 @@ impl MpiBackend {
             comm = %self.name,
             errno,
             %why,
-            "copying between the ranks' memory (process_vm_readv/writev) failed; in-place \
-             all-gathers and broadcasts of this communicator use MPI's calls from now on"
+            "copying between the ranks' memory (process_vm_readv/writev) failed; all-gathers \
+             and broadcasts of this communicator use MPI's calls from now on"
         );
     }
 
@@ -559,15 +559,18 @@ impl MpiBackend {
                 const OP: &str = "broadcast";
                 let mut buf = host_mut(OP, buf)?;
                 let _w = watch(watch::BROADCAST);
-                if self.read_peers(OP, Reads::Broadcast { root }, buf.reborrow())? {
+                if self.read_peers(OP, Reads::Broadcast { root }, None, buf.reborrow())? {
                     return Ok(());
                 }
                 c.broadcast(buf, root).map_err(|e| self.err(OP, e))
             }
             Op::AllGather { send, recv } => {
                 const OP: &str = "all_gather";
-                let (send, recv) = (host(OP, send)?, host_mut(OP, recv)?);
+                let (send, mut recv) = (host(OP, send)?, host_mut(OP, recv)?);
                 let _w = watch(watch::ALL_GATHER);
+                if self.read_peers(OP, Reads::AllGather, Some(send), recv.reborrow())? {
+                    return Ok(());
+                }
                 c.all_gather(send, recv).map_err(|e| self.err(OP, e))
             }
             Op::ReduceScatter { send, recv, op } => {
@@ -611,7 +614,7 @@ impl MpiBackend {
             Op::AllGatherInPlace { buf } => {
                 let mut buf = host_mut("all_gather", buf)?;
                 let _w = watch(watch::ALL_GATHER);
-                if self.read_peers("all_gather", Reads::AllGatherInPlace, buf.reborrow())? {
+                if self.read_peers("all_gather", Reads::AllGatherInPlace, None, buf.reborrow())? {
                     return Ok(());
                 }
                 self.gather_in_place(c, buf)

@@ -22,8 +22,8 @@ pub const ROUND_MAX_ENV: &str = "GRID_MPI_ROUND_MAX";
 /// is created.
 pub const DIRECT_MAX_ENV: &str = "GRID_MPI_DIRECT_MAX";
 
-/// The environment variable that sets the smallest buffer (bytes) of a blocking in-place
-/// all-gather or broadcast that copies straight between the ranks' memory when every rank is
+/// The environment variable that sets the smallest buffer (bytes) of a blocking all-gather
+/// (its receive buffer) or broadcast that copies straight between the ranks' memory when every rank is
 /// on one node and its buffer lies mostly on huge pages ([`crate::PEER_READ_MIN`] when unset;
 /// 0: never, always MPI's call). The same on every rank; read when a communicator is created.
 pub const PEER_READ_MIN_ENV: &str = "GRID_MPI_PEER_READ_MIN";

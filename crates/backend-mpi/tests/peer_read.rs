@@ -1,5 +1,5 @@
-//! The in-place all-gather and the broadcast that copy straight between the ranks' memory
-//! (module `peer_read`; `PEER_READ_MIN`, `MpiBackend::peer_reads`):
+//! The all-gather (in place or not) and the broadcast that copy straight between the ranks'
+//! memory (module `peer_read`; `PEER_READ_MIN`, `MpiBackend::peer_reads`):
 //!
 //! * on buffers advised to huge pages as numpy advises its arrays, of every element size, at 3
 //!   ranks: the right result, and the peers read exactly when every rank's buffer lies on huge
@@ -7,7 +7,8 @@
 //! * on plain buffers, on a mix of both, and below `PEER_READ_MIN`: the right result through
 //!   `MPI_Allgather`, no peer read;
 //! * broadcasts (the root writes the head of every other rank's buffer, which reads the rest),
-//!   of an odd length, from ranks other than 0;
+//!   of an odd length, from ranks other than 0, and the all-gather out of place (each rank's
+//!   send buffer read by the others);
 //! * with `process_vm_readv` forbidden on one rank (a seccomp filter, as container runtimes'
 //!   default profiles install): the right result on every rank, and the communicator stops
 //!   trying on every rank alike.
@@ -81,12 +82,15 @@ enum Coll {
     Gather,
     /// The broadcast from this root: its buffer holds `value(root, i)`.
     Broadcast(usize),
+    /// The all-gather from a send buffer of `len / size` elements allocated as numpy does
+    /// (huge pages advised), holding `value(rank, i)`.
+    GatherInto,
 }
 
 /// One collective on `buf` (filled with `filler` but for this rank's part, see [`Coll`]),
 /// checked element by element; returns whether the ranks' memory was copied directly (the
 /// change of `peer_reads`) and whether every rank's buffer lay on huge pages.
-fn run<T: Element + std::fmt::Debug>(
+fn run<T: Element + Default + std::fmt::Debug>(
     c: &MpiCommunicator,
     coll: Coll,
     buf: &mut [T],
@@ -107,18 +111,30 @@ fn run<T: Element + std::fmt::Debug>(
                 *x = value(root, i);
             }
         }
-        Coll::Broadcast(_) => {}
+        Coll::Broadcast(_) | Coll::GatherInto => {}
     }
-    let huge = everywhere(c, on_huge_pages(buf))?;
+    let mut send = numpy_like::<T>(if matches!(coll, Coll::GatherInto) {
+        k
+    } else {
+        0
+    });
+    for (i, x) in send.iter_mut().enumerate() {
+        *x = value(me, i);
+    }
+    let huge = everywhere(
+        c,
+        on_huge_pages(buf) && (send.is_empty() || on_huge_pages(&send)),
+    )?;
     let before = c.peer_reads();
     match coll {
         Coll::Gather => c.all_gather_in_place(&mut buf[..]),
+        Coll::GatherInto => c.all_gather_into(&send[..], &mut buf[..]),
         Coll::Broadcast(root) => c.broadcast_into(&mut buf[..], root),
     }
     .map_err(|e| e.to_string())?;
     for (at, x) in buf.iter().enumerate() {
         let want = match coll {
-            Coll::Gather => value(at / k, at % k),
+            Coll::Gather | Coll::GatherInto => value(at / k, at % k),
             Coll::Broadcast(root) => value(root, at),
         };
         if *x != want {
@@ -137,7 +153,7 @@ fn run<T: Element + std::fmt::Debug>(
 }
 
 // Numpy-like buffers of 1-, 2-, 4- and 8-byte elements, plain buffers, a mix, and a buffer below
-// PEER_READ_MIN, gathered in place and broadcast: every result exact; the ranks' memory copied
+// PEER_READ_MIN, gathered in place and out of place and broadcast: every result exact; the ranks' memory copied
 // directly exactly when every buffer lies on huge pages.
 mpi_test!(
     mpi_peer_read_gathers_exactly_np3,
@@ -210,6 +226,15 @@ mpi_test!(
             0,
         )?;
         expect("u8 broadcast, numpy-like", r, true)?;
+        // Out of place: each rank's send buffer read by the others.
+        let r = run(
+            c,
+            Coll::GatherInto,
+            &mut b32,
+            |r, i| (r * 1_000_000 + i) as f32 + 0.25,
+            -3.0,
+        )?;
+        expect("f32 all-gather out of place, numpy-like", r, true)?;
         let mut b64 = numpy_like::<i64>(bytes / 8);
         let r = run(
             c,

@@ -19,8 +19,8 @@
 //!   on (`MismatchCheck::All`: one 14-integer all-reduce before each call), max, 8 B to 8 MiB,
 //!   alternating sample by sample; the cost of the check in µs and as a fraction of the call.
 //!
-//! * `mpi-bench peer-read`: the in-place all-gather and the broadcast (f32, 2 to 64 MiB) reading
-//!   the other ranks' memory (backend-mpi's default from `PEER_READ_MIN` on one node when the
+//! * `mpi-bench peer-read`: the all-gather (in place and not) and the broadcast (f32, 2 to
+//!   64 MiB) copying straight between the ranks' memory (backend-mpi's default from `PEER_READ_MIN` on one node when the
 //!   buffers lie on huge pages) against `MPI_Allgather` / `MPI_Bcast` (a communicator created
 //!   with `GRID_MPI_PEER_READ_MIN=0`), on numpy-like buffers (huge pages advised) and on plain
 //!   ones (where both take MPI's call), alternating iteration by iteration.
@@ -81,8 +81,8 @@ fn main() -> ExitCode {
     }
 }
 
-/// The in-place all-gather and the broadcast reading the peers' memory (the world, with
-/// backend-mpi's defaults) against `MPI_Allgather` / `MPI_Bcast` (a split of the world created
+/// The all-gather (in place and not) and the broadcast copying straight between the ranks'
+/// memory (the world, with backend-mpi's defaults) against `MPI_Allgather` / `MPI_Bcast` (a split of the world created
 /// with `GRID_MPI_PEER_READ_MIN=0`), on numpy-like and on plain buffers, alternating iteration
 /// by iteration.
 fn peer_read(quick: bool) -> Result<(), String> {
@@ -100,7 +100,7 @@ fn peer_read(quick: bool) -> Result<(), String> {
         .ok_or("every rank is a member of the split")?;
     if me == 0 {
         println!("## Reading the peers' memory against MPI's calls, {n} ranks (f32)\n");
-        println!("In-place all-gather and broadcast (from rank 0), both through this crate with the mismatch check on: the world (reads the other ranks' blocks, or the root's buffer, from their memory from {} MiB when every buffer lies mostly on huge pages) and a communicator created with `{}=0` (always `MPI_Allgather` / `MPI_Bcast`). numpy memory: huge pages advised from 4 MiB as numpy does; plain: no advice (both take MPI's call). Time: median over iterations of the slowest rank; the two alternate iteration by iteration.\n", backend_mpi::PEER_READ_MIN >> 20, backend_mpi::PEER_READ_MIN_ENV);
+        println!("All-gather (in place and not) and broadcast (from rank 0), both through this crate with the mismatch check on: the world (copies straight between the ranks' memory from {} MiB when every buffer lies mostly on huge pages) and a communicator created with `{}=0` (always `MPI_Allgather` / `MPI_Bcast`). numpy memory: huge pages advised from 4 MiB as numpy does; plain: no advice (both take MPI's call). Time: median over iterations of the slowest rank; the two alternate iteration by iteration.\n", backend_mpi::PEER_READ_MIN >> 20, backend_mpi::PEER_READ_MIN_ENV);
         println!(
             "{}",
             header(&[
@@ -114,7 +114,7 @@ fn peer_read(quick: bool) -> Result<(), String> {
             ])
         );
     }
-    for op in ["all_gather (in place)", "broadcast"] {
+    for op in ["all_gather (in place)", "all_gather", "broadcast"] {
         for (memory, label) in [(PeerMemory::Numpy, "numpy"), (PeerMemory::Torch, "plain")] {
             for bytes in [2usize << 20, 8 << 20, 16 << 20, 32 << 20, 64 << 20] {
                 let iters = match (quick, bytes > 8 << 20) {
@@ -124,7 +124,9 @@ fn peer_read(quick: bool) -> Result<(), String> {
                 };
                 let block = bytes / 4 / n;
                 let gather = op != "broadcast";
+                let in_place = op != "all_gather";
                 let mut buf = memory.filled(block * n, 0.0);
+                let mut send = memory.filled(if in_place { 0 } else { block }, 0.0);
                 // The gather's element i comes from rank i / block; the broadcast's from rank 0.
                 // Call c's values: the gather's element i comes from rank i / block, the
                 // broadcast's from rank 0; odd and even calls differ, so a result left over
@@ -144,7 +146,9 @@ fn peer_read(quick: bool) -> Result<(), String> {
                     let mut one = |read: bool| -> Result<f64, String> {
                         // As the peer programs prepare: only what this rank contributes.
                         calls += 1;
-                        if gather {
+                        if !in_place {
+                            send.fill(want(me * block, calls));
+                        } else if gather {
                             let mine = &mut buf[me * block..(me + 1) * block];
                             mine.fill(want(me * block, calls));
                         } else if me == 0 {
@@ -155,7 +159,9 @@ fn peer_read(quick: bool) -> Result<(), String> {
                         let c = if read { reads } else { &mpi_only };
                         c.barrier().map_err(e)?;
                         let t = Instant::now();
-                        if gather {
+                        if !in_place {
+                            c.all_gather_into(&send[..], &mut buf[..])
+                        } else if gather {
                             c.all_gather_in_place(&mut buf[..])
                         } else {
                             c.broadcast_into(&mut buf[..], 0)
