@@ -39,9 +39,18 @@ fn numpy_like<T: Element + Default>(len: usize) -> Vec<T> {
     v
 }
 
-/// Whether `/proc/self/smaps` reports at least three quarters of `v`'s bytes on huge pages
-/// (`AnonHugePages` of the mappings that overlap it, capped at its length).
-fn on_huge_pages<T>(v: &[T]) -> bool {
+/// How much of a buffer lies on huge pages, as `/proc/self/smaps` reports it (`AnonHugePages`
+/// of the mappings that overlap it, capped at its length). The backend samples a few pages
+/// instead, and needs three quarters of them huge, so the tests expect a verdict only where
+/// the share is clear: 90% or more, or under half.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum Pages {
+    Plain = 0,
+    Between = 1,
+    Huge = 2,
+}
+
+fn pages<T>(v: &[T]) -> Pages {
     let (start, end) = (
         v.as_ptr() as usize,
         v.as_ptr() as usize + std::mem::size_of_val(v),
@@ -64,15 +73,34 @@ fn on_huge_pages<T>(v: &[T]) -> bool {
             huge += kb.unwrap_or(0usize) * 1024;
         }
     }
-    huge.min(end - start) * 4 >= (end - start) * 3
+    let (huge, len) = (huge.min(end - start), end - start);
+    if huge * 10 >= len * 9 {
+        Pages::Huge
+    } else if huge * 2 < len {
+        Pages::Plain
+    } else {
+        Pages::Between
+    }
 }
 
-/// Whether `b` holds on every rank.
-fn everywhere(c: &MpiCommunicator, b: bool) -> Result<bool, String> {
-    let mut v = [i32::from(b)];
+/// The least of every rank's `p`.
+fn least(c: &MpiCommunicator, p: Pages) -> Result<Pages, String> {
+    let mut v = [p as i32];
     c.all_reduce_in_place(&mut v[..], ReduceOp::Min)
         .map_err(|e| e.to_string())?;
-    Ok(v[0] == 1)
+    Ok(match v[0] {
+        2 => Pages::Huge,
+        1 => Pages::Between,
+        _ => Pages::Plain,
+    })
+}
+
+/// Whether every rank passed the same `b`.
+fn agree(c: &MpiCommunicator, b: bool) -> Result<bool, String> {
+    let mut v = [i32::from(b), -i32::from(b)];
+    c.all_reduce_in_place(&mut v[..], ReduceOp::Max)
+        .map_err(|e| e.to_string())?;
+    Ok(v[0] == -v[1])
 }
 
 /// A collective that can copy straight between the ranks' memory.
@@ -89,14 +117,14 @@ enum Coll {
 
 /// One collective on `buf` (filled with `filler` but for this rank's part, see [`Coll`]),
 /// checked element by element; returns whether the ranks' memory was copied directly (the
-/// change of `peer_reads`) and whether every rank's buffer lay on huge pages.
+/// change of `peer_reads`) and the least share of huge pages of any rank's buffers.
 fn run<T: Element + Default + std::fmt::Debug>(
     c: &MpiCommunicator,
     coll: Coll,
     buf: &mut [T],
     value: impl Fn(usize, usize) -> T,
     filler: T,
-) -> Result<(bool, bool), String> {
+) -> Result<(bool, Pages), String> {
     let (me, n) = (c.rank(), c.size());
     let k = buf.len() / n;
     buf.fill(filler);
@@ -121,10 +149,12 @@ fn run<T: Element + Default + std::fmt::Debug>(
     for (i, x) in send.iter_mut().enumerate() {
         *x = value(me, i);
     }
-    let huge = everywhere(
-        c,
-        on_huge_pages(buf) && (send.is_empty() || on_huge_pages(&send)),
-    )?;
+    let mine = if send.is_empty() {
+        pages(buf)
+    } else {
+        pages(buf).min(pages(&send))
+    };
+    let huge = least(c, mine)?;
     let before = c.peer_reads();
     match coll {
         Coll::Gather => c.all_gather_in_place(&mut buf[..]),
@@ -153,8 +183,8 @@ fn run<T: Element + Default + std::fmt::Debug>(
 }
 
 // Numpy-like buffers of 1-, 2-, 4- and 8-byte elements, plain buffers, a mix, and a buffer below
-// PEER_READ_MIN, gathered in place and out of place and broadcast: every result exact; the ranks' memory copied
-// directly exactly when every buffer lies on huge pages.
+// PEER_READ_MIN, gathered in place and out of place and broadcast: every result exact; the
+// ranks' memory copied directly exactly when every buffer lies on huge pages.
 mpi_test!(
     mpi_peer_read_gathers_exactly_np3,
     np = 3,
@@ -165,14 +195,21 @@ mpi_test!(
         if !c.reads_peers_when_it_pays() {
             return Err("a new communicator of 3 ranks does not try to read its peers".into());
         }
-        // Twice PEER_READ_MIN, a multiple of 3 ranks · 8 bytes.
-        let bytes = (2 * PEER_READ_MIN) / (24 * n) * 24 * n;
+        // A little over PEER_READ_MIN (so that the f32 broadcast of all but one element still
+        // reaches it), a multiple of 3 ranks · 8 bytes.
+        let bytes = (PEER_READ_MIN / (24 * n) + 8) * 24 * n;
         let mut huge_seen = false;
-        let mut expect = |what: &str, (read, huge): (bool, bool), want: bool| {
-            huge_seen |= huge;
-            if read != (want && huge) {
+        let mut expect = |what: &str, (read, huge): (bool, Pages), want: bool| {
+            huge_seen |= huge == Pages::Huge;
+            let right = match huge {
+                Pages::Huge => read == want,
+                Pages::Plain => !read,
+                // A share of huge pages the backend's sample may judge either way.
+                Pages::Between => true,
+            };
+            if !right {
                 return Err(format!(
-                    "{what}: the peers were {}read, every buffer on huge pages: {huge}",
+                    "{what}: the peers were {}read, the least share of huge pages: {huge:?}",
                     if read { "" } else { "not " }
                 ));
             }
@@ -312,7 +349,7 @@ mpi_test!(
         if c.rank() == 1 {
             forbid_process_vm_readv()?;
         }
-        let len = 2 * PEER_READ_MIN / 4;
+        let len = PEER_READ_MIN / 4;
         let mut buf = numpy_like::<f32>(len);
         let (read, huge) = run(
             c,
@@ -324,11 +361,11 @@ mpi_test!(
         if read {
             return Err("the peers were read although rank 1 may not read".into());
         }
-        if huge && c.reads_peers_when_it_pays() {
+        if huge == Pages::Huge && c.reads_peers_when_it_pays() {
             return Err("a failed read did not stop the peer reads of this communicator".into());
         }
-        if !huge && c.rank() == 0 {
-            eprintln!("note: the kernel gave no huge pages to these buffers, so no read was tried");
+        if huge != Pages::Huge && c.rank() == 0 {
+            eprintln!("note: the kernel gave few huge pages to these buffers ({huge:?})");
         }
         // Later calls keep to MPI_Allgather and stay exact.
         let (read, _) = run(
@@ -341,7 +378,7 @@ mpi_test!(
         if read {
             return Err("the peers were read after a failed read".into());
         }
-        if !everywhere(c, c.reads_peers_when_it_pays() != huge)? {
+        if !agree(c, c.reads_peers_when_it_pays())? {
             return Err("the ranks disagree on whether to read their peers".into());
         }
         Ok(())
@@ -360,14 +397,17 @@ mpi_test!(
         if c.rank() == 2 {
             forbid_process_vm_readv()?;
         }
-        let mut buf = numpy_like::<i32>(2 * PEER_READ_MIN / 4 + 1);
+        let mut buf = numpy_like::<i32>(PEER_READ_MIN / 4 + 1);
         let value = |r: usize, i: usize| (r * 7 + i) as i32;
         let (read, huge) = run(c, Coll::Broadcast(0), &mut buf, value, -1)?;
         if read {
             return Err("the broadcast copied directly although rank 2 may not read".into());
         }
-        if !everywhere(c, c.reads_peers_when_it_pays() != huge)? {
-            return Err("a failed read did not stop the direct copies on every rank".into());
+        if huge == Pages::Huge && c.reads_peers_when_it_pays() {
+            return Err("a failed read did not stop the direct copies".into());
+        }
+        if !agree(c, c.reads_peers_when_it_pays())? {
+            return Err("the ranks disagree on whether to copy directly".into());
         }
         let (read, _) = run(c, Coll::Broadcast(1), &mut buf, value, -1)?;
         if read {
