@@ -18,7 +18,11 @@
 //!   communicator's duplicate, reduced by grid-core's kernels with a scratch block kept per
 //!   communicator: Open MPI maps and page-faults a fresh temporary buffer for every such
 //!   `MPI_Allreduce` and `MPI_Reduce_scatter_block` (docs/performance.md, "Large
-//!   all-reduces"). It is
+//!   all-reduces"). Blocking all-gathers (in place or not) and broadcasts of [`PEER_READ_MIN`]
+//!   (32 MiB) and more copy straight between the ranks' buffers (`process_vm_readv` and
+//!   `process_vm_writev`) when every rank is on one node and every buffer lies mostly on huge
+//!   pages: one copy where the shared-memory transport makes two ([`PEER_READ_MIN_ENV`],
+//!   [`MpiBackend::peer_reads`], docs/backends.md §1.2). It is
 //!   `Send + Sync` (see the `raw` module for the invariant).
 //! * [`MpiFactory`] implements [`grid_core::GroupFactory`]: `split` is `MPI_Comm_split`,
 //!   `create_group` is `MPI_Comm_create` over the parent.

@@ -37,12 +37,12 @@ use std::sync::OnceLock;
 
 /// Smallest buffer (bytes: the all-gather's receive buffer of `size · k` elements, the
 /// broadcast's buffer) for which a blocking all-gather or broadcast copies straight between
-/// the ranks' memory: 32 MiB. Measured with `mpi-bench peer-read` (docs/performance.md): at
-/// 32 and 64 MiB on huge pages 1.1–1.7 times faster than MPI's two copies at 2 ranks and 1.1–3.9
-/// times at 4; at 8 MiB no faster (the data stays in the caches, where two copies cost little);
-/// at 16 MiB 0.75–1.57; and every call of this size pays for asking the kernel about the pages
-/// and for the exchange of addresses, which on ordinary pages cost 4–7% at 16 MiB and about 1%
-/// from 32 MiB.
+/// the ranks' memory: 32 MiB. Measured with `mpi-bench peer-read` (docs/performance.md): the
+/// in-place all-gather and the broadcast of 32 and 64 MiB on huge pages took MPI's time divided
+/// by 1.08–1.72 at 2 ranks and by 1.05–3.85 at 4; at 8 MiB nothing changed (the data stays in
+/// the caches, where two copies cost little), at 16 MiB 0.75–1.57; and every call from the
+/// threshold on pays for asking the kernel about its pages and for the exchange of addresses,
+/// which on ordinary pages cost 4–7% at 16 MiB and about 1% from 32 MiB.
 pub const PEER_READ_MIN: usize = 32 << 20;
 
 /// What [`run`] did.
