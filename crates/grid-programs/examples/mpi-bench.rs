@@ -183,22 +183,13 @@ fn peer_read(quick: bool) -> Result<(), String> {
                         t_mpi.push(mpi);
                     }
                 }
-                let mut m_reads = vec![0f64; iters];
-                let mut m_mpi = vec![0f64; iters];
-                reads
-                    .all_reduce_into(&t_reads[..], &mut m_reads[..], ReduceOp::Max)
-                    .map_err(e)?;
-                reads
-                    .all_reduce_into(&t_mpi[..], &mut m_mpi[..], ReduceOp::Max)
-                    .map_err(e)?;
-                let ratios: Vec<f64> = m_mpi.iter().zip(&m_reads).map(|(a, b)| a / b).collect();
+                let (m_mpi, m_reads, ratio) = slowest_pair(reads, &t_mpi, &t_reads)?;
                 if me == 0 {
                     println!(
-                        "| {op} | {label} | {} | {iters} | {:.1} | {:.1} | {:.2} |",
+                        "| {op} | {label} | {} | {iters} | {:.1} | {:.1} | {ratio:.2} |",
                         bytes_label(bytes),
-                        median(&m_reads).unwrap_or(0.0) * 1e6,
-                        median(&m_mpi).unwrap_or(0.0) * 1e6,
-                        median(&ratios).unwrap_or(0.0),
+                        m_reads * 1e6,
+                        m_mpi * 1e6,
                     );
                 }
             }
@@ -208,6 +199,27 @@ fn peer_read(quick: bool) -> Result<(), String> {
         println!();
     }
     Ok(())
+}
+
+/// Two series timed alternately, sample by sample, on every rank: the slowest rank's time per
+/// sample, then the median of each series and the median of the per-sample ratios `a / b`.
+fn slowest_pair(
+    comm: &backend_mpi::MpiCommunicator,
+    a: &[f64],
+    b: &[f64],
+) -> Result<(f64, f64, f64), String> {
+    let e = |e: grid_core::Error| e.to_string();
+    let (mut ma, mut mb) = (vec![0f64; a.len()], vec![0f64; b.len()]);
+    comm.all_reduce_into(a, &mut ma[..], ReduceOp::Max)
+        .map_err(e)?;
+    comm.all_reduce_into(b, &mut mb[..], ReduceOp::Max)
+        .map_err(e)?;
+    let ratios: Vec<f64> = ma.iter().zip(&mb).map(|(x, y)| x / y).collect();
+    Ok((
+        median(&ma).unwrap_or(0.0),
+        median(&mb).unwrap_or(0.0),
+        median(&ratios).unwrap_or(0.0),
+    ))
 }
 
 /// All-reduce in place against out of place through this crate, same communicator, alternating
@@ -292,20 +304,13 @@ fn in_place(quick: bool) -> Result<(), String> {
         {
             return Err(format!("all_reduce of {bytes} bytes returned a wrong sum"));
         }
-        let mut m_in = vec![0f64; iters];
-        let mut m_out = vec![0f64; iters];
-        comm.all_reduce_into(&t_in[..], &mut m_in[..], ReduceOp::Max)
-            .map_err(e)?;
-        comm.all_reduce_into(&t_out[..], &mut m_out[..], ReduceOp::Max)
-            .map_err(e)?;
-        let ratios: Vec<f64> = m_in.iter().zip(&m_out).map(|(a, b)| a / b).collect();
+        let (m_in, m_out, ratio) = slowest_pair(comm, &t_in, &t_out)?;
         if me == 0 {
             println!(
-                "| {} | {iters} | {:.1} | {:.1} | {:.3} |",
+                "| {} | {iters} | {:.1} | {:.1} | {ratio:.3} |",
                 bytes_label(bytes),
-                median(&m_in).unwrap_or(0.0) * 1e6,
-                median(&m_out).unwrap_or(0.0) * 1e6,
-                median(&ratios).unwrap_or(0.0),
+                m_in * 1e6,
+                m_out * 1e6,
             );
         }
     }
