@@ -27,11 +27,10 @@ const BACKEND: &str = "mpi";
 pub const CHECK_THRESHOLD: usize = 2 << 10;
 
 /// Largest communicator whose mismatch checks travel as one round of messages (each rank sends
-/// every other rank its fingerprint, with the collective's data when it fits, [`ROUND_MAX`]):
-/// one message latency where the check's all-reduce takes `log2 n` steps, at `n - 1` messages
-/// per rank. Larger communicators, and those of 2 ranks (where the all-reduce is one exchange
-/// too, and measured cheaper), check with the all-reduce ([`DeferredCheck::verify_with`]) on
-/// the duplicate communicator.
+/// every other rank its fingerprint, with the collective's data when it fits, [`ROUND_MAX`],
+/// [`PAIR_ROUND_MAX`] at 2 ranks): one message latency where the check's all-reduce takes
+/// `log2 n` steps, at `n - 1` messages per rank. Larger communicators check with the
+/// all-reduce ([`DeferredCheck::verify_with`]) on the duplicate communicator.
 pub const DIRECT_MAX: usize = 16;
 
 /// Largest payload (bytes) of one message of a checked collective that runs as one round
@@ -40,6 +39,12 @@ pub const DIRECT_MAX: usize = 16;
 /// collective with larger messages sends its fingerprint alone in the round, then runs the MPI
 /// call. Measured at 4 ranks (docs/performance.md, *The check inside the collective*).
 pub const ROUND_MAX: usize = 8 << 10;
+
+/// [`ROUND_MAX`] on a communicator of 2 ranks: 4 KiB. There the check's all-reduce is one
+/// exchange too, so a round saves only the separate exchange before the MPI call, which pays
+/// at 2 KiB (the check's threshold) and not at 8 KiB, where the round's copies into and out of
+/// its messages cost more (docs/performance.md, *The check inside the collective*).
+pub const PAIR_ROUND_MAX: usize = 4 << 10;
 
 /// The tag of the rounds' messages on the duplicate communicator (the `ring` module uses 1).
 const ROUND_TAG: u32 = 2;
@@ -387,12 +392,20 @@ impl MpiBackend {
         Ok(at)
     }
 
-    /// Whether this communicator's checks travel as rounds of messages: from 3 ranks up to
-    /// [`DIRECT_MAX`] ([`crate::DIRECT_MAX_ENV`]). At 2 ranks the check's all-reduce is a single
-    /// exchange, as a round is, and measured cheaper on shared memory (docs/performance.md, *The
-    /// check inside the collective*).
+    /// Whether this communicator's checks travel as rounds of messages: from 2 ranks up to
+    /// [`DIRECT_MAX`] ([`crate::DIRECT_MAX_ENV`]).
     fn rounds(&self) -> bool {
-        self.size > 2 && self.size <= self.direct_max
+        self.size >= 2 && self.size <= self.direct_max
+    }
+
+    /// The largest payload of a round's message: [`ROUND_MAX`] ([`crate::ROUND_MAX_ENV`]), at
+    /// most [`PAIR_ROUND_MAX`] at 2 ranks. The same on every rank (the settings must be).
+    fn round_limit(&self) -> usize {
+        if self.size == 2 {
+            self.round_max.min(PAIR_ROUND_MAX)
+        } else {
+            self.round_max
+        }
     }
 
     /// Runs blocking collective `v` after its mismatch check `check`: as one round of messages
@@ -402,7 +415,7 @@ impl MpiBackend {
         let (seq, limit) = (v.seq(), v.time_limit());
         let fits = self.rounds()
             && check.fingerprints_suffice()
-            && round_payload(v.op(), self.size).is_some_and(|b| b <= self.round_max);
+            && round_payload(v.op(), self.size).is_some_and(|b| b <= self.round_limit());
         if !fits {
             self.check_alone(check, seq, limit)?;
             return self.exec(&self.raw, false, v);
@@ -446,9 +459,9 @@ impl MpiBackend {
         let out = c.outgoing_messages(Some(check), me, n)?;
         let from: Vec<usize> = (0..n).filter(|&j| j != me).collect();
         // Room for the longest message any rank sends in a round (the same settings on every
-        // rank): a fingerprint and at most `round_max` bytes of data, so that no well-formed
+        // rank): a fingerprint and at most `round_limit` bytes of data, so that no well-formed
         // message is truncated whatever counts the ranks pass.
-        let capacity = FP_BYTES + self.round_max;
+        let capacity = FP_BYTES + self.round_limit();
         let mut cached = self.round_scratch.try_lock().ok();
         let mut fresh = Vec::new();
         let recv: &mut Vec<u8> = cached.as_deref_mut().unwrap_or(&mut fresh);

@@ -12,13 +12,14 @@ pub const TIMEOUT_ENV: &str = "GRID_MPI_TIMEOUT_MS";
 pub const SIGTERM_REPORT_ENV: &str = "GRID_MPI_SIGTERM_REPORT";
 
 /// The environment variable that sets the largest payload (bytes) of one message of a checked
-/// collective that runs as one round of messages ([`crate::ROUND_MAX`] when unset; 0: rounds
-/// carry fingerprints alone). The same on every rank; read when a communicator is created.
+/// collective that runs as one round of messages ([`crate::ROUND_MAX`] when unset, and at most
+/// [`crate::PAIR_ROUND_MAX`] at 2 ranks; 0: rounds carry fingerprints alone). The same on every
+/// rank; read when a communicator is created.
 pub const ROUND_MAX_ENV: &str = "GRID_MPI_ROUND_MAX";
 
 /// The environment variable that sets the largest communicator whose mismatch checks travel as
-/// one round of messages ([`crate::DIRECT_MAX`] when unset; 0 to 2: every check is the
-/// all-reduce on the duplicate communicator, as it always is at 2 ranks). The same on every rank; read when a communicator
+/// one round of messages ([`crate::DIRECT_MAX`] when unset; 0 or 1: every check is the
+/// all-reduce on the duplicate communicator). The same on every rank; read when a communicator
 /// is created.
 pub const DIRECT_MAX_ENV: &str = "GRID_MPI_DIRECT_MAX";
 

@@ -111,7 +111,9 @@ mod stage;
 pub mod testing;
 mod watch;
 
-pub use comm::{MpiBackend, MpiCommunicator, CHECK_THRESHOLD, DIRECT_MAX, ROUND_MAX};
+pub use comm::{
+    MpiBackend, MpiCommunicator, CHECK_THRESHOLD, DIRECT_MAX, PAIR_ROUND_MAX, ROUND_MAX,
+};
 pub use config::{
     MpiConfig, DIRECT_MAX_ENV, PEER_READ_MIN_ENV, ROUND_MAX_ENV, SIGTERM_REPORT_ENV, TIMEOUT_ENV,
 };

@@ -3,7 +3,7 @@
 //! (one round, or the fingerprint alone then the MPI call) still meet in the same round.
 //!
 //! * ranks that disagree on a count, where one rank's collective fits one round and the others'
-//!   does not: the same `Error::CollectiveMismatch` on every rank, nobody's buffer written, and
+//!   does not (at 4 ranks, and at 2 where rounds carry at most `PAIR_ROUND_MAX`): the same `Error::CollectiveMismatch` on every rank, nobody's buffer written, and
 //!   the communicator still in step afterwards, for every collective with a one-round form;
 //! * an all-to-all-v (whose check needs a second exchange) against an all-reduce that fits one
 //!   round: the mismatch on every rank.
@@ -12,9 +12,12 @@
 //! small collective of every dtype and reduction runs in its one-round form, is in
 //! `tests/conformance.rs`.
 
-use backend_mpi::{mpi_test, ROUND_MAX};
+use backend_mpi::{mpi_test, PAIR_ROUND_MAX, ROUND_MAX};
 use grid_core::{Communicator, CommunicatorExt, Error, ReduceOp};
 use std::time::Duration;
+
+/// The time limit of the tests' collectives.
+const LIMIT: Duration = Duration::from_secs(30);
 
 /// The collectives with a one-round form.
 const FORMS: [&str; 8] = [
@@ -72,46 +75,56 @@ fn same_everywhere<C: Communicator>(c: &C, v: i64) -> Result<bool, String> {
     Ok(both[0] == -both[1])
 }
 
-// Rank 0's block fits one round (ROUND_MAX / 4 f32), the others' is four times larger: rank 0
-// sends its fingerprint with its data, the others their fingerprint alone. Every rank returns the
-// same CollectiveMismatch and no buffer changes.
+/// Rank 0's block (`small` elements) fits one round, the others' is four times larger: rank 0
+/// sends its fingerprint with its data, the others their fingerprint alone. Every rank returns
+/// the same CollectiveMismatch, no buffer changes, and the ranks stay in step.
+fn mismatch_between_forms<C: Communicator>(c: &C, small: usize) -> Result<(), String> {
+    let n = c.size() as f32;
+    let k = if c.rank() == 0 { small } else { 4 * small };
+    for form in FORMS {
+        let (r, untouched) = run(c, form, k);
+        let text = match r {
+            Err(e @ Error::CollectiveMismatch { .. }) => e.to_string(),
+            other => return Err(format!("{form}: expected a mismatch, got {other:?}")),
+        };
+        if !untouched {
+            return Err(format!("{form}: a buffer changed although the call failed"));
+        }
+        if !text.contains("count") {
+            return Err(format!("{form}: the error does not name the count: {text}"));
+        }
+        if !same_everywhere(c, hash(&text))? {
+            return Err(format!(
+                "{form}: the ranks returned different errors; here: {text}"
+            ));
+        }
+    }
+    // Still in step: an agreeing all-reduce of each form's size.
+    for k in [small, 4 * small] {
+        let mut v = vec![1f32; k];
+        c.all_reduce_in_place(&mut v[..], ReduceOp::Sum)
+            .map_err(|e| e.to_string())?;
+        if v.iter().any(|&x| x != n) {
+            return Err(format!("sum of {k} after the mismatches: {:?}", &v[..4]));
+        }
+    }
+    Ok(())
+}
+
+// At 4 ranks rank 0's block is ROUND_MAX / 4 f32.
 mpi_test!(
     mpi_round_mismatch_between_forms_np4,
     np = 4,
     timeout = 120,
-    |rt| {
-        let c = rt.world().with_time_limit(Duration::from_secs(30));
-        let small = ROUND_MAX / 4;
-        let k = if c.rank() == 0 { small } else { 4 * small };
-        for form in FORMS {
-            let (r, untouched) = run(&c, form, k);
-            let text = match r {
-                Err(e @ Error::CollectiveMismatch { .. }) => e.to_string(),
-                other => return Err(format!("{form}: expected a mismatch, got {other:?}")),
-            };
-            if !untouched {
-                return Err(format!("{form}: a buffer changed although the call failed"));
-            }
-            if !text.contains("count") {
-                return Err(format!("{form}: the error does not name the count: {text}"));
-            }
-            if !same_everywhere(&c, hash(&text))? {
-                return Err(format!(
-                    "{form}: the ranks returned different errors; here: {text}"
-                ));
-            }
-        }
-        // Still in step: an agreeing all-reduce of each form's size.
-        for k in [small, 4 * small] {
-            let mut v = vec![1f32; k];
-            c.all_reduce_in_place(&mut v[..], ReduceOp::Sum)
-                .map_err(|e| e.to_string())?;
-            if v.iter().any(|&x| x != 4.0) {
-                return Err(format!("sum of {k} after the mismatches: {:?}", &v[..4]));
-            }
-        }
-        Ok(())
-    }
+    |rt| mismatch_between_forms(&rt.world().with_time_limit(LIMIT), ROUND_MAX / 4)
+);
+
+// At 2 ranks rounds carry at most PAIR_ROUND_MAX bytes of data.
+mpi_test!(
+    mpi_round_mismatch_between_forms_np2,
+    np = 2,
+    timeout = 120,
+    |rt| mismatch_between_forms(&rt.world().with_time_limit(LIMIT), PAIR_ROUND_MAX / 4)
 );
 
 // An all-to-all-v (checked with its counts after the fingerprints) on rank 0 against an
