@@ -54,10 +54,10 @@
 //!   [`TICK`] + [`MESSAGE_GRACE`] of the limit.
 //!
 //! Collectives that move at least [`CHECK_THRESHOLD`] bytes on a rank are checked by default
-//! (a count mismatch above Open MPI's eager limit corrupts memory). On a communicator of 3 to
+//! (a count mismatch above Open MPI's eager limit corrupts memory). On a communicator of 2 to
 //! [`DIRECT_MAX`] ranks the check is one round of messages in which every rank sends every
 //! other rank its fingerprint, with the collective's data when each message holds at most
-//! [`ROUND_MAX`] bytes of it (the collective is then computed from what arrives, with
+//! [`ROUND_MAX`] bytes of it ([`PAIR_ROUND_MAX`] at 2 ranks) (the collective is then computed from what arrives, with
 //! grid-core's host kernels, and costs no exchange beyond its own); larger collectives send the
 //! fingerprint alone, then make the MPI call. Other communicators check with an all-reduce.
 //! The check's messages travel on a duplicate communicator, so that ranks on both sides of the
