@@ -114,9 +114,10 @@ pub struct MpiBackend {
     direct_max: usize,
     /// [`ROUND_MAX`] or [`crate::ROUND_MAX_ENV`].
     round_max: usize,
-    /// The receive memory of the rounds, kept between calls (a round that finds it in use, which
-    /// concurrent collectives on one communicator would be, allocates its own).
-    round_scratch: std::sync::Mutex<Vec<u8>>,
+    /// The memory of the rounds, kept between calls: the received messages and grid-core's
+    /// round scratch (outgoing messages, decoded payloads). A round that finds it in use, which
+    /// concurrent collectives on one communicator would be, allocates its own.
+    round_scratch: std::sync::Mutex<RoundMemory>,
     /// [`crate::PEER_READ_MIN`] or [`crate::PEER_READ_MIN_ENV`] (0: never).
     peer_read_min: usize,
     /// Set on every rank alike once a copy between the ranks' memory failed (module
@@ -126,6 +127,15 @@ pub struct MpiBackend {
     /// How many collectives copied straight between the ranks' memory
     /// ([`MpiBackend::peer_reads`]).
     peer_reads: std::sync::atomic::AtomicU64,
+}
+
+/// The memory of a communicator's rounds, kept between calls ([`MpiBackend::round`]).
+#[derive(Debug, Default)]
+struct RoundMemory {
+    /// The messages received, one room per peer of a fingerprint and the largest payload.
+    recv: Vec<u8>,
+    /// grid-core's part: the outgoing messages and the decoded payloads.
+    scratch: round::Scratch,
 }
 
 impl MpiBackend {
@@ -164,7 +174,7 @@ impl MpiBackend {
             ring_scratch: std::sync::Mutex::new([None, None]),
             direct_max,
             round_max,
-            round_scratch: std::sync::Mutex::new(Vec::new()),
+            round_scratch: std::sync::Mutex::new(RoundMemory::default()),
             peer_read_min,
             peer_read_off: AtomicBool::new(false),
             peer_reads: std::sync::atomic::AtomicU64::new(0),
@@ -456,28 +466,29 @@ impl MpiBackend {
         let op = check.op();
         let _w = self.watch.enter(watch::op_index(op), seq, alone, limit);
         let (me, n) = (self.rank, self.size);
-        let out = c.outgoing_messages(Some(check), me, n)?;
-        let from: Vec<usize> = (0..n).filter(|&j| j != me).collect();
+        let mut cached = self.round_scratch.try_lock().ok();
+        let mut fresh = RoundMemory::default();
+        let RoundMemory { recv, scratch } = cached.as_deref_mut().unwrap_or(&mut fresh);
+        let out = scratch.outgoing(&c, Some(check), me, n)?;
+        let from = (0..n).filter(|&j| j != me);
         // Room for the longest message any rank sends in a round (the same settings on every
         // rank): a fingerprint and at most `round_limit` bytes of data, so that no well-formed
         // message is truncated whatever counts the ranks pass.
         let capacity = FP_BYTES + self.round_limit();
-        let mut cached = self.round_scratch.try_lock().ok();
-        let mut fresh = Vec::new();
-        let recv: &mut Vec<u8> = cached.as_deref_mut().unwrap_or(&mut fresh);
-        if recv.len() < capacity * from.len() {
-            recv.resize(capacity * from.len(), 0);
+        if recv.len() < capacity * (n - 1) {
+            recv.resize(capacity * (n - 1), 0);
         }
-        // The received lengths, in the order of `from`.
+        // The received lengths, in rank order without this rank.
         let lens = {
             let mut rooms: Vec<HostSliceMut<'_>> = recv
                 .chunks_exact_mut(capacity)
+                .take(n - 1)
                 .map(HostSliceMut::U8)
                 .collect();
             // Receives first: an eager message then lands in place, not in Open MPI's buffer of
             // unexpected messages.
-            let mut ops: Vec<P2p<'_, '_>> = Vec::with_capacity(2 * from.len());
-            for (&peer, buf) in from.iter().zip(rooms.iter_mut()) {
+            let mut ops: Vec<P2p<'_, '_>> = Vec::with_capacity(2 * (n - 1));
+            for (peer, buf) in from.clone().zip(rooms.iter_mut()) {
                 ops.push(P2p::Recv {
                     buf,
                     peer,
@@ -505,7 +516,7 @@ impl MpiBackend {
         round::verify_fingerprints(check, me, n, &message)?;
         // The fingerprints agree, so every message has the length this rank expects, unless
         // the peer runs the collective in another form or another version of this library.
-        for &j in &from {
+        for j in from {
             let (want, sent) = (c.expected(j, n, FP_BYTES), message(j).len());
             if sent != want {
                 return Err(Error::Invalid(format!(
@@ -516,7 +527,7 @@ impl MpiBackend {
                 )));
             }
         }
-        c.finish(me, n, &|j| &message(j)[FP_BYTES..])
+        scratch.finish(c, me, n, &|j| &message(j)[FP_BYTES..])
     }
 
     /// The error of an operation this rank gave up (a cancelled receive).

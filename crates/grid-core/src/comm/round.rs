@@ -211,9 +211,24 @@ impl RoundOp<'_> {
         me: usize,
         n: usize,
     ) -> Result<Outgoing> {
+        let mut out = Outgoing::default();
+        self.outgoing_messages_into(check, me, n, &mut out)?;
+        Ok(out)
+    }
+
+    /// [`RoundOp::outgoing_messages`] into `out`, whose memory is reused (its contents are
+    /// replaced): a round in a loop allocates nothing for its messages.
+    pub fn outgoing_messages_into(
+        &self,
+        check: Option<&DeferredCheck>,
+        me: usize,
+        n: usize,
+        out: &mut Outgoing,
+    ) -> Result<()> {
         let w = self.width();
         let head = if check.is_some() { FP_BYTES } else { 0 };
-        let mut out = Outgoing::default();
+        out.bytes.clear();
+        out.messages.clear();
         for j in (0..n).filter(|&j| j != me) {
             if let (true, Some(first)) = (self.same_to_all(), out.messages.first()) {
                 out.messages.push(Message { peer: j, ..*first });
@@ -235,29 +250,64 @@ impl RoundOp<'_> {
                 len,
             });
         }
-        Ok(out)
+        Ok(())
     }
 
     /// Computes this rank's result from the payloads that arrived: `payload(j)` is the payload
     /// (fingerprint stripped) from rank `j`, of the expected length ([`RoundOp::expected`]).
-    /// Call it only once the fingerprints agree ([`verify_fingerprints`]).
+    /// Call it only once the fingerprints agree ([`verify_fingerprints`]). A backend that runs
+    /// rounds in a loop keeps a [`Scratch`] and calls [`Scratch::finish`] instead, which
+    /// reuses the memory of the decoded payloads.
     pub fn finish<'p>(
         self,
         me: usize,
         n: usize,
         payload: &dyn Fn(usize) -> &'p [u8],
     ) -> Result<()> {
-        let op = self.name();
-        let w = self.width();
-        let k = self.block(n);
-        let decode = |j: usize, dtype| -> Result<HostBuffer> {
-            let bytes = payload(j);
-            let mut buf = HostBuffer::zeros(dtype, bytes.len() / w);
-            buf.as_mut_slice().read_le_bytes(bytes)?;
-            Ok(buf)
-        };
+        Scratch::default().finish(self, me, n, payload)
+    }
+}
+
+/// Memory a backend keeps from one round to the next, so that a round in a loop (the same
+/// collective, dtype and count) allocates nothing for its messages or for the payloads it
+/// decodes: the outgoing messages ([`Scratch::outgoing`]) and the decoded inputs of a
+/// reduction ([`Scratch::finish`]). It holds no state between rounds that changes a result.
+#[derive(Debug, Default)]
+pub struct Scratch {
+    out: Outgoing,
+    /// The reductions' inputs: the peers' payloads decoded, in rank order without this rank,
+    /// then this rank's own input where the output overwrites it (in place).
+    inputs: Vec<HostBuffer>,
+}
+
+impl Scratch {
+    /// This rank's messages for round `c` ([`RoundOp::outgoing_messages`]), built in this
+    /// scratch's memory.
+    pub fn outgoing(
+        &mut self,
+        c: &RoundOp<'_>,
+        check: Option<&DeferredCheck>,
+        me: usize,
+        n: usize,
+    ) -> Result<&Outgoing> {
+        c.outgoing_messages_into(check, me, n, &mut self.out)?;
+        Ok(&self.out)
+    }
+
+    /// [`RoundOp::finish`]: this rank's result of `c` from the payloads that arrived, the
+    /// decoded payloads kept in this scratch's memory.
+    pub fn finish<'p>(
+        &mut self,
+        c: RoundOp<'_>,
+        me: usize,
+        n: usize,
+        payload: &dyn Fn(usize) -> &'p [u8],
+    ) -> Result<()> {
+        let op = c.name();
+        let w = c.width();
+        let k = c.block(n);
         let peers = || (0..n).filter(move |&j| j != me);
-        match self {
+        match c {
             RoundOp::Barrier => Ok(()),
             RoundOp::Broadcast { mut buf, root } => {
                 if root == me {
@@ -284,18 +334,14 @@ impl RoundOp<'_> {
             }
             RoundOp::AllReduce { send, recv, op: r } => {
                 let dtype = recv.dtype();
-                let others: Vec<HostBuffer> =
-                    peers().map(|j| decode(j, dtype)).collect::<Result<_>>()?;
+                self.decode_peers(me, n, dtype, w, payload)?;
+                let (others, spare) = self.inputs.split_at_mut(n - 1);
                 // In place, this rank's input is the output: reduce from a copy.
-                let own_copy;
                 let own = match send {
                     Some(s) => s,
-                    None => {
-                        own_copy = recv.as_slice().to_owned_buffer();
-                        own_copy.as_slice()
-                    }
+                    None => keep(&mut spare[0], recv.as_slice())?,
                 };
-                kernels::reduce(&in_rank_order(me, own, &others), recv, r)
+                kernels::reduce(&in_rank_order(me, own, others), recv, r)
             }
             RoundOp::ReduceScatter {
                 send,
@@ -303,16 +349,17 @@ impl RoundOp<'_> {
                 op: r,
             } => {
                 let dtype = recv.dtype();
-                let others: Vec<HostBuffer> =
-                    peers().map(|j| decode(j, dtype)).collect::<Result<_>>()?;
-                let own_block = match send {
-                    Some(s) => part(op, s, me * k, k)?.to_owned_buffer(),
-                    None => part(op, recv.as_slice(), me * k, k)?.to_owned_buffer(),
-                };
-                let inputs = in_rank_order(me, own_block.as_slice(), &others);
+                self.decode_peers(me, n, dtype, w, payload)?;
+                let (others, spare) = self.inputs.split_at_mut(n - 1);
                 match send {
-                    Some(_) => kernels::reduce(&inputs, recv, r),
+                    Some(s) => {
+                        let own = part(op, s, me * k, k)?;
+                        kernels::reduce(&in_rank_order(me, own, others), recv, r)
+                    }
                     None => {
+                        // This rank's block is an input and the output: reduce from a copy.
+                        let own = keep(&mut spare[0], part(op, recv.as_slice(), me * k, k)?)?;
+                        let inputs = in_rank_order(me, own, others);
                         let len = recv.len();
                         let out = recv
                             .sub_mut(me * k, k)
@@ -322,6 +369,43 @@ impl RoundOp<'_> {
                 }
             }
         }
+    }
+
+    /// Decodes every peer's payload (`dtype`, `w` bytes an element) into `inputs[..n - 1]`,
+    /// in rank order, reusing the buffers of the last round where they fit.
+    fn decode_peers<'p>(
+        &mut self,
+        me: usize,
+        n: usize,
+        dtype: DType,
+        w: usize,
+        payload: &dyn Fn(usize) -> &'p [u8],
+    ) -> Result<()> {
+        if self.inputs.len() < n {
+            self.inputs
+                .resize_with(n, || HostBuffer::zeros(DType::U8, 0));
+        }
+        for (slot, j) in self.inputs.iter_mut().zip((0..n).filter(|&j| j != me)) {
+            let bytes = payload(j);
+            resize(slot, dtype, bytes.len() / w);
+            slot.as_mut_slice().read_le_bytes(bytes)?;
+        }
+        Ok(())
+    }
+}
+
+/// A copy of `own` in `slot` (for a reduction whose output overwrites this rank's input).
+fn keep<'s>(slot: &'s mut HostBuffer, own: HostSlice<'_>) -> Result<HostSlice<'s>> {
+    resize(slot, own.dtype(), own.len());
+    slot.as_mut_slice().copy_from(own)?;
+    Ok(slot.as_slice())
+}
+
+/// Makes `slot` a buffer of `len` elements of `dtype`, keeping its memory when it already is
+/// one (its contents are then the last round's: the caller overwrites them).
+fn resize(slot: &mut HostBuffer, dtype: DType, len: usize) {
+    if slot.dtype() != dtype || slot.len() != len {
+        *slot = HostBuffer::zeros(dtype, len);
     }
 }
 
@@ -337,6 +421,17 @@ pub fn verify_fingerprints<'h>(
     n: usize,
     head: &dyn Fn(usize) -> &'h [u8],
 ) -> Result<()> {
+    // Every fingerprint equal to this rank's: the check passes, nothing to build.
+    let mut mine = [0u8; FP_BYTES];
+    HostSlice::I64(check.fingerprint()).write_le_bytes(&mut mine)?;
+    if (0..n)
+        .filter(|&j| j != me)
+        .all(|j| head(j).get(..FP_BYTES) == Some(&mine[..]))
+    {
+        return Ok(());
+    }
+    // A disagreement: the table of every rank's fingerprint, from which every rank builds the
+    // same error.
     let fp = DeferredCheck::FINGERPRINT_LEN;
     let mut all = vec![0i64; n * fp];
     all[me * fp..(me + 1) * fp].copy_from_slice(check.fingerprint());
@@ -354,8 +449,18 @@ fn in_rank_order<'a>(
     own: HostSlice<'a>,
     others: &'a [HostBuffer],
 ) -> Vec<HostSlice<'a>> {
-    let mut inputs: Vec<HostSlice<'a>> = others.iter().map(|b| b.as_slice()).collect();
-    inputs.insert(me, own);
+    let mut inputs: Vec<HostSlice<'a>> = Vec::with_capacity(others.len() + 1);
+    inputs.extend(
+        others[..me.min(others.len())]
+            .iter()
+            .map(HostBuffer::as_slice),
+    );
+    inputs.push(own);
+    inputs.extend(
+        others[me.min(others.len())..]
+            .iter()
+            .map(HostBuffer::as_slice),
+    );
     inputs
 }
 
@@ -417,12 +522,33 @@ mod tests {
 
     /// Runs one round among `n` simulated ranks: every rank's messages, delivered to every
     /// other rank, then every rank's result.
-    fn simulate(mut ops: Vec<RoundOp<'_>>, checks: Option<&[DeferredCheck]>) -> Vec<Result<()>> {
+    fn simulate(ops: Vec<RoundOp<'_>>, checks: Option<&[DeferredCheck]>) -> Vec<Result<()>> {
+        let mut scratches: Vec<Scratch> = ops.iter().map(|_| Scratch::default()).collect();
+        simulate_with(ops, checks, &mut scratches)
+    }
+
+    /// [`simulate`] with each rank's [`Scratch`] kept by the caller (as a backend keeps it
+    /// from one round to the next).
+    fn simulate_with(
+        mut ops: Vec<RoundOp<'_>>,
+        checks: Option<&[DeferredCheck]>,
+        scratches: &mut [Scratch],
+    ) -> Vec<Result<()>> {
         let n = ops.len();
         let outs: Vec<Outgoing> = ops
             .iter()
             .enumerate()
-            .map(|(me, o)| o.outgoing_messages(checks.map(|c| &c[me]), me, n).unwrap())
+            .map(|(me, o)| {
+                let mut out = Outgoing::default();
+                // Through the scratch, then copied out: every rank's messages must outlive
+                // the other ranks' calls here.
+                let sent = scratches[me]
+                    .outgoing(o, checks.map(|c| &c[me]), me, n)
+                    .unwrap();
+                out.bytes.extend_from_slice(&sent.bytes);
+                out.messages.extend_from_slice(&sent.messages);
+                out
+            })
             .collect();
         let head = if checks.is_some() { FP_BYTES } else { 0 };
         let msg = |from: usize, to: usize| -> &[u8] {
@@ -435,9 +561,95 @@ mod tests {
                 if let Some(c) = checks {
                     verify_fingerprints(&c[me], me, n, &|j| msg(j, me))?;
                 }
-                o.finish(me, n, &|j| &msg(j, me)[head..])
+                scratches[me].finish(o, me, n, &|j| &msg(j, me)[head..])
             })
             .collect()
+    }
+
+    /// A scratch kept from round to round gives every round the result of a fresh one,
+    /// whatever the rounds before it were (other dtypes, counts, forms, a failed check).
+    #[test]
+    fn a_kept_scratch_never_leaks_one_round_into_the_next() {
+        let n = 3;
+        let mut scratches: Vec<Scratch> = (0..n).map(|_| Scratch::default()).collect();
+        for round in 0..4 {
+            // In-place f32 sum of 4 elements: sum over ranks of (rank + 1) · (i + round).
+            let mut bufs: Vec<Vec<f32>> = (0..n)
+                .map(|r| (0..4).map(|i| ((r + 1) * (i + round)) as f32).collect())
+                .collect();
+            let ops = bufs
+                .iter_mut()
+                .map(|b| RoundOp::AllReduce {
+                    send: None,
+                    recv: HostSliceMut::F32(b),
+                    op: ReduceOp::Sum,
+                })
+                .collect();
+            assert!(simulate_with(ops, None, &mut scratches)
+                .iter()
+                .all(Result::is_ok));
+            let want: Vec<f32> = (0..4).map(|i| (6 * (i + round)) as f32).collect();
+            assert!(bufs.iter().all(|b| *b == want), "round {round}: {bufs:?}");
+
+            // Out-of-place i32 max of 2 + round elements.
+            let len = 2 + round;
+            let ins: Vec<Vec<i32>> = (0..n)
+                .map(|r| (0..len).map(|i| (r * 10 + i) as i32 - 7).collect())
+                .collect();
+            let mut outs = vec![vec![0i32; len]; n];
+            let ops = ins
+                .iter()
+                .zip(outs.iter_mut())
+                .map(|(i, o)| RoundOp::AllReduce {
+                    send: Some(HostSlice::I32(i)),
+                    recv: HostSliceMut::I32(o),
+                    op: ReduceOp::Max,
+                })
+                .collect();
+            assert!(simulate_with(ops, None, &mut scratches)
+                .iter()
+                .all(Result::is_ok));
+            assert!(outs.iter().all(|o| *o == ins[n - 1]), "round {round}");
+
+            // In-place reduce-scatter of f64, blocks of 2: rank r keeps block r.
+            let mut bufs: Vec<Vec<f64>> = (0..n)
+                .map(|r| (0..2 * n).map(|i| (r * 100 + i) as f64).collect())
+                .collect();
+            let ops = bufs
+                .iter_mut()
+                .map(|b| RoundOp::ReduceScatter {
+                    send: None,
+                    recv: HostSliceMut::F64(b),
+                    op: ReduceOp::Sum,
+                })
+                .collect();
+            assert!(simulate_with(ops, None, &mut scratches)
+                .iter()
+                .all(Result::is_ok));
+            for (r, b) in bufs.iter().enumerate() {
+                let want: Vec<f64> = (2 * r..2 * r + 2).map(|i| (300 + 3 * i) as f64).collect();
+                assert_eq!(b[2 * r..2 * r + 2], want[..], "round {round}, rank {r}");
+            }
+
+            // A disagreement in between: the same error everywhere, nothing written.
+            let fp = |count: usize| DeferredCheck::for_test("all_reduce", DType::F32, count, n);
+            let checks = [fp(2), fp(2), fp(3)];
+            let mut bufs = [vec![1.0f32; 2], vec![1.0; 2], vec![1.0; 3]];
+            let ops = bufs
+                .iter_mut()
+                .map(|b| RoundOp::AllReduce {
+                    send: None,
+                    recv: HostSliceMut::F32(b),
+                    op: ReduceOp::Sum,
+                })
+                .collect();
+            let errs: Vec<String> = simulate_with(ops, Some(&checks), &mut scratches)
+                .into_iter()
+                .map(|r| r.unwrap_err().to_string())
+                .collect();
+            assert!(errs.iter().all(|e| *e == errs[0]), "{errs:?}");
+            assert!(bufs.iter().all(|b| b.iter().all(|&v| v == 1.0)));
+        }
     }
 
     #[test]
