@@ -467,6 +467,91 @@ struct P2pAborted : std::runtime_error {
             "the communicator was aborted on this rank while a point-to-point operation waited") {}
 };
 
+// The staging memory of a context's point-to-point transfers (see P2pTransfer), kept from one
+// operation to the next. Every transfer stages its header, and an inline payload, through one
+// block of up to kHeader + GLOO_SHIM_FRAME_HEAD_MAX + the check slots' inline limit (about
+// 64 KiB). Allocated and freed per operation, these blocks let glibc trim the heap after every
+// round of messages and fault its pages back in on the next round (measured, 2 ranks as threads,
+// all-reduce of 128 KiB as two rounds: about 60 page faults per call and rank, 547 us a call
+// against 178 us for libgloo's ring; see docs/performance.md). Every block has the same size;
+// at most `kept` blocks wait here (2 for each peer: a round posts one send and one receive per
+// peer), the rest are freed. Thread-safe.
+class StagingPool {
+ public:
+  StagingPool(size_t block, size_t kept) : block_(block), kept_(kept) {}
+
+  // A block of block() bytes (contents undefined).
+  std::unique_ptr<char[]> take() {
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      if (!free_.empty()) {
+        std::unique_ptr<char[]> b = std::move(free_.back());
+        free_.pop_back();
+        return b;
+      }
+    }
+    return std::unique_ptr<char[]>(new char[block_]);
+  }
+
+  // Returns a block from take() once nothing touches it any more.
+  void give(std::unique_ptr<char[]> b) noexcept {
+    if (!b) {
+      return;
+    }
+    std::lock_guard<std::mutex> g(mu_);
+    if (free_.size() < kept_) {
+      try {
+        free_.push_back(std::move(b));
+      } catch (...) {
+        // No room to keep it: `b` frees the block.
+      }
+    }
+  }
+
+  size_t block() const { return block_; }
+
+ private:
+  const size_t block_;
+  const size_t kept_;
+  std::mutex mu_;
+  std::vector<std::unique_ptr<char[]>> free_;
+};
+
+// One block of a StagingPool, given back when destroyed.
+class PooledBlock {
+ public:
+  PooledBlock() = default;
+  PooledBlock(const PooledBlock&) = delete;
+  PooledBlock& operator=(const PooledBlock&) = delete;
+  ~PooledBlock() { release(); }
+
+  // Takes a block of at least `bytes` bytes: from `pool` when its blocks are large enough
+  // (always, for the transfers' staging), otherwise a block of its own.
+  void reset(const std::shared_ptr<StagingPool>& pool, size_t bytes) {
+    release();
+    if (pool && bytes <= pool->block()) {
+      pool_ = pool;
+      mem_ = pool->take();
+    } else {
+      mem_.reset(new char[bytes]);
+    }
+  }
+
+  char* get() const { return mem_.get(); }
+
+ private:
+  void release() noexcept {
+    if (pool_) {
+      pool_->give(std::move(mem_));
+      pool_.reset();
+    }
+    mem_.reset();
+  }
+
+  std::shared_ptr<StagingPool> pool_;
+  std::unique_ptr<char[]> mem_;
+};
+
 struct gloo_shim_context {
   std::shared_ptr<gloo::rendezvous::Context> ctx;
   // Serialises the legacy (pair-bound) algorithms, which take slots from the context's
@@ -485,6 +570,8 @@ struct gloo_shim_context {
   std::shared_ptr<Waker> waker = nullptr;
   // Whether libgloo's collectives run inside a Yielding window (gloo_shim_context_set_busy_poll).
   std::atomic<bool> busy_poll{true};
+  // The staging blocks of this context's point-to-point transfers (made with the context).
+  std::shared_ptr<StagingPool> staging = nullptr;
 };
 
 namespace {
@@ -1601,10 +1688,12 @@ class P2pTransfer {
   // own around the payload's posts.
   P2pTransfer(
       gloo::Context& ctx, std::atomic<uint64_t>& seq, std::shared_ptr<P2pWaits> waits,
-      std::shared_ptr<Waker> waker, gloo_shim_p2p_op& op, uint8_t prefix = kP2pSlotPrefix)
+      std::shared_ptr<Waker> waker, std::shared_ptr<StagingPool> pool, gloo_shim_p2p_op& op,
+      uint8_t prefix = kP2pSlotPrefix)
       : ctx_(ctx),
         waits_(std::move(waits)),
         waker_(std::move(waker)),
+        pool_(std::move(pool)),
         op_(op),
         inline_max_(prefix == kCheckSlotPrefix ? kCheckInlineMax : kInlineMax) {
     check_op(ctx, op);
@@ -1616,7 +1705,7 @@ class P2pTransfer {
     if (op_.is_recv) {
       // Room for the longest first message any sender makes, whatever this receive's frame.
       const size_t room = kHeader + kFrameMax + inline_max_;
-      staging_.reset(new char[room]);
+      staging_.reset(pool_, room);
       head_ = ctx_.createUnboundBuffer(staging_.get(), room);
       head_->recv(op_.peer, header_slot(prefix, op_.tag), 0, room);
       return;
@@ -1624,7 +1713,7 @@ class P2pTransfer {
     P2pHeader h{kP2pMagic, op_.dtype, op_.count, op_.bytes, 0, 0, frame};
     // The protocol's header and the caller's, then (inline) the payload: one message.
     auto stage = [&](size_t payload) {
-      staging_.reset(new char[kHeader + frame + payload]);
+      staging_.reset(pool_, kHeader + frame + payload);
       std::memcpy(staging_.get(), &h, kHeader);
       if (frame > 0) {
         std::memcpy(staging_.get() + kHeader, op_.head, frame);
@@ -1784,11 +1873,13 @@ class P2pTransfer {
   gloo::Context& ctx_;
   std::shared_ptr<P2pWaits> waits_;
   std::shared_ptr<Waker> waker_;
+  std::shared_ptr<StagingPool> pool_;
   gloo_shim_p2p_op& op_;
   // Largest payload that travels with its header (kCheckInlineMax on the check's slots).
   const size_t inline_max_;
-  // Declared before the unbound buffers that point into them, so they are freed after them.
-  std::unique_ptr<char[]> staging_;
+  // Declared before the unbound buffers that point into it, so it goes back to the pool (or is
+  // freed) after them.
+  PooledBlock staging_;
   P2pReply reply_msg_{};
   std::unique_ptr<gloo::transport::UnboundBuffer> head_;
   std::unique_ptr<gloo::transport::UnboundBuffer> body_;
@@ -2005,6 +2096,11 @@ int32_t gloo_shim_context_connect(
     }
     *out = new gloo_shim_context{std::move(ctx), {}};
     (*out)->waker = device->waker;
+    // A round posts a send and a receive per peer: keep that many blocks (at least 2, at most
+    // 32, about 2 MiB), enough for every transfer of a round up to 17 ranks.
+    const size_t kept = std::clamp<size_t>(2 * (static_cast<size_t>(size) - 1), 2, 32);
+    (*out)->staging =
+        std::make_shared<StagingPool>(kHeader + kFrameMax + kCheckInlineMax, kept);
   });
   if (rdv_failed) {
     fail(st, rdv_code, rdv_message);
@@ -2297,7 +2393,7 @@ int32_t run_p2p(
       Yielding posting(c->waker.get());
       for (size_t i = 0; i < n; i++) {
         transfers.emplace_back(
-            new P2pTransfer(*c->ctx, c->p2p_seq, c->waits, c->waker, ops[i], prefix));
+            new P2pTransfer(*c->ctx, c->p2p_seq, c->waits, c->waker, c->staging, ops[i], prefix));
       }
     }
     // Every header first (each receive posts its payload as soon as its header is read), then
@@ -2345,7 +2441,8 @@ int32_t gloo_shim_post(
   return guarded(c->ctx.get(), st, [&] {
     std::unique_ptr<gloo_shim_pending> p(new gloo_shim_pending{c->ctx, *op, nullptr});
     Yielding posting(c->waker.get());
-    p->transfer.reset(new P2pTransfer(*c->ctx, c->p2p_seq, c->waits, c->waker, p->op));
+    p->transfer.reset(
+        new P2pTransfer(*c->ctx, c->p2p_seq, c->waits, c->waker, c->staging, p->op));
     *out = p.release();
   });
 }
