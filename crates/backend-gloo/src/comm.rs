@@ -139,6 +139,8 @@ pub(crate) struct Inner {
     store_name: String,
     /// Failure records and blame (`crate::blame`); touched only after a failure.
     blame: Option<crate::blame::Blame>,
+    /// The memory of the one-round collectives, kept between calls (`comm/oneshot.rs`).
+    rounds: Mutex<oneshot::RoundMemory>,
 }
 
 /// The time limit of one operation as Gloo takes it: no limit is the shim's longest timeout
@@ -958,6 +960,7 @@ impl GlooBackend {
                 splits: AtomicU64::new(0),
                 store_name: String::new(),
                 blame: None,
+                rounds: Mutex::new(oneshot::RoundMemory::default()),
             }),
             worker: Mutex::new(None),
         }

@@ -64,6 +64,15 @@ pub const ONE_ROUND_ENV: &str = "GRID_GLOO_ONE_ROUND_MAX";
 // The check's slots carry a fingerprint more than the inline limit in one message.
 const _: () = assert!(crate::ffi::CHECK_INLINE_EXTRA == FP_BYTES);
 
+/// The memory of a communicator's rounds, kept between calls so that a round in a loop
+/// allocates nothing (and touches no fresh pages): the received messages, and grid-core's round
+/// scratch (outgoing messages, decoded payloads).
+#[derive(Debug, Default)]
+pub(crate) struct RoundMemory {
+    recv: Vec<u8>,
+    scratch: round::Scratch,
+}
+
 impl Inner {
     /// Runs `c` as one round of messages when it fits ([`ONE_ROUND_MAX`], [`DIRECT_MAX`]),
     /// checked by `check` when there is one: `Ok(true)` when `c` has run. Otherwise runs the
@@ -164,7 +173,12 @@ impl Inner {
         let (me, n) = (self.rank(), self.size());
         let w = c.width();
         let head = if check.is_some() { FP_BYTES } else { 0 };
-        let out = c.outgoing_messages(check, me, n)?;
+        // The memory kept from the last round; a round that finds it in use (collectives on
+        // one communicator from several threads) takes memory of its own.
+        let mut kept = self.rounds.try_lock().ok();
+        let mut fresh = RoundMemory::default();
+        let RoundMemory { recv, scratch } = kept.as_deref_mut().unwrap_or(&mut fresh);
+        let out = scratch.outgoing(&c, check, me, n)?;
         // An unchecked broadcast's other ranks have nothing to say: only the root's messages
         // travel (every rank knows the root; ranks that disagree on it wait until the time
         // limit). Every other form sends every message, empty or not (a barrier's are all
@@ -194,7 +208,10 @@ impl Inner {
             });
             at += len;
         }
-        let mut recv = vec![0u8; at];
+        // Zeroed: a peer whose message is shorter than expected (another version of this
+        // library) leaves zeros, never the last round's bytes, where its fingerprint belongs.
+        recv.clear();
+        recv.resize(at, 0);
         let received: Vec<RawBlock> = recvs.iter().copied().filter(travels).collect();
         let mismatches = self
             .ctx
@@ -202,7 +219,7 @@ impl Inner {
                 channel,
                 HostSlice::U8(&out.bytes),
                 &sent,
-                HostSliceMut::U8(&mut recv),
+                HostSliceMut::U8(recv),
                 &received,
                 tag,
                 limit,
@@ -230,7 +247,7 @@ impl Inner {
             };
             return Err(self.block_mismatch(op, &m));
         }
-        c.finish(me, n, &|j| &slot(j)[head..])
+        scratch.finish(c, me, n, &|j| &slot(j)[head..])
     }
 }
 
