@@ -603,7 +603,12 @@ impl MpiBackend {
                 let plan = stage::plan(send.dtype(), op, self.size);
                 let _w = watch(watch::REDUCE_SCATTER);
                 match plan.wire {
-                    None if ring::applies(send.dtype(), send.len(), self.size) => {
+                    None if ring::applies_to_reduce_scatter(
+                        send.dtype(),
+                        send.len(),
+                        self.size,
+                    ) =>
+                    {
                         let me = (self.rank, self.size);
                         ring::reduce_scatter(
                             &self.check,
@@ -653,7 +658,7 @@ impl MpiBackend {
                 let plan = stage::plan(buf.dtype(), op, self.size);
                 let _w = watch(watch::REDUCE_SCATTER);
                 match plan.wire {
-                    None if ring::applies(buf.dtype(), buf.len(), self.size) => {
+                    None if ring::applies_to_reduce_scatter(buf.dtype(), buf.len(), self.size) => {
                         // The block ends where it lies: no copy.
                         let me = (self.rank, self.size);
                         ring::reduce_scatter_in_place(

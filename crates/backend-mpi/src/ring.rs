@@ -24,9 +24,10 @@
 //! and the input is never written.
 //!
 //! Used for blocking calls of f32, f64, i32 and i64 (`Sum`, `Prod`, `Min`, `Max`, and `Avg` as
-//! a sum divided afterwards, as around the MPI calls) from [`RING_MIN_BYTES`] (of the whole
-//! all-reduce buffer, or of the reduce-scatter's input, in place or not); the nonblocking forms
-//! stay with MPI. The in-place reduce-scatter ([`reduce_scatter_in_place`]) is the all-reduce's
+//! a sum divided afterwards, as around the MPI calls): all-reduces from [`RING_MIN_BYTES`] (of
+//! the whole buffer), reduce-scatters from [`REDUCE_SCATTER_RING_MIN_BYTES`] (of the input, in
+//! place or not), where the ring beat `MPI_Reduce_scatter_block` at every size measured; the
+//! nonblocking forms stay with MPI. The in-place reduce-scatter ([`reduce_scatter_in_place`]) is the all-reduce's
 //! first half with the blocks shifted by one: each rank ends with its own block where it lies
 //! (no copy to move it there, as after `MPI_Reduce_scatter_block`). The ring runs on the communicator's duplicate (the one the
 //! mismatch check uses), so its messages never meet a user's point-to-point messages, and
@@ -41,6 +42,13 @@ use std::sync::Mutex;
 /// agree) take the ring. Below it `MPI_Allreduce` needs no fresh mapping: glibc reuses freed
 /// blocks under its 32 MiB dynamic mmap threshold.
 pub(crate) const RING_MIN_BYTES: usize = 32 << 20;
+
+/// Reduce-scatters (in place or not) whose input holds at least this many bytes take the ring.
+/// Below 32 MiB the reason is not memory but the algorithm: Open MPI 4.1's
+/// `MPI_Reduce_scatter_block` on shared memory took 1.4–2 times as long as the ring from
+/// 512 KiB at 2 and 4 ranks (peer benchmark, 2026-11-28; docs/performance.md, *Reduce-scatters
+/// from 512 KiB*). At 128 KiB the two were even.
+pub(crate) const REDUCE_SCATTER_RING_MIN_BYTES: usize = 512 << 10;
 
 /// The tag of the ring's messages (on the duplicate communicator, where nothing else sends).
 const TAG: i32 = 1;
@@ -58,9 +66,19 @@ pub(crate) fn blocks(len: usize, n: usize) -> Vec<(usize, usize)> {
 /// Whether an all-reduce of `len` elements of `dtype` (the type MPI would reduce: no staged
 /// types) takes the ring on `size` ranks.
 pub(crate) fn applies(dtype: DType, len: usize, size: usize) -> bool {
+    takes_ring(dtype, len, size, RING_MIN_BYTES)
+}
+
+/// Whether a reduce-scatter of an input of `len` elements of `dtype` takes the ring on `size`
+/// ranks ([`REDUCE_SCATTER_RING_MIN_BYTES`]).
+pub(crate) fn applies_to_reduce_scatter(dtype: DType, len: usize, size: usize) -> bool {
+    takes_ring(dtype, len, size, REDUCE_SCATTER_RING_MIN_BYTES)
+}
+
+fn takes_ring(dtype: DType, len: usize, size: usize, min_bytes: usize) -> bool {
     size >= 2
         && matches!(dtype, DType::F32 | DType::F64 | DType::I32 | DType::I64)
-        && len.saturating_mul(dtype.size_bytes()) >= RING_MIN_BYTES
+        && len.saturating_mul(dtype.size_bytes()) >= min_bytes
 }
 
 /// The reduction of [`raw::Reduce`] in grid-core's kernels.
@@ -291,5 +309,12 @@ mod tests {
         assert!(!applies(DType::F32, big, 1));
         assert!(!applies(DType::BF16, 2 * big, 2));
         assert!(!applies(DType::U8, 4 * big, 2));
+        let rs = REDUCE_SCATTER_RING_MIN_BYTES / 4;
+        assert!(applies_to_reduce_scatter(DType::F32, rs, 2));
+        assert!(applies_to_reduce_scatter(DType::I32, rs, 4));
+        assert!(!applies_to_reduce_scatter(DType::F32, rs - 1, 4));
+        assert!(!applies_to_reduce_scatter(DType::F64, rs, 1));
+        assert!(!applies_to_reduce_scatter(DType::F16, 2 * rs, 2));
+        assert!(!applies(DType::F32, rs, 2));
     }
 }

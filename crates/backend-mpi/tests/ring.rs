@@ -1,8 +1,9 @@
-//! All-reduces and reduce-scatters of 32 MiB and more run as a ring of `MPI_Sendrecv` steps
-//! (the crate's `ring` module) instead of `MPI_Allreduce` / `MPI_Reduce_scatter_block`: exact
-//! values at 2, 3 and 4 ranks, every reduction, all-reduce in place and out of place with a
-//! length that does not divide by the rank count (blocks of unequal length), every type the
-//! ring takes, and the same bits on every rank.
+//! All-reduces of 32 MiB and more and reduce-scatters of 512 KiB and more run as a ring of
+//! `MPI_Sendrecv` steps (the crate's `ring` module) instead of `MPI_Allreduce` /
+//! `MPI_Reduce_scatter_block`: exact values at 2, 3 and 4 ranks, every reduction, all-reduce in
+//! place and out of place with a length that does not divide by the rank count (blocks of
+//! unequal length), reduce-scatters just above both thresholds, every type the ring takes, and
+//! the same bits on every rank.
 
 use backend_mpi::mpi_test;
 use grid_core::{Communicator, CommunicatorExt, Element, ReduceOp};
@@ -66,15 +67,20 @@ fn check<T: Element + PartialEq + Copy + std::fmt::Debug>(
     Ok(())
 }
 
-/// Reduce-scatter of `n` blocks of `k` elements (`n · k` elements above the threshold), out of
+/// Bytes just above the reduce-scatter's ring threshold (512 KiB), 3 elements past a multiple
+/// of 4 as [`BYTES`].
+const SCATTER_BYTES: usize = (512 << 10) + 24;
+
+/// Reduce-scatter of `n` blocks of `k` elements (`n · k` elements, just above `bytes`), out of
 /// place and in place.
 fn check_scatter<T: Element + PartialEq + Copy + std::fmt::Debug>(
     c: &backend_mpi::MpiCommunicator,
     conv: fn(f64) -> T,
     ops: &[ReduceOp],
+    bytes: usize,
 ) -> Result<(), String> {
     let (me, n) = (c.rank(), c.size());
-    let k = BYTES / std::mem::size_of::<T>() / n + 1;
+    let k = bytes / std::mem::size_of::<T>() / n + 1;
     let mine: Vec<T> = (0..n * k).map(|i| conv(value(me, i) as f64)).collect();
     for &op in ops {
         let mut out = vec![conv(0.0); k];
@@ -120,10 +126,12 @@ fn every_type(rt: &backend_mpi::MpiRuntime) -> Result<(), String> {
     check::<f64>(c, |x| x, &[ReduceOp::Sum, ReduceOp::Avg])?;
     check::<i32>(c, |x| x as i32, &[ReduceOp::Sum, ReduceOp::Max])?;
     check::<i64>(c, |x| x as i64, &[ReduceOp::Sum, ReduceOp::Min])?;
-    check_scatter::<f32>(c, |x| x as f32, &all)?;
-    check_scatter::<f64>(c, |x| x, &[ReduceOp::Max])?;
-    check_scatter::<i32>(c, |x| x as i32, &[ReduceOp::Sum])?;
-    check_scatter::<i64>(c, |x| x as i64, &[ReduceOp::Prod])?;
+    for bytes in [SCATTER_BYTES, BYTES] {
+        check_scatter::<f32>(c, |x| x as f32, &all, bytes)?;
+        check_scatter::<f64>(c, |x| x, &[ReduceOp::Max], bytes)?;
+        check_scatter::<i32>(c, |x| x as i32, &[ReduceOp::Sum], bytes)?;
+        check_scatter::<i64>(c, |x| x as i64, &[ReduceOp::Prod], bytes)?;
+    }
     Ok(())
 }
 
