@@ -14,11 +14,13 @@
 //!   in-place reduce-scatter passes `MPI_IN_PLACE` to `MPI_Reduce_scatter_block`, which leaves
 //!   the result at the start of the buffer, and moves it to `rank · count` with one
 //!   `copy_within` of `count` elements (grid-core's convention, NCCL's). Blocking all-reduces
-//!   and out-of-place reduce-scatters of 32 MiB and more (f32, f64, i32, i64) run as a ring of `MPI_Sendrecv` steps on the
-//!   communicator's duplicate, reduced by grid-core's kernels with a scratch block kept per
-//!   communicator: Open MPI maps and page-faults a fresh temporary buffer for every such
-//!   `MPI_Allreduce` and `MPI_Reduce_scatter_block` (docs/performance.md, "Large
-//!   all-reduces"). Blocking all-gathers (in place or not) and broadcasts of [`PEER_READ_MIN`]
+//!   of 32 MiB and more and reduce-scatters (in place or not) of 512 KiB and more (f32, f64,
+//!   i32, i64) run as a ring of `MPI_Sendrecv` steps on the communicator's duplicate, reduced
+//!   by grid-core's kernels with a scratch block kept per communicator: from 32 MiB Open MPI
+//!   maps and page-faults a fresh temporary buffer for every `MPI_Allreduce` and
+//!   `MPI_Reduce_scatter_block`, and from 512 KiB its reduce-scatter was slower than the ring
+//!   (docs/performance.md, "Large all-reduces" and "Reduce-scatters from 512 KiB"); the
+//!   in-place ring leaves the block at `rank · count` with no copy. Blocking all-gathers (in place or not) and broadcasts of [`PEER_READ_MIN`]
 //!   (32 MiB) and more copy straight between the ranks' buffers (`process_vm_readv` and
 //!   `process_vm_writev`) when every rank is on one node and every buffer lies mostly on huge
 //!   pages: one copy where the shared-memory transport makes two ([`PEER_READ_MIN_ENV`],
