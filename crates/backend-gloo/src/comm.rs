@@ -21,7 +21,7 @@ mod check;
 mod oneshot;
 mod vops;
 
-use grid_core::comm::round::RoundOp;
+use grid_core::comm::round::{self, RoundOp};
 pub use oneshot::{ONE_ROUND_ENV, ONE_ROUND_MAX};
 
 const BACKEND: &str = "gloo";
@@ -139,8 +139,9 @@ pub(crate) struct Inner {
     store_name: String,
     /// Failure records and blame (`crate::blame`); touched only after a failure.
     blame: Option<crate::blame::Blame>,
-    /// The memory of the one-round collectives, kept between calls (`comm/oneshot.rs`).
-    rounds: Mutex<oneshot::RoundMemory>,
+    /// The memory of the one-round collectives, kept between calls so that a round in a loop
+    /// allocates nothing and touches no fresh pages (`comm/oneshot.rs`).
+    rounds: Mutex<round::Memory>,
 }
 
 /// The time limit of one operation as Gloo takes it: no limit is the shim's longest timeout
@@ -960,7 +961,7 @@ impl GlooBackend {
                 splits: AtomicU64::new(0),
                 store_name: String::new(),
                 blame: None,
-                rounds: Mutex::new(oneshot::RoundMemory::default()),
+                rounds: Mutex::new(round::Memory::default()),
             }),
             worker: Mutex::new(None),
         }

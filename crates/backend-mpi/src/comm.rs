@@ -117,7 +117,7 @@ pub struct MpiBackend {
     /// The memory of the rounds, kept between calls: the received messages and grid-core's
     /// round scratch (outgoing messages, decoded payloads). A round that finds it in use, which
     /// concurrent collectives on one communicator would be, allocates its own.
-    round_scratch: std::sync::Mutex<RoundMemory>,
+    round_scratch: std::sync::Mutex<round::Memory>,
     /// [`crate::PEER_READ_MIN`] or [`crate::PEER_READ_MIN_ENV`] (0: never).
     peer_read_min: usize,
     /// Set on every rank alike once a copy between the ranks' memory failed (module
@@ -127,15 +127,6 @@ pub struct MpiBackend {
     /// How many collectives copied straight between the ranks' memory
     /// ([`MpiBackend::peer_reads`]).
     peer_reads: std::sync::atomic::AtomicU64,
-}
-
-/// The memory of a communicator's rounds, kept between calls ([`MpiBackend::round`]).
-#[derive(Debug, Default)]
-struct RoundMemory {
-    /// The messages received, one room per peer of a fingerprint and the largest payload.
-    recv: Vec<u8>,
-    /// grid-core's part: the outgoing messages and the decoded payloads.
-    scratch: round::Scratch,
 }
 
 impl MpiBackend {
@@ -174,7 +165,7 @@ impl MpiBackend {
             ring_scratch: std::sync::Mutex::new([None, None]),
             direct_max,
             round_max,
-            round_scratch: std::sync::Mutex::new(RoundMemory::default()),
+            round_scratch: std::sync::Mutex::new(round::Memory::default()),
             peer_read_min,
             peer_read_off: AtomicBool::new(false),
             peer_reads: std::sync::atomic::AtomicU64::new(0),
@@ -467,8 +458,12 @@ impl MpiBackend {
         let _w = self.watch.enter(watch::op_index(op), seq, alone, limit);
         let (me, n) = (self.rank, self.size);
         let mut cached = self.round_scratch.try_lock().ok();
-        let mut fresh = RoundMemory::default();
-        let RoundMemory { recv, scratch } = cached.as_deref_mut().unwrap_or(&mut fresh);
+        let mut fresh = round::Memory::default();
+        // `received`: one room per peer, of a fingerprint and the largest payload.
+        let round::Memory {
+            received: recv,
+            scratch,
+        } = cached.as_deref_mut().unwrap_or(&mut fresh);
         let out = scratch.outgoing(&c, Some(check), me, n)?;
         let from = (0..n).filter(|&j| j != me);
         // Room for the longest message any rank sends in a round (the same settings on every

@@ -20,12 +20,12 @@
 //!   maps and page-faults a fresh temporary buffer for every `MPI_Allreduce` and
 //!   `MPI_Reduce_scatter_block`, and from 512 KiB its reduce-scatter was slower than the ring
 //!   (docs/performance.md, "Large all-reduces" and "Reduce-scatters from 512 KiB"); the
-//!   in-place ring leaves the block at `rank · count` with no copy. Blocking all-gathers (in place or not) and broadcasts of [`PEER_READ_MIN`]
-//!   (32 MiB) and more copy straight between the ranks' buffers (`process_vm_readv` and
-//!   `process_vm_writev`) when every rank is on one node and every buffer lies mostly on huge
-//!   pages: one copy where the shared-memory transport makes two ([`PEER_READ_MIN_ENV`],
-//!   [`MpiBackend::peer_reads`], docs/backends.md §1.2). It is
-//!   `Send + Sync` (see the `raw` module for the invariant).
+//!   in-place ring leaves the block at `rank · count` with no copy. Blocking all-gathers (in
+//!   place or not) and broadcasts of [`PEER_READ_MIN`] (32 MiB) and more copy straight between
+//!   the ranks' buffers (`process_vm_readv` and `process_vm_writev`) when every rank is on one
+//!   node and every buffer lies mostly on huge pages: one copy where the shared-memory
+//!   transport makes two ([`PEER_READ_MIN_ENV`], [`MpiBackend::peer_reads`], docs/backends.md
+//!   §1.2). It is `Send + Sync` (see the `raw` module for the invariant).
 //! * [`MpiFactory`] implements [`grid_core::GroupFactory`]: `split` is `MPI_Comm_split`,
 //!   `create_group` is `MPI_Comm_create` over the parent.
 //! * [`testing`] runs multi-rank tests under plain `cargo test` by re-launching the test binary

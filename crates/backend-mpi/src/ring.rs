@@ -26,10 +26,11 @@
 //! Used for blocking calls of f32, f64, i32 and i64 (`Sum`, `Prod`, `Min`, `Max`, and `Avg` as
 //! a sum divided afterwards, as around the MPI calls): all-reduces from [`RING_MIN_BYTES`] (of
 //! the whole buffer), reduce-scatters from [`REDUCE_SCATTER_RING_MIN_BYTES`] (of the input, in
-//! place or not), where the ring beat `MPI_Reduce_scatter_block` at every size measured; the
-//! nonblocking forms stay with MPI. The in-place reduce-scatter ([`reduce_scatter_in_place`]) is the all-reduce's
-//! first half with the blocks shifted by one: each rank ends with its own block where it lies
-//! (no copy to move it there, as after `MPI_Reduce_scatter_block`). The ring runs on the communicator's duplicate (the one the
+//! place or not), where the ring was as fast as `MPI_Reduce_scatter_block` or faster in the
+//! runs measured; the nonblocking forms stay with MPI. The in-place reduce-scatter
+//! ([`reduce_scatter_in_place`]) is the all-reduce's first half with the blocks shifted by
+//! one: each rank ends with its own block where it lies (no copy to move it there, as after
+//! `MPI_Reduce_scatter_block`). The ring runs on the communicator's duplicate (the one the
 //! mismatch check uses), so its messages never meet a user's point-to-point messages, and
 //! under the same watch as `MPI_Allreduce`: a rank that passes its time limit or is aborted
 //! inside it ends the job as a blocking collective does.
@@ -45,9 +46,10 @@ pub(crate) const RING_MIN_BYTES: usize = 32 << 20;
 
 /// Reduce-scatters (in place or not) whose input holds at least this many bytes take the ring.
 /// Below 32 MiB the reason is not memory but the algorithm: Open MPI 4.1's
-/// `MPI_Reduce_scatter_block` on shared memory took 1.4–2 times as long as the ring from
-/// 512 KiB at 2 and 4 ranks (peer benchmark, 2026-11-28; docs/performance.md, *Reduce-scatters
-/// from 512 KiB*). At 128 KiB the two were even.
+/// `MPI_Reduce_scatter_block` on shared memory took 1.3–2.3 times as long as the ring from
+/// 512 KiB at 2 ranks, and up to 2.7 times at 4, where some runs were even (peer benchmark,
+/// 2026-11-28; docs/performance.md, *Reduce-scatters from 512 KiB*). At 128 KiB the ring did
+/// not pay.
 pub(crate) const REDUCE_SCATTER_RING_MIN_BYTES: usize = 512 << 10;
 
 /// The tag of the ring's messages (on the duplicate communicator, where nothing else sends).

@@ -64,15 +64,6 @@ pub const ONE_ROUND_ENV: &str = "GRID_GLOO_ONE_ROUND_MAX";
 // The check's slots carry a fingerprint more than the inline limit in one message.
 const _: () = assert!(crate::ffi::CHECK_INLINE_EXTRA == FP_BYTES);
 
-/// The memory of a communicator's rounds, kept between calls so that a round in a loop
-/// allocates nothing (and touches no fresh pages): the received messages, and grid-core's round
-/// scratch (outgoing messages, decoded payloads).
-#[derive(Debug, Default)]
-pub(crate) struct RoundMemory {
-    recv: Vec<u8>,
-    scratch: round::Scratch,
-}
-
 impl Inner {
     /// Runs `c` as one round of messages when it fits ([`ONE_ROUND_MAX`], [`DIRECT_MAX`]),
     /// checked by `check` when there is one: `Ok(true)` when `c` has run. Otherwise runs the
@@ -176,8 +167,11 @@ impl Inner {
         // The memory kept from the last round; a round that finds it in use (collectives on
         // one communicator from several threads) takes memory of its own.
         let mut kept = self.rounds.try_lock().ok();
-        let mut fresh = RoundMemory::default();
-        let RoundMemory { recv, scratch } = kept.as_deref_mut().unwrap_or(&mut fresh);
+        let mut fresh = round::Memory::default();
+        let round::Memory {
+            received: recv,
+            scratch,
+        } = kept.as_deref_mut().unwrap_or(&mut fresh);
         let out = scratch.outgoing(&c, check, me, n)?;
         // An unchecked broadcast's other ranks have nothing to say: only the root's messages
         // travel (every rank knows the root; ranks that disagree on it wait until the time

@@ -268,6 +268,17 @@ impl RoundOp<'_> {
     }
 }
 
+/// Everything a backend keeps per communicator for its rounds: the bytes it received (laid out
+/// as the backend moves them) and the [`Scratch`]. A backend keeps one behind a lock and takes
+/// a fresh one when the lock is held (collectives on one communicator from several threads).
+#[derive(Debug, Default)]
+pub struct Memory {
+    /// The received messages, reused from round to round (the backend sizes and clears it).
+    pub received: Vec<u8>,
+    /// The outgoing messages and the decoded payloads.
+    pub scratch: Scratch,
+}
+
 /// Memory a backend keeps from one round to the next, so that a round in a loop (the same
 /// collective, dtype and count) allocates nothing for its messages or for the payloads it
 /// decodes: the outgoing messages ([`Scratch::outgoing`]) and the decoded inputs of a
@@ -449,18 +460,11 @@ fn in_rank_order<'a>(
     own: HostSlice<'a>,
     others: &'a [HostBuffer],
 ) -> Vec<HostSlice<'a>> {
+    let (before, after) = others.split_at(me.min(others.len()));
     let mut inputs: Vec<HostSlice<'a>> = Vec::with_capacity(others.len() + 1);
-    inputs.extend(
-        others[..me.min(others.len())]
-            .iter()
-            .map(HostBuffer::as_slice),
-    );
+    inputs.extend(before.iter().map(HostBuffer::as_slice));
     inputs.push(own);
-    inputs.extend(
-        others[me.min(others.len())..]
-            .iter()
-            .map(HostBuffer::as_slice),
-    );
+    inputs.extend(after.iter().map(HostBuffer::as_slice));
     inputs
 }
 
