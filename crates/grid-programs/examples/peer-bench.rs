@@ -360,11 +360,14 @@ where
     };
     let send = memory.filled(send_len, value);
     let mut recv = memory.filled(recv_len, 0.0);
-    // The in-place all-gather and reduce-scatter work on one buffer of size · block elements:
-    // this rank's block of the gather (the others' slots zero), the whole input of the scatter.
+    // The in-place all-gather works on the receive buffer (this rank's block filled, the
+    // others' slots zero), as mpi4py's side does: the same allocations in the same order, so
+    // that both sides' buffers land alike on huge pages (see docs/performance.md, *The
+    // in-place all-gather of 8 MiB*). The in-place reduce-scatter works on one more buffer of
+    // size · block elements, the whole input of the scatter (mpi4py's `whole`).
     let block = send_len.min(recv_len);
     let mut whole = memory.filled(
-        if in_place && kind != Op::AllReduce {
+        if in_place && kind == Op::ReduceScatter {
             send_len.max(recv_len)
         } else {
             0
@@ -374,7 +377,7 @@ where
     for it in 0..warmup + iters {
         if in_place || kind == Op::Broadcast {
             match kind {
-                Op::AllGather => whole[rank * block..(rank + 1) * block].fill(value),
+                Op::AllGather => recv[rank * block..(rank + 1) * block].fill(value),
                 Op::ReduceScatter => whole.fill(value),
                 _ => recv.copy_from_slice(&send),
             }
@@ -384,7 +387,7 @@ where
         match (kind, in_place) {
             (Op::AllReduce, true) => c.all_reduce_in_place(&mut recv[..], ReduceOp::Sum),
             (Op::AllReduce, false) => c.all_reduce_into(&send[..], &mut recv[..], ReduceOp::Sum),
-            (Op::AllGather, true) => c.all_gather_in_place(&mut whole[..]),
+            (Op::AllGather, true) => c.all_gather_in_place(&mut recv[..]),
             (Op::AllGather, false) => c.all_gather_into(&send[..], &mut recv[..]),
             (Op::ReduceScatter, true) => c.reduce_scatter_in_place(&mut whole[..], ReduceOp::Sum),
             (Op::ReduceScatter, false) => {
@@ -398,11 +401,9 @@ where
             times.push(dt);
         }
     }
-    // The in-place results: the whole gathered buffer, this rank's reduced block at rank · block.
-    match (kind, in_place) {
-        (Op::AllGather, true) => recv.copy_from_slice(&whole),
-        (Op::ReduceScatter, true) => recv.copy_from_slice(&whole[rank * block..(rank + 1) * block]),
-        _ => {}
+    // The in-place reduce-scatter's result: this rank's reduced block at rank · block.
+    if (kind, in_place) == (Op::ReduceScatter, true) {
+        recv.copy_from_slice(&whole[rank * block..(rank + 1) * block]);
     }
     check(kind, &send, &recv, n).map_err(|m| format!("{op} of {bytes} bytes on {n} ranks: {m}"))?;
     Ok(times)

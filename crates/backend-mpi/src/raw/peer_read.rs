@@ -10,7 +10,7 @@
 //! Invariants:
 //! - `PAGEMAP_SCAN` only walks this process's page tables over the address range it is given;
 //!   it dereferences none of that memory, and writes only the region array passed with it
-//!   (`vec`, `vec_len` entries, owned by `huge_samples`).
+//!   (`vec`, `vec_len` entries, owned by `huge_bytes`).
 //! - `process_vm_readv` writes at most the local iovec's length, which is exactly the
 //!   exclusively borrowed destination slice; `process_vm_writev` only reads the borrowed
 //!   source slice here. Every element type of this crate accepts any bit pattern (numbers and
@@ -23,17 +23,19 @@
 use grid_core::{HostSlice, HostSliceMut};
 use std::io;
 
-/// Pages of a buffer that [`mostly_huge`] looks at, evenly spread.
-const SAMPLES: usize = 4;
-
-/// Whether at least three quarters of [`SAMPLES`] pages spread evenly over `mem` are mapped by
-/// huge pages in this process; `None` when the kernel cannot tell (no `PAGEMAP_SCAN`, not
-/// Linux). A sample, not a walk: walking the page table of a 64 MiB buffer on ordinary pages
-/// took 30–40 µs in an MPI process, four one-page scans 4–8.
+/// Whether at least three quarters of `mem` (its whole pages) are mapped by huge pages in this
+/// process; `None` when the kernel cannot tell (no `PAGEMAP_SCAN`, not Linux).
+///
+/// Every page of the range is counted, not a sample: the copies run at the speed of their
+/// slowest part, and a buffer that is not 2 MiB-aligned has ordinary pages at its head and
+/// tail (up to 2 MiB each), which may be most of the block another rank reads. The kernel
+/// reports the huge runs in a few regions; walking 4 MiB of ordinary pages costs about 2 µs,
+/// 64 MiB 30–40 µs.
 pub(crate) fn mostly_huge(mem: HostSlice<'_>) -> Option<bool> {
     let bytes = mem.len().checked_mul(mem.dtype().size_bytes())?;
-    let huge = imp::huge_samples(mem.as_ptr() as usize, bytes, SAMPLES)?;
-    Some(huge * 4 >= SAMPLES * 3)
+    let huge = imp::huge_bytes(mem.as_ptr() as usize, bytes)?;
+    // A range without a whole page (an empty one included) has no huge bytes: not mostly huge.
+    Some(huge > 0 && huge.saturating_mul(4) >= bytes.saturating_mul(3))
 }
 
 /// Reads `dst.len()` elements of `dst`'s type from address `src` of process `pid` into `dst`:
@@ -102,9 +104,13 @@ mod imp {
     /// opened it.
     static PAGEMAP: Mutex<Option<(u32, File)>> = Mutex::new(None);
 
-    /// How many of `samples` pages spread evenly over the whole pages of
-    /// `[addr, addr + bytes)` are mapped by huge pages (0 when the range holds no whole page).
-    pub(super) fn huge_samples(addr: usize, bytes: usize, samples: usize) -> Option<usize> {
+    /// Regions the kernel fills per `PAGEMAP_SCAN` call (runs of huge pages; a buffer of a
+    /// few mappings has one or two).
+    const REGIONS: usize = 8;
+
+    /// How many bytes of the whole pages of `[addr, addr + bytes)` are mapped by huge pages
+    /// (0 when the range holds no whole page).
+    pub(super) fn huge_bytes(addr: usize, bytes: usize) -> Option<usize> {
         let start = addr.checked_add(PAGE - 1)? & !(PAGE - 1);
         let end = addr.checked_add(bytes)? & !(PAGE - 1);
         if end <= start {
@@ -118,32 +124,42 @@ mod imp {
             *open = Some((me, File::open("/proc/self/pagemap").ok()?));
         }
         let f = &open.as_ref()?.1;
-        let pages = (end - start) / PAGE;
-        let mut huge = 0;
-        for i in 0..samples {
-            // The middle page of the i-th of `samples` equal parts.
-            let page = start + (pages * (2 * i + 1) / (2 * samples)) * PAGE;
-            let mut region = PageRegion::default();
+        let mut huge = 0usize;
+        let mut from = start;
+        while from < end {
+            let mut regions: [PageRegion; REGIONS] = Default::default();
             let mut arg = PmScanArg {
                 size: std::mem::size_of::<PmScanArg>() as u64,
-                start: page as u64,
-                end: (page + PAGE) as u64,
-                vec: &mut region as *mut PageRegion as u64,
-                vec_len: 1,
+                start: from as u64,
+                end: end as u64,
+                vec: regions.as_mut_ptr() as u64,
+                vec_len: REGIONS as u64,
                 category_mask: PAGE_IS_HUGE,
                 return_mask: PAGE_IS_HUGE,
                 ..PmScanArg::default()
             };
             // SAFETY: PAGEMAP_SCAN reads `arg` and writes `arg.walk_end` and at most
-            // `vec_len` (1) entries at `vec`, `region`, both alive and exclusively borrowed
-            // here; it walks the page table of one page without touching that memory (module
-            // docs). An older kernel fails with ENOTTY or EINVAL, answered as None.
+            // `vec_len` (REGIONS) entries at `vec`, `regions`, both alive and exclusively
+            // borrowed here; it walks this process's page tables over [from, end) without
+            // touching that memory (module docs). An older kernel fails with ENOTTY or
+            // EINVAL, answered as None.
             let n = unsafe {
                 libc::ioctl(f.as_raw_fd(), PAGEMAP_SCAN as _, &mut arg as *mut PmScanArg)
             };
-            huge += usize::from(usize::try_from(n).ok()? > 0);
+            let n = usize::try_from(n).ok()?.min(REGIONS);
+            for r in &regions[..n] {
+                let (a, b) = (r.start.max(from as u64), r.end.min(end as u64));
+                huge += usize::try_from(b.saturating_sub(a)).ok()?;
+            }
+            // Fewer regions than room for: the walk reached `end`. Else go on from where it
+            // stopped (always past `from`, or the walk would have found nothing).
+            let stop = usize::try_from(arg.walk_end).ok()?;
+            if n < REGIONS || stop <= from {
+                break;
+            }
+            from = stop;
         }
-        Some(huge)
+        Some(huge.min(end - start))
     }
 
     pub(super) fn read_from(pid: u32, src: usize, dst: *mut u8, bytes: usize) -> io::Result<()> {
@@ -215,7 +231,7 @@ mod imp {
 mod imp {
     use std::io;
 
-    pub(super) fn huge_samples(_addr: usize, _bytes: usize, _samples: usize) -> Option<usize> {
+    pub(super) fn huge_bytes(_addr: usize, _bytes: usize) -> Option<usize> {
         None
     }
 
@@ -317,6 +333,10 @@ mod tests {
         let mem = unsafe { std::slice::from_raw_parts_mut(p.cast::<u8>(), LEN) };
         mem.fill(1);
         let verdict = mostly_huge(HostSlice::U8(mem));
+        let whole = imp::huge_bytes(p as usize, LEN);
+        // A range that starts and ends inside huge pages counts the bytes within it: 2 MiB
+        // from the middle of the first huge page on, when every page is huge.
+        let inner = imp::huge_bytes(p as usize + (1 << 20), 2 << 20);
         let smaps = std::fs::read_to_string("/proc/self/smaps").expect("smaps");
         let (start, end) = (p as usize, p as usize + LEN);
         let mut inside = false;
@@ -349,5 +369,33 @@ mod tests {
                 "scan {v}, smaps {huge_kb} kB huge"
             );
         }
+        if let (Some(whole), Some(inner)) = (whole, inner) {
+            // smaps may add a neighbouring mapping merged with this one, never less.
+            assert!(
+                whole <= LEN && whole <= huge_kb * 1024,
+                "scan {whole} B, smaps {huge_kb} kB"
+            );
+            assert!(
+                inner <= 2 << 20 && inner <= whole,
+                "inner {inner} B of {whole} B"
+            );
+            if whole == LEN {
+                assert_eq!(
+                    inner,
+                    2 << 20,
+                    "every page huge, yet {inner} B of 2 MiB counted"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn a_range_without_a_whole_page_has_no_huge_bytes() {
+        let v = vec![0u8; 3 * 4096];
+        let at = v.as_ptr() as usize + 1;
+        assert_eq!(imp::huge_bytes(at, 4095).unwrap_or(0), 0);
+        assert_eq!(imp::huge_bytes(at, 0).unwrap_or(0), 0);
+        // Ordinary heap pages: none huge, whole pages or not.
+        assert!(imp::huge_bytes(at, 2 * 4096).unwrap_or(0) <= 4096);
     }
 }
