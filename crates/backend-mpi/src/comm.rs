@@ -1,7 +1,7 @@
 //! [`MpiBackend`]: the front end's [`Backend`] over one MPI communicator, and
 //! [`MpiCommunicator`], the communicator users hold (`Comm<MpiBackend>`).
 
-use crate::peer_read::{self, Outcome, Reads};
+use crate::peer_read::{self, Outcome, Reads, Reduction};
 use crate::raw::{self, Immediate, P2p, Pending, RawError, Stop};
 use crate::ring;
 use crate::stage::{self, Plan};
@@ -60,6 +60,15 @@ pub(crate) fn backend_err(op: &'static str, comm: &str, e: RawError) -> Error {
         l = l.class(c);
     }
     l.into()
+}
+
+/// What error number `errno` of a copy between the ranks' memory means (`i32::MAX`: a copy
+/// that moved nothing).
+fn describe_errno(errno: i32) -> String {
+    match errno {
+        i32::MAX => "a copy moved nothing".to_string(),
+        e => std::io::Error::from_raw_os_error(e).to_string(),
+    }
 }
 
 /// A communicator over one MPI communicator (`MPI_Comm`): the front end
@@ -121,9 +130,12 @@ pub struct MpiBackend {
     /// [`crate::PEER_READ_MIN`] or [`crate::PEER_READ_MIN_ENV`] (0: never).
     peer_read_min: usize,
     /// Set on every rank alike once a copy between the ranks' memory failed (module
-    /// `peer_read`): the all-gathers and broadcasts of this communicator keep to MPI's calls
-    /// from then on.
+    /// `peer_read`): the all-gathers, broadcasts and all-reduces of this communicator keep to
+    /// MPI's calls from then on.
     peer_read_off: AtomicBool,
+    /// Set on every rank alike once an in-place reduction found that every rank can read
+    /// every other's memory (`peer_read::reduce`'s probe, needed once).
+    peer_read_probed: AtomicBool,
     /// How many collectives copied straight between the ranks' memory
     /// ([`MpiBackend::peer_reads`]).
     peer_reads: std::sync::atomic::AtomicU64,
@@ -168,6 +180,7 @@ impl MpiBackend {
             round_scratch: std::sync::Mutex::new(round::Memory::default()),
             peer_read_min,
             peer_read_off: AtomicBool::new(false),
+            peer_read_probed: AtomicBool::new(false),
             peer_reads: std::sync::atomic::AtomicU64::new(0),
         };
         Ok(Comm::new(backend, name))
@@ -255,8 +268,10 @@ impl MpiBackend {
     }
 
     /// `MPI_IN_PLACE` all-reduce; libraries whose `MPI_IN_PLACE` is unknown go through one
-    /// copy of the input. Large ones of the types MPI reduces natively run as the `ring`
-    /// module's ring on the duplicate communicator instead (see there why).
+    /// copy of the input. From [`crate::PEER_READ_MIN`] bytes the ranks of one node copy
+    /// straight between their memory instead (`peer_read::all_reduce`), and large ones that
+    /// do not qualify for that run as the `ring` module's ring on the duplicate communicator
+    /// (see there why).
     fn reduce_in_place(
         &self,
         c: &raw::Comm,
@@ -264,6 +279,9 @@ impl MpiBackend {
         r: raw::Reduce,
     ) -> Result<()> {
         const OP: &str = "all_reduce";
+        if self.reduce_by_reads(Reduction::AllReduce, None, buf.reborrow(), r)? {
+            return Ok(());
+        }
         if ring::applies(buf.dtype(), buf.len(), self.size) {
             return self.ring_all_reduce(buf, r);
         }
@@ -291,20 +309,28 @@ impl MpiBackend {
         }
     }
 
-    /// How many blocking all-gathers (in place or not) and broadcasts of this communicator copied
-    /// straight between the ranks' memory instead of calling `MPI_Allgather` or `MPI_Bcast`
-    /// (every rank on one node, every buffer of at least [`crate::PEER_READ_MIN`] bytes and
-    /// mostly on huge pages; see docs/backends.md). The same on every rank.
+    /// How many blocking all-gathers, broadcasts and all-reduces (in place or not) of this
+    /// communicator copied straight between the ranks' memory instead of calling
+    /// `MPI_Allgather`, `MPI_Bcast` or `MPI_Allreduce` (every rank on one node, buffers of at
+    /// least [`crate::PEER_READ_MIN`] bytes whose part the others copy through is at most
+    /// [`crate::PEER_READ_PLAIN_MAX`] bytes or mostly on huge pages; see docs/backends.md). The
+    /// same on every rank.
     pub fn peer_reads(&self) -> u64 {
         self.peer_reads.load(Ordering::Relaxed)
     }
 
     /// Whether this communicator still tries to copy straight between the ranks' memory in
-    /// all-gathers and broadcasts ([`MpiBackend::peer_reads`]): false when
+    /// all-gathers, broadcasts and all-reduces ([`MpiBackend::peer_reads`]): false when
     /// [`crate::PEER_READ_MIN_ENV`] is 0, on one rank, or after a copy failed (a kernel or
     /// seccomp profile that forbids `process_vm_readv`), on every rank alike.
     pub fn reads_peers_when_it_pays(&self) -> bool {
         self.size > 1 && self.peer_read_min > 0 && !self.peer_read_off.load(Ordering::Relaxed)
+    }
+
+    /// Whether a collective on a buffer of `buf`'s size tries the direct copies at all.
+    fn may_read_peers(&self, buf: &HostSliceMut<'_>) -> bool {
+        let bytes = buf.len().saturating_mul(buf.dtype().size_bytes());
+        bytes >= self.peer_read_min && self.reads_peers_when_it_pays()
     }
 
     /// Runs blocking collective `reads` on `buf` by copying straight between the ranks' memory
@@ -318,12 +344,59 @@ impl MpiBackend {
         send: Option<HostSlice<'_>>,
         buf: HostSliceMut<'_>,
     ) -> Result<bool> {
-        let bytes = buf.len().saturating_mul(buf.dtype().size_bytes());
-        if bytes < self.peer_read_min || !self.reads_peers_when_it_pays() {
+        if !self.may_read_peers(&buf) {
             return Ok(false);
         }
         let me = (self.rank, self.size);
-        match peer_read::run(&self.check, me, reads, send, buf).map_err(|e| self.err(op, e))? {
+        let outcome =
+            peer_read::run(&self.check, me, reads, send, buf).map_err(|e| self.err(op, e))?;
+        self.took(op, outcome)
+    }
+
+    /// Reduction `what` with `r` of `send` (or of `buf` in place) into `buf` by copying straight
+    /// between the ranks' memory (`peer_read::reduce`) when it pays, as [`Self::read_peers`]:
+    /// true when done, false when the caller runs its own path on the untouched input.
+    fn reduce_by_reads(
+        &self,
+        what: Reduction,
+        send: Option<HostSlice<'_>>,
+        buf: HostSliceMut<'_>,
+        r: raw::Reduce,
+    ) -> Result<bool> {
+        let input = send.unwrap_or(buf.as_slice());
+        let bytes = input.len().saturating_mul(input.dtype().size_bytes());
+        if bytes < self.peer_read_min
+            || !self.reads_peers_when_it_pays()
+            || !ring::reduces_on_host(buf.dtype())
+        {
+            return Ok(false);
+        }
+        let op = match what {
+            Reduction::AllReduce => "all_reduce",
+            Reduction::ReduceScatter => "reduce_scatter",
+        };
+        let me = (self.rank, self.size);
+        let probe = !self.peer_read_probed.load(Ordering::Relaxed);
+        let in_place = send.is_none();
+        let outcome = peer_read::reduce(
+            &self.check,
+            me,
+            (what, probe),
+            (send, buf),
+            r,
+            &self.ring_scratch,
+        )
+        .map_err(|e| self.err(op, e))?;
+        if in_place && outcome == Outcome::Done {
+            self.peer_read_probed.store(true, Ordering::Relaxed);
+        }
+        self.took(op, outcome)
+    }
+
+    /// Whether the direct copies completed collective `op` (counted), stopping them on this
+    /// communicator after a failure; the error of a failure that left no result.
+    fn took(&self, op: &'static str, outcome: Outcome) -> Result<bool> {
+        match outcome {
             Outcome::Done => {
                 self.peer_reads.fetch_add(1, Ordering::Relaxed);
                 Ok(true)
@@ -333,6 +406,22 @@ impl MpiBackend {
                 self.stop_reading_peers(errno);
                 Ok(false)
             }
+            Outcome::Recovered(errno) => {
+                self.stop_reading_peers(errno);
+                Ok(true)
+            }
+            Outcome::Broken(errno) => {
+                self.stop_reading_peers(errno);
+                Err(self.err(
+                    op,
+                    RawError::msg(format!(
+                        "copying between the ranks' memory (process_vm_readv) failed on some \
+                         rank after its buffer had changed ({}); no rank's buffer holds the \
+                         result",
+                        describe_errno(errno)
+                    )),
+                ))
+            }
         }
     }
 
@@ -341,16 +430,13 @@ impl MpiBackend {
     #[cold]
     fn stop_reading_peers(&self, errno: i32) {
         self.peer_read_off.store(true, Ordering::Relaxed);
-        let why = match errno {
-            i32::MAX => "a copy moved nothing".to_string(),
-            e => std::io::Error::from_raw_os_error(e).to_string(),
-        };
+        let why = describe_errno(errno);
         tracing::warn!(
             comm = %self.name,
             errno,
             %why,
             "copying between the ranks' memory (process_vm_readv/writev) failed; all-gathers \
-             and broadcasts of this communicator use MPI's calls from now on"
+             broadcasts and all-reduces of this communicator use MPI's calls from now on"
         );
     }
 
@@ -547,7 +633,14 @@ impl MpiBackend {
                 if plan.wire.is_some() {
                     return self.all_reduce_staged(c, Some(send), recv, plan);
                 }
-                if ring::applies(send.dtype(), send.len(), self.size) {
+                if self.reduce_by_reads(
+                    Reduction::AllReduce,
+                    Some(send),
+                    recv.reborrow(),
+                    plan.op,
+                )? {
+                    // Done by copies between the ranks' memory.
+                } else if ring::applies(send.dtype(), send.len(), self.size) {
                     // The ring works in place: one copy of the input first.
                     recv.copy_from(send)?;
                     self.ring_all_reduce(recv.reborrow(), plan.op)?;
@@ -598,6 +691,17 @@ impl MpiBackend {
                 let plan = stage::plan(send.dtype(), op, self.size);
                 let _w = watch(watch::REDUCE_SCATTER);
                 match plan.wire {
+                    None if self.reduce_by_reads(
+                        Reduction::ReduceScatter,
+                        Some(send),
+                        recv.reborrow(),
+                        plan.op,
+                    )? =>
+                    {
+                        if let Some(n) = plan.divide {
+                            grid_core::kernels::divide(recv, n);
+                        }
+                    }
                     None if ring::applies_to_reduce_scatter(
                         send.dtype(),
                         send.len(),
@@ -653,6 +757,18 @@ impl MpiBackend {
                 let plan = stage::plan(buf.dtype(), op, self.size);
                 let _w = watch(watch::REDUCE_SCATTER);
                 match plan.wire {
+                    None if self.reduce_by_reads(
+                        Reduction::ReduceScatter,
+                        None,
+                        buf.reborrow(),
+                        plan.op,
+                    )? =>
+                    {
+                        // The block ends where it lies: no copy.
+                        if let Some(n) = plan.divide {
+                            grid_core::kernels::divide(block_mut(OP, &mut buf, at, k)?, n);
+                        }
+                    }
                     None if ring::applies_to_reduce_scatter(buf.dtype(), buf.len(), self.size) => {
                         // The block ends where it lies: no copy.
                         let me = (self.rank, self.size);

@@ -24,9 +24,10 @@ pub const ROUND_MAX_ENV: &str = "GRID_MPI_ROUND_MAX";
 pub const DIRECT_MAX_ENV: &str = "GRID_MPI_DIRECT_MAX";
 
 /// The environment variable that sets the smallest buffer (bytes) of a blocking all-gather
-/// (its receive buffer) or broadcast that copies straight between the ranks' memory when every rank is
-/// on one node and its buffer lies mostly on huge pages ([`crate::PEER_READ_MIN`] when unset;
-/// 0: never, always MPI's call). The same on every rank; read when a communicator is created.
+/// (its receive buffer), broadcast, all-reduce or reduce-scatter (its input) that copies
+/// straight between the ranks' memory when every rank is on one node
+/// ([`crate::PEER_READ_MIN`] when unset; 0: never, always MPI's call or the ring). The same on
+/// every rank; read when a communicator is created.
 pub const PEER_READ_MIN_ENV: &str = "GRID_MPI_PEER_READ_MIN";
 
 /// An unsigned integer from environment variable `var` (`default` when unset), at most `most`;

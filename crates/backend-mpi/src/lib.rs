@@ -20,12 +20,14 @@
 //!   maps and page-faults a fresh temporary buffer for every `MPI_Allreduce` and
 //!   `MPI_Reduce_scatter_block`, and from 512 KiB its reduce-scatter was slower than the ring
 //!   (docs/performance.md, "Large all-reduces" and "Reduce-scatters from 512 KiB"); the
-//!   in-place ring leaves the block at `rank · count` with no copy. Blocking all-gathers (in
-//!   place or not) and broadcasts of [`PEER_READ_MIN`] (32 MiB) and more copy straight between
-//!   the ranks' buffers (`process_vm_readv` and `process_vm_writev`) when every rank is on one
-//!   node and every buffer lies mostly on huge pages: one copy where the shared-memory
-//!   transport makes two ([`PEER_READ_MIN_ENV`], [`MpiBackend::peer_reads`], docs/backends.md
-//!   §1.2). It is `Send + Sync` (see the `raw` module for the invariant).
+//!   in-place ring leaves the block at `rank · count` with no copy. Before either, blocking
+//!   all-gathers, broadcasts, all-reduces and reduce-scatters (in place or not) of
+//!   [`PEER_READ_MIN`] (32 KiB) and more copy straight between the ranks' buffers
+//!   (`process_vm_readv` and `process_vm_writev`; the reductions in grid-core's kernels) when
+//!   every rank is on one node and the part of each rank's memory that the others copy through
+//!   is at most [`PEER_READ_PLAIN_MAX`] (4 MiB) or lies mostly on huge pages: one copy where the
+//!   shared-memory transport makes two ([`PEER_READ_MIN_ENV`], [`MpiBackend::peer_reads`],
+//!   docs/backends.md §1.2). It is `Send + Sync` (see the `raw` module for the invariant).
 //! * [`MpiFactory`] implements [`grid_core::GroupFactory`]: `split` is `MPI_Comm_split`,
 //!   `create_group` is `MPI_Comm_create` over the parent.
 //! * [`testing`] runs multi-rank tests under plain `cargo test` by re-launching the test binary
@@ -120,6 +122,6 @@ pub use config::{
     MpiConfig, DIRECT_MAX_ENV, PEER_READ_MIN_ENV, ROUND_MAX_ENV, SIGTERM_REPORT_ENV, TIMEOUT_ENV,
 };
 pub use factory::{FactoryCalls, MpiFactory};
-pub use peer_read::PEER_READ_MIN;
+pub use peer_read::{PEER_READ_MIN, PEER_READ_PLAIN_MAX};
 pub use runtime::{MpiRuntime, FRAGMENT_SIZE, FRAGMENT_SIZE_VAR, SINGLE_COPY_VAR};
 pub use watch::{EXIT_ABORTED, EXIT_TIMEOUT, MESSAGE_GRACE, TICK};

@@ -23,7 +23,8 @@
 //! that each rank ends with its own block; partial results travel through two scratch blocks
 //! and the input is never written.
 //!
-//! Used for blocking calls of f32, f64, i32 and i64 (`Sum`, `Prod`, `Min`, `Max`, and `Avg` as
+//! Used, when the ranks do not copy straight between their memory (`crate::peer_read`, tried
+//! first), for blocking calls of f32, f64, i32 and i64 (`Sum`, `Prod`, `Min`, `Max`, and `Avg` as
 //! a sum divided afterwards, as around the MPI calls): all-reduces from [`RING_MIN_BYTES`] (of
 //! the whole buffer), reduce-scatters from [`REDUCE_SCATTER_RING_MIN_BYTES`] (of the input, in
 //! place or not), where the ring was as fast as `MPI_Reduce_scatter_block` or faster in the
@@ -78,13 +79,17 @@ pub(crate) fn applies_to_reduce_scatter(dtype: DType, len: usize, size: usize) -
 }
 
 fn takes_ring(dtype: DType, len: usize, size: usize, min_bytes: usize) -> bool {
-    size >= 2
-        && matches!(dtype, DType::F32 | DType::F64 | DType::I32 | DType::I64)
-        && len.saturating_mul(dtype.size_bytes()) >= min_bytes
+    size >= 2 && reduces_on_host(dtype) && len.saturating_mul(dtype.size_bytes()) >= min_bytes
+}
+
+/// Whether this crate reduces `dtype` with grid-core's kernels instead of MPI's (the ring, and
+/// the all-reduce that copies between the ranks' memory, `crate::peer_read`).
+pub(crate) fn reduces_on_host(dtype: DType) -> bool {
+    matches!(dtype, DType::F32 | DType::F64 | DType::I32 | DType::I64)
 }
 
 /// The reduction of [`raw::Reduce`] in grid-core's kernels.
-fn kernel_op(r: raw::Reduce) -> ReduceOp {
+pub(crate) fn kernel_op(r: raw::Reduce) -> ReduceOp {
     match r {
         raw::Reduce::Sum => ReduceOp::Sum,
         raw::Reduce::Prod => ReduceOp::Prod,
@@ -169,7 +174,7 @@ fn outside(what: &str) -> RingError {
 pub(crate) type Scratch = Mutex<[Option<HostBuffer>; 2]>;
 
 /// Scratch block `slot` with room for `len` elements of `dtype` (reallocated when it has not).
-fn block(slot: &mut Option<HostBuffer>, dtype: DType, len: usize) -> &mut HostBuffer {
+pub(crate) fn block(slot: &mut Option<HostBuffer>, dtype: DType, len: usize) -> &mut HostBuffer {
     if !slot
         .as_ref()
         .is_some_and(|s| s.dtype() == dtype && s.len() >= len)

@@ -2,19 +2,25 @@
 //! memory (module `peer_read`; `PEER_READ_MIN`, `MpiBackend::peer_reads`):
 //!
 //! * on buffers advised to huge pages as numpy advises its arrays, of every element size, at 3
-//!   ranks: the right result, and the peers read exactly when every rank's buffer lies on huge
-//!   pages (as `/proc/self/smaps` reports; the kernel may find none);
+//!   ranks: the right result, and the peers read exactly when the part of every rank's memory
+//!   that the others copy through lies on huge pages (as `/proc/self/smaps` bounds it; the
+//!   kernel may find none);
 //! * on plain buffers, on a mix of both, and below `PEER_READ_MIN`: the right result through
 //!   `MPI_Allgather`, no peer read;
 //! * broadcasts (the root writes the head of every other rank's buffer, which reads the rest),
 //!   of an odd length, from ranks other than 0, and the all-gather out of place (each rank's
 //!   send buffer read by the others);
+//! * the all-reduce and reduce-scatter (in place or not; sum, maximum and average) at 3 ranks:
+//!   exact results, the peers read on plain buffers whose others' part is at most
+//!   `PEER_READ_PLAIN_MAX`, on large buffers exactly when they lie on huge pages, never below
+//!   `PEER_READ_MIN` or on lengths that the ranks do not divide; f16 (reduced as f32) exact;
 //! * with `process_vm_readv` forbidden on one rank (a seccomp filter, as container runtimes'
 //!   default profiles install): the right result on every rank, and the communicator stops
-//!   trying on every rank alike.
+//!   trying on every rank alike (for the in-place all-reduce too, where a rank's block changes
+//!   as soon as it reads).
 #![cfg(target_os = "linux")]
 
-use backend_mpi::{mpi_test, MpiCommunicator, PEER_READ_MIN};
+use backend_mpi::{mpi_test, MpiCommunicator, PEER_READ_MIN, PEER_READ_PLAIN_MAX};
 use grid_core::{Communicator, CommunicatorExt, Element, ReduceOp};
 
 /// A vector of `len` zeros allocated as numpy allocates an array of 4 MiB or more: huge pages
@@ -39,10 +45,12 @@ fn numpy_like<T: Element + Default>(len: usize) -> Vec<T> {
     v
 }
 
-/// How much of a buffer lies on huge pages, as `/proc/self/smaps` reports it (`AnonHugePages`
-/// of the mappings that overlap it, capped at its length). The backend samples a few pages
-/// instead, and needs three quarters of them huge, so the tests expect a verdict only where
-/// the share is clear: 90% or more, or under half.
+/// How much of the memory the other ranks copy through lies on huge pages, bounded from what
+/// `/proc/self/smaps` reports: a mapping's huge pages (`AnonHugePages`) lie in its 2 MiB-aligned
+/// interior, so a range holds at most the part of that interior it covers (and no more than
+/// the mapping's huge bytes), and at least that part less the interior's pages that are not
+/// huge. The backend counts every page and needs three quarters huge, so the tests expect a
+/// verdict only where the bounds are clear: 80% or more surely huge, or under 70% at most.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 enum Pages {
     Plain = 0,
@@ -50,13 +58,26 @@ enum Pages {
     Huge = 2,
 }
 
+const HUGE_PAGE: usize = 2 << 20;
+
+/// Buffers of about this many bytes (a multiple of 24 · ranks): at least `PEER_READ_MIN`, and
+/// large enough that each rank's block spans several huge pages even when the buffer is not
+/// 2 MiB-aligned (its head and tail then lie on ordinary pages).
+fn test_bytes(n: usize) -> usize {
+    (PEER_READ_MIN.max(32 << 20) / (24 * n) + 8) * 24 * n
+}
+
 fn pages<T>(v: &[T]) -> Pages {
     let (start, end) = (
         v.as_ptr() as usize,
         v.as_ptr() as usize + std::mem::size_of_val(v),
     );
+    if end <= start {
+        return Pages::Plain;
+    }
     let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap_or_default();
-    let (mut inside, mut huge) = (false, 0usize);
+    let (mut lower, mut upper) = (0usize, 0usize);
+    let mut mapping: Option<(usize, usize)> = None;
     for line in smaps.lines() {
         let first = line.split_whitespace().next().unwrap_or("");
         let range = first.split_once('-').and_then(|(a, b)| {
@@ -67,16 +88,25 @@ fn pages<T>(v: &[T]) -> Pages {
         });
         // A mapping's first line starts with its address range; its fields follow.
         if let Some((a, b)) = range {
-            inside = a < end && start < b;
-        } else if inside && line.starts_with("AnonHugePages:") {
-            let kb = line.split_whitespace().nth(1).and_then(|x| x.parse().ok());
-            huge += kb.unwrap_or(0usize) * 1024;
+            mapping = (a < end && start < b).then_some((a, b));
+        } else if let (Some((a, b)), true) = (mapping, line.starts_with("AnonHugePages:")) {
+            let kb: usize = line
+                .split_whitespace()
+                .nth(1)
+                .and_then(|x| x.parse().ok())
+                .unwrap_or(0);
+            let huge = kb * 1024;
+            let (ia, ib) = (a.div_ceil(HUGE_PAGE) * HUGE_PAGE, b / HUGE_PAGE * HUGE_PAGE);
+            let interior = ib.saturating_sub(ia);
+            let covered = end.min(ib).saturating_sub(start.max(ia));
+            upper += covered.min(huge);
+            lower += covered.saturating_sub(interior.saturating_sub(huge));
         }
     }
-    let (huge, len) = (huge.min(end - start), end - start);
-    if huge * 10 >= len * 9 {
+    let len = end - start;
+    if lower * 10 >= len * 8 {
         Pages::Huge
-    } else if huge * 2 < len {
+    } else if upper * 10 < len * 7 {
         Pages::Plain
     } else {
         Pages::Between
@@ -149,10 +179,12 @@ fn run<T: Element + Default + std::fmt::Debug>(
     for (i, x) in send.iter_mut().enumerate() {
         *x = value(me, i);
     }
-    let mine = if send.is_empty() {
-        pages(buf)
-    } else {
-        pages(buf).min(pages(&send))
+    // What the other ranks copy from or into (module `peer_read`, `exposed`).
+    let mine = match coll {
+        Coll::Gather => pages(&buf[me * k..(me + 1) * k]),
+        Coll::GatherInto => pages(&send),
+        Coll::Broadcast(root) if root == me => pages(&buf[k..]),
+        Coll::Broadcast(_) => pages(&buf[..k]),
     };
     let huge = least(c, mine)?;
     let before = c.peer_reads();
@@ -195,16 +227,16 @@ mpi_test!(
         if !c.reads_peers_when_it_pays() {
             return Err("a new communicator of 3 ranks does not try to read its peers".into());
         }
-        // A little over PEER_READ_MIN (so that the f32 broadcast of all but one element still
-        // reaches it), a multiple of 3 ranks · 8 bytes.
-        let bytes = (PEER_READ_MIN / (24 * n) + 8) * 24 * n;
+        // Over PEER_READ_MIN (so that the f32 broadcast of all but one element still reaches
+        // it), a multiple of 3 ranks · 8 bytes.
+        let bytes = test_bytes(n);
         let mut huge_seen = false;
         let mut expect = |what: &str, (read, huge): (bool, Pages), want: bool| {
             huge_seen |= huge == Pages::Huge;
             let right = match huge {
                 Pages::Huge => read == want,
                 Pages::Plain => !read,
-                // A share of huge pages the backend's sample may judge either way.
+                // Bounds too loose to say what the backend's count decides.
                 Pages::Between => true,
             };
             if !right {
@@ -306,6 +338,23 @@ mpi_test!(
             -1.0,
         )?;
         expect("f32, numpy-like on rank 0 only", r, true)?;
+        // Plain, small: the part the others copy through is at most PEER_READ_PLAIN_MAX, so
+        // the peers are read whatever the pages.
+        let mut small_plain = vec![0f32; PEER_READ_PLAIN_MAX / 4 / n * n];
+        for coll in [Coll::Gather, Coll::GatherInto, Coll::Broadcast(1)] {
+            let (read, _) = run(
+                c,
+                coll,
+                &mut small_plain,
+                |r, i| (r * 1_000_000 + i) as f32,
+                -1.0,
+            )?;
+            if !read {
+                return Err(format!(
+                    "{coll:?} of a small plain buffer did not read the peers"
+                ));
+            }
+        }
         // Below PEER_READ_MIN: always MPI_Allgather.
         let mut small = numpy_like::<f32>(PEER_READ_MIN / 4 / 2 / n * n);
         let r = run(
@@ -321,6 +370,223 @@ mpi_test!(
             "note: the kernel gave no huge pages to these buffers (THP mode or memory), so only \
              MPI_Allgather's path was exercised"
         );
+        }
+        Ok(())
+    }
+);
+
+/// A reduction that can copy straight between the ranks' memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Red {
+    AllReduceInPlace,
+    AllReduceInto,
+    ReduceScatterInPlace,
+    ReduceScatterInto,
+}
+
+/// One reduction `red` with `op` of an input of `len` elements (allocated by `alloc`, rank r's
+/// element i `value(r, i)`), checked element by element against `expect` (of every rank's
+/// element i); returns whether the peers were read and the least share of huge pages of the
+/// input any rank lends.
+fn reduce_run<T: Element + Default + std::fmt::Debug>(
+    c: &MpiCommunicator,
+    (red, op): (Red, ReduceOp),
+    (len, alloc): (usize, &dyn Fn(usize) -> Vec<T>),
+    value: impl Fn(usize, usize) -> T,
+    expect: impl Fn(usize) -> T,
+) -> Result<(bool, Pages), String> {
+    let (me, n) = (c.rank(), c.size());
+    let k = len / n;
+    let mut input = alloc(len);
+    for (i, x) in input.iter_mut().enumerate() {
+        *x = value(me, i);
+    }
+    let huge = least(c, pages(&input))?;
+    let before = c.peer_reads();
+    let (out, at) = match red {
+        Red::AllReduceInPlace => {
+            c.all_reduce_in_place(&mut input[..], op)
+                .map_err(|e| e.to_string())?;
+            (input, 0)
+        }
+        Red::AllReduceInto => {
+            let mut recv = alloc(len);
+            c.all_reduce_into(&input[..], &mut recv[..], op)
+                .map_err(|e| e.to_string())?;
+            (recv, 0)
+        }
+        Red::ReduceScatterInPlace => {
+            c.reduce_scatter_in_place(&mut input[..], op)
+                .map_err(|e| e.to_string())?;
+            (input, me * k)
+        }
+        Red::ReduceScatterInto => {
+            let mut recv = alloc(k);
+            c.reduce_scatter_into(&input[..], &mut recv[..], op)
+                .map_err(|e| e.to_string())?;
+            (recv, me * k)
+        }
+    };
+    // The part of `out` that holds the result, and where it lies in the input.
+    let (part, from) = match red {
+        Red::AllReduceInPlace | Red::AllReduceInto => (&out[..], 0),
+        Red::ReduceScatterInPlace => (&out[at..at + k], at),
+        Red::ReduceScatterInto => (&out[..], at),
+    };
+    for (j, x) in part.iter().enumerate() {
+        let want = expect(from + j);
+        if *x != want {
+            return Err(format!(
+                "{red:?} {op:?} of {len}: element {} is {x:?}, expected {want:?}",
+                from + j
+            ));
+        }
+    }
+    let read = c.peer_reads() - before;
+    if read > 1 {
+        return Err(format!("one reduction counted {read} peer reads"));
+    }
+    Ok((read == 1, huge))
+}
+
+// Every reduction on plain buffers whose others' part is at most PEER_READ_PLAIN_MAX (read), on
+// large numpy-like and plain buffers (read where the pages are huge), below PEER_READ_MIN and on a
+// length 3 does not divide (never read), and in f16: every result exact. The sums are of small
+// integers (exact in f32 in any order), the averages of multiples of 3.
+mpi_test!(
+    mpi_peer_read_reduces_exactly_np3,
+    np = 3,
+    timeout = 180,
+    |rt| {
+        let c = rt.world();
+        let n = c.size();
+        let reds = [
+            Red::AllReduceInPlace,
+            Red::AllReduceInto,
+            Red::ReduceScatterInPlace,
+            Red::ReduceScatterInto,
+        ];
+        let value = |r: usize, i: usize| ((i * 7 + r * 13) % 10_007) as f32;
+        let sum = move |i: usize| (0..3).map(|r| value(r, i)).sum::<f32>();
+        let plain = |len: usize| vec![0f32; len];
+        let numpy = |len: usize| numpy_like::<f32>(len);
+        // Plain, the others' part at most PEER_READ_PLAIN_MAX: always read.
+        let small = PEER_READ_PLAIN_MAX / 4 / n * n;
+        for red in reds {
+            let (read, _) = reduce_run(c, (red, ReduceOp::Sum), (small, &plain), value, sum)?;
+            if !read {
+                return Err(format!(
+                    "{red:?} of {small} f32 (plain) did not read the peers"
+                ));
+            }
+            // Maximum of i64 and average of f32, in the same shape.
+            let (read, _) = reduce_run(
+                c,
+                (red, ReduceOp::Max),
+                (small / 2 / n * n, &|len| vec![0i64; len]),
+                |r, i| ((i as i64) << 2) - r as i64,
+                |i| (i as i64) << 2,
+            )?;
+            if !read {
+                return Err(format!("{red:?} max of i64 (plain) did not read the peers"));
+            }
+            let (read, _) = reduce_run(
+                c,
+                (red, ReduceOp::Avg),
+                (small, &plain),
+                |r, i| 3.0 * value(r, i),
+                sum,
+            )?;
+            if !read {
+                return Err(format!(
+                    "{red:?} average of f32 (plain) did not read the peers"
+                ));
+            }
+        }
+        // Large: read exactly where the inputs lie on huge pages (plain memory: only where the
+        // kernel's THP mode is `always`).
+        let large = test_bytes(n) / 4;
+        for red in reds {
+            for (what, alloc) in [
+                ("numpy-like", &numpy as &dyn Fn(usize) -> Vec<f32>),
+                ("plain", &plain),
+            ] {
+                let (read, huge) = reduce_run(c, (red, ReduceOp::Sum), (large, alloc), value, sum)?;
+                let right = match huge {
+                    Pages::Huge => read,
+                    Pages::Plain => !read,
+                    Pages::Between => true,
+                };
+                if !right {
+                    return Err(format!(
+                        "{red:?} of {large} f32 ({what}): the peers were {}read, the least \
+                         share of huge pages: {huge:?}",
+                        if read { "" } else { "not " }
+                    ));
+                }
+            }
+        }
+        // Never read: below PEER_READ_MIN, a length 3 does not divide.
+        let below = PEER_READ_MIN / 4 / 2 / n * n;
+        for red in reds {
+            for len in [below, small + 1] {
+                if matches!(red, Red::ReduceScatterInPlace | Red::ReduceScatterInto) && len % n != 0
+                {
+                    continue; // a reduce-scatter needs blocks of one size
+                }
+                let (read, _) = reduce_run(c, (red, ReduceOp::Sum), (len, &plain), value, sum)?;
+                if read {
+                    return Err(format!("{red:?} of {len} f32 read the peers"));
+                }
+            }
+            // f16 travels as f32 (the all-reduce's staging buffer may be read): exact either way.
+            reduce_run(
+                c,
+                (red, ReduceOp::Sum),
+                (small, &|len| vec![half::f16::ZERO; len]),
+                |r, i| half::f16::from_f32(((i + r) % 64) as f32),
+                |i| half::f16::from_f32((0..3).map(|r| ((i + r) % 64) as f32).sum()),
+            )?;
+        }
+        Ok(())
+    }
+);
+
+// Rank 1 cannot read other processes: the first in-place all-reduce finds out before any rank
+// changes its block (the probe), runs MPI's call with the right result on every rank, and the
+// communicator stops trying; out of place the same, later calls exact.
+mpi_test!(
+    mpi_peer_read_refused_reduction_falls_back_np2,
+    np = 2,
+    timeout = 120,
+    |rt| {
+        let c = rt.world();
+        if c.rank() == 1 {
+            forbid_process_vm_readv()?;
+        }
+        let len = (1 << 20) / 4;
+        let value = |r: usize, i: usize| ((i * 3 + r) % 1000) as f32;
+        let sum = move |i: usize| value(0, i) + value(1, i);
+        let plain = |len: usize| vec![0f32; len];
+        for red in [
+            Red::AllReduceInPlace,
+            Red::AllReduceInto,
+            Red::ReduceScatterInPlace,
+        ] {
+            let (read, _) = reduce_run(c, (red, ReduceOp::Sum), (len, &plain), value, sum)?;
+            if read {
+                return Err(format!(
+                    "{red:?}: the peers were read although rank 1 may not read"
+                ));
+            }
+            if c.reads_peers_when_it_pays() {
+                return Err(
+                    "a failed read did not stop the peer reads of this communicator".into(),
+                );
+            }
+        }
+        if !agree(c, c.reads_peers_when_it_pays())? {
+            return Err("the ranks disagree on whether to read their peers".into());
         }
         Ok(())
     }
@@ -349,7 +615,7 @@ mpi_test!(
         if c.rank() == 1 {
             forbid_process_vm_readv()?;
         }
-        let len = PEER_READ_MIN / 4;
+        let len = test_bytes(2) / 4;
         let mut buf = numpy_like::<f32>(len);
         let (read, huge) = run(
             c,
@@ -397,7 +663,7 @@ mpi_test!(
         if c.rank() == 2 {
             forbid_process_vm_readv()?;
         }
-        let mut buf = numpy_like::<i32>(PEER_READ_MIN / 4 + 1);
+        let mut buf = numpy_like::<i32>(test_bytes(3) / 4 + 1);
         let value = |r: usize, i: usize| (r * 7 + i) as i32;
         let (read, huge) = run(c, Coll::Broadcast(0), &mut buf, value, -1)?;
         if read {
