@@ -43,13 +43,13 @@ use grid_core::{kernels, DType, HostSlice, HostSliceMut};
 use std::sync::OnceLock;
 
 /// Smallest buffer (bytes: the all-gather's receive buffer of `size · k` elements, the
-/// broadcast's and the all-reduce's buffer) for which a blocking all-gather, broadcast or
-/// all-reduce copies straight between the ranks' memory: 32 KiB. Measured with the peer
-/// benchmark on an idle 2-core machine (docs/performance.md, *One copy instead of two from
-/// 32 KiB*): from 32 KiB the copy path's handshakes and second copy made the all-gather and
-/// broadcast 0.5–0.8 of mpi4py's speed, and the single copy brought them to 0.95–1.4; below
-/// it the messages are small enough that the two exchanges of the protocol cost as much as
-/// they save.
+/// broadcast's buffer, the all-reduce's and the reduce-scatter's input) for which a blocking
+/// all-gather, broadcast, all-reduce or reduce-scatter copies straight between the ranks'
+/// memory: 32 KiB. Measured with the peer benchmark on an idle 2-core machine (docs/performance.md,
+/// *One copy instead of two from 32 KiB*): from 32 KiB to 8 MiB the copy path's handshakes and
+/// second copy made the 2-rank all-gathers and broadcasts 0.49–0.98 of mpi4py's speed and the
+/// all-reduces 0.66–1.15; one copy brought them to 0.92–1.85 and 1.10–1.76. At 8 KiB the
+/// protocol's exchanges cost about what one copy saves (the broadcast went from 0.85 to 0.92).
 pub const PEER_READ_MIN: usize = 32 << 10;
 
 /// Largest part of a rank's memory (bytes) that the other ranks copy through on ordinary pages:
