@@ -133,6 +133,16 @@ fn agree(c: &MpiCommunicator, b: bool) -> Result<bool, String> {
     Ok(v[0] == -v[1])
 }
 
+/// Whether the one collective since `before` (the communicator's `peer_reads` then) read the
+/// peers, with `huge`; an error if it counted more than one.
+fn read_once(c: &MpiCommunicator, before: u64, huge: Pages) -> Result<(bool, Pages), String> {
+    let read = c.peer_reads() - before;
+    if read > 1 {
+        return Err(format!("one collective counted {read} peer reads"));
+    }
+    Ok((read == 1, huge))
+}
+
 /// A collective that can copy straight between the ranks' memory.
 #[derive(Clone, Copy, Debug)]
 enum Coll {
@@ -207,11 +217,7 @@ fn run<T: Element + Default + std::fmt::Debug>(
             ));
         }
     }
-    let read = c.peer_reads() - before;
-    if read > 1 {
-        return Err(format!("one collective counted {read} peer reads"));
-    }
-    Ok((read == 1, huge))
+    read_once(c, before, huge)
 }
 
 // Numpy-like buffers of 1-, 2-, 4- and 8-byte elements, plain buffers, a mix, and a buffer below
@@ -442,11 +448,7 @@ fn reduce_run<T: Element + Default + std::fmt::Debug>(
             ));
         }
     }
-    let read = c.peer_reads() - before;
-    if read > 1 {
-        return Err(format!("one reduction counted {read} peer reads"));
-    }
-    Ok((read == 1, huge))
+    read_once(c, before, huge)
 }
 
 // Every reduction on plain buffers whose others' part is at most PEER_READ_PLAIN_MAX (read), on
