@@ -40,10 +40,14 @@ pub const DIRECT_MAX: usize = 16;
 /// call. Measured at 4 ranks (docs/performance.md, *The check inside the collective*).
 pub const ROUND_MAX: usize = 8 << 10;
 
-/// [`ROUND_MAX`] on a communicator of 2 ranks: 4 KiB. There the check's all-reduce is one
-/// exchange too, so a round saves only the separate exchange before the MPI call, which pays
-/// at 2 KiB (the check's threshold) and not at 8 KiB, where the round's copies into and out of
-/// its messages cost more (docs/performance.md, *The check inside the collective*).
+/// [`ROUND_MAX`] on a communicator of 2 ranks: 4 KiB, except for broadcasts. There the check's
+/// all-reduce is one exchange too, so a round saves only the separate exchange before the MPI
+/// call, which pays at 2 KiB (the check's threshold) and not at 8 KiB, where the round's copies
+/// into and out of its messages cost more (docs/performance.md, *The check inside the
+/// collective*). A broadcast's round carries data from the root alone, and up to [`ROUND_MAX`]
+/// it is one message where the check and `MPI_Bcast` are two exchanges: the 2-rank broadcast of
+/// 8 KiB went from 0.83–0.85 of mpi4py's speed to 0.95–0.98 (docs/performance.md, *Against
+/// the alternatives*).
 pub const PAIR_ROUND_MAX: usize = 4 << 10;
 
 /// The tag of the rounds' messages on the duplicate communicator (the `ring` module uses 1).
@@ -485,10 +489,12 @@ impl MpiBackend {
         self.size >= 2 && self.size <= self.direct_max
     }
 
-    /// The largest payload of a round's message: [`ROUND_MAX`] ([`crate::ROUND_MAX_ENV`]), at
-    /// most [`PAIR_ROUND_MAX`] at 2 ranks. The same on every rank (the settings must be).
-    fn round_limit(&self) -> usize {
-        if self.size == 2 {
+    /// The largest payload of a round's message for `op`: [`ROUND_MAX`]
+    /// ([`crate::ROUND_MAX_ENV`]), at most [`PAIR_ROUND_MAX`] at 2 ranks but for a broadcast
+    /// (there only the root sends data, one message, where the check alone and `MPI_Bcast`
+    /// take two exchanges). The same on every rank (the settings must be).
+    fn round_limit(&self, op: &Op<'_>) -> usize {
+        if self.size == 2 && !matches!(op, Op::Broadcast { .. }) {
             self.round_max.min(PAIR_ROUND_MAX)
         } else {
             self.round_max
@@ -502,7 +508,7 @@ impl MpiBackend {
         let (seq, limit) = (v.seq(), v.time_limit());
         let fits = self.rounds()
             && check.fingerprints_suffice()
-            && round_payload(v.op(), self.size).is_some_and(|b| b <= self.round_limit());
+            && round_payload(v.op(), self.size).is_some_and(|b| b <= self.round_limit(v.op()));
         if !fits {
             self.check_alone(check, seq, limit)?;
             return self.exec(&self.raw, false, v);
@@ -553,9 +559,10 @@ impl MpiBackend {
         let out = scratch.outgoing(&c, Some(check), me, n)?;
         let from = (0..n).filter(|&j| j != me);
         // Room for the longest message any rank sends in a round (the same settings on every
-        // rank): a fingerprint and at most `round_limit` bytes of data, so that no well-formed
-        // message is truncated whatever counts the ranks pass.
-        let capacity = FP_BYTES + self.round_limit();
+        // rank): a fingerprint and at most `round_max` bytes of data (`round_limit` of any
+        // operation), so that no well-formed message is truncated whatever operations and
+        // counts the ranks pass.
+        let capacity = FP_BYTES + self.round_max;
         if recv.len() < capacity * (n - 1) {
             recv.resize(capacity * (n - 1), 0);
         }

@@ -13,8 +13,8 @@ pub const SIGTERM_REPORT_ENV: &str = "GRID_MPI_SIGTERM_REPORT";
 
 /// The environment variable that sets the largest payload (bytes) of one message of a checked
 /// collective that runs as one round of messages ([`crate::ROUND_MAX`] when unset, and at most
-/// [`crate::PAIR_ROUND_MAX`] at 2 ranks; 0: rounds carry fingerprints alone). The same on every
-/// rank; read when a communicator is created.
+/// [`crate::PAIR_ROUND_MAX`] at 2 ranks but for broadcasts; 0: rounds carry fingerprints
+/// alone). The same on every rank; read when a communicator is created.
 pub const ROUND_MAX_ENV: &str = "GRID_MPI_ROUND_MAX";
 
 /// The environment variable that sets the largest communicator whose mismatch checks travel as

@@ -6,7 +6,10 @@
 //!   does not (at 4 ranks, and at 2 where rounds carry at most `PAIR_ROUND_MAX`): the same `Error::CollectiveMismatch` on every rank, nobody's buffer written, and
 //!   the communicator still in step afterwards, for every collective with a one-round form;
 //! * an all-to-all-v (whose check needs a second exchange) against an all-reduce that fits one
-//!   round: the mismatch on every rank.
+//!   round: the mismatch on every rank;
+//! * at 2 ranks, a broadcast of `ROUND_MAX` bytes (its round carries the data) against a larger
+//!   one and against an all-reduce of as many bytes (fingerprint alone): the mismatch on both
+//!   ranks; a matching one delivers the root's data.
 //!
 //! The conformance suite with every collective checked (`GRID_DEBUG=detail`), so that every
 //! small collective of every dtype and reduction runs in its one-round form, is in
@@ -125,6 +128,42 @@ mpi_test!(
     np = 2,
     timeout = 120,
     |rt| mismatch_between_forms(&rt.world().with_time_limit(LIMIT), PAIR_ROUND_MAX / 4)
+);
+
+// At 2 ranks a broadcast's round carries up to ROUND_MAX bytes (only the root sends data): a
+// broadcast of ROUND_MAX bytes against one four times larger, and against an all-reduce of
+// ROUND_MAX bytes (whose round carries its fingerprint alone and must still receive the
+// broadcast's whole message), fails alike on both ranks with nothing written; a matching one
+// delivers the root's data.
+mpi_test!(
+    mpi_round_broadcast_of_round_max_np2,
+    np = 2,
+    timeout = 120,
+    |rt| {
+        let c = rt.world().with_time_limit(LIMIT);
+        let me = c.rank();
+        let k = ROUND_MAX / 4;
+        let (r, untouched) = run(&c, "broadcast", if me == 0 { k } else { 4 * k });
+        match r {
+            Err(Error::CollectiveMismatch { .. }) if untouched => {}
+            other => return Err(format!("broadcast of {k} against {}: {other:?}", 4 * k)),
+        }
+        let (r, untouched) = run(&c, if me == 0 { "broadcast" } else { "all_reduce" }, k);
+        let text = match r {
+            Err(e @ Error::CollectiveMismatch { .. }) if untouched => e.to_string(),
+            other => return Err(format!("broadcast against all_reduce: {other:?}")),
+        };
+        // Each rank names its own call first, then what every rank called.
+        if !text.contains("rank 0: broadcast, rank 1: all_reduce") {
+            return Err(format!("the error does not name both operations: {text}"));
+        }
+        let mut b: Vec<f32> = (0..k).map(|i| (me * 1000 + i) as f32).collect();
+        c.broadcast_into(&mut b[..], 1).map_err(|e| e.to_string())?;
+        if b.iter().enumerate().any(|(i, &x)| x != (1000 + i) as f32) {
+            return Err(format!("broadcast from rank 1: {:?}", &b[..4]));
+        }
+        Ok(())
+    }
 );
 
 // An all-to-all-v (checked with its counts after the fingerprints) on rank 0 against an
