@@ -266,7 +266,7 @@ impl MpiBackend {
         // MPI has no type for these: the conversion to the wire type is the staging, and the
         // wire buffer is reduced in place.
         let mut wide = stage::widen(input, w);
-        self.reduce_in_place(c, wide.as_mut_slice(), plan.op)?;
+        self.reduce_in_place(c, wide.as_mut_slice(), plan.op, None)?;
         stage::narrow(wide.as_slice(), recv, plan.divide);
         Ok(())
     }
@@ -281,9 +281,10 @@ impl MpiBackend {
         c: &raw::Comm,
         mut buf: HostSliceMut<'_>,
         r: raw::Reduce,
+        pre: Option<&[u64]>,
     ) -> Result<()> {
         const OP: &str = "all_reduce";
-        if self.reduce_by_reads(Reduction::AllReduce, None, buf.reborrow(), r)? {
+        if self.reduce_by_reads(Reduction::AllReduce, (None, buf.reborrow()), r, pre)? {
             return Ok(());
         }
         if ring::applies(buf.dtype(), buf.len(), self.size) {
@@ -345,15 +346,15 @@ impl MpiBackend {
         &self,
         op: &'static str,
         reads: Reads,
-        send: Option<HostSlice<'_>>,
-        buf: HostSliceMut<'_>,
+        (send, buf): (Option<HostSlice<'_>>, HostSliceMut<'_>),
+        pre: Option<&[u64]>,
     ) -> Result<bool> {
         if !self.may_read_peers(&buf) {
             return Ok(false);
         }
         let me = (self.rank, self.size);
-        let outcome =
-            peer_read::run(&self.check, me, reads, send, buf).map_err(|e| self.err(op, e))?;
+        let outcome = peer_read::run(&self.check, me, reads, (send, buf), pre)
+            .map_err(|e| self.err(op, e))?;
         self.took(op, outcome)
     }
 
@@ -363,9 +364,9 @@ impl MpiBackend {
     fn reduce_by_reads(
         &self,
         what: Reduction,
-        send: Option<HostSlice<'_>>,
-        buf: HostSliceMut<'_>,
+        (send, buf): (Option<HostSlice<'_>>, HostSliceMut<'_>),
         r: raw::Reduce,
+        pre: Option<&[u64]>,
     ) -> Result<bool> {
         let input = send.unwrap_or(buf.as_slice());
         let bytes = input.len().saturating_mul(input.dtype().size_bytes());
@@ -387,7 +388,7 @@ impl MpiBackend {
             me,
             (what, probe),
             (send, buf),
-            r,
+            (r, pre),
             &self.ring_scratch,
         )
         .map_err(|e| self.err(op, e))?;
@@ -510,8 +511,18 @@ impl MpiBackend {
             && check.fingerprints_suffice()
             && round_payload(v.op(), self.size).is_some_and(|b| b <= self.round_limit(v.op()));
         if !fits {
-            self.check_alone(check, seq, limit)?;
-            return self.exec(&self.raw, false, v);
+            // A collective that may copy straight between the ranks' memory sends the first
+            // exchange of those copies (each rank's row) in the check's round.
+            let pre = match self.peer_row(v.op()) {
+                Some(row) if self.rounds() && check.fingerprints_suffice() => {
+                    Some(self.check_carrying(check, (seq, limit), &row)?)
+                }
+                _ => {
+                    self.check_alone(check, seq, limit)?;
+                    None
+                }
+            };
+            return self.exec(&self.raw, false, v, pre.as_deref());
         }
         let c = round_form(v.into_op())?;
         self.round(check, c, false, seq, limit)
@@ -529,7 +540,90 @@ impl MpiBackend {
                 return Ok(());
             }
         }
-        check.verify_with(seq, limit, &mut |v| self.exec(&self.check, true, v))
+        check.verify_with(seq, limit, &mut |v| self.exec(&self.check, true, v, None))
+    }
+
+    /// The mismatch check of collective #`seq` as one round of messages that also carries
+    /// `row`, this rank's row of the first exchange of the direct copies (`peer_read`): every
+    /// rank's row, in rank order, once the fingerprints agree (a mismatch is the same error as
+    /// [`Self::check_alone`]'s).
+    fn check_carrying(
+        &self,
+        check: &DeferredCheck,
+        (seq, limit): (u64, TimeLimit),
+        row: &[u64; peer_read::FIELDS],
+    ) -> Result<Vec<u64>> {
+        let mut rows = vec![0u64; peer_read::FIELDS * self.size];
+        let c = RoundOp::AllGather {
+            send: Some(HostSlice::U64(row)),
+            recv: HostSliceMut::U64(&mut rows),
+        };
+        self.round(check, c, true, seq, limit)?;
+        Ok(rows)
+    }
+
+    /// This rank's row of the direct copies' first exchange for `op` (`peer_read::full_row`),
+    /// when `exec` will try them: the same conditions as [`Self::read_peers`] and
+    /// [`Self::reduce_by_reads`], decided alike on every rank of a well-formed call. `None` for
+    /// every other operation, and for the reductions that go through a wider type.
+    fn peer_row(&self, op: &Op<'_>) -> Option<[u64; peer_read::FIELDS]> {
+        fn view<'b>(b: &'b BufRef<'_>) -> Option<HostSlice<'b>> {
+            match b {
+                BufRef::Host(h) => Some(*h),
+                BufRef::Device(_) => None,
+            }
+        }
+        fn view_mut<'b>(b: &'b BufMut<'_>) -> Option<HostSlice<'b>> {
+            match b {
+                BufMut::Host(h) => Some(h.as_slice()),
+                BufMut::Device(_) => None,
+            }
+        }
+        if !self.reads_peers_when_it_pays() {
+            return None;
+        }
+        let me = (self.rank, self.size);
+        let enough =
+            |m: HostSlice<'_>| m.len().saturating_mul(m.dtype().size_bytes()) >= self.peer_read_min;
+        // A reduction's row, when it reduces on the host in its own type.
+        let reduction = |what, send: Option<HostSlice<'_>>, buf: HostSlice<'_>, op| {
+            let plan = stage::plan(buf.dtype(), op, self.size);
+            let input = send.unwrap_or(buf);
+            (plan.wire.is_none() && ring::reduces_on_host(buf.dtype()) && enough(input))
+                .then(|| peer_read::reduce_row(what, self.size, (send, buf), plan.op))
+        };
+        let reads = |reads, send: Option<HostSlice<'_>>, buf: HostSlice<'_>| {
+            enough(buf).then(|| peer_read::reads_row(reads, me, send, buf))
+        };
+        let row = match op {
+            Op::AllGather { send, recv } => {
+                reads(Reads::AllGather, Some(view(send)?), view_mut(recv)?)
+            }
+            Op::AllGatherInPlace { buf } => reads(Reads::AllGatherInPlace, None, view_mut(buf)?),
+            Op::Broadcast { buf, root } => {
+                reads(Reads::Broadcast { root: *root }, None, view_mut(buf)?)
+            }
+            Op::AllReduce { send, recv, op } => reduction(
+                Reduction::AllReduce,
+                Some(view(send)?),
+                view_mut(recv)?,
+                *op,
+            ),
+            Op::AllReduceInPlace { buf, op } => {
+                reduction(Reduction::AllReduce, None, view_mut(buf)?, *op)
+            }
+            Op::ReduceScatter { send, recv, op } => reduction(
+                Reduction::ReduceScatter,
+                Some(view(send)?),
+                view_mut(recv)?,
+                *op,
+            ),
+            Op::ReduceScatterInPlace { buf, op } => {
+                reduction(Reduction::ReduceScatter, None, view_mut(buf)?, *op)
+            }
+            _ => None,
+        }?;
+        Some(peer_read::full_row(row))
     }
 
     /// One round of messages on the duplicate communicator (grid-core's `comm::round`), every
@@ -627,7 +721,13 @@ impl MpiBackend {
     /// Runs a validated blocking operation on `c` (this communicator, or its duplicate for the
     /// mismatch check's exchanges, `check`). Collectives are the blocking MPI calls, watched by
     /// the watchdog; point-to-point operations complete on this thread under the limit.
-    fn exec(&self, c: &raw::Comm, check: bool, v: Validated<Op<'_>>) -> Result<()> {
+    fn exec(
+        &self,
+        c: &raw::Comm,
+        check: bool,
+        v: Validated<Op<'_>>,
+        pre: Option<&[u64]>,
+    ) -> Result<()> {
         let (seq, limit) = (v.seq(), v.time_limit());
         let abort = &self.watch.aborted;
         let watch = |op: usize| self.watch.enter(op, seq, check, limit);
@@ -642,9 +742,9 @@ impl MpiBackend {
                 }
                 if self.reduce_by_reads(
                     Reduction::AllReduce,
-                    Some(send),
-                    recv.reborrow(),
+                    (Some(send), recv.reborrow()),
                     plan.op,
+                    pre,
                 )? {
                     // Done by copies between the ranks' memory.
                 } else if ring::applies(send.dtype(), send.len(), self.size) {
@@ -668,7 +768,7 @@ impl MpiBackend {
                 if plan.wire.is_some() {
                     return self.all_reduce_staged(c, None, buf, plan);
                 }
-                self.reduce_in_place(c, buf.reborrow(), plan.op)?;
+                self.reduce_in_place(c, buf.reborrow(), plan.op, pre)?;
                 if let Some(n) = plan.divide {
                     grid_core::kernels::divide(buf, n);
                 }
@@ -678,7 +778,7 @@ impl MpiBackend {
                 const OP: &str = "broadcast";
                 let mut buf = host_mut(OP, buf)?;
                 let _w = watch(watch::BROADCAST);
-                if self.read_peers(OP, Reads::Broadcast { root }, None, buf.reborrow())? {
+                if self.read_peers(OP, Reads::Broadcast { root }, (None, buf.reborrow()), pre)? {
                     return Ok(());
                 }
                 c.broadcast(buf, root).map_err(|e| self.err(OP, e))
@@ -687,7 +787,7 @@ impl MpiBackend {
                 const OP: &str = "all_gather";
                 let (send, mut recv) = (host(OP, send)?, host_mut(OP, recv)?);
                 let _w = watch(watch::ALL_GATHER);
-                if self.read_peers(OP, Reads::AllGather, Some(send), recv.reborrow())? {
+                if self.read_peers(OP, Reads::AllGather, (Some(send), recv.reborrow()), pre)? {
                     return Ok(());
                 }
                 c.all_gather(send, recv).map_err(|e| self.err(OP, e))
@@ -700,9 +800,9 @@ impl MpiBackend {
                 match plan.wire {
                     None if self.reduce_by_reads(
                         Reduction::ReduceScatter,
-                        Some(send),
-                        recv.reborrow(),
+                        (Some(send), recv.reborrow()),
                         plan.op,
+                        pre,
                     )? =>
                     {
                         if let Some(n) = plan.divide {
@@ -749,7 +849,8 @@ impl MpiBackend {
             Op::AllGatherInPlace { buf } => {
                 let mut buf = host_mut("all_gather", buf)?;
                 let _w = watch(watch::ALL_GATHER);
-                if self.read_peers("all_gather", Reads::AllGatherInPlace, None, buf.reborrow())? {
+                let whole = (None, buf.reborrow());
+                if self.read_peers("all_gather", Reads::AllGatherInPlace, whole, pre)? {
                     return Ok(());
                 }
                 self.gather_in_place(c, buf)
@@ -766,9 +867,9 @@ impl MpiBackend {
                 match plan.wire {
                     None if self.reduce_by_reads(
                         Reduction::ReduceScatter,
-                        None,
-                        buf.reborrow(),
+                        (None, buf.reborrow()),
                         plan.op,
+                        pre,
                     )? =>
                     {
                         // The block ends where it lies: no copy.
@@ -1178,7 +1279,7 @@ impl Backend for MpiBackend {
 
     fn run(&self, mut op: Validated<Op<'_>>) -> Result<()> {
         match op.take_check() {
-            None => self.exec(&self.raw, false, op),
+            None => self.exec(&self.raw, false, op, None),
             Some(check) => self.run_checked(&check, op),
         }
     }

@@ -17,10 +17,12 @@
 //!
 //! The protocol, on the communicator's duplicate (where only this crate's own exchanges
 //! travel), under the watch of the collective itself:
-//! 1. an all-gather of each rank's node, process id, the address the others copy from or to
-//!    (its send buffer for an all-gather or all-reduce out of place, else its buffer), element
-//!    type, reduction and count, the address of its reduced block (all-reduce), and whether its
-//!    buffers qualify; unless every rank qualifies, on one node, with the same type, reduction
+//! 1. an all-gather of each rank's row (carried in the mismatch check's round of messages where
+//!    the check is one, on 2 to `DIRECT_MAX` ranks; else on the duplicate communicator): its
+//!    node, process id, the address the others copy from or to (its send buffer for an
+//!    all-gather or a reduction out of place, else its buffer), element type, reduction and
+//!    count, the address of its result (the all-reduce's others read its reduced block there),
+//!    and whether its buffers qualify; unless every rank qualifies, on one node, with the same type, reduction
 //!    and count, every rank runs MPI's call instead (all of them decide from the same gathered
 //!    rows, so they decide alike);
 //! 2. each rank makes the copies of its plan ([`Reads`]): the all-gather's rank reads block
@@ -116,7 +118,7 @@ fn exposed<'a>(
 /// The fields each rank contributes to step 1: node key, process id, shared address, count,
 /// kind (element type and reduction, [`kind`]), whether it qualifies, and the address of its
 /// reduced block (all-reduce; 0 otherwise).
-const FIELDS: usize = 7;
+pub(crate) const FIELDS: usize = 7;
 
 /// Step 1's verdict from the gathered rows (`FIELDS` per rank): every rank on this rank's
 /// node (a non-zero key), with the same kind and count, and every buffer qualifying.
@@ -144,22 +146,48 @@ fn kind(dtype: DType, reduce: Option<raw::Reduce>) -> u64 {
     (code << 8) | op
 }
 
-/// Step 1: gathers every rank's row on `c` (this rank's `[shared, len, kind, fits, result]`
-/// after the node key and process id); the rows when every rank qualifies, else `None`.
-fn exchange(c: &raw::Comm, size: usize, row: [u64; 5]) -> Result<Option<Vec<u64>>, RawError> {
+/// This rank's whole row of step 1 for `row` (`[shared, len, kind, fits, result]`): the node
+/// key and process id first.
+pub(crate) fn full_row(row: [u64; 5]) -> [u64; FIELDS] {
     let [shared, len, kind, fits, result] = row;
-    let key = node_key();
-    let mine: [u64; FIELDS] = [
-        key,
+    [
+        node_key(),
         u64::from(std::process::id()),
         shared,
         len,
         kind,
         fits,
         result,
-    ];
-    let mut rows = vec![0u64; FIELDS * size];
-    c.all_gather(HostSlice::U64(&mine), HostSliceMut::U64(&mut rows))?;
+    ]
+}
+
+/// Step 1: gathers every rank's row on `c` (this rank's `[shared, len, kind, fits, result]`
+/// after the node key and process id), or takes `pre`, the rows already gathered with the
+/// mismatch check (the rows of [`full_row`] of every rank, in rank order); the rows when every
+/// rank qualifies, else `None`.
+fn exchange(
+    c: &raw::Comm,
+    size: usize,
+    row: [u64; 5],
+    pre: Option<&[u64]>,
+) -> Result<Option<Vec<u64>>, RawError> {
+    let mine = full_row(row);
+    let rows = match pre {
+        Some(rows) if rows.len() == FIELDS * size => rows.to_vec(),
+        Some(rows) => {
+            return Err(RawError::msg(format!(
+                "the direct copies' rows: {} values where {} ranks send {}",
+                rows.len(),
+                size,
+                FIELDS * size
+            )))
+        }
+        None => {
+            let mut rows = vec![0u64; FIELDS * size];
+            c.all_gather(HostSlice::U64(&mine), HostSliceMut::U64(&mut rows))?;
+            rows
+        }
+    };
     Ok(every_rank_qualifies(&rows, &mine).then_some(rows))
 }
 
@@ -321,36 +349,41 @@ impl Reads {
     }
 }
 
-/// Runs collective `reads` on `buf` (and `send`, the send buffer of [`Reads::AllGather`]) by
-/// copying straight between the ranks' memory (module docs), with the exchanges on `c` (the
-/// duplicate communicator). Every rank of `c` must call it for the same collective. `Err` is
-/// an MPI failure of step 1 or 3.
-pub(crate) fn run(
-    c: &raw::Comm,
-    (rank, size): (usize, usize),
+/// This rank's row of step 1 (`[shared, len, kind, fits, result]`) for collective `reads` on
+/// `buf` (and `send`, the send buffer of [`Reads::AllGather`]).
+pub(crate) fn reads_row(
     reads: Reads,
+    (rank, size): (usize, usize),
     send: Option<HostSlice<'_>>,
-    mut buf: HostSliceMut<'_>,
-) -> Result<Outcome, RawError> {
+    buf: HostSlice<'_>,
+) -> [u64; 5] {
     let dtype = buf.dtype();
     let len = buf.len();
     let same_type = send.is_none_or(|s| s.dtype() == dtype);
     let fits = same_type
         && reads.fits(size, len, send.map(|s| s.len()))
-        && exposed(reads, (rank, size), buf.as_slice(), send).is_some_and(qualifies);
+        && exposed(reads, (rank, size), buf, send).is_some_and(qualifies);
     // What the other ranks copy from or to: the send buffer of an all-gather, else the buffer.
-    let shared = match send {
-        Some(s) => s.as_ptr() as usize,
-        None => buf.as_mut_ptr() as usize,
-    };
-    let row = [
-        shared as u64,
-        len as u64,
-        kind(dtype, None),
-        u64::from(fits),
-        0,
-    ];
-    let Some(rows) = exchange(c, size, row)? else {
+    let shared = send.unwrap_or(buf).as_ptr() as u64;
+    [shared, len as u64, kind(dtype, None), u64::from(fits), 0]
+}
+
+/// Runs collective `reads` on `buf` (and `send`, the send buffer of [`Reads::AllGather`]) by
+/// copying straight between the ranks' memory (module docs), with the exchanges on `c` (the
+/// duplicate communicator); `pre`: step 1's rows, already gathered with the mismatch check.
+/// Every rank of `c` must call it for the same collective. `Err` is an MPI failure of step 1
+/// or 3.
+pub(crate) fn run(
+    c: &raw::Comm,
+    (rank, size): (usize, usize),
+    reads: Reads,
+    (send, mut buf): (Option<HostSlice<'_>>, HostSliceMut<'_>),
+    pre: Option<&[u64]>,
+) -> Result<Outcome, RawError> {
+    let dtype = buf.dtype();
+    let len = buf.len();
+    let row = reads_row(reads, (rank, size), send, buf.as_slice());
+    let Some(rows) = exchange(c, size, row, pre)? else {
         return Ok(Outcome::NotTaken);
     };
     let width = dtype.size_bytes();
@@ -381,11 +414,48 @@ pub(crate) enum Reduction {
     ReduceScatter,
 }
 
+/// This rank's row of step 1 (`[shared, len, kind, fits, result]`) for reduction `what` with
+/// `r` of `send` (or of `buf` in place) into `buf` on `size` ranks.
+pub(crate) fn reduce_row(
+    what: Reduction,
+    size: usize,
+    (send, buf): (Option<HostSlice<'_>>, HostSlice<'_>),
+    r: raw::Reduce,
+) -> [u64; 5] {
+    let dtype = buf.dtype();
+    let n = size.max(1);
+    let len = send.map_or(buf.len(), |s| s.len());
+    let k = len / n;
+    let scattered = what == Reduction::ReduceScatter && send.is_some();
+    // The others read every block of this rank's input but its own, and (all-reduce) its own
+    // block of the result.
+    let small = ((n - 1) * k).saturating_mul(dtype.size_bytes()) <= PEER_READ_PLAIN_MAX;
+    let huge = |m: HostSlice<'_>| peer_read::mostly_huge(m) == Some(true);
+    let shape = match (what, send) {
+        (_, None) => true,
+        (Reduction::AllReduce, Some(s)) => s.len() == buf.len(),
+        (Reduction::ReduceScatter, Some(s)) => Some(s.len()) == buf.len().checked_mul(n),
+    };
+    let fits = shape
+        && send.is_none_or(|s| s.dtype() == dtype)
+        && len.is_multiple_of(n)
+        && ring::reduces_on_host(dtype)
+        && (small || (huge(send.unwrap_or(buf)) && (scattered || huge(buf))));
+    [
+        send.unwrap_or(buf).as_ptr() as u64,
+        len as u64,
+        kind(dtype, Some(r)) | if scattered { 1 << 7 } else { 0 },
+        u64::from(fits),
+        buf.as_ptr() as u64,
+    ]
+}
+
 /// The reduction `what` with `r` of `send` (or, `None`, of `buf` in place) into `buf` by
 /// copying straight between the ranks' memory, with the exchanges on `c` (the duplicate
-/// communicator); `scratch` holds the communicator's kept blocks (the ring's; one block of
-/// [`REDUCE_CHUNK_BYTES`] here). Every rank of `c` must call it for the same collective, with
-/// an input length that `size` divides (else no rank copies).
+/// communicator; `pre`: step 1's rows, already gathered with the mismatch check); `scratch`
+/// holds the communicator's kept blocks (the ring's; one block of [`REDUCE_CHUNK_BYTES`] here).
+/// Every rank of `c` must call it for the same collective, with an input length that `size`
+/// divides (else no rank copies).
 ///
 /// Step 2a: rank `r` reduces block `r` of every rank's input into its block `r` (of `buf`; of
 /// the receive buffer `buf` itself for a reduce-scatter out of place): in place its own block
@@ -409,7 +479,7 @@ pub(crate) fn reduce(
     (rank, size): (usize, usize),
     (what, probe): (Reduction, bool),
     (send, mut buf): (Option<HostSlice<'_>>, HostSliceMut<'_>),
-    r: raw::Reduce,
+    (r, pre): (raw::Reduce, Option<&[u64]>),
     scratch: &ring::Scratch,
 ) -> Result<Outcome, RawError> {
     let dtype = buf.dtype();
@@ -420,29 +490,8 @@ pub(crate) fn reduce(
     let scattered = what == Reduction::ReduceScatter && send.is_some();
     let dest_at = if scattered { 0 } else { rank * k };
     let width = dtype.size_bytes();
-    // The others read every block of this rank's input but its own, and (all-reduce) its own
-    // block of the result.
-    let small = ((n - 1) * k).saturating_mul(width) <= PEER_READ_PLAIN_MAX;
-    let huge = |m: HostSlice<'_>| peer_read::mostly_huge(m) == Some(true);
-    let shape = match (what, send) {
-        (_, None) => true,
-        (Reduction::AllReduce, Some(s)) => s.len() == buf.len(),
-        (Reduction::ReduceScatter, Some(s)) => Some(s.len()) == buf.len().checked_mul(n),
-    };
-    let fits = shape
-        && send.is_none_or(|s| s.dtype() == dtype)
-        && len.is_multiple_of(n)
-        && ring::reduces_on_host(dtype)
-        && (small || (huge(send.unwrap_or(buf.as_slice())) && (scattered || huge(buf.as_slice()))));
-    let input_at = send.map_or(buf.as_mut_ptr() as usize, |s| s.as_ptr() as usize);
-    let row = [
-        input_at as u64,
-        len as u64,
-        kind(dtype, Some(r)) | if scattered { 1 << 7 } else { 0 },
-        u64::from(fits),
-        buf.as_mut_ptr() as u64,
-    ];
-    let Some(rows) = exchange(c, size, row)? else {
+    let row = reduce_row(what, size, (send, buf.as_slice()), r);
+    let Some(rows) = exchange(c, size, row, pre)? else {
         return Ok(Outcome::NotTaken);
     };
     let op = ring::kernel_op(r);

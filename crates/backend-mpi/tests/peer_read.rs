@@ -10,7 +10,9 @@
 //! * broadcasts (the root writes the head of every other rank's buffer, which reads the rest),
 //!   of an odd length, from ranks other than 0, and the all-gather out of place (each rank's
 //!   send buffer read by the others);
-//! * the all-reduce and reduce-scatter (in place or not; sum, maximum and average) at 3 ranks:
+//! * the all-reduce and reduce-scatter (in place or not; sum, maximum and average) at 3 ranks,
+//!   with the copies' first exchange in the mismatch check's round and (`GRID_MPI_DIRECT_MAX=0`)
+//!   in an exchange of its own:
 //!   exact results, the peers read on plain buffers whose others' part is at most
 //!   `PEER_READ_PLAIN_MAX`, on large buffers exactly when they lie on huge pages, never below
 //!   `PEER_READ_MIN` or on lengths that the ranks do not divide; f16 (reduced as f32) exact;
@@ -20,6 +22,7 @@
 //!   as soon as it reads).
 #![cfg(target_os = "linux")]
 
+use backend_mpi::testing::{launch_with_env, under_launcher};
 use backend_mpi::{mpi_test, MpiCommunicator, PEER_READ_MIN, PEER_READ_PLAIN_MAX};
 use grid_core::{Communicator, CommunicatorExt, Element, ReduceOp};
 
@@ -553,6 +556,28 @@ mpi_test!(
         Ok(())
     }
 );
+
+// The reductions again with the mismatch check as an all-reduce instead of a round of messages
+// (GRID_MPI_DIRECT_MAX=0, as on communicators of more than DIRECT_MAX ranks): the direct copies
+// then gather their rows in an exchange of their own instead of in the check's round.
+#[test]
+fn mpi_peer_read_reduces_exactly_without_rounds() {
+    if under_launcher() {
+        return;
+    }
+    let exe = std::env::current_exe()
+        .map(|p| p.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let args = [
+        "--exact",
+        "mpi_peer_read_reduces_exactly_np3",
+        "--nocapture",
+        "--test-threads=1",
+    ];
+    let out = launch_with_env(3, 180, &exe, &args, &[("GRID_MPI_DIRECT_MAX", "0")]).unwrap();
+    assert_eq!(out.code, Some(0), "{}", out.output);
+    assert!(out.output.contains("1 passed"), "{}", out.output);
+}
 
 // Rank 1 cannot read other processes: the first in-place all-reduce finds out before any rank
 // changes its block (the probe), runs MPI's call with the right result on every rank, and the
