@@ -273,7 +273,7 @@ impl MpiBackend {
 
     /// `MPI_IN_PLACE` all-reduce; libraries whose `MPI_IN_PLACE` is unknown go through one
     /// copy of the input. From [`crate::PEER_READ_MIN`] bytes the ranks of one node copy
-    /// straight between their memory instead (`peer_read::all_reduce`), and large ones that
+    /// straight between their memory instead (`peer_read::reduce`), and large ones that
     /// do not qualify for that run as the `ring` module's ring on the duplicate communicator
     /// (see there why).
     fn reduce_in_place(
@@ -332,10 +332,17 @@ impl MpiBackend {
         self.size > 1 && self.peer_read_min > 0 && !self.peer_read_off.load(Ordering::Relaxed)
     }
 
-    /// Whether a collective on a buffer of `buf`'s size tries the direct copies at all.
-    fn may_read_peers(&self, buf: &HostSliceMut<'_>) -> bool {
-        let bytes = buf.len().saturating_mul(buf.dtype().size_bytes());
+    /// Whether a collective whose buffer (a reduction's: its input) is `input` tries the direct
+    /// copies at all; the one test of [`Self::read_peers`] and [`Self::peer_row`].
+    fn may_read_peers(&self, input: HostSlice<'_>) -> bool {
+        let bytes = input.len().saturating_mul(input.dtype().size_bytes());
         bytes >= self.peer_read_min && self.reads_peers_when_it_pays()
+    }
+
+    /// [`Self::may_read_peers`] for a reduction: also only for the types reduced on the host;
+    /// the one test of [`Self::reduce_by_reads`] and [`Self::peer_row`].
+    fn may_reduce_by_reads(&self, input: HostSlice<'_>) -> bool {
+        self.may_read_peers(input) && ring::reduces_on_host(input.dtype())
     }
 
     /// Runs blocking collective `reads` on `buf` by copying straight between the ranks' memory
@@ -349,7 +356,7 @@ impl MpiBackend {
         (send, buf): (Option<HostSlice<'_>>, HostSliceMut<'_>),
         pre: Option<&[u64]>,
     ) -> Result<bool> {
-        if !self.may_read_peers(&buf) {
+        if !self.may_read_peers(buf.as_slice()) {
             return Ok(false);
         }
         let me = (self.rank, self.size);
@@ -368,12 +375,7 @@ impl MpiBackend {
         r: raw::Reduce,
         pre: Option<&[u64]>,
     ) -> Result<bool> {
-        let input = send.unwrap_or(buf.as_slice());
-        let bytes = input.len().saturating_mul(input.dtype().size_bytes());
-        if bytes < self.peer_read_min
-            || !self.reads_peers_when_it_pays()
-            || !ring::reduces_on_host(buf.dtype())
-        {
+        if !self.may_reduce_by_reads(send.unwrap_or(buf.as_slice())) {
             return Ok(false);
         }
         let op = match what {
@@ -579,21 +581,16 @@ impl MpiBackend {
                 BufMut::Device(_) => None,
             }
         }
-        if !self.reads_peers_when_it_pays() {
-            return None;
-        }
         let me = (self.rank, self.size);
-        let enough =
-            |m: HostSlice<'_>| m.len().saturating_mul(m.dtype().size_bytes()) >= self.peer_read_min;
-        // A reduction's row, when it reduces on the host in its own type.
+        // A reduction's row, when it reduces in its own type (`exec` stages the others).
         let reduction = |what, send: Option<HostSlice<'_>>, buf: HostSlice<'_>, op| {
             let plan = stage::plan(buf.dtype(), op, self.size);
-            let input = send.unwrap_or(buf);
-            (plan.wire.is_none() && ring::reduces_on_host(buf.dtype()) && enough(input))
+            (plan.wire.is_none() && self.may_reduce_by_reads(send.unwrap_or(buf)))
                 .then(|| peer_read::reduce_row(what, self.size, (send, buf), plan.op))
         };
         let reads = |reads, send: Option<HostSlice<'_>>, buf: HostSlice<'_>| {
-            enough(buf).then(|| peer_read::reads_row(reads, me, send, buf))
+            self.may_read_peers(buf)
+                .then(|| peer_read::reads_row(reads, me, send, buf))
         };
         let row = match op {
             Op::AllGather { send, recv } => {

@@ -22,16 +22,16 @@
 //!    node, process id, the address the others copy from or to (its send buffer for an
 //!    all-gather or a reduction out of place, else its buffer), element type, reduction and
 //!    count, the address of its result (the all-reduce's others read its reduced block there),
-//!    and whether its buffers qualify; unless every rank qualifies, on one node, with the same type, reduction
-//!    and count, every rank runs MPI's call instead (all of them decide from the same gathered
-//!    rows, so they decide alike);
+//!    and whether its buffers qualify; unless every rank qualifies, on one node, with the same
+//!    type, reduction and count, every rank runs MPI's call instead (all of them decide from
+//!    the same gathered rows, so they decide alike);
 //! 2. each rank makes the copies of its plan ([`Reads`]): the all-gather's rank reads block
 //!    `p` of every other rank `p` from `p`'s buffer (or its send buffer, after copying its own
 //!    into place); the broadcast's root writes the head of every other rank's buffer, which
 //!    reads the rest from the root's. No rank writes a part that another reads. The
-//!    all-reduce ([`all_reduce`]) runs two such steps with an exchange between them: each rank
-//!    reads its block of every other rank's input and reduces it, in rank order, into a block
-//!    of its own scratch memory; after the exchange each reads the others' reduced blocks;
+//!    reductions ([`reduce`]): each rank reads its block of every other rank's input and
+//!    reduces it, in rank order, into its own block of the result; the all-reduce then runs a
+//!    second such step after an exchange, each rank reading the others' reduced blocks;
 //! 3. an all-reduce (maximum) of each rank's outcome, which is also the barrier that keeps
 //!    every buffer alive and unchanged until every copy is done. If any copy failed (a kernel
 //!    or seccomp profile that forbids `process_vm_readv` between these processes, for
@@ -61,7 +61,7 @@ pub const PEER_READ_MIN: usize = 32 << 10;
 /// path's two (docs/performance.md, *The in-place all-gather of 8 MiB*).
 pub const PEER_READ_PLAIN_MAX: usize = 4 << 20;
 
-/// What [`run`] or [`all_reduce`] did.
+/// What [`run`] or [`reduce`] did.
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) enum Outcome {
     /// Every copy was made; the buffer holds the result on every rank.
@@ -117,7 +117,7 @@ fn exposed<'a>(
 
 /// The fields each rank contributes to step 1: node key, process id, shared address, count,
 /// kind (element type and reduction, [`kind`]), whether it qualifies, and the address of its
-/// reduced block (all-reduce; 0 otherwise).
+/// result buffer (the reductions; 0 otherwise).
 pub(crate) const FIELDS: usize = 7;
 
 /// Step 1's verdict from the gathered rows (`FIELDS` per rank): every rank on this rank's
@@ -440,7 +440,8 @@ pub(crate) fn reduce_row(
         && send.is_none_or(|s| s.dtype() == dtype)
         && len.is_multiple_of(n)
         && ring::reduces_on_host(dtype)
-        && (small || (huge(send.unwrap_or(buf)) && (scattered || huge(buf))));
+        // In place the input is the result buffer: one walk of its pages.
+        && (small || (huge(send.unwrap_or(buf)) && (scattered || send.is_none() || huge(buf))));
     [
         send.unwrap_or(buf).as_ptr() as u64,
         len as u64,
