@@ -28,7 +28,8 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 const HELP: &str =
-    "usage: cargo xtask bench peers [--quick] [--ranks 2,4] [--only mpi,gloo,groups] [--json PATH]
+    "usage: cargo xtask bench peers [--quick] [--ranks 2,4] [--only mpi,gloo,groups] [--ops OPS]
+                               [--sizes SIZES] [--json PATH]
 
 This project (MPI; Gloo as processes and as threads) against mpi4py and torch.distributed's Gloo,
 interleaved in one sitting: all_reduce (out of place and in place), all_gather and reduce_scatter
@@ -36,8 +37,11 @@ interleaved in one sitting: all_reduce (out of place and in place), all_gather a
 broadcast, 8 B to 64 MiB, at each rank count; and building the demo layout's communicators at
 world 8 (build_collection against torch's new_group for every group, global and with
 use_local_synchronization=True). The peers are installed into target/peers-venv.
---only runs some of the parts (default: all); --json names the JSON file (default:
-target/peers.json).";
+--only runs some of the parts (default: all); --ops some of the collectives (all_reduce,
+all_reduce_in_place, all_gather, all_gather_in_place, reduce_scatter, reduce_scatter_in_place,
+broadcast; default: all); --sizes some sizes in bytes, with an optional KiB or MiB suffix
+(e.g. 128KiB,2MiB; default: 8 B and every power of 4 up to 32 MiB, then 64 MiB); --json names
+the JSON file (default: target/peers.json).";
 
 /// torch from PyPI, installed with `--no-deps`, and the CUDA runtime wheels its libraries load
 /// when imported. The default PyPI wheel is the CUDA build: `libtorch_cuda.so` (loaded by
@@ -122,6 +126,10 @@ struct Options {
     json: Option<PathBuf>,
     /// Which parts run: `mpi`, `gloo`, `groups` (all three by default).
     parts: Vec<String>,
+    /// The collectives measured (command names of [`OPS`]; all by default).
+    ops: Vec<&'static str>,
+    /// The sizes measured (`None`: [`sizes`]).
+    sizes: Option<Vec<u64>>,
 }
 
 /// The parts of a run, for `--only`.
@@ -133,6 +141,8 @@ fn parse(args: &[String]) -> Result<Options, String> {
         ranks: vec![2, 4],
         json: None,
         parts: PARTS.iter().map(|p| p.to_string()).collect(),
+        ops: OPS.iter().map(|&(op, _)| op).collect(),
+        sizes: None,
     };
     let mut it = args.iter();
     while let Some(a) = it.next() {
@@ -167,6 +177,37 @@ fn parse(args: &[String]) -> Result<Options, String> {
                 }
                 o.parts = parts;
             }
+            "--ops" => {
+                let v = it
+                    .next()
+                    .ok_or("--ops needs a value, e.g. all_gather,broadcast")?;
+                let mut ops = Vec::new();
+                for p in v.split(',').map(str::trim) {
+                    match OPS.iter().find(|&&(op, _)| op == p) {
+                        Some(&(op, _)) => ops.push(op),
+                        None => {
+                            return Err(format!(
+                                "--ops {v:?}: {p:?} is not a collective; valid: {}",
+                                OPS.iter().map(|&(op, _)| op).collect::<Vec<_>>().join(", ")
+                            ))
+                        }
+                    }
+                }
+                o.ops = ops;
+            }
+            "--sizes" => {
+                let v = it.next().ok_or("--sizes needs a value, e.g. 128KiB,2MiB")?;
+                let mut sizes = Vec::new();
+                for p in v.split(',').map(str::trim) {
+                    sizes.push(parse_size(p).ok_or_else(|| {
+                        format!(
+                            "--sizes {v:?}: {p:?} is not a size from 4 B to 1 GiB, a multiple of 4 \
+                             (bytes, or with a KiB or MiB suffix: 8, 128KiB, 2MiB)"
+                        )
+                    })?);
+                }
+                o.sizes = Some(sizes);
+            }
             "--json" => {
                 let v = it.next().ok_or("--json needs a file path")?;
                 o.json = Some(PathBuf::from(v));
@@ -175,6 +216,19 @@ fn parse(args: &[String]) -> Result<Options, String> {
         }
     }
     Ok(o)
+}
+
+/// One `--sizes` entry: bytes (bare or with a `B` suffix), or with a `KiB` or `MiB` suffix; a multiple of 4 (whole f32s)
+/// from 4 B to 1 GiB.
+fn parse_size(s: &str) -> Option<u64> {
+    let (digits, unit) = match s {
+        _ if s.ends_with("KiB") => (&s[..s.len() - 3], 1u64 << 10),
+        _ if s.ends_with("MiB") => (&s[..s.len() - 3], 1 << 20),
+        _ if s.ends_with('B') => (&s[..s.len() - 1], 1),
+        _ => (s, 1),
+    };
+    let bytes = digits.trim().parse::<u64>().ok()?.checked_mul(unit)?;
+    (bytes >= 4 && bytes <= 1 << 30 && bytes % 4 == 0).then_some(bytes)
 }
 
 /// Sizes of a run: 8 B, then every power of 4 up to 32 MiB, then 64 MiB; `--quick`: four of
@@ -962,7 +1016,7 @@ fn run_all(o: &Options, exe: &Path, dir: &Path) -> i32 {
         }
         s
     };
-    let sizes = sizes(o.quick);
+    let sizes = o.sizes.clone().unwrap_or_else(|| sizes(o.quick));
     for &n in &o.ranks {
         let mut kinds: Vec<&str> = Vec::new();
         if o.parts.iter().any(|p| p == "mpi") {
@@ -981,7 +1035,7 @@ fn run_all(o: &Options, exe: &Path, dir: &Path) -> i32 {
         let mut slots: Vec<Slot> = kinds.iter().map(|k| start(k, n)).collect();
         let slot_of = |k: &str| kinds.iter().position(|x| *x == k);
         let mut cell = 0usize;
-        for &(op, label) in OPS {
+        for &(op, label) in OPS.iter().filter(|(op, _)| o.ops.contains(op)) {
             for &bytes in &sizes {
                 let (warmup, iters) = iterations(bytes, o.quick);
                 // Alternate: the order flips from one cell to the next.
@@ -1067,8 +1121,17 @@ fn run_all(o: &Options, exe: &Path, dir: &Path) -> i32 {
     } else {
         format!(" --only {}", o.parts.join(","))
     };
+    let ops = if o.ops.len() == OPS.len() {
+        String::new()
+    } else {
+        format!(" --ops {}", o.ops.join(","))
+    };
+    let sizes_arg = o.sizes.as_ref().map_or(String::new(), |s| {
+        let labels: Vec<String> = s.iter().map(|&b| size_label(b).replace(' ', "")).collect();
+        format!(" --sizes {}", labels.join(","))
+    });
     let command = format!(
-        "cargo xtask bench peers{}{only}{}",
+        "cargo xtask bench peers{}{only}{ops}{sizes_arg}{}",
         if o.quick { " --quick" } else { "" },
         if o.ranks == [2, 4] {
             String::new()
@@ -1164,6 +1227,36 @@ mod tests {
         for b in s {
             let (w, i) = iterations(b, false);
             assert!(w >= 1 && i >= 7, "{b}: {w} {i}");
+        }
+    }
+
+    #[test]
+    fn ops_and_sizes_can_be_chosen() {
+        let args = |a: &[&str]| a.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let o = parse(&args(&[
+            "--ops",
+            "broadcast,all_gather",
+            "--sizes",
+            "8B,128KiB,2MiB,64",
+        ]))
+        .unwrap();
+        assert_eq!(o.ops, vec!["broadcast", "all_gather"]);
+        assert_eq!(o.sizes, Some(vec![8, 128 << 10, 2 << 20, 64]));
+        let all = parse(&[]).unwrap();
+        assert_eq!(all.ops.len(), OPS.len());
+        assert_eq!(all.sizes, None);
+        let e = parse(&args(&["--ops", "all_gather,gather"])).unwrap_err();
+        assert!(
+            e.contains("\"gather\" is not a collective") && e.contains("reduce_scatter_in_place"),
+            "{e}"
+        );
+        for bad in ["3", "0", "2GiB", "1.5MiB", "KiB", "-8"] {
+            let e = parse(&args(&["--sizes", bad])).unwrap_err();
+            assert!(e.contains("is not a size"), "{bad}: {e}");
+        }
+        // Every label of the default sizes reads back (the command line printed with a run).
+        for b in sizes(false) {
+            assert_eq!(parse_size(&size_label(b).replace(' ', "")), Some(b));
         }
     }
 
@@ -1269,6 +1362,8 @@ mod tests {
                 ranks: vec![2, 4],
                 json: None,
                 parts: vec!["mpi".into(), "gloo".into(), "groups".into()],
+                ops: OPS.iter().map(|&(op, _)| op).collect(),
+                sizes: None,
             })
         );
         let o = a(&["--quick", "--ranks", "2", "--json", "x.json"]);
@@ -1279,6 +1374,8 @@ mod tests {
                 ranks: vec![2],
                 json: Some("x.json".into()),
                 parts: vec!["mpi".into(), "gloo".into(), "groups".into()],
+                ops: OPS.iter().map(|&(op, _)| op).collect(),
+                sizes: None,
             })
         );
         let o = a(&["--only", "mpi,groups"]);
