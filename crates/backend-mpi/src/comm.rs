@@ -161,6 +161,7 @@ impl MpiBackend {
         let round_max = crate::config::env_usize(crate::ROUND_MAX_ENV, ROUND_MAX, 1 << 20)?;
         let peer_read_min =
             crate::config::env_usize(crate::PEER_READ_MIN_ENV, crate::PEER_READ_MIN, 1 << 40)?;
+        crate::config::stage_copies()?;
         let check = raw.dup().map_err(|e| backend_err(op, &name, e))?;
         tracing::debug!(op, comm = %name, rank, size, ?global, "mpi communicator created");
         let watch = Watch::new(Site {

@@ -30,6 +30,41 @@ pub const DIRECT_MAX_ENV: &str = "GRID_MPI_DIRECT_MAX";
 /// every rank; read when a communicator is created.
 pub const PEER_READ_MIN_ENV: &str = "GRID_MPI_PEER_READ_MIN";
 
+/// The environment variable that says which copies between the ranks' memory go through a
+/// staging block placed at the source's offset within a cache line: `auto` (or unset) measures
+/// once per process which offsets make the kernel's copies slow; `always` stages every copy
+/// whose source and destination offsets differ; `never` stages none (docs/backends.md §1.2).
+/// Read once per process; a communicator created with any other value fails with an error that
+/// names it.
+pub const STAGE_COPIES_ENV: &str = "GRID_MPI_STAGE_COPIES";
+
+/// [`STAGE_COPIES_ENV`]: `None` for `auto` or unset (measure), the fixed choice for `always`
+/// and `never`; an error naming the variable, the value and the valid ones otherwise.
+pub(crate) fn stage_copies() -> Result<Option<crate::raw::peer_read::Staging>> {
+    stage_copies_from(std::env::var(STAGE_COPIES_ENV))
+}
+
+/// [`stage_copies`] of the variable's value as `std::env::var` gives it.
+fn stage_copies_from(
+    value: std::result::Result<String, std::env::VarError>,
+) -> Result<Option<crate::raw::peer_read::Staging>> {
+    use crate::raw::peer_read::Staging;
+    match value {
+        Err(std::env::VarError::NotPresent) => Ok(None),
+        Ok(v) => match v.trim() {
+            "auto" | "" => Ok(None),
+            "always" => Ok(Some(Staging::ALWAYS)),
+            "never" => Ok(Some(Staging::NEVER)),
+            other => Err(Error::Invalid(format!(
+                "{STAGE_COPIES_ENV}={other:?}: expected auto, always or never (unset: auto)"
+            ))),
+        },
+        Err(std::env::VarError::NotUnicode(v)) => Err(Error::Invalid(format!(
+            "{STAGE_COPIES_ENV}={v:?} is not valid text; expected auto, always or never"
+        ))),
+    }
+}
+
 /// An unsigned integer from environment variable `var` (`default` when unset), at most `most`;
 /// anything else is an error naming the variable, the value and what is valid.
 pub(crate) fn env_usize(var: &str, default: usize, most: usize) -> Result<usize> {
@@ -147,5 +182,35 @@ impl Default for MpiConfig {
             timeout: TimeLimit::After(Duration::from_millis(MpiConfig::DEFAULT_TIMEOUT_MS)),
             sigterm_report: true,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::raw::peer_read::Staging;
+    use std::env::VarError;
+
+    #[test]
+    fn stage_copies_reads_auto_always_never() {
+        assert_eq!(stage_copies_from(Err(VarError::NotPresent)).unwrap(), None);
+        assert_eq!(stage_copies_from(Ok("auto".into())).unwrap(), None);
+        assert_eq!(stage_copies_from(Ok(" ".into())).unwrap(), None);
+        assert_eq!(
+            stage_copies_from(Ok("always".into())).unwrap(),
+            Some(Staging::ALWAYS)
+        );
+        assert_eq!(
+            stage_copies_from(Ok("never\n".into())).unwrap(),
+            Some(Staging::NEVER)
+        );
+        let e = stage_copies_from(Ok("sometimes".into()))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("GRID_MPI_STAGE_COPIES=\"sometimes\"")
+                && e.contains("expected auto, always or never"),
+            "{e}"
+        );
     }
 }

@@ -119,7 +119,8 @@ pub use comm::{
     MpiBackend, MpiCommunicator, CHECK_THRESHOLD, DIRECT_MAX, PAIR_ROUND_MAX, ROUND_MAX,
 };
 pub use config::{
-    MpiConfig, DIRECT_MAX_ENV, PEER_READ_MIN_ENV, ROUND_MAX_ENV, SIGTERM_REPORT_ENV, TIMEOUT_ENV,
+    MpiConfig, DIRECT_MAX_ENV, PEER_READ_MIN_ENV, ROUND_MAX_ENV, SIGTERM_REPORT_ENV,
+    STAGE_COPIES_ENV, TIMEOUT_ENV,
 };
 pub use factory::{FactoryCalls, MpiFactory};
 pub use peer_read::{PEER_READ_MIN, PEER_READ_PLAIN_MAX};

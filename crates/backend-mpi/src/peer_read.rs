@@ -585,7 +585,7 @@ fn reduce_own_block(
         // The chunk's place in every rank's input.
         let from = rank * k + off;
         let kernel = |e: grid_core::Error| std::io::Error::other(e.to_string());
-        let mut acc = dest.sub_mut(at + off, m).ok_or_else(out_of_range)?;
+        let acc = dest.sub_mut(at + off, m).ok_or_else(out_of_range)?;
         // Out of place the block starts as the first input in rank order; in place as this
         // rank's own input, to which the others are added in rank order.
         let first = send.is_some() && p == 0;
@@ -593,7 +593,7 @@ fn reduce_own_block(
             (Some(s), true) => {
                 let own = s.sub(from, m).ok_or_else(out_of_range)?;
                 if first {
-                    acc.copy_from(own).map_err(kernel)?;
+                    peer_read::copy(acc, own)?;
                 } else {
                     kernels::accumulate(acc, own, op).map_err(kernel)?;
                 }
@@ -658,9 +658,8 @@ fn make(
         }
         Transfer::Own { to, count } => {
             let src = send.ok_or_else(out_of_range)?;
-            let mut dst = buf.sub_mut(to, count).ok_or_else(out_of_range)?;
-            dst.copy_from(src)
-                .map_err(|e| std::io::Error::other(e.to_string()))
+            let dst = buf.sub_mut(to, count).ok_or_else(out_of_range)?;
+            peer_read::copy(dst, src)
         }
     }
 }

@@ -24,7 +24,7 @@
 
 use backend_mpi::testing::{launch_with_env, under_launcher};
 use backend_mpi::{mpi_test, MpiCommunicator, PEER_READ_MIN, PEER_READ_PLAIN_MAX};
-use grid_core::{Communicator, CommunicatorExt, Element, ReduceOp};
+use grid_core::{Communicator, CommunicatorExt, Element, GroupFactory, ReduceOp};
 
 /// A vector of `len` zeros allocated as numpy allocates an array of 4 MiB or more: huge pages
 /// advised (`madvise(MADV_HUGEPAGE)`) from the first page boundary, before the first write.
@@ -616,6 +616,191 @@ mpi_test!(
             return Err("the ranks disagree on whether to read their peers".into());
         }
         Ok(())
+    }
+);
+
+// Buffers at every offset within a cache line, each rank's at another, so that every offset of
+// destination against source occurs (the kernel's copies at some offsets go through a staging
+// block, module raw::peer_read): all-gathers (u8, odd offsets too), broadcasts and every
+// reduction of plain buffers of about 1 MiB, read from the peers and exact each time.
+mpi_test!(
+    mpi_peer_read_at_every_offset_np3,
+    np = 3,
+    timeout = 180,
+    |rt| {
+        let c = rt.world();
+        let (me, n) = (c.rank(), c.size());
+        let e = |e: grid_core::Error| e.to_string();
+        // Blocks of more than two staging pieces (128 KiB) and a tail.
+        let k = (300 << 10) / 4 + 7;
+        let mut input = vec![0f32; n * k + 64];
+        let mut out = vec![0f32; n * k + 64];
+        let value = |r: usize, i: usize| ((i * 5 + r * 11) % 4096) as f32;
+        let sum = |i: usize| (0..n).map(|r| value(r, i)).sum::<f32>();
+        let mut calls = 0u64;
+        let before = c.peer_reads();
+        for shift in 0..16usize {
+            // In f32 elements: 0 to 60 bytes, and another offset on every rank.
+            let (s, d) = ((shift + 5 * me) % 16, (shift * 3 + 7 * me) % 16);
+            let check = |what: &str, got: &[f32], want: &dyn Fn(usize) -> f32| match (0..got.len())
+                .find(|&i| got[i] != want(i))
+            {
+                Some(i) => Err(format!(
+                    "{what}, offsets {s}/{d}: element {i} is {}, expected {}",
+                    got[i],
+                    want(i)
+                )),
+                None => Ok(()),
+            };
+            // All-gather out of place and in place.
+            let send = &mut input[s..s + k];
+            send.iter_mut()
+                .enumerate()
+                .for_each(|(i, x)| *x = value(me, i));
+            let recv = &mut out[d..d + n * k];
+            c.all_gather_into(&input[s..s + k], recv).map_err(e)?;
+            check("all_gather_into", &out[d..d + n * k], &|i| {
+                value(i / k, i % k)
+            })?;
+            let buf = &mut out[d..d + n * k];
+            buf.fill(-1.0);
+            buf[me * k..(me + 1) * k]
+                .iter_mut()
+                .enumerate()
+                .for_each(|(i, x)| *x = value(me, i));
+            c.all_gather_in_place(buf).map_err(e)?;
+            check("all_gather_in_place", &out[d..d + n * k], &|i| {
+                value(i / k, i % k)
+            })?;
+            // Broadcast from the rank whose turn it is.
+            let root = shift % n;
+            let buf = &mut out[d..d + n * k];
+            if me == root {
+                buf.iter_mut()
+                    .enumerate()
+                    .for_each(|(i, x)| *x = value(root, i));
+            } else {
+                buf.fill(-1.0);
+            }
+            c.broadcast_into(buf, root).map_err(e)?;
+            check("broadcast", &out[d..d + n * k], &|i| value(root, i))?;
+            // Reductions: out of place, then in place.
+            let fill = |v: &mut [f32]| {
+                v.iter_mut()
+                    .enumerate()
+                    .for_each(|(i, x)| *x = value(me, i))
+            };
+            fill(&mut input[s..s + n * k]);
+            c.all_reduce_into(&input[s..s + n * k], &mut out[d..d + n * k], ReduceOp::Sum)
+                .map_err(e)?;
+            check("all_reduce_into", &out[d..d + n * k], &sum)?;
+            c.reduce_scatter_into(&input[s..s + n * k], &mut out[d..d + k], ReduceOp::Sum)
+                .map_err(e)?;
+            check("reduce_scatter_into", &out[d..d + k], &|i| sum(me * k + i))?;
+            c.all_reduce_in_place(&mut input[s..s + n * k], ReduceOp::Sum)
+                .map_err(e)?;
+            check("all_reduce_in_place", &input[s..s + n * k], &sum)?;
+            fill(&mut input[s..s + n * k]);
+            c.reduce_scatter_in_place(&mut input[s..s + n * k], ReduceOp::Sum)
+                .map_err(e)?;
+            check(
+                "reduce_scatter_in_place",
+                &input[s + me * k..s + (me + 1) * k],
+                &|i| sum(me * k + i),
+            )?;
+            calls += 7;
+        }
+        // Bytes at odd offsets: the all-gather and the broadcast of u8.
+        let kb = (200 << 10) + 3;
+        let mut bytes = vec![0u8; n * kb + 64];
+        let mut mine = vec![0u8; kb + 64];
+        let byte = |r: usize, i: usize| (i * 7 + r * 31 + i / 509) as u8;
+        for shift in [1usize, 3, 17, 31, 33, 47, 63] {
+            let (s, d) = ((shift + 13 * me) % 64, (shift * 5 + 29 * me) % 64);
+            mine[s..s + kb]
+                .iter_mut()
+                .enumerate()
+                .for_each(|(i, x)| *x = byte(me, i));
+            c.all_gather_into(&mine[s..s + kb], &mut bytes[d..d + n * kb])
+                .map_err(e)?;
+            if let Some(i) = (0..n * kb).find(|&i| bytes[d + i] != byte(i / kb, i % kb)) {
+                return Err(format!(
+                    "u8 all_gather_into, offsets {s}/{d}: element {i} wrong"
+                ));
+            }
+            let root = shift % n;
+            let buf = &mut bytes[d..d + n * kb];
+            if me == root {
+                buf.iter_mut()
+                    .enumerate()
+                    .for_each(|(i, x)| *x = byte(root, i));
+            } else {
+                buf.fill(0);
+            }
+            c.broadcast_into(buf, root).map_err(e)?;
+            if let Some(i) = (0..n * kb).find(|&i| bytes[d + i] != byte(root, i)) {
+                return Err(format!("u8 broadcast, offsets {s}/{d}: element {i} wrong"));
+            }
+            calls += 2;
+        }
+        let read = c.peer_reads() - before;
+        if read != calls {
+            return Err(format!(
+                "{read} of {calls} collectives copied straight between the ranks' memory"
+            ));
+        }
+        Ok(())
+    }
+);
+
+// The same with every copy whose offsets differ staged, and with none, whatever this machine
+// measured.
+#[test]
+fn mpi_peer_read_at_every_offset_staged_or_not() {
+    if under_launcher() {
+        return;
+    }
+    let exe = std::env::current_exe()
+        .map(|p| p.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let args = [
+        "--exact",
+        "mpi_peer_read_at_every_offset_np3",
+        "--nocapture",
+        "--test-threads=1",
+    ];
+    for mode in ["always", "never"] {
+        let env = [(backend_mpi::STAGE_COPIES_ENV, mode)];
+        let out = launch_with_env(3, 180, &exe, &args, &env).unwrap();
+        assert_eq!(out.code, Some(0), "{mode}: {}", out.output);
+        assert!(out.output.contains("1 passed"), "{mode}: {}", out.output);
+    }
+}
+
+// A communicator created with an unknown GRID_MPI_STAGE_COPIES fails with an error that names
+// the variable, the value and the valid ones, on every rank.
+mpi_test!(
+    mpi_stage_copies_refuses_unknown_values_np2,
+    np = 2,
+    timeout = 60,
+    |rt| {
+        let c = rt.world();
+        std::env::set_var(backend_mpi::STAGE_COPIES_ENV, "sometimes");
+        let split = backend_mpi::MpiFactory::new().split(c, Some(0), c.rank());
+        std::env::remove_var(backend_mpi::STAGE_COPIES_ENV);
+        match split {
+            Ok(_) => Err("a communicator was created with GRID_MPI_STAGE_COPIES=sometimes".into()),
+            Err(e) => {
+                let e = e.to_string();
+                if e.contains("GRID_MPI_STAGE_COPIES=\"sometimes\"")
+                    && e.contains("auto, always or never")
+                {
+                    Ok(())
+                } else {
+                    Err(format!("unexpected error: {e}"))
+                }
+            }
+        }
     }
 );
 
