@@ -562,21 +562,25 @@ mpi_test!(
 // then gather their rows in an exchange of their own instead of in the check's round.
 #[test]
 fn mpi_peer_read_reduces_exactly_without_rounds() {
+    rerun_with_env(
+        "mpi_peer_read_reduces_exactly_np3",
+        &[("GRID_MPI_DIRECT_MAX", "0")],
+    );
+}
+
+/// Runs the 3-rank test `test` of this file again under `mpirun` with the environment `env`
+/// added, and asserts that it passed (nothing to do inside a launched rank).
+fn rerun_with_env(test: &str, env: &[(&str, &str)]) {
     if under_launcher() {
         return;
     }
     let exe = std::env::current_exe()
         .map(|p| p.to_string_lossy().into_owned())
         .unwrap_or_default();
-    let args = [
-        "--exact",
-        "mpi_peer_read_reduces_exactly_np3",
-        "--nocapture",
-        "--test-threads=1",
-    ];
-    let out = launch_with_env(3, 180, &exe, &args, &[("GRID_MPI_DIRECT_MAX", "0")]).unwrap();
-    assert_eq!(out.code, Some(0), "{}", out.output);
-    assert!(out.output.contains("1 passed"), "{}", out.output);
+    let args = ["--exact", test, "--nocapture", "--test-threads=1"];
+    let out = launch_with_env(3, 180, &exe, &args, env).unwrap();
+    assert_eq!(out.code, Some(0), "{env:?}: {}", out.output);
+    assert!(out.output.contains("1 passed"), "{env:?}: {}", out.output);
 }
 
 // Rank 1 cannot read other processes: the first in-place all-reduce finds out before any rank
@@ -757,23 +761,11 @@ mpi_test!(
 // measured.
 #[test]
 fn mpi_peer_read_at_every_offset_staged_or_not() {
-    if under_launcher() {
-        return;
-    }
-    let exe = std::env::current_exe()
-        .map(|p| p.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    let args = [
-        "--exact",
-        "mpi_peer_read_at_every_offset_np3",
-        "--nocapture",
-        "--test-threads=1",
-    ];
     for mode in ["always", "never"] {
-        let env = [(backend_mpi::STAGE_COPIES_ENV, mode)];
-        let out = launch_with_env(3, 180, &exe, &args, &env).unwrap();
-        assert_eq!(out.code, Some(0), "{mode}: {}", out.output);
-        assert!(out.output.contains("1 passed"), "{mode}: {}", out.output);
+        rerun_with_env(
+            "mpi_peer_read_at_every_offset_np3",
+            &[(backend_mpi::STAGE_COPIES_ENV, mode)],
+        );
     }
 }
 

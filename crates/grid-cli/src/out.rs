@@ -405,6 +405,19 @@ mod tests {
         }
     }
 
+    /// `Out::ranks` writes `ranks` as a JSON list, each number as `to_string` writes it.
+    fn assert_ranks_as_std_formats_them(ranks: &[usize]) {
+        let mut v = Vec::new();
+        let mut o = Out::new(&mut v);
+        o.ranks(ranks).unwrap();
+        o.finish().unwrap();
+        let want: Vec<String> = ranks.iter().map(|r| r.to_string()).collect();
+        assert_eq!(
+            String::from_utf8(v).unwrap(),
+            format!("[{}]", want.join(","))
+        );
+    }
+
     #[test]
     fn consecutive_runs() {
         let ranks: Vec<usize> = (0..1200)
@@ -412,15 +425,7 @@ mod tests {
             .chain([5, 99, 100, 999_999, 1_000_000])
             .chain(usize::MAX - 2..=usize::MAX)
             .collect();
-        let mut v = Vec::new();
-        let mut o = Out::new(&mut v);
-        o.ranks(&ranks).unwrap();
-        o.finish().unwrap();
-        let want: Vec<String> = ranks.iter().map(|r| r.to_string()).collect();
-        assert_eq!(
-            String::from_utf8(v).unwrap(),
-            format!("[{}]", want.join(","))
-        );
+        assert_ranks_as_std_formats_them(&ranks);
     }
 
     #[test]
@@ -432,15 +437,7 @@ mod tests {
             .chain(99_990..100_020)
             .chain(9_999_999_999..10_000_000_003)
             .collect();
-        let mut v = Vec::new();
-        let mut o = Out::new(&mut v);
-        o.ranks(&ranks).unwrap();
-        o.finish().unwrap();
-        let want: Vec<String> = ranks.iter().map(|r| r.to_string()).collect();
-        assert_eq!(
-            String::from_utf8(v).unwrap(),
-            format!("[{}]", want.join(","))
-        );
+        assert_ranks_as_std_formats_them(&ranks);
     }
 
     #[test]
