@@ -228,7 +228,7 @@ fn parse_size(s: &str) -> Option<u64> {
         _ => (s, 1),
     };
     let bytes = digits.trim().parse::<u64>().ok()?.checked_mul(unit)?;
-    (bytes >= 4 && bytes <= 1 << 30 && bytes % 4 == 0).then_some(bytes)
+    ((4..=1 << 30).contains(&bytes) && bytes % 4 == 0).then_some(bytes)
 }
 
 /// Sizes of a run: 8 B, then every power of 4 up to 32 MiB, then 64 MiB; `--quick`: four of
