@@ -27,7 +27,10 @@
 //!   every rank is on one node and the part of each rank's memory that the others copy through
 //!   is at most [`PEER_READ_PLAIN_MAX`] (4 MiB) or lies mostly on huge pages: one copy where the
 //!   shared-memory transport makes two ([`PEER_READ_MIN_ENV`], [`MpiBackend::peer_reads`],
-//!   docs/backends.md §1.2). It is `Send + Sync` (see the `raw` module for the invariant).
+//!   docs/backends.md §1.2). Where this machine copies slowly at the buffers' offsets in a
+//!   cache line (measured once per process), those copies go through a staging block or in
+//!   vectors instead ([`STAGE_COPIES_ENV`]). It is `Send + Sync` (see the `raw` module for the
+//!   invariant).
 //! * [`MpiFactory`] implements [`grid_core::GroupFactory`]: `split` is `MPI_Comm_split`,
 //!   `create_group` is `MPI_Comm_create` over the parent.
 //! * [`testing`] runs multi-rank tests under plain `cargo test` by re-launching the test binary
