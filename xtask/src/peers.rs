@@ -218,8 +218,8 @@ fn parse(args: &[String]) -> Result<Options, String> {
     Ok(o)
 }
 
-/// One `--sizes` entry: bytes (bare or with a `B` suffix), or with a `KiB` or `MiB` suffix; a multiple of 4 (whole f32s)
-/// from 4 B to 1 GiB.
+/// One `--sizes` entry: bytes (bare or with a `B` suffix), or with a `KiB` or `MiB` suffix; a
+/// multiple of 4 (whole f32s) from 4 B to 1 GiB.
 fn parse_size(s: &str) -> Option<u64> {
     let (digits, unit) = match s {
         _ if s.ends_with("KiB") => (&s[..s.len() - 3], 1u64 << 10),

@@ -98,7 +98,7 @@ impl<'w> Out<'w> {
         self.spill()
     }
 
-    /// An unsigned integer (two digits per step, no intermediate buffer).
+    /// An unsigned integer (two digits per step into a 20-byte stack buffer, no allocation).
     pub fn num(&mut self, n: usize) -> io::Result<()> {
         push_num(&mut self.buf, n);
         Ok(())

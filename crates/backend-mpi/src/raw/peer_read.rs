@@ -26,9 +26,9 @@
 //!   exclusively borrowed destination slice or a part of this thread's staging block;
 //!   `process_vm_writev` only reads the borrowed source slice or the staging block here. The
 //!   staging block is a thread-local buffer, borrowed mutably for one copy at a time, never
-//!   lent to another process. Every element type of this crate accepts any bit pattern (numbers and
-//!   one-byte wrappers), so whatever bytes arrive leave valid values, and the caller copies
-//!   only between buffers of the same type.
+//!   lent to another process. Every element type of this crate accepts any bit pattern
+//!   (numbers and one-byte wrappers), so whatever bytes arrive leave valid values, and the
+//!   caller copies only between buffers of the same type.
 //! - What is read or written in the other process is the caller's protocol: memory that
 //!   process lent to the same collective and does not touch until the collective's closing
 //!   exchange.
