@@ -1017,68 +1017,87 @@ fn run_all(o: &Options, exe: &Path, dir: &Path) -> i32 {
         s
     };
     let sizes = o.sizes.clone().unwrap_or_else(|| sizes(o.quick));
-    for &n in &o.ranks {
-        let mut kinds: Vec<&str> = Vec::new();
-        if o.parts.iter().any(|p| p == "mpi") {
-            kinds.extend(["ours-mpi", "mpi4py"]);
-        }
-        if o.parts.iter().any(|p| p == "gloo") {
-            kinds.extend(["ours-gloo", "torch", "ours-gloo-threads"]);
-        }
-        if kinds.is_empty() {
-            break;
-        }
-        eprintln!(
-            "peers: {n} ranks ({:.0} s so far)",
-            started.elapsed().as_secs_f64()
-        );
-        let mut slots: Vec<Slot> = kinds.iter().map(|k| start(k, n)).collect();
-        let slot_of = |k: &str| kinds.iter().position(|x| *x == k);
-        let mut cell = 0usize;
-        for &(op, label) in OPS.iter().filter(|(op, _)| o.ops.contains(op)) {
-            for &bytes in &sizes {
-                let (warmup, iters) = iterations(bytes, o.quick);
-                // Alternate: the order flips from one cell to the next.
-                let mut order: Vec<usize> = (0..kinds.len()).collect();
-                if cell % 2 == 1 {
-                    order.reverse();
-                }
-                cell += 1;
-                let mut t: Vec<Result<f64, String>> = vec![Err(String::new()); kinds.len()];
-                let no_torch = NO_TORCH.contains(&op);
-                for i in order {
-                    t[i] = if no_torch && kinds[i] == "torch" {
-                        Err("torch.distributed has no in-place form of this operation".into())
-                    } else {
-                        measure(&mut slots[i], op, bytes, warmup, iters)
-                    };
-                }
-                for &(backend, ours, peer, theirs) in PAIRS {
-                    let (Some(ours), Some(theirs)) = (slot_of(ours), slot_of(theirs)) else {
-                        continue;
-                    };
-                    let peer = if no_torch && peer == "torch" {
-                        NO_TORCH_PEER
-                    } else {
-                        peer
-                    };
-                    rows.push(Row {
-                        op: label.to_string(),
-                        backend: backend.to_string(),
-                        peer: peer.to_string(),
-                        ranks: n,
-                        bytes: Some(bytes),
-                        calls: iters,
-                        ours: t[ours].clone(),
-                        theirs: t[theirs].clone(),
-                    });
+    // Each backend's jobs run alone (this project's and its peer's, started for the rank count
+    // and quit before the next backend's start): an idle job is not idle (libgloo's event-loop
+    // threads wake about 100 times a second each; mpirun's progress threads poll), and on a
+    // 2-core machine the MPI rows of 128 B took 5.6-6.0 us beside idle Gloo jobs instead of
+    // 0.9-1.6 us alone (docs/performance.md). Rows are printed in the same order as before:
+    // by rank count, operation, size, then backend.
+    let mut backends: Vec<&[&str]> = Vec::new();
+    if o.parts.iter().any(|p| p == "mpi") {
+        backends.push(&["ours-mpi", "mpi4py"]);
+    }
+    if o.parts.iter().any(|p| p == "gloo") {
+        backends.push(&["ours-gloo", "torch", "ours-gloo-threads"]);
+    }
+    let ops: Vec<(usize, &str, &str)> = OPS
+        .iter()
+        .enumerate()
+        .filter(|(_, (op, _))| o.ops.contains(op))
+        .map(|(i, &(op, label))| (i, op, label))
+        .collect();
+    // (rank count, operation, size, pair) of each row, as indices, for the order.
+    let mut keys: Vec<(usize, usize, usize, usize)> = Vec::new();
+    for (rank_index, &n) in o.ranks.iter().enumerate() {
+        for kinds in &backends {
+            eprintln!(
+                "peers: {n} ranks, {} ({:.0} s so far)",
+                kinds.join(", "),
+                started.elapsed().as_secs_f64()
+            );
+            let mut slots: Vec<Slot> = kinds.iter().map(|k| start(k, n)).collect();
+            let slot_of = |k: &str| kinds.iter().position(|x| *x == k);
+            let mut cell = 0usize;
+            for &(op_index, op, label) in &ops {
+                for (size_index, &bytes) in sizes.iter().enumerate() {
+                    let (warmup, iters) = iterations(bytes, o.quick);
+                    // Alternate: the order flips from one cell to the next.
+                    let mut order: Vec<usize> = (0..kinds.len()).collect();
+                    if cell % 2 == 1 {
+                        order.reverse();
+                    }
+                    cell += 1;
+                    let mut t: Vec<Result<f64, String>> =
+                        vec![Err(String::new()); kinds.len()];
+                    let no_torch = NO_TORCH.contains(&op);
+                    for i in order {
+                        t[i] = if no_torch && kinds[i] == "torch" {
+                            Err("torch.distributed has no in-place form of this operation".into())
+                        } else {
+                            measure(&mut slots[i], op, bytes, warmup, iters)
+                        };
+                    }
+                    for (pair, &(backend, ours, peer, theirs)) in PAIRS.iter().enumerate() {
+                        let (Some(ours), Some(theirs)) = (slot_of(ours), slot_of(theirs)) else {
+                            continue;
+                        };
+                        let peer = if no_torch && peer == "torch" {
+                            NO_TORCH_PEER
+                        } else {
+                            peer
+                        };
+                        keys.push((rank_index, op_index, size_index, pair));
+                        rows.push(Row {
+                            op: label.to_string(),
+                            backend: backend.to_string(),
+                            peer: peer.to_string(),
+                            ranks: n,
+                            bytes: Some(bytes),
+                            calls: iters,
+                            ours: t[ours].clone(),
+                            theirs: t[theirs].clone(),
+                        });
+                    }
                 }
             }
-        }
-        for s in slots.into_iter().flatten() {
-            s.quit();
+            for s in slots.into_iter().flatten() {
+                s.quit();
+            }
         }
     }
+    let mut keyed: Vec<_> = keys.into_iter().zip(rows).collect();
+    keyed.sort_by_key(|(key, _)| *key);
+    let mut rows: Vec<Row> = keyed.into_iter().map(|(_, row)| row).collect();
     if o.parts.iter().any(|p| p == "groups") {
         // Group creation at world 8: build_collection against torch's new_group.
         eprintln!(

@@ -115,7 +115,7 @@ fn peer_read(quick: bool) -> Result<(), String> {
         );
     }
     for op in ["all_gather (in place)", "all_gather", "broadcast"] {
-        for (memory, label) in [(PeerMemory::Numpy, "numpy"), (PeerMemory::Torch, "plain")] {
+        for (memory, label) in [(PeerMemory::Numpy, "numpy"), (PeerMemory::Plain, "plain")] {
             for bytes in [2usize << 20, 8 << 20, 16 << 20, 32 << 20, 64 << 20] {
                 let iters = match (quick, bytes > 8 << 20) {
                     (true, _) => 5,
