@@ -32,8 +32,9 @@ pub const PEER_READ_MIN_ENV: &str = "GRID_MPI_PEER_READ_MIN";
 
 /// The environment variable that says which copies between the ranks' memory go through a
 /// staging block placed at the source's offset within a cache line: `auto` (or unset) measures
-/// once per process which offsets make the kernel's copies slow; `always` stages every copy
-/// whose source and destination offsets differ; `never` stages none (docs/backends.md §1.2).
+/// once per process which distances make the kernel's copies slow; `always` stages every copy
+/// whose destination lies 1 to 63 bytes after its source in a 4 KiB page; `never` stages none
+/// (docs/backends.md §1.2).
 /// Read once per process; a communicator created with any other value fails with an error that
 /// names it.
 pub const STAGE_COPIES_ENV: &str = "GRID_MPI_STAGE_COPIES";

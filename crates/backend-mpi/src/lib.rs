@@ -27,8 +27,8 @@
 //!   every rank is on one node and the part of each rank's memory that the others copy through
 //!   is at most [`PEER_READ_PLAIN_MAX`] (4 MiB) or lies mostly on huge pages: one copy where the
 //!   shared-memory transport makes two ([`PEER_READ_MIN_ENV`], [`MpiBackend::peer_reads`],
-//!   docs/backends.md §1.2). Where this machine copies slowly at the buffers' offsets in a
-//!   cache line (measured once per process), those copies go through a staging block or in
+//!   docs/backends.md §1.2). Where this machine copies slowly at the buffers' distance (a
+//!   few bytes apart in a 4 KiB page, measured once per process), those copies go through a staging block or in
 //!   vectors instead ([`STAGE_COPIES_ENV`]). It is `Send + Sync` (see the `raw` module for the
 //!   invariant).
 //! * [`MpiFactory`] implements [`grid_core::GroupFactory`]: `split` is `MPI_Comm_split`,

@@ -623,8 +623,9 @@ mpi_test!(
     }
 );
 
-// Buffers at every offset within a cache line, each rank's at another, so that every offset of
-// destination against source occurs (the kernel's copies at some offsets go through a staging
+// Buffers at every offset within a cache line, each rank's at another, so that every distance of
+// destination from source up to 60 bytes occurs (the ranks' buffers start at the same offset in
+// a page, both fresh `mmap` blocks) (the kernel's copies at some offsets go through a staging
 // block, module raw::peer_read): all-gathers (u8, odd offsets too), broadcasts and every
 // reduction of plain buffers of about 1 MiB, read from the peers and exact each time.
 mpi_test!(
@@ -757,7 +758,7 @@ mpi_test!(
     }
 );
 
-// The same with every copy whose offsets differ staged, and with none, whatever this machine
+// The same with every copy at a distance of 1 to 63 bytes staged, and with none, whatever this machine
 // measured.
 #[test]
 fn mpi_peer_read_at_every_offset_staged_or_not() {

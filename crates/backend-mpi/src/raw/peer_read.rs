@@ -9,14 +9,18 @@
 //!
 //! The kernel copies these calls make (`copy_to_user` / `copy_from_user`, `rep movsb` on
 //! x86-64 processors with fast short `rep mov`) can be several times slower when the
-//! destination sits a little after the source within a cache line: on an AMD EPYC (Zen 3,
-//! family 25) `process_vm_readv` of 1 MiB took 110–135 µs when `(destination − source) mod 64`
-//! was 0 or 32 to 60, and 440–725 µs when it was 4 to 28. Where the two buffers' offsets
-//! differ (heap blocks of glibc are 16-byte aligned, so two buffers of one program often
-//! differ by 16 or 48), such a copy goes through a staging block placed at the source's offset:
-//! the kernel copies into (or out of) it at the good offset, then an ordinary copy moves the
-//! bytes while they are still in the cache. Whether an offset class is slow is measured once
-//! per process ([`Staging`]); [`STAGE_COPIES_ENV`](crate::STAGE_COPIES_ENV) overrides it.
+//! destination sits a few bytes after the source in a 4 KiB page: on an AMD EPYC (Zen 3,
+//! family 25) `process_vm_readv` of 1 MiB took 140–210 µs when `(destination − source) mod
+//! 4096` was 0, 36 to 60 or 64 and more, and 455–580 µs when it was 4 to 28 (80, 2064: fast;
+//! the first version of this module took the distance modulo a cache line, which staged
+//! copies that were already fast). Two ranks running the same program place their heap blocks
+//! at the same offsets in a page give or take a few allocations (the heap starts on a page;
+//! glibc's blocks are 16-byte aligned), and glibc's `mmap`'d blocks all start 16 bytes into a
+//! page, so such distances are common. A copy at a slow distance goes through a staging block
+//! placed at the source's offset in a cache line: the kernel copies into (or out of) it at a
+//! good distance, then an ordinary copy moves the bytes while they are still in the cache.
+//! Whether a distance class is slow is measured once per process ([`Staging`]);
+//! [`STAGE_COPIES_ENV`](crate::STAGE_COPIES_ENV) overrides it.
 //!
 //! Invariants:
 //! - `PAGEMAP_SCAN` only walks this process's page tables over the address range it is given;
@@ -108,8 +112,16 @@ pub(crate) fn copy(mut dst: HostSliceMut<'_>, src: HostSlice<'_>) -> io::Result<
     Ok(())
 }
 
-/// A cache line: the kernel copy's speed depends on `(destination − source) mod LINE`.
+/// A cache line: the staging block is placed at the source's offset in one.
 const LINE: usize = 64;
+
+/// The period of the slow distances: a copy's speed depends on `(destination − source) mod
+/// PAGE` (measured on an AMD EPYC, Zen 3: distances of 4, 16 and 28 bytes made `rep movsb`
+/// copies 3 times slower; 36 to 60, 80, 144, 272, 528, 1040, 2064, 3088, 4048 and 4080 bytes
+/// did not, so a destination 16 bytes after its source's offset in a cache line is slow only
+/// when it is also 16 bytes after it in a 4 KiB page: the processor's 4 KiB address aliasing
+/// between the copy's loads and stores, docs/performance.md).
+const PAGE: usize = 4096;
 
 /// The staging block (bytes, plus [`LINE`] of room to place it at any offset): copies go
 /// through it in pieces this large, small enough to stay in the cache between the two copies.
@@ -128,9 +140,10 @@ const VECTORS_MIN: usize = 2 << 10;
 /// non-temporal threshold on others; measured equal at every offset from 512 KiB here).
 const VECTORS_MAX: usize = 1 << 20;
 
-/// Which offsets `(destination − source) mod 64` of copies are slow on this machine, by class
-/// of [`Staging::class`] (0: equal offsets, never slow; 1: 1–31; 2: 32; 3: 33–63): those of the
-/// kernel's copies go through the staging block, those of `memcpy` are made in vectors.
+/// Which distances `(destination − source) mod 4096` of copies are slow on this machine, by
+/// class of [`Staging::class`] (0: 0 or 64 and more, never slow; 1: 1–31; 2: 32; 3: 33–63):
+/// those of the kernel's copies go through the staging block, those of `memcpy` are made in
+/// vectors.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Staging {
     /// The kernel's copies (`process_vm_readv` / `_writev`).
@@ -145,20 +158,22 @@ impl Staging {
         slow: [false; 4],
         memcpy_slow: [false; 4],
     };
-    /// Every copy whose offsets differ staged or made in vectors.
+    /// Every copy whose destination lies 1 to 63 bytes after its source in a page staged or
+    /// made in vectors.
     pub(crate) const ALWAYS: Staging = Staging {
         slow: [false, true, true, true],
         memcpy_slow: [false, true, true, true],
     };
 
-    /// The offset class of a copy from `src` to `dst`: 0 when `(dst − src) mod 64` is 0, 1 for
-    /// 1–31, 2 for 32, 3 for 33–63.
+    /// The distance class of a copy from `src` to `dst`, by `(dst − src) mod 4096` ([`PAGE`]):
+    /// 1 for 1–31, 2 for 32, 3 for 33–63, else 0 (equal offsets, or 64 bytes and more apart,
+    /// never slow).
     pub(crate) fn class(src: usize, dst: usize) -> usize {
-        match dst.wrapping_sub(src) % LINE {
-            0 => 0,
+        match dst.wrapping_sub(src) % PAGE {
             1..=31 => 1,
             32 => 2,
-            _ => 3,
+            33..=63 => 3,
+            _ => 0,
         }
     }
 
@@ -435,9 +450,9 @@ mod imp {
         Ok(())
     }
 
-    /// The fastest of several copies of 32 KiB of this process's own memory at each offset
+    /// The fastest of several copies of 32 KiB of this process's own memory at each distance
     /// class of [`super::Staging::class`] (the destination 0, 16, 32 and 48 bytes after the
-    /// source's offset in a cache line), interleaved, in seconds: by `process_vm_readv`
+    /// source's offset in a 4 KiB page), interleaved, in seconds: by `process_vm_readv`
     /// (`None` when the kernel refuses it) and by `memcpy`.
     ///
     /// The slow offsets are slow only for memory outside the core's own caches (measured: 64
@@ -449,15 +464,16 @@ mod imp {
         const ROUNDS: usize = 3;
         const PER_ROUND: usize = 2;
         let pieces = MEASURE_SPAN / PIECE;
-        let src = vec![1u8; MEASURE_SPAN + super::LINE];
+        let src = vec![1u8; MEASURE_SPAN + super::PAGE];
         // Written once, so that no copy below pays for a first touch.
-        let mut dst = vec![1u8; MEASURE_SPAN + 2 * super::LINE];
+        let mut dst = vec![1u8; MEASURE_SPAN + super::PAGE + super::LINE];
         let me = std::process::id();
-        // Both start on a cache line: the source at its first one, the destination 0, 16,
-        // 32 or 48 bytes after its own.
-        let line = |p: usize| p.wrapping_neg() % super::LINE;
-        let from0 = src.as_ptr() as usize + line(src.as_ptr() as usize);
-        let to0 = line(dst.as_ptr() as usize);
+        // Both start on a page: the source at its first one, the destination 0, 16, 32 or 48
+        // bytes after its own (pieces are multiples of a page apart, so every copy keeps the
+        // distance of its class).
+        let page = |p: usize| p.wrapping_neg() % super::PAGE;
+        let from0 = src.as_ptr() as usize + page(src.as_ptr() as usize);
+        let to0 = page(dst.as_ptr() as usize);
         let mut kernel = Some([f64::INFINITY; 4]);
         let mut memcpy = [f64::INFINITY; 4];
         let mut next = 0usize;
@@ -468,7 +484,7 @@ mod imp {
                         let at = (next % pieces) * PIECE;
                         next += 1;
                         let from = from0 + at;
-                        // SAFETY (pointer arithmetic): to0 + off + at + PIECE <= 2 * LINE +
+                        // SAFETY (pointer arithmetic): to0 + off + at + PIECE < PAGE + LINE +
                         // MEASURE_SPAN, inside `dst`, which is exclusively borrowed here.
                         let to = unsafe { dst.as_mut_ptr().add(to0 + off + at) };
                         let t = std::time::Instant::now();
@@ -482,7 +498,7 @@ mod imp {
                             }
                         } else {
                             // SAFETY: `from` and `to` each start PIECE bytes inside `src` and
-                            // `dst` (from + PIECE <= src + LINE + MEASURE_SPAN), two different
+                            // `dst` (from + PIECE <= src + PAGE + MEASURE_SPAN), two different
                             // allocations.
                             unsafe { std::ptr::copy_nonoverlapping(from as *const u8, to, PIECE) };
                             std::hint::black_box(&mut dst);
@@ -740,9 +756,18 @@ mod tests {
         assert_eq!(Staging::class(16, 32), 1);
         assert_eq!(Staging::class(0, 31), 1);
         assert_eq!(Staging::class(0, 32), 2);
-        assert_eq!(Staging::class(48, 16), 2);
-        assert_eq!(Staging::class(32, 16), 3);
+        assert_eq!(Staging::class(0, 33), 3);
+        assert_eq!(Staging::class(0, 63), 3);
         assert_eq!(Staging::class(usize::MAX, 0), 1);
+        // The distance counts in a 4 KiB page, not in a cache line: 16 bytes after the
+        // source's offset in a line but 80, 2064 or 4080 bytes after it in a page is fast
+        // (measured), and so is a destination before its source.
+        assert_eq!(Staging::class(0, 80), 0);
+        assert_eq!(Staging::class(0, 2064), 0);
+        assert_eq!(Staging::class(0, 4096 + 16), 1);
+        assert_eq!(Staging::class(48, 16), 0);
+        assert_eq!(Staging::class(32, 16), 0);
+        assert_eq!(Staging::class(1 << 20, (1 << 20) + 8192 + 40), 3);
         // AMD EPYC (Zen 3), measured: destinations 16 bytes after the source 2-7x slower.
         let s = Staging::from_times(
             [8.2e-6, 2.9e-5, 8.4e-6, 8.0e-6],
@@ -750,6 +775,7 @@ mod tests {
         );
         assert!(s.stages(0, 16, 1 << 20) && s.copies_by_vectors(0, 16, 64 << 10));
         assert!(!s.stages(0, 48, 1 << 20) && !s.stages(0, 64, 1 << 20));
+        assert!(!s.stages(0, 80, 1 << 20) && !s.copies_by_vectors(0, 2064, 64 << 10));
         assert!(!s.copies_by_vectors(0, 32, 64 << 10));
         // Short copies go straight; memcpy's large copies are fast at any offset.
         assert!(!s.stages(0, 16, STAGE_MIN - 1));
