@@ -1057,8 +1057,7 @@ fn run_all(o: &Options, exe: &Path, dir: &Path) -> i32 {
                         order.reverse();
                     }
                     cell += 1;
-                    let mut t: Vec<Result<f64, String>> =
-                        vec![Err(String::new()); kinds.len()];
+                    let mut t: Vec<Result<f64, String>> = vec![Err(String::new()); kinds.len()];
                     let no_torch = NO_TORCH.contains(&op);
                     for i in order {
                         t[i] = if no_torch && kinds[i] == "torch" {
