@@ -1019,10 +1019,10 @@ fn run_all(o: &Options, exe: &Path, dir: &Path) -> i32 {
     let sizes = o.sizes.clone().unwrap_or_else(|| sizes(o.quick));
     // Each backend's jobs run alone (this project's and its peer's, started for the rank count
     // and quit before the next backend's start): an idle job is not idle (libgloo's event-loop
-    // threads wake about 100 times a second each; mpirun's progress threads poll), and on a
-    // 2-core machine the MPI rows of 128 B took 5.6-6.0 us beside idle Gloo jobs instead of
-    // 0.9-1.6 us alone (docs/performance.md). Rows are printed in the same order as before:
-    // by rank count, operation, size, then backend.
+    // threads wake about 100 times a second each), and on a 2-core machine this project's
+    // 4-rank MPI broadcast of 128 B took 5.6-6.0 us beside the idle Gloo jobs and 0.9-1.6 us
+    // with the MPI jobs alone (docs/performance.md). Rows are printed in the same order as
+    // before: by rank count, operation, size, then backend.
     let mut backends: Vec<&[&str]> = Vec::new();
     if o.parts.iter().any(|p| p == "mpi") {
         backends.push(&["ours-mpi", "mpi4py"]);
