@@ -956,6 +956,68 @@ pub fn main(args: &[String]) -> i32 {
     code
 }
 
+/// The rows of one backend's jobs at `n` ranks (`kinds`: this project's and its peer's): the
+/// jobs started alone, every operation of `ops` ((index in [`OPS`], name, label)) and size
+/// measured by each job in turn (the order flips from one cell to the next), then the jobs
+/// quit. Each row comes with its (operation, size, pair) indices.
+fn backend_rows(
+    kinds: &[&str],
+    n: usize,
+    ops: &[(usize, &str, &str)],
+    sizes: &[u64],
+    quick: bool,
+    start: &dyn Fn(&str, usize) -> Slot,
+) -> Vec<((usize, usize, usize), Row)> {
+    let mut rows = Vec::new();
+    let mut slots: Vec<Slot> = kinds.iter().map(|k| start(k, n)).collect();
+    let slot_of = |k: &str| kinds.iter().position(|x| *x == k);
+    let mut cell = 0usize;
+    for &(op_index, op, label) in ops {
+        for (size_index, &bytes) in sizes.iter().enumerate() {
+            let (warmup, iters) = iterations(bytes, quick);
+            let mut order: Vec<usize> = (0..kinds.len()).collect();
+            if cell % 2 == 1 {
+                order.reverse();
+            }
+            cell += 1;
+            let mut t: Vec<Result<f64, String>> = vec![Err(String::new()); kinds.len()];
+            let no_torch = NO_TORCH.contains(&op);
+            for i in order {
+                t[i] = if no_torch && kinds[i] == "torch" {
+                    Err("torch.distributed has no in-place form of this operation".into())
+                } else {
+                    measure(&mut slots[i], op, bytes, warmup, iters)
+                };
+            }
+            for (pair, &(backend, ours, peer, theirs)) in PAIRS.iter().enumerate() {
+                let (Some(ours), Some(theirs)) = (slot_of(ours), slot_of(theirs)) else {
+                    continue;
+                };
+                let peer = if no_torch && peer == "torch" {
+                    NO_TORCH_PEER
+                } else {
+                    peer
+                };
+                let row = Row {
+                    op: label.to_string(),
+                    backend: backend.to_string(),
+                    peer: peer.to_string(),
+                    ranks: n,
+                    bytes: Some(bytes),
+                    calls: iters,
+                    ours: t[ours].clone(),
+                    theirs: t[theirs].clone(),
+                };
+                rows.push(((op_index, size_index, pair), row));
+            }
+        }
+    }
+    for s in slots.into_iter().flatten() {
+        s.quit();
+    }
+    rows
+}
+
 fn run_all(o: &Options, exe: &Path, dir: &Path) -> i32 {
     let started = Instant::now();
     // Kept after the run (the temporary directory is removed): the place to look when a peer
@@ -992,7 +1054,6 @@ fn run_all(o: &Options, exe: &Path, dir: &Path) -> i32 {
     };
     let load_before = load_average();
     let date = date_utc();
-    let mut rows = Vec::new();
     let peer_ok = |kind: &str| -> Result<(), String> {
         match kind {
             "mpi4py" => peers
@@ -1036,8 +1097,8 @@ fn run_all(o: &Options, exe: &Path, dir: &Path) -> i32 {
         .filter(|(_, (op, _))| o.ops.contains(op))
         .map(|(i, &(op, label))| (i, op, label))
         .collect();
-    // (rank count, operation, size, pair) of each row, as indices, for the order.
-    let mut keys: Vec<(usize, usize, usize, usize)> = Vec::new();
+    // Each row with its (rank count, operation, size, pair) indices, for the table's order.
+    let mut keyed: Vec<((usize, usize, usize, usize), Row)> = Vec::new();
     for (rank_index, &n) in o.ranks.iter().enumerate() {
         for kinds in &backends {
             eprintln!(
@@ -1045,56 +1106,13 @@ fn run_all(o: &Options, exe: &Path, dir: &Path) -> i32 {
                 kinds.join(", "),
                 started.elapsed().as_secs_f64()
             );
-            let mut slots: Vec<Slot> = kinds.iter().map(|k| start(k, n)).collect();
-            let slot_of = |k: &str| kinds.iter().position(|x| *x == k);
-            let mut cell = 0usize;
-            for &(op_index, op, label) in &ops {
-                for (size_index, &bytes) in sizes.iter().enumerate() {
-                    let (warmup, iters) = iterations(bytes, o.quick);
-                    // Alternate: the order flips from one cell to the next.
-                    let mut order: Vec<usize> = (0..kinds.len()).collect();
-                    if cell % 2 == 1 {
-                        order.reverse();
-                    }
-                    cell += 1;
-                    let mut t: Vec<Result<f64, String>> = vec![Err(String::new()); kinds.len()];
-                    let no_torch = NO_TORCH.contains(&op);
-                    for i in order {
-                        t[i] = if no_torch && kinds[i] == "torch" {
-                            Err("torch.distributed has no in-place form of this operation".into())
-                        } else {
-                            measure(&mut slots[i], op, bytes, warmup, iters)
-                        };
-                    }
-                    for (pair, &(backend, ours, peer, theirs)) in PAIRS.iter().enumerate() {
-                        let (Some(ours), Some(theirs)) = (slot_of(ours), slot_of(theirs)) else {
-                            continue;
-                        };
-                        let peer = if no_torch && peer == "torch" {
-                            NO_TORCH_PEER
-                        } else {
-                            peer
-                        };
-                        keys.push((rank_index, op_index, size_index, pair));
-                        rows.push(Row {
-                            op: label.to_string(),
-                            backend: backend.to_string(),
-                            peer: peer.to_string(),
-                            ranks: n,
-                            bytes: Some(bytes),
-                            calls: iters,
-                            ours: t[ours].clone(),
-                            theirs: t[theirs].clone(),
-                        });
-                    }
-                }
-            }
-            for s in slots.into_iter().flatten() {
-                s.quit();
-            }
+            let rows = backend_rows(kinds, n, &ops, &sizes, o.quick, &start);
+            keyed.extend(
+                rows.into_iter()
+                    .map(|((op, size, pair), row)| ((rank_index, op, size, pair), row)),
+            );
         }
     }
-    let mut keyed: Vec<_> = keys.into_iter().zip(rows).collect();
     keyed.sort_by_key(|(key, _)| *key);
     let mut rows: Vec<Row> = keyed.into_iter().map(|(_, row)| row).collect();
     if o.parts.iter().any(|p| p == "groups") {
