@@ -88,27 +88,23 @@ pub(crate) fn write_to(pid: u32, dst: usize, src: HostSlice<'_>) -> io::Result<(
     }
 }
 
-/// Copies `src` into `dst` (same type and length, else an error naming both): glibc's
-/// `memcpy`, or, where this process measured `memcpy` slow at these buffers' offsets (its
-/// `rep movsb` range, module docs), a copy in 16-byte vectors with aligned stores, which runs at
-/// `memcpy`'s aligned speed whatever the offsets.
+/// Copies `src` into `dst` (same type and length, else grid-core's error naming both): grid-core's
+/// `copy_from` (glibc's `memcpy`), or, where this process measured `memcpy` slow at these
+/// buffers' distance (its `rep movsb` range, module docs), a copy in 16-byte vectors with
+/// aligned stores, which runs at `memcpy`'s best speed whatever the distance.
 pub(crate) fn copy(mut dst: HostSliceMut<'_>, src: HostSlice<'_>) -> io::Result<()> {
-    if dst.dtype() != src.dtype() || dst.len() != src.len() {
-        return Err(io::Error::other(format!(
-            "copy of {} {} elements into {} {} elements",
-            src.len(),
-            src.dtype(),
-            dst.len(),
-            dst.dtype()
-        )));
-    }
     let bytes = src.len() * src.dtype().size_bytes();
     let (to, from) = (dst.as_mut_ptr(), src.as_ptr());
-    let vectors = staging().copies_by_vectors(from as usize, to as usize, bytes);
+    let fits = dst.dtype() == src.dtype() && dst.len() == src.len();
+    if !(fits && staging().copies_by_vectors(from as usize, to as usize, bytes)) {
+        return dst
+            .copy_from(src)
+            .map_err(|e| io::Error::other(e.to_string()));
+    }
     // SAFETY: `dst` and `src` are live slices of `bytes` bytes each (same type and length,
     // checked above); `dst` is borrowed exclusively, so the two cannot overlap; any bytes are
     // valid values of this crate's element types (module docs).
-    unsafe { imp::copy_bytes(to, from, bytes, vectors) };
+    unsafe { imp::copy_bytes(to, from, bytes, true) };
     Ok(())
 }
 
