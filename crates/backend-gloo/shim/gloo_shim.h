@@ -305,6 +305,10 @@ int32_t gloo_shim_barrier(
 #define GLOO_SHIM_CHECK_INLINE_EXTRA 64u
 /* Largest header of a framed message (bytes). */
 #define GLOO_SHIM_FRAME_HEAD_MAX 64u
+/* Bytes of libgloo's TCP framing before every message's payload in the stream: the preamble of
+ * gloo::transport::tcp::Op, six size_t (gloo/transport/tcp/pair.h; Debian's libgloo-dev cannot
+ * include that header, it names one the package lacks, so the figure is written here). */
+#define GLOO_SHIM_TCP_PREAMBLE 48u
 /* Largest chunk of a large payload (bytes). */
 #define GLOO_SHIM_P2P_CHUNK (4u * 1024u * 1024u)
 

@@ -8,8 +8,8 @@ use crate::ffi::{
 };
 use grid_core::{
     kernels, Backend, Comm, DType, DeferredCheck, Error, HostBuffer, HostSlice, HostSliceMut,
-    LibraryError, Memory, MismatchCheck, Op, P2pOp, ReduceOp, Request, Result, Tensor, Validated,
-    Work,
+    LibraryError, Memory, MismatchCheck, Op, P2pOp, ReceivePlacement, ReduceOp, Request, Result,
+    Tensor, Validated, Work,
 };
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -1285,6 +1285,17 @@ impl Backend for GlooBackend {
     fn supports(&self, dtype: DType, op: Option<ReduceOp>) -> bool {
         // Every dtype moves; reductions run on the host through grid-core's kernels.
         grid_core::kernels::runs(dtype, op)
+    }
+
+    /// Payloads of more than [`crate::P2P_INLINE_MAX`] bytes (and collectives' messages) are
+    /// read by the kernel straight into the receiver's memory, each message after libgloo's
+    /// 48-byte preamble in the stream; smaller point-to-point payloads are copied out of the
+    /// shim's staging buffer (glibc's `memcpy`, never slow). See [`ReceivePlacement`].
+    fn receive_placement(&self) -> Option<ReceivePlacement> {
+        Some(ReceivePlacement::after_framing(
+            crate::ffi::TCP_PREAMBLE,
+            crate::P2P_INLINE_MAX + 1,
+        ))
     }
 
     /// A framed message is one message of the length protocol: the caller's header rides

@@ -833,6 +833,9 @@ pub struct P2pMismatch {
 /// ```
 pub const P2P_INLINE_MAX: usize = sys::GLOO_SHIM_P2P_INLINE_MAX as usize;
 
+/// Bytes of libgloo's TCP framing (its preamble) before every message's payload in the stream.
+pub(crate) const TCP_PREAMBLE: usize = sys::GLOO_SHIM_TCP_PREAMBLE as usize;
+
 /// How much longer than [`P2P_INLINE_MAX`] a message of the mismatch check's slots may be and
 /// still travel inline (a fingerprint before a payload of up to the inline limit).
 pub(crate) const CHECK_INLINE_EXTRA: usize = sys::GLOO_SHIM_CHECK_INLINE_EXTRA as usize;

@@ -293,3 +293,35 @@ fn integer_averages_do_not_wrap() {
         res.unwrap_or_else(|e| panic!("rank {r}: {e}"));
     }
 }
+
+#[test]
+fn receive_placement_names_libgloo_framing_and_placed_buffers_receive_whole() {
+    use grid_core::{Communicator, CommunicatorExt, DType, HostBuffer, ReceivePlacement};
+    let results = run_ranks(2, &cfg("placement"), |_f, w| {
+        // Payloads past the inline limit land straight in the caller's memory, after libgloo's
+        // 48-byte preamble; a wrapper communicator says the same.
+        let p = ReceivePlacement::after_framing(48, backend_gloo::P2P_INLINE_MAX + 1);
+        assert_eq!(w.receive_placement(), Some(p));
+        let limited = w.with_time_limit(Duration::from_secs(30));
+        assert_eq!(limited.receive_placement(), Some(p));
+        // 1 MiB into a placed buffer arrives whole.
+        let n = 1usize << 18;
+        if w.rank() == 0 {
+            let v: Vec<f32> = (0..n).map(|i| i as f32).collect();
+            w.send_to(&v, 1, 7)?;
+        } else {
+            let b = p.zeros(DType::F32, n);
+            assert!(!p.is_slow(b.as_slice()));
+            let HostBuffer::F32(mut v) = b else {
+                panic!("zeros(F32) is an f32 buffer")
+            };
+            w.recv_from(&mut v, 0, 7)?;
+            assert!(v.iter().enumerate().all(|(i, &x)| x == i as f32));
+        }
+        Ok(())
+    })
+    .unwrap();
+    for (r, res) in results.into_iter().enumerate() {
+        res.unwrap_or_else(|e| panic!("rank {r}: {e}"));
+    }
+}

@@ -68,8 +68,8 @@ pub use comm::{
     color_key_for, compact_ranks, kernels, split_members, Backend, Bool, BufMut, BufRef, Comm,
     Communicator, CommunicatorExt, DType, DeferredCheck, DeviceBuffer, Element, Failure,
     GroupFactory, HostBuffer, HostSlice, HostSliceMut, Limited, Memory, MismatchCheck, Op, OpSite,
-    OwnedOp, P2pOp, ReduceOp, Request, SplitEntry, SplitMembers, Tensor, TimeLimit, TypedWork,
-    Validated, Work, F8E4M3, F8E5M2, FRAME_HEAD_MAX,
+    OwnedOp, P2pOp, ReceivePlacement, ReduceOp, Request, SplitEntry, SplitMembers, Tensor,
+    TimeLimit, TypedWork, Validated, Work, F8E4M3, F8E5M2, FRAME_HEAD_MAX,
 };
 pub use error::{Error, LibraryError, Result};
 pub use grid::{GridSpec, GroupList, HyperGrid};

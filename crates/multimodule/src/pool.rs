@@ -2,7 +2,7 @@
 //! receives, and returned by the tensors it handed out (see [`crate::Activation`]). Buffers
 //! only; [`BufferPool::put`], which takes a tensor, is implemented in `tensor`.
 
-use grid_core::{DType, HostBuffer};
+use grid_core::{DType, HostBuffer, ReceivePlacement};
 
 /// Receive buffers kept for reuse, so that steady-state transfers do not allocate (and
 /// page-fault) a fresh buffer for every message, the way torch's caching allocator spares
@@ -13,7 +13,10 @@ use grid_core::{DType, HostBuffer};
 /// A receive takes the kept buffer of its element type that fits best: the same length, else
 /// the smallest one holding between 1× and 2× the elements (its length is adjusted, no new
 /// memory). Bounded: at most `max_buffers` buffers and `max_bytes` bytes (of capacity) are
-/// kept; the oldest go first.
+/// kept; the oldest go first. Receives on a communicator whose transport copies slowly into
+/// memory at some page offsets ([`grid_core::Communicator::receive_placement`]: Gloo) take
+/// buffers through [`BufferPool::take_placed`], which passes over kept buffers that start
+/// there and allocates new ones elsewhere.
 ///
 /// ```
 /// use grid_core::DType;
@@ -83,12 +86,41 @@ impl BufferPool {
     /// A buffer of `len` elements of `dtype`: a kept one if one fits, else a new one (its
     /// contents are unspecified; receives overwrite all of it).
     pub fn take(&self, dtype: DType, len: usize) -> HostBuffer {
+        self.take_placed(dtype, len, None)
+    }
+
+    /// [`BufferPool::take`] for a receive on a transport with a slow window of page offsets:
+    /// kept buffers that would start in it are passed over (they stay kept), and a new buffer
+    /// is allocated outside it ([`ReceivePlacement::zeros`]). `None`: [`BufferPool::take`].
+    ///
+    /// ```
+    /// use grid_core::{DType, ReceivePlacement};
+    /// use multimodule::BufferPool;
+    /// let pool = BufferPool::default();
+    /// let gloo = ReceivePlacement::after_framing(48, 64 << 10);
+    /// let b = pool.take_placed(DType::F32, 1 << 20, Some(&gloo));
+    /// assert!(b.len() == 1 << 20 && !gloo.is_slow(b.as_slice()));
+    /// ```
+    pub fn take_placed(
+        &self,
+        dtype: DType,
+        len: usize,
+        placement: Option<&ReceivePlacement>,
+    ) -> HostBuffer {
+        // Whether a kept buffer, `len` elements long, would start outside the slow window.
+        let placed = |b: &HostBuffer| {
+            placement.is_none_or(|p| {
+                len.saturating_mul(dtype.size_bytes()) < p.min_bytes()
+                    || !p.is_slow_offset(b.as_slice().as_ptr() as usize)
+            })
+        };
         if let Ok(mut f) = self.free.lock() {
-            let exact = f.iter().position(|b| b.dtype() == dtype && b.len() == len);
+            let usable = |b: &HostBuffer| b.dtype() == dtype && placed(b);
+            let exact = f.iter().position(|b| usable(b) && b.len() == len);
             let fit = || {
                 f.iter()
                     .enumerate()
-                    .filter(|(_, b)| b.dtype() == dtype)
+                    .filter(|(_, b)| usable(b))
                     .map(|(i, b)| (i, capacity(b)))
                     .filter(|&(_, c)| c >= len && c <= len.saturating_mul(2))
                     .min_by_key(|&(_, c)| c)
@@ -100,7 +132,10 @@ impl BufferPool {
                 return b;
             }
         }
-        HostBuffer::zeros(dtype, len)
+        match placement {
+            Some(p) => p.zeros(dtype, len),
+            None => HostBuffer::zeros(dtype, len),
+        }
     }
     /// Number of buffers kept.
     pub fn len(&self) -> usize {

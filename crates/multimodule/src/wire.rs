@@ -380,10 +380,14 @@ fn joinable<'m>(metas: impl Iterator<Item = &'m Meta>, dim: usize) -> Option<Met
 }
 
 impl<C: Communicator + ?Sized> Wire<'_, C> {
+    /// A receive buffer: from the pool if there is one, placed where the communicator's
+    /// transport receives at full speed ([`Communicator::receive_placement`]).
     fn alloc(&self, dtype: DType, len: usize) -> HostBuffer {
-        match self.pool {
-            Some(p) => p.take(dtype, len),
-            None => HostBuffer::zeros(dtype, len),
+        let placement = self.comm.receive_placement();
+        match (self.pool, placement) {
+            (Some(p), placement) => p.take_placed(dtype, len, placement.as_ref()),
+            (None, Some(placement)) => placement.zeros(dtype, len),
+            (None, None) => HostBuffer::zeros(dtype, len),
         }
     }
 

@@ -153,3 +153,38 @@ fn pool_limits_and_best_fit() {
     assert!(pool.is_empty());
     assert!(BufferPool::with_limits(0, 1 << 20).is_empty());
 }
+
+#[test]
+fn placed_takes_pass_over_kept_buffers_in_the_slow_window() {
+    use grid_core::ReceivePlacement;
+    let pool = BufferPool::default();
+    let n = 1usize << 18; // 1 MiB of f32
+    pool.put(Activation::from_vec(vec![n], vec![0f32; n]).unwrap());
+    let kept_at = |pool: &BufferPool| {
+        let b = pool.take(DType::F32, n);
+        let at = b.as_slice().as_ptr() as usize;
+        pool.put(Activation::new(vec![n], b).unwrap());
+        at
+    };
+    let at = kept_at(&pool);
+    // A transport whose window holds the kept buffer's start (16 bytes after its framing).
+    let lead = (at % 4096 + 4096 - 16) % 4096;
+    let slow = ReceivePlacement::after_framing(lead, 64 << 10);
+    assert!(slow.is_slow_offset(at));
+    // Passed over: a new buffer outside the window; the kept one stays kept.
+    let b = pool.take_placed(DType::F32, n, Some(&slow));
+    assert_ne!(b.as_slice().as_ptr() as usize, at);
+    assert_eq!((b.len(), pool.len()), (n, 1));
+    // Receives under `min_bytes`, and takes without a placement, get the kept buffer.
+    let small = ReceivePlacement::after_framing(lead, 8 << 20);
+    let c = pool.take_placed(DType::F32, n, Some(&small));
+    assert_eq!((c.as_slice().as_ptr() as usize, pool.len()), (at, 0));
+    pool.put(Activation::new(vec![n], c).unwrap());
+    let d = pool.take_placed(DType::F32, n, None);
+    assert_eq!((d.as_slice().as_ptr() as usize, pool.len()), (at, 0));
+    // A placement whose window misses the kept buffer takes it too.
+    pool.put(Activation::new(vec![n], d).unwrap());
+    let elsewhere = ReceivePlacement::after_framing(at % 4096, 64 << 10);
+    let e = pool.take_placed(DType::F32, n, Some(&elsewhere));
+    assert_eq!(e.as_slice().as_ptr() as usize, at);
+}

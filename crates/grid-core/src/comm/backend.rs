@@ -42,6 +42,12 @@ pub trait Backend: Send + Sync + 'static {
     fn accepts(&self, memory: Memory) -> bool;
     /// Whether the backend can reduce `dtype` with `op` (`None`: move `dtype` at all).
     fn supports(&self, dtype: DType, op: Option<ReduceOp>) -> bool;
+    /// Where in a page host memory for large receives should not start
+    /// ([`super::ReceivePlacement`], forwarded by [`super::Communicator::receive_placement`]);
+    /// `None` (the default) when the transport has no such window.
+    fn receive_placement(&self) -> Option<super::ReceivePlacement> {
+        None
+    }
     /// The largest message tag the backend carries (`u32::MAX` unless the library limits it).
     fn max_tag(&self) -> u32 {
         u32::MAX

@@ -302,6 +302,16 @@ macro_rules! dtypes {
             pub fn zeros(dtype: DType, len: usize) -> HostBuffer {
                 match dtype { $( DType::$variant => HostBuffer::$variant(vec![<$t as Zero>::ZERO; len]), )* }
             }
+            /// A zero-filled buffer of `len` elements of `dtype` in an allocation of
+            /// `max(len, capacity)` elements (zero-filled too, so that memory the operating
+            /// system maps fresh is not written: only the pages a program uses are ever touched).
+            pub fn zeros_in(dtype: DType, len: usize, capacity: usize) -> HostBuffer {
+                match dtype { $( DType::$variant => HostBuffer::$variant({
+                    let mut v = vec![<$t as Zero>::ZERO; len.max(capacity)];
+                    v.truncate(len);
+                    v
+                }), )* }
+            }
         }
         $(
             impl sealed::Sealed for $t {}

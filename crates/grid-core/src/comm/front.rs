@@ -1240,6 +1240,9 @@ impl<B: Backend> Communicator for Comm<B> {
     fn supports(&self, dtype: DType, op: Option<ReduceOp>) -> bool {
         self.backend.supports(dtype, op)
     }
+    fn receive_placement(&self) -> Option<super::ReceivePlacement> {
+        self.backend.receive_placement()
+    }
     fn abort(&self) {
         let first = self.life.record(Failure {
             aborted: true,

@@ -56,6 +56,7 @@ pub mod kernels;
 mod lifecycle;
 mod narrow;
 mod op;
+mod placement;
 pub mod round;
 mod split;
 
@@ -68,6 +69,7 @@ pub use front::Comm;
 pub use lifecycle::{compact_ranks, Failure, OpSite, TimeLimit};
 pub use narrow::{Bool, F8E4M3, F8E5M2};
 pub use op::{Op, OwnedOp, P2pOp, Request, Validated, FRAME_HEAD_MAX};
+pub use placement::ReceivePlacement;
 pub use split::{color_key_for, split_members, SplitEntry, SplitMembers};
 
 use crate::error::{Error, Result};
@@ -123,6 +125,11 @@ pub trait Communicator: Send + Sync {
     fn accepts(&self, memory: Memory) -> bool;
     /// Whether the backend can reduce `dtype` with `op` (`op = None`: can it move `dtype` at all).
     fn supports(&self, dtype: DType, op: Option<ReduceOp>) -> bool;
+    /// Where in a page host memory for this communicator's large receives should not start
+    /// ([`ReceivePlacement`]); `None` (the default) when the transport has no such window.
+    fn receive_placement(&self) -> Option<ReceivePlacement> {
+        None
+    }
 
     /// Element-wise reduction of `send` over all ranks into `recv` (same dtype and length).
     fn all_reduce(&self, send: BufRef<'_>, recv: BufMut<'_>, op: ReduceOp) -> Result<()>;
@@ -345,6 +352,9 @@ impl<C: Communicator + ?Sized> Communicator for Limited<'_, C> {
     }
     fn supports(&self, dtype: DType, op: Option<ReduceOp>) -> bool {
         self.comm.supports(dtype, op)
+    }
+    fn receive_placement(&self) -> Option<ReceivePlacement> {
+        self.comm.receive_placement()
     }
     fn all_reduce(&self, send: BufRef<'_>, recv: BufMut<'_>, op: ReduceOp) -> Result<()> {
         self.call_op(Op::AllReduce { send, recv, op }, None)
