@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 
 const HELP: &str =
     "usage: cargo xtask bench peers [--quick] [--ranks 2,4] [--only mpi,gloo,groups] [--ops OPS]
-                               [--sizes SIZES] [--json PATH]
+                               [--sizes SIZES] [--repeat N] [--json PATH]
 
 This project (MPI; Gloo as processes and as threads) against mpi4py and torch.distributed's Gloo,
 interleaved in one sitting: all_reduce (out of place and in place), all_gather and reduce_scatter
@@ -40,8 +40,12 @@ use_local_synchronization=True). The peers are installed into target/peers-venv.
 --only runs some of the parts (default: all); --ops some of the collectives (all_reduce,
 all_reduce_in_place, all_gather, all_gather_in_place, reduce_scatter, reduce_scatter_in_place,
 broadcast; default: all); --sizes some sizes in bytes, with an optional KiB or MiB suffix
-(e.g. 128KiB,2MiB; default: 8 B and every power of 4 up to 32 MiB, then 64 MiB); --json names
-the JSON file (default: target/peers.json).";
+(e.g. 128KiB,2MiB; default: 8 B and every power of 4 up to 32 MiB, then 64 MiB); --repeat runs
+the whole sitting N times in a row (default 1) and adds the run-to-run table: each row's ratio
+in every run, and whether it was ahead (at or above 1 in every run), behind (below 1 in every
+run) or even (on both sides of 1: within the noise); the tables of times are the last run's.
+--json names the JSON file (default: target/peers.json; with --repeat, every run's ratio per
+row).";
 
 /// torch from PyPI, installed with `--no-deps`, and the CUDA runtime wheels its libraries load
 /// when imported. The default PyPI wheel is the CUDA build: `libtorch_cuda.so` (loaded by
@@ -130,7 +134,12 @@ struct Options {
     ops: Vec<&'static str>,
     /// The sizes measured (`None`: [`sizes`]).
     sizes: Option<Vec<u64>>,
+    /// How many times the whole sitting runs (`--repeat`).
+    repeat: usize,
 }
+
+/// Most runs `--repeat` takes.
+const REPEAT_MAX: usize = 20;
 
 /// The parts of a run, for `--only`.
 const PARTS: &[&str] = &["mpi", "gloo", "groups"];
@@ -143,6 +152,7 @@ fn parse(args: &[String]) -> Result<Options, String> {
         parts: PARTS.iter().map(|p| p.to_string()).collect(),
         ops: OPS.iter().map(|&(op, _)| op).collect(),
         sizes: None,
+        repeat: 1,
     };
     let mut it = args.iter();
     while let Some(a) = it.next() {
@@ -207,6 +217,17 @@ fn parse(args: &[String]) -> Result<Options, String> {
                     })?);
                 }
                 o.sizes = Some(sizes);
+            }
+            "--repeat" => {
+                let v = it.next().ok_or("--repeat needs a value, e.g. 3")?;
+                o.repeat = match v.trim().parse::<usize>() {
+                    Ok(n) if (1..=REPEAT_MAX).contains(&n) => n,
+                    _ => {
+                        return Err(format!(
+                            "--repeat {v:?}: expected a number of runs from 1 to {REPEAT_MAX}"
+                        ))
+                    }
+                };
             }
             "--json" => {
                 let v = it.next().ok_or("--json needs a file path")?;
@@ -399,6 +420,110 @@ pub fn summary(rows: &[Row]) -> String {
     s
 }
 
+/// Whether a row was *ahead* in every run (ratio at or above one), *behind* in every run
+/// (below one) or *even* (on both sides of one: within the run-to-run noise); `None` when no
+/// run has a ratio.
+pub fn verdict(ratios: &[Option<f64>]) -> Option<&'static str> {
+    let r: Vec<f64> = ratios.iter().flatten().copied().collect();
+    if r.is_empty() {
+        None
+    } else if r.iter().all(|&x| x >= 1.0) {
+        Some("ahead")
+    } else if r.iter().all(|&x| x < 1.0) {
+        Some("behind")
+    } else {
+        Some("even")
+    }
+}
+
+/// What a row measures: the same in every run of a sitting.
+fn row_key(r: &Row) -> (&str, &str, &str, usize, Option<u64>) {
+    (&r.op, &r.backend, &r.peer, r.ranks, r.bytes)
+}
+
+/// For each row of the last run, its ratio in every run, in run order (`None` where a run has
+/// no ratio for it).
+pub fn ratios_by_row(runs: &[Vec<Row>]) -> Vec<Vec<Option<f64>>> {
+    let Some(last) = runs.last() else {
+        return Vec::new();
+    };
+    last.iter()
+        .map(|row| {
+            runs.iter()
+                .map(|run| {
+                    run.iter()
+                        .find(|x| row_key(x) == row_key(row))
+                        .and_then(Row::ratio)
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// The run-to-run tables of a repeated sitting: per pair of libraries and rank count, how many
+/// rows were ahead, even and behind ([`verdict`]); then every row that was not ahead in every
+/// run, with its ratio in each run.
+pub fn run_to_run(runs: &[Vec<Row>]) -> String {
+    let rows = runs.last().map_or(&[][..], Vec::as_slice);
+    let ratios = ratios_by_row(runs);
+    let mut s = format!(
+        "A row is *ahead* when its ratio is at or above 1 in every one of the {} runs, *behind* \
+         when it is below 1 in every run, and *even* when its runs fall on both sides of 1 (the \
+         difference is within the run-to-run noise).\n\n",
+        runs.len()
+    );
+    let mut parts: Vec<((String, usize), [usize; 3])> = Vec::new();
+    for (r, v) in rows.iter().zip(&ratios) {
+        let Some(verdict) = verdict(v) else { continue };
+        let key = (format!("{} / {}", r.backend, r.peer), r.ranks);
+        let at = match parts.iter().position(|(k, _)| *k == key) {
+            Some(i) => i,
+            None => {
+                parts.push((key, [0; 3]));
+                parts.len() - 1
+            }
+        };
+        let column = ["ahead", "even", "behind"]
+            .iter()
+            .position(|&c| c == verdict)
+            .unwrap_or(1);
+        parts[at].1[column] += 1;
+    }
+    s.push_str("| ours / peer | ranks | ahead | even | behind |\n|---|--:|--:|--:|--:|\n");
+    for ((pair, ranks), [ahead, even, behind]) in &parts {
+        let _ = writeln!(s, "| {pair} | {ranks} | {ahead} | {even} | {behind} |");
+    }
+    let not_ahead: Vec<(&Row, &Vec<Option<f64>>, &str)> = rows
+        .iter()
+        .zip(&ratios)
+        .filter_map(|(r, v)| Some((r, v, verdict(v).filter(|&v| v != "ahead")?)))
+        .collect();
+    if not_ahead.is_empty() {
+        s.push_str("\nEvery row with a ratio was ahead in every run.\n");
+        return s;
+    }
+    s.push_str(
+        "\nRows not ahead in every run:\n\n| op | ours / peer | ranks | size | ratio in each run | verdict |\n|---|---|--:|--:|---|---|\n",
+    );
+    for (r, v, verdict) in not_ahead {
+        let each: Vec<String> = v
+            .iter()
+            .map(|x| x.map_or("—".to_string(), |x| format!("{x:.2}")))
+            .collect();
+        let _ = writeln!(
+            s,
+            "| {} | {} / {} | {} | {} | {} | {verdict} |",
+            r.op,
+            r.backend,
+            r.peer,
+            r.ranks,
+            r.bytes.map_or("—".to_string(), size_label),
+            each.join(", ")
+        );
+    }
+    s
+}
+
 /// A JSON string literal.
 fn json_str(s: &str) -> String {
     let mut out = String::with_capacity(s.len() + 2);
@@ -429,8 +554,10 @@ fn json_num(x: f64) -> String {
     }
 }
 
-/// The run's JSON: `meta` (string fields) and one object per row, times in seconds.
-pub fn to_json(meta: &[(&str, String)], rows: &[Row]) -> String {
+/// The run's JSON: `meta` (string fields) and one object per row, times in seconds; with the
+/// row's ratio in each run of the sitting (`ratios`, one list per row, [`ratios_by_row`]) and,
+/// over two or more runs, its [`verdict`].
+pub fn to_json(meta: &[(&str, String)], rows: &[Row], ratios: &[Vec<Option<f64>>]) -> String {
     let mut s = String::from("{\n");
     for (k, v) in meta {
         let _ = writeln!(s, "  {}: {},", json_str(k), json_str(v));
@@ -443,9 +570,18 @@ pub fn to_json(meta: &[(&str, String)], rows: &[Row]) -> String {
         };
         let (ours, ours_err) = side(&r.ours);
         let (peer, peer_err) = side(&r.theirs);
+        let runs = ratios.get(i).map_or(&[][..], Vec::as_slice);
+        let each: Vec<String> = runs
+            .iter()
+            .map(|x| x.map_or("null".into(), json_num))
+            .collect();
+        let verdict = match verdict(runs) {
+            Some(v) if runs.len() > 1 => json_str(v),
+            _ => "null".into(),
+        };
         let _ = write!(
             s,
-            "    {{\"op\": {}, \"backend\": {}, \"peer\": {}, \"ranks\": {}, \"bytes\": {}, \"calls\": {}, \"ours_s\": {ours}, \"peer_s\": {peer}, \"ratio\": {}, \"ours_error\": {ours_err}, \"peer_error\": {peer_err}}}",
+            "    {{\"op\": {}, \"backend\": {}, \"peer\": {}, \"ranks\": {}, \"bytes\": {}, \"calls\": {}, \"ours_s\": {ours}, \"peer_s\": {peer}, \"ratio\": {}, \"ours_error\": {ours_err}, \"peer_error\": {peer_err}, \"ratios\": [{}], \"verdict\": {verdict}}}",
             json_str(&r.op),
             json_str(&r.backend),
             json_str(&r.peer),
@@ -453,6 +589,7 @@ pub fn to_json(meta: &[(&str, String)], rows: &[Row]) -> String {
             r.bytes.map_or("null".into(), |b| b.to_string()),
             r.calls,
             r.ratio().map_or("null".into(), json_num),
+            each.join(", "),
         );
         s.push_str(if i + 1 < rows.len() { ",\n" } else { "\n" });
     }
@@ -586,11 +723,11 @@ fn tail(log: &Path) -> String {
 }
 
 impl Job {
-    /// Starts `commands` (their output goes to `dir/NAME.log`) and waits until `n` ranks have
-    /// connected to `socket` and said hello.
+    /// Starts `commands` (their output goes to `log`) and waits until `n` ranks have connected
+    /// to `socket` and said hello.
     fn start(
         name: &str,
-        dir: &Path,
+        log: PathBuf,
         socket: &Path,
         n: usize,
         commands: Vec<Command>,
@@ -600,7 +737,6 @@ impl Job {
         listener
             .set_nonblocking(true)
             .map_err(|e| format!("{name}: {e}"))?;
-        let log = dir.join(format!("{name}.log"));
         let mut job = Job {
             name: name.to_string(),
             children: Vec::new(),
@@ -788,6 +924,9 @@ struct Launcher {
     python: Option<PathBuf>,
     peers_dir: PathBuf,
     dir: PathBuf,
+    /// Jobs started so far: each job's socket, store and log are its own (`NAME.K.sock`), so
+    /// that a job of a later sitting (`--repeat`) never meets an earlier one's files.
+    started: std::cell::Cell<usize>,
 }
 
 impl Launcher {
@@ -806,14 +945,16 @@ impl Launcher {
     /// `torch`.
     fn start(&self, kind: &str, n: usize) -> Slot {
         let name = format!("{kind}-{n}");
-        let socket = self.dir.join(format!("{name}.sock"));
+        let k = self.started.get() + 1;
+        self.started.set(k);
+        let socket = self.dir.join(format!("{name}.{k}.sock"));
         let sock = socket.to_string_lossy().into_owned();
         let python = || {
             self.python
                 .clone()
                 .ok_or_else(|| "no Python environment".to_string())
         };
-        let store = self.dir.join(format!("{name}.store"));
+        let store = self.dir.join(format!("{name}.{k}.store"));
         let commands = match kind {
             "ours-mpi" => vec![self.mpirun(
                 n,
@@ -867,7 +1008,8 @@ impl Launcher {
             }
             other => return Err(format!("unknown job {other}")),
         };
-        Job::start(&name, &self.dir, &socket, n, commands)
+        let log = self.dir.join(format!("{name}.{k}.log"));
+        Job::start(&name, log, &socket, n, commands)
     }
 }
 
@@ -954,6 +1096,86 @@ pub fn main(args: &[String]) -> i32 {
         eprintln!("peers: logs kept in {}", dir.display());
     }
     code
+}
+
+/// One sitting: every part of `o` measured once (each backend's jobs at each rank count, then
+/// group creation), the rows in the table's order. `start` starts a job; `started` is when the
+/// whole command began (for the progress lines).
+fn sitting(o: &Options, start: &dyn Fn(&str, usize) -> Slot, started: Instant) -> Vec<Row> {
+    let sizes = o.sizes.clone().unwrap_or_else(|| sizes(o.quick));
+    // Each backend's jobs run alone (this project's and its peer's, started for the rank count
+    // and quit before the next backend's start): an idle job is not idle (libgloo's event-loop
+    // threads wake about 100 times a second each), and on a 2-core machine this project's
+    // 4-rank MPI broadcast of 128 B took 5.6-6.0 us beside the idle Gloo jobs and 0.9-1.6 us
+    // with the MPI jobs alone (docs/performance.md). Rows are printed in the same order as
+    // before: by rank count, operation, size, then backend.
+    let mut backends: Vec<&[&str]> = Vec::new();
+    if o.parts.iter().any(|p| p == "mpi") {
+        backends.push(&["ours-mpi", "mpi4py"]);
+    }
+    if o.parts.iter().any(|p| p == "gloo") {
+        backends.push(&["ours-gloo", "torch", "ours-gloo-threads"]);
+    }
+    let ops: Vec<(usize, &str, &str)> = OPS
+        .iter()
+        .enumerate()
+        .filter(|(_, (op, _))| o.ops.contains(op))
+        .map(|(i, &(op, label))| (i, op, label))
+        .collect();
+    // Each row with its (rank count, operation, size, pair) indices, for the table's order.
+    let mut keyed: Vec<((usize, usize, usize, usize), Row)> = Vec::new();
+    for (rank_index, &n) in o.ranks.iter().enumerate() {
+        for kinds in &backends {
+            eprintln!(
+                "peers: {n} ranks, {} ({:.0} s so far)",
+                kinds.join(", "),
+                started.elapsed().as_secs_f64()
+            );
+            let rows = backend_rows(kinds, n, &ops, &sizes, o.quick, start);
+            keyed.extend(
+                rows.into_iter()
+                    .map(|((op, size, pair), row)| ((rank_index, op, size, pair), row)),
+            );
+        }
+    }
+    keyed.sort_by_key(|(key, _)| *key);
+    let mut rows: Vec<Row> = keyed.into_iter().map(|(_, row)| row).collect();
+    if o.parts.iter().any(|p| p == "groups") {
+        // Group creation at world 8: build_collection against torch's new_group.
+        eprintln!(
+            "peers: group creation at world {GROUPS_WORLD} ({:.0} s so far)",
+            started.elapsed().as_secs_f64()
+        );
+        let kinds = ["ours-gloo", "torch", "ours-gloo-threads"];
+        let mut slots: Vec<Slot> = kinds.iter().map(|k| start(k, GROUPS_WORLD)).collect();
+        let (warmup, iters) = if o.quick { (1, 3) } else { (1, 7) };
+        for (c, &(op, label)) in GROUP_OPS.iter().enumerate() {
+            let mut order: Vec<usize> = (0..kinds.len()).collect();
+            if c % 2 == 1 {
+                order.reverse();
+            }
+            let mut t: Vec<Result<f64, String>> = vec![Err(String::new()); kinds.len()];
+            for i in order {
+                t[i] = measure(&mut slots[i], op, 0, warmup, iters);
+            }
+            for (backend, ours) in [("gloo", 0), ("gloo-threads", 2)] {
+                rows.push(Row {
+                    op: label.to_string(),
+                    backend: backend.to_string(),
+                    peer: "torch".to_string(),
+                    ranks: GROUPS_WORLD,
+                    bytes: None,
+                    calls: iters,
+                    ours: t[ours].clone(),
+                    theirs: t[1].clone(),
+                });
+            }
+        }
+        for s in slots.into_iter().flatten() {
+            s.quit();
+        }
+    }
+    rows
 }
 
 /// The rows of one backend's jobs at `n` ranks (`kinds`: this project's and its peer's): the
@@ -1051,6 +1273,7 @@ fn run_all(o: &Options, exe: &Path, dir: &Path) -> i32 {
         python: peers.python.clone(),
         peers_dir: workspace_root().join("xtask/peers"),
         dir: dir.to_path_buf(),
+        started: std::cell::Cell::new(0),
     };
     let load_before = load_average();
     let date = date_utc();
@@ -1077,79 +1300,19 @@ fn run_all(o: &Options, exe: &Path, dir: &Path) -> i32 {
         }
         s
     };
-    let sizes = o.sizes.clone().unwrap_or_else(|| sizes(o.quick));
-    // Each backend's jobs run alone (this project's and its peer's, started for the rank count
-    // and quit before the next backend's start): an idle job is not idle (libgloo's event-loop
-    // threads wake about 100 times a second each), and on a 2-core machine this project's
-    // 4-rank MPI broadcast of 128 B took 5.6-6.0 us beside the idle Gloo jobs and 0.9-1.6 us
-    // with the MPI jobs alone (docs/performance.md). Rows are printed in the same order as
-    // before: by rank count, operation, size, then backend.
-    let mut backends: Vec<&[&str]> = Vec::new();
-    if o.parts.iter().any(|p| p == "mpi") {
-        backends.push(&["ours-mpi", "mpi4py"]);
-    }
-    if o.parts.iter().any(|p| p == "gloo") {
-        backends.push(&["ours-gloo", "torch", "ours-gloo-threads"]);
-    }
-    let ops: Vec<(usize, &str, &str)> = OPS
-        .iter()
-        .enumerate()
-        .filter(|(_, (op, _))| o.ops.contains(op))
-        .map(|(i, &(op, label))| (i, op, label))
-        .collect();
-    // Each row with its (rank count, operation, size, pair) indices, for the table's order.
-    let mut keyed: Vec<((usize, usize, usize, usize), Row)> = Vec::new();
-    for (rank_index, &n) in o.ranks.iter().enumerate() {
-        for kinds in &backends {
+    let mut runs: Vec<Vec<Row>> = Vec::with_capacity(o.repeat);
+    for run in 1..=o.repeat {
+        if o.repeat > 1 {
             eprintln!(
-                "peers: {n} ranks, {} ({:.0} s so far)",
-                kinds.join(", "),
+                "peers: run {run} of {} ({:.0} s so far)",
+                o.repeat,
                 started.elapsed().as_secs_f64()
             );
-            let rows = backend_rows(kinds, n, &ops, &sizes, o.quick, &start);
-            keyed.extend(
-                rows.into_iter()
-                    .map(|((op, size, pair), row)| ((rank_index, op, size, pair), row)),
-            );
         }
+        runs.push(sitting(o, &start, started));
     }
-    keyed.sort_by_key(|(key, _)| *key);
-    let mut rows: Vec<Row> = keyed.into_iter().map(|(_, row)| row).collect();
-    if o.parts.iter().any(|p| p == "groups") {
-        // Group creation at world 8: build_collection against torch's new_group.
-        eprintln!(
-            "peers: group creation at world {GROUPS_WORLD} ({:.0} s so far)",
-            started.elapsed().as_secs_f64()
-        );
-        let kinds = ["ours-gloo", "torch", "ours-gloo-threads"];
-        let mut slots: Vec<Slot> = kinds.iter().map(|k| start(k, GROUPS_WORLD)).collect();
-        let (warmup, iters) = if o.quick { (1, 3) } else { (1, 7) };
-        for (c, &(op, label)) in GROUP_OPS.iter().enumerate() {
-            let mut order: Vec<usize> = (0..kinds.len()).collect();
-            if c % 2 == 1 {
-                order.reverse();
-            }
-            let mut t: Vec<Result<f64, String>> = vec![Err(String::new()); kinds.len()];
-            for i in order {
-                t[i] = measure(&mut slots[i], op, 0, warmup, iters);
-            }
-            for (backend, ours) in [("gloo", 0), ("gloo-threads", 2)] {
-                rows.push(Row {
-                    op: label.to_string(),
-                    backend: backend.to_string(),
-                    peer: "torch".to_string(),
-                    ranks: GROUPS_WORLD,
-                    bytes: None,
-                    calls: iters,
-                    ours: t[ours].clone(),
-                    theirs: t[1].clone(),
-                });
-            }
-        }
-        for s in slots.into_iter().flatten() {
-            s.quit();
-        }
-    }
+    let ratios = ratios_by_row(&runs);
+    let rows = runs.last().cloned().unwrap_or_default();
     let load_after = load_average();
     let elapsed = started.elapsed().as_secs_f64();
     let only = if o.parts.len() == PARTS.len() {
@@ -1166,8 +1329,13 @@ fn run_all(o: &Options, exe: &Path, dir: &Path) -> i32 {
         let labels: Vec<String> = s.iter().map(|&b| size_label(b).replace(' ', "")).collect();
         format!(" --sizes {}", labels.join(","))
     });
+    let repeat = if o.repeat > 1 {
+        format!(" --repeat {}", o.repeat)
+    } else {
+        String::new()
+    };
     let command = format!(
-        "cargo xtask bench peers{}{only}{ops}{sizes_arg}{}",
+        "cargo xtask bench peers{}{only}{ops}{sizes_arg}{repeat}{}",
         if o.quick { " --quick" } else { "" },
         if o.ranks == [2, 4] {
             String::new()
@@ -1195,10 +1363,19 @@ fn run_all(o: &Options, exe: &Path, dir: &Path) -> i32 {
         version(&peers.mpi4py),
         version(&peers.torch),
     );
-    println!("### Ratio (peer time / ours) by size\n");
+    let last = if runs.len() > 1 {
+        format!(", the last of {} runs", runs.len())
+    } else {
+        String::new()
+    };
+    println!("### Ratio (peer time / ours) by size{last}\n");
     println!("{}", summary(&rows));
-    println!("### Times\n");
+    println!("### Times{last}\n");
     print!("{}", table(&rows));
+    if runs.len() > 1 {
+        println!("\n### Run to run ({} runs)\n", runs.len());
+        print!("{}", run_to_run(&runs));
+    }
     let json_path = o
         .json
         .clone()
@@ -1218,7 +1395,7 @@ fn run_all(o: &Options, exe: &Path, dir: &Path) -> i32 {
                 .into(),
         ),
     ];
-    match std::fs::write(&json_path, to_json(&meta, &rows)) {
+    match std::fs::write(&json_path, to_json(&meta, &rows, &ratios)) {
         Ok(()) => println!("\nJSON: {}", json_path.display()),
         Err(e) => {
             eprintln!(
@@ -1374,13 +1551,16 @@ mod tests {
 
     #[test]
     fn json_holds_every_row_and_escapes_strings() {
-        let rows = vec![
-            row(Ok(1e-6), Ok(2e-6)),
-            row(Err("no \"job\"\n".into()), Ok(1.0)),
-        ];
-        let j = to_json(&[("date", "2026-11-24".into())], &rows);
+        let mut failed = row(Err("no \"job\"\n".into()), Ok(1.0));
+        failed.ranks += 2;
+        let rows = vec![row(Ok(1e-6), Ok(2e-6)), failed];
+        let one_run = ratios_by_row(std::slice::from_ref(&rows));
+        let j = to_json(&[("date", "2026-11-24".into())], &rows, &one_run);
         assert!(j.starts_with("{\n  \"date\": \"2026-11-24\",\n  \"rows\": [\n"));
         assert!(j.contains("\"ours_s\": 1e-6, \"peer_s\": 2e-6, \"ratio\": 2e0,"));
+        // One run: its ratio, no verdict.
+        assert!(j.contains("\"ratios\": [2e0], \"verdict\": null}"));
+        assert!(j.contains("\"ratios\": [null], \"verdict\": null}"));
         assert!(j.contains("\"ours_s\": null,"));
         assert!(j.contains("\"ours_error\": \"no \\\"job\\\"\\n\""));
         assert_eq!(j.matches("\"op\":").count(), 2);
@@ -1400,6 +1580,7 @@ mod tests {
                 parts: vec!["mpi".into(), "gloo".into(), "groups".into()],
                 ops: OPS.iter().map(|&(op, _)| op).collect(),
                 sizes: None,
+                repeat: 1,
             })
         );
         let o = a(&["--quick", "--ranks", "2", "--json", "x.json"]);
@@ -1412,6 +1593,7 @@ mod tests {
                 parts: vec!["mpi".into(), "gloo".into(), "groups".into()],
                 ops: OPS.iter().map(|&(op, _)| op).collect(),
                 sizes: None,
+                repeat: 1,
             })
         );
         let o = a(&["--only", "mpi,groups"]);
@@ -1420,5 +1602,85 @@ mod tests {
         assert!(a(&["--ranks", "1"]).is_err_and(|e| e.contains("from 2 to 64")));
         assert!(a(&["--ranks"]).is_err());
         assert!(a(&["--bogus"]).is_err_and(|e| e.contains("--bogus")));
+        assert_eq!(a(&["--repeat", "3"]).map(|o| o.repeat), Ok(3));
+        for bad in ["0", "21", "x", "-1"] {
+            assert!(
+                a(&["--repeat", bad]).is_err_and(|e| e.contains("from 1 to 20")),
+                "--repeat {bad}"
+            );
+        }
+        assert!(a(&["--repeat"]).is_err_and(|e| e.contains("--repeat needs a value")));
+    }
+
+    #[test]
+    fn a_verdict_needs_every_run_on_one_side_of_1() {
+        assert_eq!(verdict(&[Some(1.0), Some(2.5)]), Some("ahead"));
+        assert_eq!(verdict(&[Some(0.99), Some(0.5)]), Some("behind"));
+        assert_eq!(verdict(&[Some(0.9), Some(1.1), Some(1.2)]), Some("even"));
+        // Runs without a ratio (a peer missing, a failed job) do not count.
+        assert_eq!(verdict(&[None, Some(0.9)]), Some("behind"));
+        assert_eq!(verdict(&[None, None]), None);
+        assert_eq!(verdict(&[]), None);
+    }
+
+    #[test]
+    fn run_to_run_counts_verdicts_per_pair_and_lists_rows_not_ahead() {
+        let at = |backend: &str, bytes: u64, ours: f64| Row {
+            op: "broadcast".into(),
+            backend: backend.into(),
+            peer: "torch".into(),
+            ranks: 4,
+            bytes: Some(bytes),
+            calls: 5,
+            ours: Ok(ours),
+            theirs: Ok(1.0),
+        };
+        // Ratios 1/ours: 8 B ahead in both runs, 2 MiB even, 32 MiB behind; threads even.
+        let run1 = vec![
+            at("gloo", 8, 0.5),
+            at("gloo", 2 << 20, 0.8),
+            at("gloo", 32 << 20, 1.25),
+            at("gloo-threads", 8, 2.0),
+        ];
+        let run2 = vec![
+            at("gloo", 8, 0.9),
+            at("gloo", 2 << 20, 1.25),
+            at("gloo", 32 << 20, 1.1),
+            at("gloo-threads", 8, 0.5),
+        ];
+        let runs = vec![run1, run2];
+        let r = ratios_by_row(&runs);
+        assert_eq!(r[2], vec![Some(0.8), Some(1.0 / 1.1)]);
+        let t = run_to_run(&runs);
+        assert!(t.contains("every one of the 2 runs"), "{t}");
+        assert!(t.contains("| gloo / torch | 4 | 1 | 1 | 1 |"), "{t}");
+        assert!(
+            t.contains("| gloo-threads / torch | 4 | 0 | 1 | 0 |"),
+            "{t}"
+        );
+        assert!(
+            t.contains("| broadcast | gloo / torch | 4 | 2 MiB | 1.25, 0.80 | even |"),
+            "{t}"
+        );
+        assert!(
+            t.contains("| broadcast | gloo / torch | 4 | 32 MiB | 0.80, 0.91 | behind |"),
+            "{t}"
+        );
+        assert!(
+            !t.contains("| 8 B | 2.00, 1.11"),
+            "ahead rows are not listed: {t}"
+        );
+        let ahead = vec![vec![runs[0][0].clone()], vec![runs[1][0].clone()]];
+        assert!(run_to_run(&ahead).ends_with("\nEvery row with a ratio was ahead in every run.\n"));
+        // The JSON of the sitting: every run's ratio and the verdict.
+        let j = to_json(&[], &runs[1], &r);
+        assert!(
+            j.contains("\"ratios\": [8e-1, 9.090909090909091e-1], \"verdict\": \"behind\""),
+            "{j}"
+        );
+        // Rows are matched by what they measure, not by position.
+        let mut shuffled = runs.clone();
+        shuffled[0].reverse();
+        assert_eq!(ratios_by_row(&shuffled), r);
     }
 }
