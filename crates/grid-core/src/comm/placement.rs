@@ -18,9 +18,10 @@
 //! heap of a thread's arena held its first block at 64 here, the next ones at 80 and 96, so
 //! allocating again does not escape). [`ReceivePlacement::zeros`] keeps the first allocation
 //! when it lies outside the slow window, and otherwise allocates again, larger than
-//! [`ReceivePlacement::MAPPED_BYTES`], which glibc (and jemalloc, mimalloc) always map on their
-//! own at a fixed place in a page (glibc: 16; the others: 0): only the first `len` elements'
-//! pages are ever touched, the rest of the mapping stays virtual.
+//! [`ReceivePlacement::MAPPED_BYTES`], which glibc always maps on its own, 16 bytes into a page
+//! (jemalloc and mimalloc also serve such sizes from page-aligned mappings of their own; not
+//! tried here): only the first `len` elements' pages are ever touched, the rest of the mapping
+//! stays virtual.
 //! [`crate::Communicator::receive_placement`] says what a communicator's transport needs;
 //! memory that a program allocates for receives it makes again and again (a pool of receive
 //! buffers) is worth placing this way.
@@ -53,7 +54,7 @@ pub struct ReceivePlacement {
 
 impl ReceivePlacement {
     /// An allocation of more than this (bytes: 32 MiB, glibc's largest dynamic mmap threshold
-    /// on 64-bit systems) is mapped by the allocator on its own, at a fixed place in a page.
+    /// on 64-bit systems) is mapped by glibc on its own, 16 bytes into a page.
     pub const MAPPED_BYTES: usize = 32 << 20;
 
     /// The placement for a transport with `lead` bytes of framing before each payload in its
@@ -198,8 +199,8 @@ mod tests {
 
     #[test]
     fn a_buffer_larger_than_the_mapped_size_starts_outside_the_gloo_window() {
-        // What the second try of `zeros` relies on: a mapping of its own (glibc: 16 bytes into
-        // a page; jemalloc, mimalloc: at a page), whatever the allocator's heaps look like.
+        // What the second try of `zeros` relies on: a mapping of its own, 16 bytes into a page
+        // (glibc, the allocator of these tests), whatever its heaps look like.
         let gloo = ReceivePlacement::after_framing(48, 64 << 10);
         let mapped = ReceivePlacement::MAPPED_BYTES / 4 + 1;
         for len in [1usize << 16, 3 << 20, mapped] {
