@@ -460,20 +460,19 @@ pub fn ratios_by_row(runs: &[Vec<Row>]) -> Vec<Vec<Option<f64>>> {
         .collect()
 }
 
-/// The run-to-run tables of a repeated sitting: per pair of libraries and rank count, how many
-/// rows were ahead, even and behind ([`verdict`]); then every row that was not ahead in every
-/// run, with its ratio in each run.
-pub fn run_to_run(runs: &[Vec<Row>]) -> String {
-    let rows = runs.last().map_or(&[][..], Vec::as_slice);
-    let ratios = ratios_by_row(runs);
+/// The run-to-run tables of a repeated sitting, from its last run's `rows` and their `ratios`
+/// in every run ([`ratios_by_row`]): per pair of libraries and rank count, how many rows were
+/// ahead, even and behind ([`verdict`]); then every row that was not ahead in every run, with
+/// its ratio in each run.
+pub fn run_to_run(rows: &[Row], ratios: &[Vec<Option<f64>>]) -> String {
+    let runs = ratios.first().map_or(0, Vec::len);
     let mut s = format!(
-        "A row is *ahead* when its ratio is at or above 1 in every one of the {} runs, *behind* \
+        "A row is *ahead* when its ratio is at or above 1 in every one of the {runs} runs, *behind* \
          when it is below 1 in every run, and *even* when its runs fall on both sides of 1 (the \
-         difference is within the run-to-run noise).\n\n",
-        runs.len()
+         difference is within the run-to-run noise).\n\n"
     );
     let mut parts: Vec<((String, usize), [usize; 3])> = Vec::new();
-    for (r, v) in rows.iter().zip(&ratios) {
+    for (r, v) in rows.iter().zip(ratios) {
         let Some(verdict) = verdict(v) else { continue };
         let key = (format!("{} / {}", r.backend, r.peer), r.ranks);
         let at = match parts.iter().position(|(k, _)| *k == key) {
@@ -495,7 +494,7 @@ pub fn run_to_run(runs: &[Vec<Row>]) -> String {
     }
     let not_ahead: Vec<(&Row, &Vec<Option<f64>>, &str)> = rows
         .iter()
-        .zip(&ratios)
+        .zip(ratios)
         .filter_map(|(r, v)| Some((r, v, verdict(v).filter(|&v| v != "ahead")?)))
         .collect();
     if not_ahead.is_empty() {
@@ -1374,7 +1373,7 @@ fn run_all(o: &Options, exe: &Path, dir: &Path) -> i32 {
     print!("{}", table(&rows));
     if runs.len() > 1 {
         println!("\n### Run to run ({} runs)\n", runs.len());
-        print!("{}", run_to_run(&runs));
+        print!("{}", run_to_run(&rows, &ratios));
     }
     let json_path = o
         .json
@@ -1651,7 +1650,7 @@ mod tests {
         let runs = vec![run1, run2];
         let r = ratios_by_row(&runs);
         assert_eq!(r[2], vec![Some(0.8), Some(1.0 / 1.1)]);
-        let t = run_to_run(&runs);
+        let t = run_to_run(&runs[1], &r);
         assert!(t.contains("every one of the 2 runs"), "{t}");
         assert!(t.contains("| gloo / torch | 4 | 1 | 1 | 1 |"), "{t}");
         assert!(
@@ -1671,7 +1670,8 @@ mod tests {
             "ahead rows are not listed: {t}"
         );
         let ahead = vec![vec![runs[0][0].clone()], vec![runs[1][0].clone()]];
-        assert!(run_to_run(&ahead).ends_with("\nEvery row with a ratio was ahead in every run.\n"));
+        assert!(run_to_run(&ahead[1], &ratios_by_row(&ahead))
+            .ends_with("\nEvery row with a ratio was ahead in every run.\n"));
         // The JSON of the sitting: every run's ratio and the verdict.
         let j = to_json(&[], &runs[1], &r);
         assert!(

@@ -108,11 +108,9 @@ impl BufferPool {
         placement: Option<&ReceivePlacement>,
     ) -> HostBuffer {
         // Whether a kept buffer, `len` elements long, would start outside the slow window.
+        let bytes = len.saturating_mul(dtype.size_bytes());
         let placed = |b: &HostBuffer| {
-            placement.is_none_or(|p| {
-                len.saturating_mul(dtype.size_bytes()) < p.min_bytes()
-                    || !p.is_slow_offset(b.as_slice().as_ptr() as usize)
-            })
+            placement.is_none_or(|p| !p.is_slow_at(b.as_slice().as_ptr() as usize, bytes))
         };
         if let Ok(mut f) = self.free.lock() {
             let usable = |b: &HostBuffer| b.dtype() == dtype && placed(b);

@@ -83,10 +83,16 @@ impl ReceivePlacement {
         SLOW_DISTANCES.contains(&distance)
     }
 
+    /// Whether a receive of `bytes` into memory starting at address `start` is slow: at least
+    /// `min_bytes`, at a slow page offset.
+    pub fn is_slow_at(&self, start: usize, bytes: usize) -> bool {
+        bytes >= self.min_bytes && self.is_slow_offset(start)
+    }
+
     /// Whether `buf` is a receive of at least `min_bytes` that starts at a slow page offset.
     pub fn is_slow(&self, buf: super::HostSlice<'_>) -> bool {
         let bytes = buf.len().saturating_mul(buf.dtype().size_bytes());
-        bytes >= self.min_bytes && self.is_slow_offset(buf.as_ptr() as usize)
+        self.is_slow_at(buf.as_ptr() as usize, bytes)
     }
 
     /// A zero-filled buffer of `len` elements of `dtype` that does not start at a slow page
@@ -96,26 +102,23 @@ impl ReceivePlacement {
     /// are different blocks), returned wherever it lies.
     pub fn zeros(&self, dtype: DType, len: usize) -> HostBuffer {
         let mapped = Self::MAPPED_BYTES / dtype.size_bytes() + 1;
-        let mut tries = [len, mapped].into_iter();
-        first_fit(
-            || HostBuffer::zeros_in(dtype, len, tries.next().unwrap_or(mapped)),
-            2,
+        first_or_second(
+            HostBuffer::zeros(dtype, len),
             |b| self.is_slow(b.as_slice()),
+            || HostBuffer::zeros_in(dtype, len, mapped),
         )
     }
 }
 
-/// The first of up to `tries` (at least one) allocations that is not `slow`, else the last;
-/// the misplaced ones are held until then, so that each try gets a block of its own.
-fn first_fit<T>(mut alloc: impl FnMut() -> T, tries: usize, slow: impl Fn(&T) -> bool) -> T {
-    let mut misplaced = Vec::new();
-    loop {
-        let b = alloc();
-        if misplaced.len() + 1 >= tries || !slow(&b) {
-            return b;
-        }
-        misplaced.push(b);
+/// `first` unless it is `slow`, else `second()`, made while `first` is still held (so that
+/// the allocator hands out another block) and returned wherever it lies.
+fn first_or_second<T>(first: T, slow: impl Fn(&T) -> bool, second: impl FnOnce() -> T) -> T {
+    if !slow(&first) {
+        return first;
     }
+    let b = second();
+    drop(first);
+    b
 }
 
 #[cfg(test)]
@@ -157,7 +160,7 @@ mod tests {
     }
 
     #[test]
-    fn the_first_block_outside_the_window_is_kept_and_the_others_held_until_then() {
+    fn the_first_block_outside_the_window_is_kept_else_a_second_made_while_it_is_held() {
         use std::cell::RefCell;
         // Blocks numbered in allocation order; `live` counts those not yet dropped.
         struct Block<'a>(usize, &'a RefCell<usize>);
@@ -177,24 +180,23 @@ mod tests {
             *p = (*p).max(l);
             Block(*made.borrow(), &live)
         };
-        // Blocks 1-3 misplaced: the fourth is returned, all four were live at once.
-        let b = first_fit(alloc, 5, |b| b.0 < 4);
+        // The first block outside the window: kept, no second one made.
+        let b = first_or_second(alloc(), |b| b.0 != 1, alloc);
+        assert_eq!((b.0, *made.borrow(), *live.borrow()), (1, 1, 1));
+        drop(b);
+        // The first misplaced: the second is returned, both were live at once, the first is
+        // freed.
+        *made.borrow_mut() = 0;
+        let b = first_or_second(alloc(), |b| b.0 == 1, alloc);
         assert_eq!(
             (b.0, *made.borrow(), *live.borrow(), *peak.borrow()),
-            (4, 4, 1, 4)
+            (2, 2, 1, 2)
         );
         drop(b);
-        // Every block misplaced: the last of the tries is returned.
+        // Both misplaced: the second all the same.
         *made.borrow_mut() = 0;
-        let b = first_fit(alloc, 5, |_| true);
-        assert_eq!((b.0, *live.borrow()), (5, 1));
-        drop(b);
-        // One try (and zero, read as one): the first block whatever it is.
-        for tries in [0, 1] {
-            *made.borrow_mut() = 0;
-            let b = first_fit(alloc, tries, |_| true);
-            assert_eq!((b.0, *made.borrow()), (1, 1));
-        }
+        let b = first_or_second(alloc(), |_| true, alloc);
+        assert_eq!((b.0, *live.borrow()), (2, 1));
     }
 
     #[test]
