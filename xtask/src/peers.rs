@@ -11,7 +11,8 @@
 //!    Every rank connects to a Unix socket of this driver and waits, in a blocking read, for a
 //!    command (`run OP BYTES WARMUP ITERS`); so an idle job takes no processor time, and the
 //!    driver can alternate ours and the peer's at every size (the order flips from one size to
-//!    the next), letting load drifts hit both sides.
+//!    the next, and with `--repeat` rotates from one run to the next: [`cell_order`]), letting
+//!    load drifts and the place in a cell hit both sides.
 //! 3. Statistic: every rank times every call after a barrier; per call the slowest rank's time
 //!    (the max over ranks), then the median over calls ([`slowest_median`]).
 //! 4. One table (op, backend, ranks, size, ours, peer, ratio = peer time / ours, > 1 means this
@@ -44,6 +45,8 @@ broadcast; default: all); --sizes some sizes in bytes, with an optional KiB or M
 the whole sitting N times in a row (default 1) and adds the run-to-run table: each row's ratio
 in every run, and whether it was ahead (at or above 1 in every run), behind (below 1 in every
 run) or even (on both sides of 1: within the noise); the tables of times are the last run's.
+The jobs take turns in each cell, in an order reversed from one size to the next and rotated
+from one run to the next, so over the runs every job measures in every place of a cell.
 --json names the JSON file (default: target/peers.json; with --repeat, every run's ratio per
 row).";
 
@@ -1041,6 +1044,24 @@ fn measure(
     }
 }
 
+/// The order in which `jobs` jobs measure cell `cell` (0, 1, ... within a backend's jobs) of run
+/// `run` (0, 1, ... of `--repeat`): the jobs in their order, rotated left by `run`, and reversed
+/// in every other cell. The reversal lets a load drift hit both sides within a run; the rotation
+/// moves every job through every place over the runs: without it a cell's order was the same in
+/// every run (with the Gloo jobs torch always measured second, between this project's two), so
+/// whatever the place costs (the job before it still finishing, the caches it left) fell on the
+/// same side of a row in every run and repeating could not show it.
+fn cell_order(jobs: usize, cell: usize, run: usize) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..jobs).collect();
+    if jobs > 0 {
+        order.rotate_left(run % jobs);
+    }
+    if cell % 2 == 1 {
+        order.reverse();
+    }
+    order
+}
+
 /// The pause before each job's cell ([`measure`]).
 const SETTLE: std::time::Duration = std::time::Duration::from_millis(30);
 
@@ -1100,7 +1121,12 @@ pub fn main(args: &[String]) -> i32 {
 /// One sitting: every part of `o` measured once (each backend's jobs at each rank count, then
 /// group creation), the rows in the table's order. `start` starts a job; `started` is when the
 /// whole command began (for the progress lines).
-fn sitting(o: &Options, start: &dyn Fn(&str, usize) -> Slot, started: Instant) -> Vec<Row> {
+fn sitting(
+    o: &Options,
+    run: usize,
+    start: &dyn Fn(&str, usize) -> Slot,
+    started: Instant,
+) -> Vec<Row> {
     let sizes = o.sizes.clone().unwrap_or_else(|| sizes(o.quick));
     // Each backend's jobs run alone (this project's and its peer's, started for the rank count
     // and quit before the next backend's start): an idle job is not idle (libgloo's event-loop
@@ -1130,7 +1156,7 @@ fn sitting(o: &Options, start: &dyn Fn(&str, usize) -> Slot, started: Instant) -
                 kinds.join(", "),
                 started.elapsed().as_secs_f64()
             );
-            let rows = backend_rows(kinds, n, &ops, &sizes, o.quick, start);
+            let rows = backend_rows(kinds, n, &ops, &sizes, (o.quick, run), start);
             keyed.extend(
                 rows.into_iter()
                     .map(|((op, size, pair), row)| ((rank_index, op, size, pair), row)),
@@ -1149,12 +1175,8 @@ fn sitting(o: &Options, start: &dyn Fn(&str, usize) -> Slot, started: Instant) -
         let mut slots: Vec<Slot> = kinds.iter().map(|k| start(k, GROUPS_WORLD)).collect();
         let (warmup, iters) = if o.quick { (1, 3) } else { (1, 7) };
         for (c, &(op, label)) in GROUP_OPS.iter().enumerate() {
-            let mut order: Vec<usize> = (0..kinds.len()).collect();
-            if c % 2 == 1 {
-                order.reverse();
-            }
             let mut t: Vec<Result<f64, String>> = vec![Err(String::new()); kinds.len()];
-            for i in order {
+            for i in cell_order(kinds.len(), c, run) {
                 t[i] = measure(&mut slots[i], op, 0, warmup, iters);
             }
             for (backend, ours) in [("gloo", 0), ("gloo-threads", 2)] {
@@ -1179,14 +1201,14 @@ fn sitting(o: &Options, start: &dyn Fn(&str, usize) -> Slot, started: Instant) -
 
 /// The rows of one backend's jobs at `n` ranks (`kinds`: this project's and its peer's): the
 /// jobs started alone, every operation of `ops` ((index in [`OPS`], name, label)) and size
-/// measured by each job in turn (the order flips from one cell to the next), then the jobs
-/// quit. Each row comes with its (operation, size, pair) indices.
+/// measured by each job in turn ([`cell_order`] for cell after cell of run `run`), then the
+/// jobs quit. Each row comes with its (operation, size, pair) indices.
 fn backend_rows(
     kinds: &[&str],
     n: usize,
     ops: &[(usize, &str, &str)],
     sizes: &[u64],
-    quick: bool,
+    (quick, run): (bool, usize),
     start: &dyn Fn(&str, usize) -> Slot,
 ) -> Vec<((usize, usize, usize), Row)> {
     let mut rows = Vec::new();
@@ -1196,10 +1218,7 @@ fn backend_rows(
     for &(op_index, op, label) in ops {
         for (size_index, &bytes) in sizes.iter().enumerate() {
             let (warmup, iters) = iterations(bytes, quick);
-            let mut order: Vec<usize> = (0..kinds.len()).collect();
-            if cell % 2 == 1 {
-                order.reverse();
-            }
+            let order = cell_order(kinds.len(), cell, run);
             cell += 1;
             let mut t: Vec<Result<f64, String>> = vec![Err(String::new()); kinds.len()];
             let no_torch = NO_TORCH.contains(&op);
@@ -1300,15 +1319,16 @@ fn run_all(o: &Options, exe: &Path, dir: &Path) -> i32 {
         s
     };
     let mut runs: Vec<Vec<Row>> = Vec::with_capacity(o.repeat);
-    for run in 1..=o.repeat {
+    for run in 0..o.repeat {
         if o.repeat > 1 {
             eprintln!(
-                "peers: run {run} of {} ({:.0} s so far)",
+                "peers: run {} of {} ({:.0} s so far)",
+                run + 1,
                 o.repeat,
                 started.elapsed().as_secs_f64()
             );
         }
-        runs.push(sitting(o, &start, started));
+        runs.push(sitting(o, run, &start, started));
     }
     let ratios = ratios_by_row(&runs);
     let rows = runs.last().cloned().unwrap_or_default();
@@ -1440,6 +1460,38 @@ mod tests {
             let (w, i) = iterations(b, false);
             assert!(w >= 1 && i >= 7, "{b}: {w} {i}");
         }
+    }
+
+    #[test]
+    fn cell_order_flips_by_cell_and_rotates_by_run() {
+        // Two jobs: the first run as before (forward, reversed, forward, ...), the second
+        // starts the other way round.
+        assert_eq!(cell_order(2, 0, 0), vec![0, 1]);
+        assert_eq!(cell_order(2, 1, 0), vec![1, 0]);
+        assert_eq!(cell_order(2, 0, 1), vec![1, 0]);
+        assert_eq!(cell_order(2, 1, 1), vec![0, 1]);
+        // Three jobs: over three runs every job takes every place in a cell exactly once, in
+        // even and odd cells alike (before, the middle job was always the same one).
+        for cell in 0..4 {
+            let orders: Vec<Vec<usize>> = (0..3).map(|run| cell_order(3, cell, run)).collect();
+            for place in 0..3 {
+                let mut at: Vec<usize> = orders.iter().map(|o| o[place]).collect();
+                at.sort_unstable();
+                assert_eq!(at, vec![0, 1, 2], "cell {cell}, place {place}: {orders:?}");
+            }
+            for o in &orders {
+                let mut sorted = o.clone();
+                sorted.sort_unstable();
+                assert_eq!(sorted, vec![0, 1, 2], "each job once per cell: {o:?}");
+            }
+        }
+        assert_eq!(cell_order(3, 1, 1), vec![0, 2, 1]);
+        assert_eq!(
+            cell_order(3, 0, 4),
+            cell_order(3, 0, 1),
+            "the rotation repeats"
+        );
+        assert!(cell_order(0, 3, 2).is_empty());
     }
 
     #[test]
