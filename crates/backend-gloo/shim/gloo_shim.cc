@@ -570,6 +570,8 @@ struct gloo_shim_context {
   std::shared_ptr<Waker> waker = nullptr;
   // Whether libgloo's collectives run inside a Yielding window (gloo_shim_context_set_busy_poll).
   std::atomic<bool> busy_poll{true};
+  // Only those of fewer bytes than this do (gloo_shim_context_set_busy_poll_below).
+  std::atomic<size_t> busy_poll_below{SIZE_MAX};
   // The staging blocks of this context's point-to-point transfers (made with the context).
   std::shared_ptr<StagingPool> staging = nullptr;
 };
@@ -2224,11 +2226,14 @@ int32_t gloo_shim_context_size(const gloo_shim_context* ctx) {
 
 namespace {
 
-// The Waker a collective of libgloo's holds a Yielding window of for its whole run (null: none,
-// the loop sleeps in epoll_wait between events): libgloo's algorithms post their sends and
-// receives from this thread while the loop handles the same pairs.
-Waker* polling(gloo_shim_context* c) {
-  return c->busy_poll.load(std::memory_order_relaxed) ? c->waker.get() : nullptr;
+// The Waker a collective of libgloo's of `bytes` bytes (its largest buffer) holds a Yielding
+// window of for its whole run (null: none, the loop sleeps in epoll_wait between events):
+// libgloo's algorithms post their sends and receives from this thread while the loop handles
+// the same pairs.
+Waker* polling(gloo_shim_context* c, size_t bytes) {
+  const bool on = c->busy_poll.load(std::memory_order_relaxed) &&
+                  bytes < c->busy_poll_below.load(std::memory_order_relaxed);
+  return on ? c->waker.get() : nullptr;
 }
 
 }  // namespace
@@ -2243,12 +2248,20 @@ int32_t gloo_shim_context_busy_poll(const gloo_shim_context* c) {
   return c->busy_poll.load(std::memory_order_relaxed) ? 1 : 0;
 }
 
+void gloo_shim_context_set_busy_poll_below(gloo_shim_context* c, size_t bytes) {
+  c->busy_poll_below.store(bytes, std::memory_order_relaxed);
+}
+
+size_t gloo_shim_context_busy_poll_below(const gloo_shim_context* c) {
+  return c->busy_poll_below.load(std::memory_order_relaxed);
+}
+
 int32_t gloo_shim_allreduce(
     gloo_shim_context* c, const void* send, void* recv, size_t count, int32_t dtype, int32_t op,
     gloo_shim_reduce_fn reduce, int32_t algorithm, size_t max_segment_bytes, uint32_t tag,
     int64_t timeout_ms, gloo_shim_status* st) {
   return guarded(c->ctx.get(), st, [&] {
-    Yielding whole(polling(c));
+    Yielding whole(polling(c, count * dtype_size(dtype)));
     if (!valid_dtype(dtype) || !valid_op(op) || reduce == nullptr) {
       throw std::invalid_argument("unknown dtype or reduction, or no reduction function");
     }
@@ -2271,7 +2284,7 @@ int32_t gloo_shim_broadcast(
     gloo_shim_context* c, void* buf, size_t bytes, int32_t root, uint32_t tag,
     int64_t timeout_ms, gloo_shim_status* st) {
   return guarded(c->ctx.get(), st, [&] {
-    Yielding whole(polling(c));
+    Yielding whole(polling(c, bytes));
     if (bytes == 0) {
       return;
     }
@@ -2288,7 +2301,7 @@ int32_t gloo_shim_allgather(
     gloo_shim_context* c, const void* send, void* recv, size_t bytes, uint32_t tag,
     int64_t timeout_ms, gloo_shim_status* st) {
   return guarded(c->ctx.get(), st, [&] {
-    Yielding whole(polling(c));
+    Yielding whole(polling(c, bytes * static_cast<size_t>(c->ctx->size)));
     if (bytes == 0) {
       return;
     }
@@ -2309,7 +2322,8 @@ int32_t gloo_shim_reduce_scatter(
     int32_t op, gloo_shim_reduce_fn reduce, int32_t algorithm, int32_t allreduce_algorithm,
     size_t max_segment_bytes, uint32_t tag, int64_t timeout_ms, gloo_shim_status* st) {
   return guarded(c->ctx.get(), st, [&] {
-    Yielding whole(polling(c));
+    Yielding whole(
+        polling(c, recv_count * static_cast<size_t>(c->ctx->size) * dtype_size(dtype)));
     if (!valid_dtype(dtype) || !valid_op(op) || reduce == nullptr) {
       throw std::invalid_argument("unknown dtype or reduction, or no reduction function");
     }
@@ -2344,7 +2358,7 @@ int32_t gloo_shim_alltoall(
     gloo_shim_context* c, const void* send, void* recv, size_t bytes, uint32_t tag,
     int64_t timeout_ms, gloo_shim_status* st) {
   return guarded(c->ctx.get(), st, [&] {
-    Yielding whole(polling(c));
+    Yielding whole(polling(c, bytes));
     if (bytes == 0) {
       return;
     }
@@ -2360,7 +2374,7 @@ int32_t gloo_shim_alltoall(
 int32_t gloo_shim_barrier(
     gloo_shim_context* c, uint32_t tag, int64_t timeout_ms, gloo_shim_status* st) {
   return guarded(c->ctx.get(), st, [&] {
-    Yielding whole(polling(c));
+    Yielding whole(polling(c, 0));
     gloo::BarrierOptions opts(c->ctx);
     opts.setTag(tag);
     opts.setTimeout(to_millis(timeout_ms));

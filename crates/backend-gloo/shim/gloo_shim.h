@@ -221,6 +221,14 @@ void gloo_shim_context_set_busy_poll(gloo_shim_context* ctx, int32_t on);
 /* 1 if libgloo's collectives on this context run with the loop thread polling (see above), 0
  * if not. Thread-safe. */
 int32_t gloo_shim_context_busy_poll(const gloo_shim_context* ctx);
+/* Busy polling (above) only for libgloo's collectives whose largest buffer (bytes: the
+ * all-reduce's, broadcast's and all-to-all's buffer, the all-gather's output, the
+ * reduce-scatter's input) is smaller than `bytes`; the others let the loop thread sleep in
+ * epoll_wait. SIZE_MAX (the default): every collective polls while busy polling is on.
+ * Thread-safe. */
+void gloo_shim_context_set_busy_poll_below(gloo_shim_context* ctx, size_t bytes);
+/* The limit set above (SIZE_MAX unless set). Thread-safe. */
+size_t gloo_shim_context_busy_poll_below(const gloo_shim_context* ctx);
 /* Closes every connection of the context at once (a hard close: the peers see their
  * connections reset). For a context that failed: the peers blocked on this rank wake up now
  * instead of at their timeout. Operations on the context fail afterwards. */

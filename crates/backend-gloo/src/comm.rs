@@ -1054,6 +1054,22 @@ impl GlooBackend {
         self.inner.ctx.busy_poll()
     }
 
+    /// The size (bytes of a collective's largest buffer) from which libgloo's collectives on
+    /// this communicator run without busy polling: [`crate::BUSY_POLL_CROWDED_BELOW`] on a
+    /// crowded communicator (every rank on this host over loopback, more ranks than this
+    /// process's cores), `usize::MAX` (never) otherwise.
+    ///
+    /// ```
+    /// use backend_gloo::{run_ranks, GlooConfig, BUSY_POLL_CROWDED_BELOW};
+    /// let cores = std::thread::available_parallelism().map_or(usize::MAX, |n| n.get());
+    /// let r = run_ranks(2, &GlooConfig::new("doc-busy-poll-below"), |_f, w| Ok(w.busy_poll_below())).unwrap();
+    /// let want = if 2 > cores { BUSY_POLL_CROWDED_BELOW } else { usize::MAX };
+    /// assert_eq!(*r[0].as_ref().unwrap(), want);
+    /// ```
+    pub fn busy_poll_below(&self) -> usize {
+        self.inner.ctx.busy_poll_below()
+    }
+
     /// The backend's part of [`grid_core::Communicator::abort`] (call that one: it also marks
     /// the front end, so every later call returns [`Error::Aborted`]): marks the Gloo context
     /// aborted on this rank. Local, like `ncclCommAbort`: the peers see nothing until their

@@ -274,6 +274,32 @@ pub struct GlooConfig {
 /// leaves it at its default.
 pub const BUSY_POLL_ENV: &str = "GRID_GLOO_BUSY_POLL";
 
+/// On a crowded communicator (its ranks all on this host, over loopback, and more of them than
+/// this process may use cores), libgloo's collectives whose largest buffer has this many bytes
+/// or more run without busy polling: 32 MiB. Such a collective lasts tens of milliseconds, so
+/// the scheduler tick that polling saves (4 ms) matters little, while each rank's polling loop
+/// thread takes core time from the ranks that copy. Measured with the peer benchmark on a
+/// 2-core machine (docs/performance.md, *Busy polling on a crowded host*): 4 ranks, every
+/// collective of 32 and 64 MiB, polling against none, two runs each: without it 26 of 28 cells
+/// were faster (0.71-0.98 of the time), at 8 MiB the cells went both ways (0.78-1.47), and at
+/// 2 ranks (not crowded) the all-reduces of 32 and 64 MiB were slower without (1.09-1.22).
+pub const BUSY_POLL_CROWDED_BELOW: usize = 32 << 20;
+
+/// Whether a communicator of `size` ranks is crowded: its device is bound to a loopback address
+/// (`loopback`: every rank is on this host) and the ranks outnumber `cores`. A communicator
+/// over a real interface is never counted as crowded (how many of its ranks share this host is
+/// not known here), nor one smaller than the host's crowd (a group of 2 of 4 ranks on 2 cores):
+/// both keep polling, as before the rule.
+fn crowded(loopback: bool, size: usize, cores: usize) -> bool {
+    loopback && size > cores
+}
+
+/// The cores this process may use (when unknown, as many as any communicator has ranks: no
+/// communicator counts as crowded).
+fn cores() -> usize {
+    std::thread::available_parallelism().map_or(usize::MAX, |n| n.get())
+}
+
 /// `1` or `0` (surrounding spaces ignored) as a switch; anything else is `None`.
 fn parse_switch(v: &str) -> Option<bool> {
     match v.trim() {
@@ -634,6 +660,9 @@ impl GlooFactory {
         }
         .map_err(|e| self.rendezvous_error(name, rank, size, e))?;
         ctx.set_busy_poll(self.config.busy_poll);
+        if crowded(device.is_loopback(), size, cores()) {
+            ctx.set_busy_poll_below(BUSY_POLL_CROWDED_BELOW);
+        }
         tracing::debug!(
             communicator = name,
             rank,
@@ -1054,4 +1083,22 @@ pub fn init_from_env() -> Result<(GlooFactory, GlooCommunicator)> {
     let factory = GlooFactory::new(&store, config)?;
     let world = factory.world(rank, size)?;
     Ok((factory, world))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::crowded;
+
+    #[test]
+    fn crowded_only_on_loopback_with_more_ranks_than_cores() {
+        assert!(crowded(true, 4, 2));
+        assert!(crowded(true, 3, 2));
+        assert!(!crowded(true, 2, 2), "as many ranks as cores");
+        assert!(!crowded(true, 1, 2));
+        assert!(
+            !crowded(false, 64, 2),
+            "ranks over a real interface may be on other hosts"
+        );
+        assert!(!crowded(true, 1 << 20, usize::MAX), "cores unknown");
+    }
 }

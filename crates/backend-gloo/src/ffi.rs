@@ -669,6 +669,8 @@ impl Drop for RawStore {
 #[derive(Debug)]
 pub struct RawDevice {
     ptr: NonNull<sys::gloo_shim_device>,
+    /// Bound to a loopback address: every rank it connects to runs on this host.
+    loopback: bool,
 }
 
 // SAFETY: a Gloo device is designed to be shared by contexts used from many threads (its event
@@ -687,9 +689,27 @@ impl RawDevice {
         let rc = unsafe { sys::gloo_shim_device_tcp_new(c.as_ptr(), &mut out, &mut st) };
         check(rc, &st)?;
         NonNull::new(out)
-            .map(|ptr| RawDevice { ptr })
+            .map(|ptr| RawDevice {
+                ptr,
+                loopback: is_loopback(hostname),
+            })
             .ok_or_else(|| ShimError::invalid("the shim returned no device"))
     }
+
+    /// Whether the device is bound to a loopback address (`127.0.0.0/8`, `::1` or
+    /// `localhost`): the ranks it connects to can only be on this host.
+    pub fn is_loopback(&self) -> bool {
+        self.loopback
+    }
+}
+
+/// Whether `hostname` names a loopback address: an IP address in `127.0.0.0/8` or `::1`, or
+/// `localhost` (any case). A name that resolves to one by other means counts as not.
+fn is_loopback(hostname: &str) -> bool {
+    let h = hostname.trim();
+    h.eq_ignore_ascii_case("localhost")
+        || h.parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
 }
 
 impl Drop for RawDevice {
@@ -1008,6 +1028,19 @@ impl RawContext {
     pub fn busy_poll(&self) -> bool {
         // SAFETY: `self.ptr` is a live context; the shim reads the flag from an atomic.
         unsafe { sys::gloo_shim_context_busy_poll(self.ptr.as_ptr()) != 0 }
+    }
+
+    /// Busy polling only for libgloo's collectives whose largest buffer is smaller than
+    /// `bytes` (`usize::MAX`, the default: all of them); see [`crate::BUSY_POLL_CROWDED_BELOW`].
+    pub fn set_busy_poll_below(&self, bytes: usize) {
+        // SAFETY: `self.ptr` is a live context; the shim stores the limit in an atomic.
+        unsafe { sys::gloo_shim_context_set_busy_poll_below(self.ptr.as_ptr(), bytes) }
+    }
+
+    /// The limit of [`RawContext::set_busy_poll_below`] (`usize::MAX` unless set).
+    pub fn busy_poll_below(&self) -> usize {
+        // SAFETY: `self.ptr` is a live context; the shim reads the limit from an atomic.
+        unsafe { sys::gloo_shim_context_busy_poll_below(self.ptr.as_ptr()) }
     }
 
     /// Wakes every point-to-point wait of this context, blocking or posted, and makes every
@@ -1763,5 +1796,35 @@ impl Drop for RawPending {
     fn drop(&mut self) {
         // The handle goes first, the buffer (field) after it.
         self.free();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::is_loopback;
+
+    #[test]
+    fn loopback_hostnames() {
+        for h in [
+            "127.0.0.1",
+            "127.1.2.3",
+            "::1",
+            "localhost",
+            "LocalHost",
+            " 127.0.0.1 ",
+        ] {
+            assert!(is_loopback(h), "{h:?}");
+        }
+        for h in [
+            "10.0.0.1",
+            "192.168.1.7",
+            "0.0.0.0",
+            "fe80::1",
+            "myhost",
+            "",
+            "128.0.0.1",
+        ] {
+            assert!(!is_loopback(h), "{h:?}");
+        }
     }
 }
