@@ -4,6 +4,20 @@
 
 use grid_core::{DType, HostBuffer, ReceivePlacement};
 
+/// A new zero-filled buffer of `len` elements of `dtype` for a receive: placed outside the
+/// transport's slow window when it has one ([`ReceivePlacement::zeros`]), else a plain one.
+/// What a pool allocates when no kept buffer fits, and what a receive without a pool takes.
+pub(crate) fn new_buffer(
+    dtype: DType,
+    len: usize,
+    placement: Option<&ReceivePlacement>,
+) -> HostBuffer {
+    match placement {
+        Some(p) => p.zeros(dtype, len),
+        None => HostBuffer::zeros(dtype, len),
+    }
+}
+
 /// Receive buffers kept for reuse, so that steady-state transfers do not allocate (and
 /// page-fault) a fresh buffer for every message, the way torch's caching allocator spares
 /// Megatron. Tensors a bridge or pipeline communicator returns give their buffer back here when
@@ -130,10 +144,7 @@ impl BufferPool {
                 return b;
             }
         }
-        match placement {
-            Some(p) => p.zeros(dtype, len),
-            None => HostBuffer::zeros(dtype, len),
-        }
+        new_buffer(dtype, len, placement)
     }
     /// Number of buffers kept.
     pub fn len(&self) -> usize {

@@ -384,10 +384,9 @@ impl<C: Communicator + ?Sized> Wire<'_, C> {
     /// transport receives at full speed ([`Communicator::receive_placement`]).
     fn alloc(&self, dtype: DType, len: usize) -> HostBuffer {
         let placement = self.comm.receive_placement();
-        match (self.pool, placement) {
-            (Some(p), placement) => p.take_placed(dtype, len, placement.as_ref()),
-            (None, Some(placement)) => placement.zeros(dtype, len),
-            (None, None) => HostBuffer::zeros(dtype, len),
+        match self.pool {
+            Some(p) => p.take_placed(dtype, len, placement.as_ref()),
+            None => crate::pool::new_buffer(dtype, len, placement.as_ref()),
         }
     }
 
