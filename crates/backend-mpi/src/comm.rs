@@ -325,6 +325,14 @@ impl MpiBackend {
         self.peer_reads.load(Ordering::Relaxed)
     }
 
+    /// Whether this communicator has more ranks than this node has online processors: if its
+    /// ranks are all on this node (the only case where they copy between their memory), it is
+    /// crowded, and its in-place all-reduces below [`crate::PEER_READ_CROWDED_IN_PLACE_MIN`]
+    /// keep to MPI's path (docs/backends.md).
+    pub fn crowded(&self) -> bool {
+        peer_read::crowded(self.size)
+    }
+
     /// Whether this communicator still tries to copy straight between the ranks' memory in
     /// all-gathers, broadcasts and all-reduces ([`MpiBackend::peer_reads`]): false when
     /// [`crate::PEER_READ_MIN_ENV`] is 0, on one rank, or after a copy failed (a kernel or
@@ -583,11 +591,12 @@ impl MpiBackend {
             }
         }
         let me = (self.rank, self.size);
+        let crowded = peer_read::crowded(self.size);
         // A reduction's row, when it reduces in its own type (`exec` stages the others).
         let reduction = |what, send: Option<HostSlice<'_>>, buf: HostSlice<'_>, op| {
             let plan = stage::plan(buf.dtype(), op, self.size);
             (plan.wire.is_none() && self.may_reduce_by_reads(send.unwrap_or(buf)))
-                .then(|| peer_read::reduce_row(what, self.size, (send, buf), plan.op))
+                .then(|| peer_read::reduce_row(what, (self.size, crowded), (send, buf), plan.op))
         };
         let reads = |reads, send: Option<HostSlice<'_>>, buf: HostSlice<'_>| {
             self.may_read_peers(buf)

@@ -126,6 +126,6 @@ pub use config::{
     STAGE_COPIES_ENV, TIMEOUT_ENV,
 };
 pub use factory::{FactoryCalls, MpiFactory};
-pub use peer_read::{PEER_READ_MIN, PEER_READ_PLAIN_MAX};
+pub use peer_read::{PEER_READ_CROWDED_IN_PLACE_MIN, PEER_READ_MIN, PEER_READ_PLAIN_MAX};
 pub use runtime::{MpiRuntime, FRAGMENT_SIZE, FRAGMENT_SIZE_VAR, SINGLE_COPY_VAR};
 pub use watch::{EXIT_ABORTED, EXIT_TIMEOUT, MESSAGE_GRACE, TICK};

@@ -61,6 +61,30 @@ pub const PEER_READ_MIN: usize = 32 << 10;
 /// path's two (docs/performance.md, *The in-place all-gather of 8 MiB*).
 pub const PEER_READ_PLAIN_MAX: usize = 4 << 20;
 
+/// Smallest in-place all-reduce (bytes) that copies straight between the ranks' memory on a
+/// crowded communicator (more ranks than this node has online processors,
+/// [`MpiBackend::crowded`](crate::MpiBackend::crowded)): 512 KiB.
+/// There each of the in-place reduction's exchanges (the outcome of its first step, then of the
+/// second, after the mismatch check that carries the rows) waits for ranks that have lost their
+/// processor. With 4 ranks on 2 processors, MPI's path (the ring, or MPI's in-place call)
+/// against the copies in alternation (medians of 4 to 10 sittings each), MPI's path took
+/// 0.68–0.84 of the copies' time at 64 KiB in three series of three, 0.58–0.81 at 128 KiB in
+/// five of five, and 0.47–0.63 at 256 KiB in three of four (1.16 in the fourth); at 32 KiB
+/// (0.83–1.14) and 512 KiB (0.71–1.14) the two were even (docs/performance.md, *The in-place
+/// all-reduce on a crowded node*). The broadcasts' series disagreed from one to the next.
+pub const PEER_READ_CROWDED_IN_PLACE_MIN: usize = 512 << 10;
+
+/// Whether a communicator of `size` ranks, every one on this node (the only case where the
+/// ranks copy between their memory), is crowded: more ranks than the node's online processors
+/// (`sysconf(_SC_NPROCESSORS_ONLN)`, not this process's affinity: MPI launchers bind each rank
+/// to a processor). A crowded communicator's in-place all-reduces below
+/// [`PEER_READ_CROWDED_IN_PLACE_MIN`] keep to MPI's path. Each rank's verdict travels in its row
+/// of the copies' first exchange, so the ranks decide alike even if they counted processors
+/// differently.
+pub(crate) fn crowded(size: usize) -> bool {
+    size > peer_read::online_processors()
+}
+
 /// What [`run`] or [`reduce`] did.
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) enum Outcome {
@@ -415,10 +439,11 @@ pub(crate) enum Reduction {
 }
 
 /// This rank's row of step 1 (`[shared, len, kind, fits, result]`) for reduction `what` with
-/// `r` of `send` (or of `buf` in place) into `buf` on `size` ranks.
+/// `r` of `send` (or of `buf` in place) into `buf` on `size` ranks, `crowded` or not
+/// ([`crowded`]).
 pub(crate) fn reduce_row(
     what: Reduction,
-    size: usize,
+    (size, crowded): (usize, bool),
     (send, buf): (Option<HostSlice<'_>>, HostSlice<'_>),
     r: raw::Reduce,
 ) -> [u64; 5] {
@@ -436,7 +461,13 @@ pub(crate) fn reduce_row(
         (Reduction::AllReduce, Some(s)) => s.len() == buf.len(),
         (Reduction::ReduceScatter, Some(s)) => Some(s.len()) == buf.len().checked_mul(n),
     };
+    // A crowded communicator's small in-place all-reduces keep to MPI's path.
+    let least = match (what, send, crowded) {
+        (Reduction::AllReduce, None, true) => PEER_READ_CROWDED_IN_PLACE_MIN,
+        _ => 0,
+    };
     let fits = shape
+        && len.saturating_mul(dtype.size_bytes()) >= least
         && send.is_none_or(|s| s.dtype() == dtype)
         && len.is_multiple_of(n)
         && ring::reduces_on_host(dtype)
@@ -491,7 +522,8 @@ pub(crate) fn reduce(
     let scattered = what == Reduction::ReduceScatter && send.is_some();
     let dest_at = if scattered { 0 } else { rank * k };
     let width = dtype.size_bytes();
-    let row = reduce_row(what, size, (send, buf.as_slice()), r);
+    let crowded = crowded(size);
+    let row = reduce_row(what, (size, crowded), (send, buf.as_slice()), r);
     let Some(rows) = exchange(c, size, row, pre)? else {
         return Ok(Outcome::NotTaken);
     };
@@ -824,6 +856,60 @@ mod tests {
         // A node whose identity is unknown never qualifies, even against itself.
         let unknown = [0, 100, 0x1000, 1 << 20, 0, 1, 0];
         assert!(!every_rank_qualifies(&unknown, &unknown));
+    }
+
+    // A crowded communicator keeps its in-place all-reduces below the limit on MPI's path (their
+    // rows say they do not qualify, so every rank decides alike); the other reductions, and
+    // every one on a communicator that is not crowded, are as before.
+    #[test]
+    fn a_crowded_communicator_keeps_small_in_place_all_reduces_on_mpi() {
+        let fits = |row: [u64; 5]| row[3] == 1;
+        let elems = |bytes: usize| bytes / 4;
+        let sum = raw::Reduce::Sum;
+        let (small, large) = (
+            vec![1f32; elems(PEER_READ_CROWDED_IN_PLACE_MIN) - 4],
+            vec![1f32; elems(PEER_READ_CROWDED_IN_PLACE_MIN)],
+        );
+        let in_place = |buf: &[f32], crowded| {
+            let row = reduce_row(
+                Reduction::AllReduce,
+                (4, crowded),
+                (None, HostSlice::F32(buf)),
+                sum,
+            );
+            fits(row)
+        };
+        assert!(!in_place(&small, true));
+        assert!(in_place(&large, true));
+        assert!(in_place(&small, false));
+        // Out of place, and the reduce-scatter in place, keep the general minimum alone.
+        let out = vec![0f32; small.len()];
+        let send = Some(HostSlice::F32(&small));
+        let row = reduce_row(
+            Reduction::AllReduce,
+            (4, true),
+            (send, HostSlice::F32(&out)),
+            sum,
+        );
+        assert!(fits(row), "out of place, crowded");
+        let row = reduce_row(
+            Reduction::ReduceScatter,
+            (4, true),
+            (None, HostSlice::F32(&small)),
+            sum,
+        );
+        assert!(fits(row), "reduce-scatter in place, crowded");
+    }
+
+    #[test]
+    fn crowded_means_more_ranks_than_online_processors() {
+        let cpus = peer_read::online_processors();
+        assert!(cpus >= 1);
+        if cpus < usize::MAX {
+            assert!(!crowded(cpus), "as many ranks as processors");
+            assert!(crowded(cpus + 1));
+        }
+        assert!(!crowded(1));
     }
 
     #[test]

@@ -23,7 +23,9 @@
 #![cfg(target_os = "linux")]
 
 use backend_mpi::testing::{launch_with_env, under_launcher};
-use backend_mpi::{mpi_test, MpiCommunicator, PEER_READ_MIN, PEER_READ_PLAIN_MAX};
+use backend_mpi::{
+    mpi_test, MpiCommunicator, PEER_READ_CROWDED_IN_PLACE_MIN, PEER_READ_MIN, PEER_READ_PLAIN_MAX,
+};
 use grid_core::{Communicator, CommunicatorExt, Element, GroupFactory, ReduceOp};
 
 /// A vector of `len` zeros allocated as numpy allocates an array of 4 MiB or more: huge pages
@@ -552,6 +554,57 @@ mpi_test!(
                 |r, i| half::f16::from_f32(((i + r) % 64) as f32),
                 |i| half::f16::from_f32((0..3).map(|r| ((i + r) % 64) as f32).sum()),
             )?;
+        }
+        Ok(())
+    }
+);
+
+// A crowded communicator (3 ranks on a node of fewer processors, as on the 2-core CI machines)
+// keeps its in-place all-reduces below PEER_READ_CROWDED_IN_PLACE_MIN on MPI's path, on every
+// rank alike; at that size, and for the other collectives from PEER_READ_MIN, it reads its
+// peers. On a node with more processors every one of them reads. Every result exact.
+mpi_test!(
+    mpi_peer_read_crowded_in_place_minimum_np3,
+    np = 3,
+    timeout = 120,
+    |rt| {
+        let c = rt.world();
+        let n = c.size();
+        let crowded = c.crowded();
+        if !agree(c, crowded)? {
+            return Err("the ranks disagree on whether the node is crowded".into());
+        }
+        // Lengths in f32 that 3 ranks divide, of at least `bytes`.
+        let len = |bytes: usize| bytes.div_ceil(4 * n) * n;
+        let mid = len(PEER_READ_MIN * 4);
+        let plain = |len: usize| vec![0f32; len];
+        let value = |r: usize, i: usize| ((i * 5 + r * 11) % 4099) as f32;
+        let sum = move |i: usize| (0..3).map(|r| value(r, i)).sum::<f32>();
+        let expect = |what: &str, read: bool, want: bool| {
+            if read == want {
+                return Ok(());
+            }
+            Err(format!(
+                "{what} (crowded: {crowded}): the peers were {}read",
+                if read { "" } else { "not " }
+            ))
+        };
+        let (read, _) = run(c, Coll::Broadcast(2), &mut plain(mid), value, -1.0)?;
+        expect("broadcast", read, true)?;
+        let (read, _) = run(c, Coll::Gather, &mut plain(mid), value, -1.0)?;
+        expect("in-place all-gather", read, true)?;
+        for (red, l, want) in [
+            (Red::AllReduceInPlace, mid, !crowded),
+            (
+                Red::AllReduceInPlace,
+                len(PEER_READ_CROWDED_IN_PLACE_MIN),
+                true,
+            ),
+            (Red::AllReduceInto, mid, true),
+            (Red::ReduceScatterInPlace, mid, true),
+        ] {
+            let (read, _) = reduce_run(c, (red, ReduceOp::Sum), (l, &plain), value, sum)?;
+            expect(&format!("{red:?} of {l} f32"), read, want)?;
         }
         Ok(())
     }

@@ -55,6 +55,20 @@ pub(crate) fn mostly_huge(mem: HostSlice<'_>) -> Option<bool> {
     Some(huge > 0 && huge.saturating_mul(4) >= bytes.saturating_mul(3))
 }
 
+/// This node's online processors (`sysconf(_SC_NPROCESSORS_ONLN)`, whatever this process's
+/// affinity), asked once; `usize::MAX` when unknown.
+pub(crate) fn online_processors() -> usize {
+    static N: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *N.get_or_init(|| {
+        // SAFETY: sysconf only reads a system setting: no pointers, no preconditions.
+        let n = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) };
+        usize::try_from(n)
+            .ok()
+            .filter(|&n| n > 0)
+            .unwrap_or(usize::MAX)
+    })
+}
+
 /// Reads `dst.len()` elements of `dst`'s type from address `src` of process `pid` into `dst`:
 /// `Ok` only when every byte arrived. Through the staging block when the offsets make the
 /// kernel's copy slow (module docs).
