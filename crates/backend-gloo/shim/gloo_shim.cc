@@ -2284,7 +2284,9 @@ int32_t gloo_shim_broadcast(
     gloo_shim_context* c, void* buf, size_t bytes, int32_t root, uint32_t tag,
     int64_t timeout_ms, gloo_shim_status* st) {
   return guarded(c->ctx.get(), st, [&] {
-    Yielding whole(polling(c, bytes));
+    // A large broadcast's ranks each copy one way while their loop threads would poll.
+    const bool large = bytes >= GLOO_SHIM_BROADCAST_BUSY_POLL_BELOW;
+    Yielding whole(large ? nullptr : polling(c, bytes));
     if (bytes == 0) {
       return;
     }

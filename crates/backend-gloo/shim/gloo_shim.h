@@ -319,6 +319,10 @@ int32_t gloo_shim_barrier(
 #define GLOO_SHIM_TCP_PREAMBLE 48u
 /* Largest chunk of a large payload (bytes). */
 #define GLOO_SHIM_P2P_CHUNK (4u * 1024u * 1024u)
+/* gloo_shim_broadcast of this many bytes or more runs without busy polling on any context
+ * (backend-gloo's BROADCAST_BUSY_POLL_BELOW; other collectives follow the context's limit,
+ * gloo_shim_context_set_busy_poll_below). */
+#define GLOO_SHIM_BROADCAST_BUSY_POLL_BELOW (64u * 1024u * 1024u)
 
 /* Posts every operation of ops (in order), then waits for all of them. On failure the remaining
  * operations are cancelled before returning: no buffer is touched after the call returns. A

@@ -1057,7 +1057,8 @@ impl GlooBackend {
     /// The size (bytes of a collective's largest buffer) from which libgloo's collectives on
     /// this communicator run without busy polling: [`crate::BUSY_POLL_CROWDED_BELOW`] on a
     /// crowded communicator (every rank on this host over loopback, more ranks than this
-    /// process's cores), `usize::MAX` (never) otherwise.
+    /// process's cores), `usize::MAX` (never) otherwise. Broadcasts also stop polling from
+    /// [`crate::BROADCAST_BUSY_POLL_BELOW`] on every communicator.
     ///
     /// ```
     /// use backend_gloo::{run_ranks, GlooConfig, BUSY_POLL_CROWDED_BELOW};

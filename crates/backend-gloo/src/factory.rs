@@ -285,6 +285,16 @@ pub const BUSY_POLL_ENV: &str = "GRID_GLOO_BUSY_POLL";
 /// 2 ranks (not crowded) the all-reduces of 32 and 64 MiB were slower without (1.09-1.22).
 pub const BUSY_POLL_CROWDED_BELOW: usize = 32 << 20;
 
+/// libgloo's broadcasts of this many bytes or more run without busy polling on every
+/// communicator, crowded or not: 64 MiB. In a broadcast each rank's copies go one way (the root
+/// sends, a leaf receives), so a polling loop thread has little to handle and takes core time
+/// from the thread that copies. Measured with 2 ranks on a 2-core machine (as many ranks as
+/// cores: [`BUSY_POLL_CROWDED_BELOW`] does not apply), polling against none in alternation,
+/// three series of 3, 5 and 6 sittings (docs/performance.md, *Busy polling on a crowded host*):
+/// the 64 MiB broadcast's median was lower without polling in all six cells (processes and
+/// threads, 1-31 % lower); at 32 MiB the two were even, at 16 MiB polling was ahead.
+pub const BROADCAST_BUSY_POLL_BELOW: usize = crate::ffi::BROADCAST_BUSY_POLL_BELOW;
+
 /// Whether a communicator of `size` ranks is crowded: its device is bound to a loopback address
 /// (`loopback`: every rank is on this host) and the ranks outnumber `cores`. A communicator
 /// over a real interface is never counted as crowded (how many of its ranks share this host is

@@ -853,6 +853,11 @@ pub struct P2pMismatch {
 /// ```
 pub const P2P_INLINE_MAX: usize = sys::GLOO_SHIM_P2P_INLINE_MAX as usize;
 
+/// Smallest broadcast (bytes) that the shim runs without busy polling on every context
+/// ([`crate::BROADCAST_BUSY_POLL_BELOW`]).
+pub(crate) const BROADCAST_BUSY_POLL_BELOW: usize =
+    sys::GLOO_SHIM_BROADCAST_BUSY_POLL_BELOW as usize;
+
 /// Bytes of libgloo's TCP framing (its preamble) before every message's payload in the stream.
 pub(crate) const TCP_PREAMBLE: usize = sys::GLOO_SHIM_TCP_PREAMBLE as usize;
 

@@ -60,7 +60,7 @@ mod tuning;
 pub use comm::{GlooBackend, GlooCommunicator, ONE_ROUND_ENV, ONE_ROUND_MAX};
 pub use factory::{
     env, init_from_env, run_ranks, run_ranks_with, GlooConfig, GlooFactory, InProcessStore,
-    Rendezvous, BUSY_POLL_CROWDED_BELOW, BUSY_POLL_ENV,
+    Rendezvous, BROADCAST_BUSY_POLL_BELOW, BUSY_POLL_CROWDED_BELOW, BUSY_POLL_ENV,
 };
 pub use ffi::{
     p2p_copied_bytes, P2pMismatch, RawBlock, RawContext, RawOp, RawP2p, ReduceScatterAlgorithm,

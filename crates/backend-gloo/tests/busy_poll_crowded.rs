@@ -1,9 +1,10 @@
 //! Busy polling on a crowded host: on a communicator whose ranks all run on this host over
 //! loopback and outnumber this process's cores, libgloo's collectives of
 //! `BUSY_POLL_CROWDED_BELOW` bytes and more run with the transport thread sleeping; the results
-//! are the same either side of the limit, and the limit is set only where the rule says.
+//! are the same either side of the limit, and the limit is set only where the rule says. The
+//! broadcasts' own limit (`BROADCAST_BUSY_POLL_BELOW`, on every communicator): exact either side.
 
-use backend_gloo::{run_ranks, GlooConfig, BUSY_POLL_CROWDED_BELOW};
+use backend_gloo::{run_ranks, GlooConfig, BROADCAST_BUSY_POLL_BELOW, BUSY_POLL_CROWDED_BELOW};
 use grid_core::{Communicator, CommunicatorExt, GroupFactory, ReduceOp};
 use std::time::Duration;
 
@@ -16,6 +17,32 @@ fn limit_for(ranks: usize) -> usize {
         BUSY_POLL_CROWDED_BELOW
     } else {
         usize::MAX
+    }
+}
+
+// Two ranks (crowded or not), bytes just below and at the broadcasts' limit, from either root.
+#[test]
+fn broadcasts_either_side_of_their_limit_are_exact() {
+    let cfg = GlooConfig::new("poll-broadcast").with_timeout(Duration::from_secs(120));
+    let out = run_ranks(2, &cfg, |_f, w| {
+        let me = w.rank();
+        for (len, root) in [
+            (BROADCAST_BUSY_POLL_BELOW / 4 - 1, 0),
+            (BROADCAST_BUSY_POLL_BELOW / 4, 1),
+        ] {
+            let mut b: Vec<f32> = (0..len).map(|i| (i % 1021) as f32 + me as f32).collect();
+            w.broadcast_into(&mut b, root)?;
+            let wrong = b
+                .iter()
+                .enumerate()
+                .position(|(i, &x)| x != (i % 1021) as f32 + root as f32);
+            assert_eq!(wrong, None, "rank {me}: broadcast of {len} from {root}");
+        }
+        Ok(())
+    })
+    .unwrap();
+    for (rank, r) in out.into_iter().enumerate() {
+        r.unwrap_or_else(|e| panic!("rank {rank}: {e}"));
     }
 }
 
