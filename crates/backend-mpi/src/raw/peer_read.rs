@@ -23,6 +23,7 @@
 //! [`STAGE_COPIES_ENV`](crate::STAGE_COPIES_ENV) overrides it.
 //!
 //! Invariants:
+//! - `sysconf(_SC_NPROCESSORS_ONLN)` ([`online_processors`]) takes and returns plain integers.
 //! - `PAGEMAP_SCAN` only walks this process's page tables over the address range it is given;
 //!   it dereferences none of that memory, and writes only the region array passed with it
 //!   (`vec`, `vec_len` entries, owned by `huge_bytes`).
