@@ -20,6 +20,7 @@
 
 use crate::external::{build_example, External, Launch};
 use crate::util::{target_dir, workspace_root, MPI_ENV};
+use std::collections::HashMap;
 use std::fmt::Write as _;
 use std::fs::File;
 use std::io::{BufRead, BufReader, Write};
@@ -423,19 +424,42 @@ pub fn summary(rows: &[Row]) -> String {
     s
 }
 
+/// Where a row stands over the runs of a sitting ([`verdict`]); in the order of the run-to-run
+/// table's columns.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Verdict {
+    /// The ratio at or above one in every run.
+    Ahead,
+    /// On both sides of one: within the run-to-run noise.
+    Even,
+    /// Below one in every run.
+    Behind,
+}
+
+impl Verdict {
+    /// The word in the tables and the JSON.
+    pub fn name(self) -> &'static str {
+        match self {
+            Verdict::Ahead => "ahead",
+            Verdict::Even => "even",
+            Verdict::Behind => "behind",
+        }
+    }
+}
+
 /// Whether a row was *ahead* in every run (ratio at or above one), *behind* in every run
 /// (below one) or *even* (on both sides of one: within the run-to-run noise); `None` when no
 /// run has a ratio.
-pub fn verdict(ratios: &[Option<f64>]) -> Option<&'static str> {
+pub fn verdict(ratios: &[Option<f64>]) -> Option<Verdict> {
     let r: Vec<f64> = ratios.iter().flatten().copied().collect();
     if r.is_empty() {
         None
     } else if r.iter().all(|&x| x >= 1.0) {
-        Some("ahead")
+        Some(Verdict::Ahead)
     } else if r.iter().all(|&x| x < 1.0) {
-        Some("behind")
+        Some(Verdict::Behind)
     } else {
-        Some("even")
+        Some(Verdict::Even)
     }
 }
 
@@ -450,14 +474,22 @@ pub fn ratios_by_row(runs: &[Vec<Row>]) -> Vec<Vec<Option<f64>>> {
     let Some(last) = runs.last() else {
         return Vec::new();
     };
+    // Each run's ratios by what its rows measure (the first row of a key, as a search would).
+    let by_key: Vec<HashMap<_, Option<f64>>> = runs
+        .iter()
+        .map(|run| {
+            let mut m = HashMap::with_capacity(run.len());
+            for x in run {
+                m.entry(row_key(x)).or_insert_with(|| x.ratio());
+            }
+            m
+        })
+        .collect();
     last.iter()
         .map(|row| {
-            runs.iter()
-                .map(|run| {
-                    run.iter()
-                        .find(|x| row_key(x) == row_key(row))
-                        .and_then(Row::ratio)
-                })
+            by_key
+                .iter()
+                .map(|m| m.get(&row_key(row)).copied().flatten())
                 .collect()
         })
         .collect()
@@ -485,20 +517,16 @@ pub fn run_to_run(rows: &[Row], ratios: &[Vec<Option<f64>>]) -> String {
                 parts.len() - 1
             }
         };
-        let column = ["ahead", "even", "behind"]
-            .iter()
-            .position(|&c| c == verdict)
-            .unwrap_or(1);
-        parts[at].1[column] += 1;
+        parts[at].1[verdict as usize] += 1;
     }
     s.push_str("| ours / peer | ranks | ahead | even | behind |\n|---|--:|--:|--:|--:|\n");
     for ((pair, ranks), [ahead, even, behind]) in &parts {
         let _ = writeln!(s, "| {pair} | {ranks} | {ahead} | {even} | {behind} |");
     }
-    let not_ahead: Vec<(&Row, &Vec<Option<f64>>, &str)> = rows
+    let not_ahead: Vec<(&Row, &Vec<Option<f64>>, Verdict)> = rows
         .iter()
         .zip(ratios)
-        .filter_map(|(r, v)| Some((r, v, verdict(v).filter(|&v| v != "ahead")?)))
+        .filter_map(|(r, v)| Some((r, v, verdict(v).filter(|&v| v != Verdict::Ahead)?)))
         .collect();
     if not_ahead.is_empty() {
         s.push_str("\nEvery row with a ratio was ahead in every run.\n");
@@ -514,13 +542,14 @@ pub fn run_to_run(rows: &[Row], ratios: &[Vec<Option<f64>>]) -> String {
             .collect();
         let _ = writeln!(
             s,
-            "| {} | {} / {} | {} | {} | {} | {verdict} |",
+            "| {} | {} / {} | {} | {} | {} | {} |",
             r.op,
             r.backend,
             r.peer,
             r.ranks,
             r.bytes.map_or("—".to_string(), size_label),
-            each.join(", ")
+            each.join(", "),
+            verdict.name()
         );
     }
     s
@@ -578,7 +607,7 @@ pub fn to_json(meta: &[(&str, String)], rows: &[Row], ratios: &[Vec<Option<f64>>
             .map(|x| x.map_or("null".into(), json_num))
             .collect();
         let verdict = match verdict(runs) {
-            Some(v) if runs.len() > 1 => json_str(v),
+            Some(v) if runs.len() > 1 => json_str(v.name()),
             _ => "null".into(),
         };
         let _ = write!(
@@ -1665,11 +1694,14 @@ mod tests {
 
     #[test]
     fn a_verdict_needs_every_run_on_one_side_of_1() {
-        assert_eq!(verdict(&[Some(1.0), Some(2.5)]), Some("ahead"));
-        assert_eq!(verdict(&[Some(0.99), Some(0.5)]), Some("behind"));
-        assert_eq!(verdict(&[Some(0.9), Some(1.1), Some(1.2)]), Some("even"));
+        assert_eq!(verdict(&[Some(1.0), Some(2.5)]), Some(Verdict::Ahead));
+        assert_eq!(verdict(&[Some(0.99), Some(0.5)]), Some(Verdict::Behind));
+        assert_eq!(
+            verdict(&[Some(0.9), Some(1.1), Some(1.2)]),
+            Some(Verdict::Even)
+        );
         // Runs without a ratio (a peer missing, a failed job) do not count.
-        assert_eq!(verdict(&[None, Some(0.9)]), Some("behind"));
+        assert_eq!(verdict(&[None, Some(0.9)]), Some(Verdict::Behind));
         assert_eq!(verdict(&[None, None]), None);
         assert_eq!(verdict(&[]), None);
     }
