@@ -2229,10 +2229,11 @@ namespace {
 // The Waker a collective of libgloo's of `bytes` bytes (its largest buffer) holds a Yielding
 // window of for its whole run (null: none, the loop sleeps in epoll_wait between events):
 // libgloo's algorithms post their sends and receives from this thread while the loop handles
-// the same pairs.
-Waker* polling(gloo_shim_context* c, size_t bytes) {
-  const bool on = c->busy_poll.load(std::memory_order_relaxed) &&
-                  bytes < c->busy_poll_below.load(std::memory_order_relaxed);
+// the same pairs. It polls below the smaller of the context's limit and `op_below`, the
+// operation's own (SIZE_MAX: none).
+Waker* polling(gloo_shim_context* c, size_t bytes, size_t op_below = SIZE_MAX) {
+  const size_t below = std::min(op_below, c->busy_poll_below.load(std::memory_order_relaxed));
+  const bool on = c->busy_poll.load(std::memory_order_relaxed) && bytes < below;
   return on ? c->waker.get() : nullptr;
 }
 
@@ -2285,8 +2286,7 @@ int32_t gloo_shim_broadcast(
     int64_t timeout_ms, gloo_shim_status* st) {
   return guarded(c->ctx.get(), st, [&] {
     // A large broadcast's ranks each copy one way while their loop threads would poll.
-    const bool large = bytes >= GLOO_SHIM_BROADCAST_BUSY_POLL_BELOW;
-    Yielding whole(large ? nullptr : polling(c, bytes));
+    Yielding whole(polling(c, bytes, GLOO_SHIM_BROADCAST_BUSY_POLL_BELOW));
     if (bytes == 0) {
       return;
     }
